@@ -1,0 +1,278 @@
+"""The OpenAI-compatible surface: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``, ``/v1/models`` and pass-through of vLLM routes that carry a ``model``.
+
+The raw JSON body is read once and forwarded byte for byte: only ``model`` and ``stream``
+(and the presence of the endpoint's required field) are looked at, so unknown fields such
+as ``top_k``, ``guided_json``, ``tools`` or ``stream_options`` survive. Errors are
+OpenAI-shaped with the status OpenAI would use (see :mod:`gateway.api.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
+from gateway.fleet.probes import fetch_models
+from gateway.pipeline import Opened, RequestContext
+from gateway.proxy.relay import ClientWatch
+from gateway.proxy.upstream import UpstreamRequest, forward_headers
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+# Field each endpoint cannot do without (vLLM answers 400 without it too).
+REQUIRED_FIELD = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    "/v1/embeddings": "input",
+}
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+def request_id_of(request: Request, header: str) -> str:
+    """The client's request id (if sane: <= 200 printable chars) or a new one."""
+    rid = request.headers.get(header)
+    if rid and len(rid) <= 200 and rid.isprintable():
+        return rid
+    return uuid.uuid4().hex
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole request body, refusing more than ``limit`` bytes with a 413."""
+    declared = request.headers.get("content-length")
+    too_big = GatewayError(
+        413,
+        f"Request body is larger than the gateway's limit of {limit} bytes "
+        "(server.max_body_bytes).",
+        INVALID_REQUEST,
+        "request_too_large",
+    )
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
+    """The JSON object of a request; raises 400 for bad JSON or a missing field."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise GatewayError(
+            400, f"Request body is not valid JSON: {e}", code="invalid_json"
+        ) from None
+    if not isinstance(payload, dict):
+        raise GatewayError(400, "Request body must be a JSON object.", code="invalid_json")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(
+            400,
+            "'model' is required and must be a string.",
+            code="missing_required_parameter",
+            param="model",
+        )
+    required = REQUIRED_FIELD.get(endpoint)
+    if required is not None and required not in payload:
+        raise GatewayError(
+            400,
+            f"'{required}' is a required property.",
+            code="missing_required_parameter",
+            param=required,
+        )
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise GatewayError(400, "'stream' must be a boolean.", code="invalid_type", param="stream")
+    return payload
+
+
+async def check_model(gw: Gateway, model: str) -> None:
+    """404 ``model_not_found`` when no backend lists ``model`` (after one fresh look);
+    503 when some backend never answered, so the model may exist but is unreachable."""
+    if any(model in b.models for b in gw.fleet.backends):
+        return
+    await gw.controller.refresh_models_soon()
+    if any(model in b.models for b in gw.fleet.backends):
+        return
+    if all(b.model_cards or b.config.models is not None for b in gw.fleet.backends):
+        raise GatewayError(
+            404,
+            f"The model '{model}' does not exist or is not served by any backend.",
+            INVALID_REQUEST,
+            "model_not_found",
+            param="model",
+        )
+    raise GatewayError(
+        503,
+        f"No reachable backend serves the model '{model}' right now.",
+        SERVER_ERROR,
+        "no_backend_available",
+        retry_after_s=gw.pipeline.retry_after_s(),
+    )
+
+
+def check_client_key(gw: Gateway, request: Request) -> None:
+    """401 unless the client presents a configured key (no keys configured: open)."""
+    if not gw.client_keys:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or token.strip() not in gw.client_keys:
+        raise GatewayError(
+            401,
+            "Incorrect API key provided."
+            if auth
+            else "Missing API key: send 'Authorization: Bearer <key>'.",
+            INVALID_REQUEST,
+            "invalid_api_key",
+        )
+
+
+async def proxy(request: Request) -> Response:
+    """Forward one model request (stream or not) through the pipeline."""
+    gw = _gateway(request)
+    cfg = gw.cfg
+    endpoint = request.scope["path"]
+    idh = cfg.server.request_id_header
+    rid = request_id_of(request, idh)
+    request.state.request_id = rid
+    started = time.perf_counter()
+    try:
+        check_client_key(gw, request)
+        body = await read_body(request, cfg.server.max_body_bytes)
+        payload = parse_payload(body, endpoint)
+        model: str = payload["model"]
+        await check_model(gw, model)
+    except GatewayError as e:
+        gw.metrics.count_request(endpoint, "", e.status)
+        return e.response(rid, idh)
+    stream = payload.get("stream") is True
+    query = request.scope.get("query_string", b"")
+    path = endpoint + ("?" + query.decode("latin-1") if query else "")
+    ctx = RequestContext(
+        endpoint=endpoint,
+        model=model,
+        stream=stream,
+        upstream=UpstreamRequest(
+            request.method,
+            path,
+            forward_headers(request.scope["headers"], idh, rid, stream),
+            body,
+            stream,
+        ),
+        request_id=rid,
+        session_key=request.headers.get(cfg.routing.session_header),
+        started=started,
+    )
+    watch = ClientWatch(request.receive)
+    try:
+        opened = await gw.pipeline.open(ctx)
+    except GatewayError as e:
+        watch.stop()
+        gw.metrics.count_request(endpoint, model, e.status)
+        return e.response(rid, idh)
+    except asyncio.CancelledError:
+        if not watch.disconnected:
+            raise
+        watch.absorb()
+        gw.metrics.client_disconnects.labels(endpoint).inc()
+        gw.metrics.count_request(endpoint, model, 499)
+        return Response(status_code=499)
+    if not isinstance(opened, Opened):
+        watch.stop()
+        gw.metrics.count_request(endpoint, model, opened.status_code)
+        return opened
+    if opened.framer is not None:
+        return gw.pipeline.relay(ctx, opened, watch)
+    watch.stop()
+    response = gw.pipeline.finish_body(ctx, opened)
+    gw.metrics.count_request(endpoint, model, response.status_code)
+    gw.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
+    return response
+
+
+async def list_models(request: Request) -> Response:
+    """``GET /v1/models``: every routable backend asked now, each id once, vLLM fields kept.
+
+    Order is deterministic: backends in config order, each backend's own order. A backend
+    that fails to answer is skipped; with none answering: 503 + ``retry-after``.
+    """
+    gw = _gateway(request)
+    idh = gw.cfg.server.request_id_header
+    rid = request_id_of(request, idh)
+    try:
+        check_client_key(gw, request)
+    except GatewayError as e:
+        return e.response(rid, idh)
+    live = [b for b in gw.fleet.backends if b.routable]
+    results = await asyncio.gather(
+        *(fetch_models(gw.controller.client, b, gw.controller.api_keys[b.id]) for b in live)
+    )
+    seen: dict[str, dict[str, Any]] = {}
+    answered = 0
+    for b, res in zip(live, results, strict=True):
+        if res.cards is None:
+            continue
+        answered += 1
+        b.model_cards = res.cards
+        if b.config.models is None:
+            b.models = tuple(c.id for c in res.cards)
+        for card in res.cards:
+            if b.config.models is not None and card.id not in b.config.models:
+                continue
+            seen.setdefault(card.id, card.raw)
+    if not answered:
+        return error_response(
+            503,
+            "No backend is reachable to list models.",
+            SERVER_ERROR,
+            "no_backend_available",
+            retry_after_s=gw.pipeline.retry_after_s(),
+            request_id=rid,
+            id_header=idh,
+        )
+    body = json.dumps({"object": "list", "data": list(seen.values())}).encode()
+    return Response(body, media_type="application/json", headers={idh: rid})
+
+
+async def get_model(request: Request) -> Response:
+    """``GET /v1/models/{model}``: the aggregated card, or 404 ``model_not_found``."""
+    listing = await list_models(request)
+    if listing.status_code != 200:
+        return listing
+    model_id = request.path_params["model"]
+    for card in json.loads(bytes(listing.body))["data"]:
+        if card.get("id") == model_id:
+            return Response(json.dumps(card).encode(), media_type="application/json")
+    return error_response(
+        404,
+        f"The model '{model_id}' does not exist.",
+        INVALID_REQUEST,
+        "model_not_found",
+        param="model",
+    )
+
+
+def install_routes(app_router: APIRouter, passthrough: list[str]) -> None:
+    """Register the OpenAI routes and the vLLM pass-through routes on ``app_router``."""
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", *passthrough):
+        app_router.add_api_route(path, proxy, methods=["POST"], include_in_schema=False)
+    app_router.add_api_route("/v1/models", list_models, methods=["GET"], include_in_schema=False)
+    app_router.add_api_route(
+        "/v1/models/{model:path}", get_model, methods=["GET"], include_in_schema=False
+    )

@@ -1,0 +1,104 @@
+"""FastAPI app factory and lifespan: builds the components, starts and stops control loops.
+
+Everything mutable (fleet state, metrics registry, pools, loops) is created inside the
+lifespan and hangs off ``app.state.gateway``; nothing lives in module globals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import APIRouter, FastAPI
+
+from gateway.api import admin, ops
+from gateway.api.errors import install_error_handlers
+from gateway.api.openai import install_routes
+from gateway.config import ClientKey, GatewayConfig
+from gateway.fleet.backend import Fleet
+from gateway.fleet.controller import FleetController
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Pipeline
+from gateway.proxy.upstream import UpstreamPool
+from gateway.routing.policy import AffinityTable, Router
+
+
+@dataclass
+class Gateway:
+    """The live components of one gateway (one per app)."""
+
+    cfg: GatewayConfig
+    fleet: Fleet
+    metrics: GatewayMetrics
+    router: Router
+    pool: UpstreamPool
+    controller: FleetController
+    pipeline: Pipeline
+    client_keys: dict[str, ClientKey]
+    admin_key: str | None
+    shutting_down: bool = False
+
+
+def build_gateway(cfg: GatewayConfig) -> Gateway:
+    """Wire the components for ``cfg`` (no I/O; the lifespan starts the loops)."""
+    fleet = Fleet(cfg.backends)
+    metrics = GatewayMetrics()
+    metrics.attach_fleet(fleet)
+    clock = time.monotonic
+    r = cfg.routing
+    router = Router(
+        r.weights,
+        cfg.telemetry.stale_after_s,
+        AffinityTable(r.session_ttl_s, r.session_max_entries, clock),
+        clock,
+    )
+    pool = UpstreamPool(cfg.proxy)
+    controller = FleetController(cfg, fleet, metrics, clock=clock)
+    pipeline = Pipeline(cfg, fleet, router, pool, controller, metrics)
+    keys = {k.resolve(): k for k in cfg.auth.client_keys}
+    return Gateway(
+        cfg, fleet, metrics, router, pool, controller, pipeline, keys, cfg.auth.resolved_admin_key()
+    )
+
+
+def check_secrets(cfg: GatewayConfig) -> None:
+    """Resolve every key once so a missing env var fails at start (``ConfigError``)."""
+    for k in cfg.auth.client_keys:
+        k.resolve()
+    cfg.auth.resolved_admin_key()
+    for b in cfg.backends:
+        b.resolved_api_key()
+
+
+def create_app(cfg: GatewayConfig) -> FastAPI:
+    """The gateway's ASGI app for ``cfg``. Raises ``ConfigError`` for unresolvable secrets."""
+    check_secrets(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw = build_gateway(cfg)
+        app.state.gateway = gw
+        await gw.controller.start()
+        try:
+            yield
+        finally:
+            gw.shutting_down = True
+            await gw.controller.stop()
+            await gw.pool.close()
+
+    kwargs: dict[str, object] = dict(
+        title="llm-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    try:  # FastAPI >= 0.16x wraps every request in OpenTelemetry hooks unless told not to
+        app = FastAPI(**kwargs, telemetry={"tracing": False, "metrics": False, "logs": False})
+    except TypeError:
+        app = FastAPI(**kwargs)
+    install_error_handlers(app)
+    openai_routes = APIRouter()
+    install_routes(openai_routes, cfg.proxy.passthrough_paths)
+    app.include_router(openai_routes)
+    app.include_router(ops.router)
+    app.include_router(admin.router)
+    return app

@@ -1,0 +1,140 @@
+"""Command line: ``llm-gateway serve | demo | sim | check-config``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from gateway.config import ConfigError, GatewayConfig, load_config
+
+DEFAULT_CONFIG = Path("config/gateway.yaml")
+_REPO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
+
+
+def find_default_config() -> Path:
+    """``config/gateway.yaml`` in the current directory, else the one beside the sources."""
+    if DEFAULT_CONFIG.exists():
+        return DEFAULT_CONFIG
+    return _REPO_CONFIG
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def uvicorn_config(app: object, cfg: GatewayConfig) -> uvicorn.Config:
+    """uvicorn settings for the gateway: no server header, graceful shutdown from config."""
+    s = cfg.server
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=s.host,
+        port=s.port,
+        log_level=s.log_level,
+        access_log=s.access_log,
+        server_header=False,
+        lifespan="on",
+        timeout_graceful_shutdown=s.graceful_shutdown_s,
+        timeout_keep_alive=5,
+    )
+
+
+def _load(args: argparse.Namespace) -> GatewayConfig:
+    path = Path(args.config) if args.config else find_default_config()
+    server: dict[str, object] = {}
+    if getattr(args, "host", None):
+        server["host"] = args.host
+    if getattr(args, "port", None) is not None:
+        server["port"] = args.port
+    return load_config(path, **({"server": server} if server else {}))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.app import create_app
+
+    cfg = _load(args)
+    setup_logging(cfg.server.log_level)
+    uvicorn.Server(uvicorn_config(create_app(cfg), cfg)).run()
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from gateway.app import check_secrets
+
+    cfg = _load(args)
+    check_secrets(cfg)
+    print(f"ok: {len(cfg.backends)} backends, listening on {cfg.server.host}:{cfg.server.port}")
+    for b in cfg.backends:
+        models = ", ".join(b.models) if b.models else "(discovered from /v1/models)"
+        print(f"  {b.id:<16} {b.base_url:<32} {b.role.value:<8} {models}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    cfg = _load(args)
+    setup_logging(cfg.server.log_level)
+    return run_demo(cfg, fast_cycles=getattr(args, "fast_cycles", False))
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from gateway.sim.cli import run_sim_from_args
+
+    setup_logging("info")
+    run_sim_from_args(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llm-gateway",
+        description="OpenAI-compatible gateway for a fleet of vLLM servers.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", "-c", help="YAML config (default: config/gateway.yaml)")
+        sp.add_argument("--host", help="listen address (overrides server.host)")
+        sp.add_argument("--port", type=int, help="listen port (overrides server.port)")
+
+    sp = sub.add_parser("serve", help="run the gateway")
+    with_config(sp)
+    sp.set_defaults(func=cmd_serve)
+
+    sp = sub.add_parser("demo", help="start simulated backends and the gateway (no GPU needed)")
+    with_config(sp)
+    sp.set_defaults(func=cmd_demo)
+
+    sp = sub.add_parser("check-config", help="validate a config file and print the fleet")
+    with_config(sp)
+    sp.set_defaults(func=cmd_check_config)
+
+    from gateway.sim.cli import add_sim_arguments
+
+    sp = sub.add_parser("sim", help="run one simulated vLLM server")
+    add_sim_arguments(sp)
+    sp.set_defaults(func=cmd_sim)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as e:
+        print(f"llm-gateway: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Gateway configuration: pydantic models of `config/*.yaml`, env overrides, clear errors.
+
+The YAML file is the base; environment variables override any field with the prefix
+``LLM_GATEWAY_`` and ``__`` between nesting levels, e.g. ``LLM_GATEWAY_SERVER__PORT=9000`` or
+``LLM_GATEWAY_PROXY__IDLE_TIMEOUT_S=30``. A list (``backends``) is overridden as JSON:
+``LLM_GATEWAY_BACKENDS='[{"id": "a", "url": "http://10.0.0.5:8000"}]'``.
+
+Every model forbids unknown keys, so a typo fails at start with the field's dotted path and the
+problem (:class:`ConfigError`), never silently.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "LLM_GATEWAY_"
+
+# vLLM OpenAI-server routes (besides chat/completions/embeddings) that carry a "model" field.
+VLLM_PASSTHROUGH_PATHS = (
+    "/tokenize",
+    "/detokenize",
+    "/v1/score",
+    "/score",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/pooling",
+    "/classify",
+    "/v1/responses",
+)
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the file, each field and its problem."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Priority(StrEnum):
+    """Request priority classes (header ``x-priority`` or per client key)."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+class ServerConfig(_Strict):
+    """The gateway's own HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Largest accepted request body in bytes; larger bodies get 413.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = Field(False, description="uvicorn's per-request access log line.")
+    graceful_shutdown_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, seconds in-flight requests get to finish."
+    )
+    request_id_header: str = "x-request-id"
+
+
+class ClientKey(_Strict):
+    """A key a client presents as ``Authorization: Bearer <key>``.
+
+    Give the key inline (``key``) or the name of an environment variable holding it
+    (``key_env``), not both.
+    """
+
+    name: str
+    key: str | None = None
+    key_env: str | None = None
+    priority: Priority = Priority.NORMAL
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ClientKey:
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("give exactly one of 'key' or 'key_env'")
+        return self
+
+    def resolve(self) -> str:
+        """The secret itself. Raises :class:`ConfigError` when ``key_env`` is unset."""
+        if self.key is not None:
+            return self.key
+        value = os.environ.get(self.key_env or "")
+        if not value:
+            raise ConfigError(f"auth.client_keys[{self.name}]: env var {self.key_env} is not set")
+        return value
+
+
+class AuthConfig(_Strict):
+    """Client authentication. With no keys, the gateway accepts every client.
+
+    ``admin_key`` / ``admin_key_env`` guard ``/admin/*`` (Bearer); unset, the admin API is
+    open, so bind the gateway to a private address.
+    """
+
+    client_keys: list[ClientKey] = Field(default_factory=list)
+    admin_key: str | None = None
+    admin_key_env: str | None = None
+
+    def resolved_admin_key(self) -> str | None:
+        """The admin key, or None. Raises :class:`ConfigError` if ``admin_key_env`` is unset."""
+        if self.admin_key is not None:
+            return self.admin_key
+        if self.admin_key_env:
+            value = os.environ.get(self.admin_key_env)
+            if not value:
+                raise ConfigError(f"auth.admin_key_env: {self.admin_key_env} is not set")
+            return value
+        return None
+
+
+class RoutingWeights(_Strict):
+    """Weights of the load score (lower score wins); see :mod:`gateway.routing.policy`."""
+
+    waiting: float = Field(1.0, ge=0, description="per request queued on the backend")
+    running: float = Field(0.5, ge=0, description="per unit of batch occupancy (0-1)")
+    kv_cache: float = Field(1.0, ge=0, description="per unit of KV-cache usage (0-1)")
+
+
+class RoutingConfig(_Strict):
+    """Load-aware routing and session affinity."""
+
+    session_header: str = Field("x-session-id", description="header that pins a session")
+    session_ttl_s: float = Field(3600.0, gt=0)
+    session_max_entries: int = Field(100_000, gt=0)
+    weights: RoutingWeights = Field(default_factory=RoutingWeights)
+
+
+class TelemetryConfig(_Strict):
+    """Scraping of each backend's vLLM ``/metrics`` and ``/v1/models``."""
+
+    scrape_interval_s: float = Field(0.5, gt=0, le=60)
+    scrape_timeout_s: float = Field(1.0, gt=0)
+    stale_after_s: float = Field(
+        5.0, gt=0, description="a load sample older than this is ignored by the router"
+    )
+    models_refresh_s: float = Field(10.0, gt=0)
+
+
+class HealthConfig(_Strict):
+    """Active probes (``GET /health``) and passive outlier detection.
+
+    Defaults: a backend is ``unhealthy`` after 3 failed probes in a row (so within about
+    ``3 * interval_s`` of dying) or after ``passive_fail_threshold`` consecutive connect
+    errors/5xx on real traffic; it returns after 2 passing probes.
+    """
+
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    fail_threshold: int = Field(3, ge=1)
+    recover_threshold: int = Field(2, ge=1)
+    passive_fail_threshold: int = Field(3, ge=1)
+
+
+class ProxyConfig(_Strict):
+    """The data path toward backends.
+
+    There is deliberately no wall-clock cap on a request: ``ttfb_timeout_s`` bounds the wait
+    for the response to start (a non-streaming generation answers only when complete, so it
+    is generous), ``idle_timeout_s`` bounds silence between two chunks once bytes flow.
+    """
+
+    connect_timeout_s: float = Field(5.0, gt=0)
+    ttfb_timeout_s: float = Field(
+        900.0, gt=0, description="request sent -> first response byte (headers/first event)"
+    )
+    idle_timeout_s: float = Field(120.0, gt=0, description="max silence between chunks")
+    pool_size_per_backend: int = Field(1024, ge=1)
+    keepalive_timeout_s: float = Field(
+        4.0, gt=0, description="idle pooled connections close after this (below uvicorn's 5 s)"
+    )
+    max_attempts: int = Field(
+        2, ge=1, le=5, description="attempts per request, each on a different backend"
+    )
+    passthrough_paths: list[str] = Field(
+        default_factory=lambda: list(VLLM_PASSTHROUGH_PATHS),
+        description="other vLLM POST routes whose JSON body names a model",
+    )
+
+
+class BackendRole(StrEnum):
+    PRIMARY = "primary"
+    STANDBY = "standby"
+
+
+class BackendConfig(_Strict):
+    """One vLLM OpenAI server.
+
+    ``models`` may be left out: the gateway then learns them from the backend's
+    ``/v1/models`` (LoRA adapters included). ``max_num_seqs`` is the backend's batch capacity
+    (vLLM's ``--max-num-seqs``), used to normalise its load. ``sim`` is read only by
+    ``llm-gateway demo``, which starts a simulated vLLM for this entry.
+    """
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: AnyHttpUrl
+    models: list[str] | None = None
+    api_key: str | None = None
+    api_key_env: str | None = None
+    max_num_seqs: int | None = Field(None, ge=1)
+    role: BackendRole = BackendRole.PRIMARY
+    sim: dict[str, Any] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _no_path(cls, v: AnyHttpUrl) -> AnyHttpUrl:
+        if v.path not in (None, "", "/"):
+            raise ValueError("give the server root (scheme://host:port), not a path like /v1")
+        return v
+
+    @property
+    def base_url(self) -> str:
+        """``scheme://host:port`` without a trailing slash."""
+        return str(self.url).rstrip("/")
+
+    def resolved_api_key(self) -> str | None:
+        """The key sent to this backend, or None. Raises :class:`ConfigError` if unset env."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_env:
+            value = os.environ.get(self.api_key_env)
+            if not value:
+                raise ConfigError(f"backends[{self.id}].api_key_env: {self.api_key_env} is not set")
+            return value
+        return None
+
+
+class GatewayConfig(BaseSettings):
+    """The whole configuration (one YAML file plus ``LLM_GATEWAY_*`` env overrides)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    backends: list[BackendConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> GatewayConfig:
+        seen: set[str] = set()
+        for b in self.backends:
+            if b.id in seen:
+                raise ValueError(f"backend id {b.id!r} appears twice")
+            seen.add(b.id)
+        names = [k.name for k in self.auth.client_keys]
+        if len(names) != len(set(names)):
+            raise ValueError("auth.client_keys: names must be unique")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # env beats the file (passed as init kwargs), the file beats defaults.
+        return (env_settings, init_settings)
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling)"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
+    """Load and validate a config file (YAML), then apply ``LLM_GATEWAY_*`` env overrides.
+
+    ``path`` None means defaults plus env only. ``overrides`` are top-level sections given
+    as dicts (used by tests and the CLI), applied over the file before validation.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, or a field that fails validation; the
+            message names the file, the dotted field path and the problem.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"invalid YAML in {path}: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        data = loaded
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    try:
+        return GatewayConfig(**data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(source, e)) from None

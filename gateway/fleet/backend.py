@@ -1,0 +1,148 @@
+"""The Backend record, its states, and the Fleet that holds them.
+
+A :class:`Backend` is mutable state owned by the app's lifespan: control loops write its
+load sample and state; the request path reads them and keeps its in-flight count. Pure
+decision code (:mod:`gateway.routing.policy`) only reads the attributes described by
+:class:`gateway.routing.policy.Candidate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from gateway.config import BackendConfig, BackendRole
+
+
+class BackendState(StrEnum):
+    """Lifecycle states (DESIGN.md, "Backend states")."""
+
+    COLD = "cold"  # registered, not (yet) answering
+    WARMING = "warming"  # answers; warm-up passes running
+    WARM = "warm"  # routable
+    DRAINING = "draining"  # no new requests; in-flight finish or the deadline passes
+    COOLDOWN = "cooldown"  # quiet window before returning
+    UNHEALTHY = "unhealthy"  # failed probes / passive outlier / GPU errors
+
+
+@dataclass(slots=True, frozen=True)
+class LoadSample:
+    """One scrape of a backend's vLLM ``/metrics``.
+
+    ``waiting``/``running`` are request counts (``vllm:num_requests_waiting`` /
+    ``vllm:num_requests_running``), ``kv_cache_usage`` is 0-1 (``vllm:kv_cache_usage_perc``,
+    or the older ``vllm:gpu_cache_usage_perc``), ``scraped_at`` is a monotonic time in
+    seconds, and ``in_flight_at_scrape`` is the gateway's own in-flight count for this backend
+    at that moment (the router corrects the sample by the change since).
+    """
+
+    waiting: float
+    running: float
+    kv_cache_usage: float
+    scraped_at: float
+    in_flight_at_scrape: int
+
+
+@dataclass(slots=True, frozen=True)
+class Transition:
+    """One state change: wall-clock time (unix seconds), from, to, reason."""
+
+    at: float
+    from_state: BackendState
+    to_state: BackendState
+    reason: str
+
+
+@dataclass(slots=True, frozen=True)
+class ModelCard:
+    """One entry of a backend's ``/v1/models``, kept whole so vLLM's fields survive."""
+
+    id: str
+    raw: dict
+
+
+@dataclass(eq=False)
+class Backend:
+    """Live state of one backend. Identity (``id``) never changes; everything else does."""
+
+    config: BackendConfig
+    state: BackendState = BackendState.COLD
+    models: tuple[str, ...] = ()
+    model_cards: tuple[ModelCard, ...] = ()
+    in_flight: int = 0
+    load: LoadSample | None = None
+    last_scrape_ok_at: float | None = None  # monotonic seconds
+    last_error: str | None = None
+    last_error_at: float | None = None  # unix seconds
+    consecutive_probe_failures: int = 0
+    consecutive_probe_successes: int = 0
+    consecutive_traffic_failures: int = 0
+    config_error: str | None = None  # e.g. backend answered 401 to our own key
+    requests_served: int = 0
+    history: deque[Transition] = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def base_url(self) -> str:
+        return self.config.base_url
+
+    @property
+    def capacity(self) -> int | None:
+        """Batch capacity in sequences (``max_num_seqs``) when configured."""
+        return self.config.max_num_seqs
+
+    @property
+    def is_standby(self) -> bool:
+        return self.config.role is BackendRole.STANDBY
+
+    @property
+    def routable(self) -> bool:
+        """Whether new requests may be sent here now."""
+        return self.state is BackendState.WARM
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def note_error(self, message: str) -> None:
+        """Remember the latest error (shown in ``/admin/backends``)."""
+        self.last_error = message
+        self.last_error_at = time.time()
+
+
+class Fleet:
+    """The set of backends, in config order, with lookups by id and by model."""
+
+    def __init__(self, configs: list[BackendConfig]) -> None:
+        self.backends: list[Backend] = []
+        self._by_id: dict[str, Backend] = {}
+        for c in configs:
+            b = Backend(config=c, models=tuple(c.models or ()))
+            self.backends.append(b)
+            self._by_id[c.id] = b
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.backends)
+
+    def __len__(self) -> int:
+        return len(self.backends)
+
+    def get(self, backend_id: str) -> Backend | None:
+        return self._by_id.get(backend_id)
+
+    def serving(self, model: str) -> list[Backend]:
+        """Backends that list ``model`` (any state)."""
+        return [b for b in self.backends if model in b.models]
+
+    def known_models(self) -> set[str]:
+        out: set[str] = set()
+        for b in self.backends:
+            out.update(b.models)
+        return out
+
+    def any_routable(self) -> bool:
+        return any(b.routable for b in self.backends)

@@ -1,0 +1,201 @@
+"""Every Prometheus metric of the gateway, defined once.
+
+One :class:`GatewayMetrics` is built per app (in the lifespan) with its own
+``CollectorRegistry``: no global mutable state, several gateways can live in one process
+(tests). Per-backend gauges (state, in-flight, scraped load) are not updated on the hot path:
+a custom collector reads them from the :class:`~gateway.fleet.backend.Fleet` at scrape time.
+
+Units follow Prometheus conventions: seconds, ``_total`` counters, 0-1 ratios.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.fleet.backend import BackendState, Fleet
+
+# Latency buckets (seconds) spanning sub-millisecond proxy overhead to long generations.
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+
+class FleetCollector(Collector):
+    """Per-backend gauges read from the live Fleet at scrape time."""
+
+    def __init__(self, fleet: Fleet, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
+        self._fleet = fleet
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "gateway_backend_state",
+            "1 for the backend's current lifecycle state",
+            labels=["backend", "state"],
+        )
+        in_flight = GaugeMetricFamily(
+            "gateway_backend_in_flight",
+            "Requests the gateway has open on the backend",
+            labels=["backend"],
+        )
+        waiting = GaugeMetricFamily(
+            "gateway_backend_waiting",
+            "Last scraped vllm:num_requests_waiting",
+            labels=["backend"],
+        )
+        running = GaugeMetricFamily(
+            "gateway_backend_running",
+            "Last scraped vllm:num_requests_running",
+            labels=["backend"],
+        )
+        kv = GaugeMetricFamily(
+            "gateway_backend_kv_cache_usage",
+            "Last scraped KV-cache usage (0-1)",
+            labels=["backend"],
+        )
+        age = GaugeMetricFamily(
+            "gateway_backend_scrape_age_seconds",
+            "Seconds since the last good /metrics scrape",
+            labels=["backend"],
+        )
+        now = self._clock()
+        for b in self._fleet:
+            for s in BackendState:
+                state.add_metric([b.id, s.value], 1.0 if b.state is s else 0.0)
+            in_flight.add_metric([b.id], b.in_flight)
+            if b.load is not None:
+                waiting.add_metric([b.id], b.load.waiting)
+                running.add_metric([b.id], b.load.running)
+                kv.add_metric([b.id], b.load.kv_cache_usage)
+            if b.last_scrape_ok_at is not None:
+                age.add_metric([b.id], now - b.last_scrape_ok_at)
+        yield from (state, in_flight, waiting, running, kv, age)
+
+
+class GatewayMetrics:
+    """The gateway's metrics, registered in ``self.registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "gateway_requests",
+            "Client requests answered, by endpoint, model and HTTP status "
+            "(499 = client closed the connection)",
+            ["endpoint", "model", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Client request duration, from body read to last byte sent",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_byte_seconds",
+            "Streaming requests: request received -> first event sent to the client (TTFT "
+            "as the client sees it)",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_attempts = Counter(
+            "gateway_upstream_attempts",
+            "Attempts sent to a backend, by outcome",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "gateway_retries",
+            "Requests re-sent to another backend, by the failure that caused it",
+            ["reason"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "gateway_stream_errors",
+            "Streams ended with an error event after bytes were sent",
+            ["backend", "code"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "gateway_client_disconnects",
+            "Client closed the connection before the answer "
+            "ended (the upstream request was closed too)",
+            ["endpoint"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "gateway_tokens",
+            "Tokens reported by backends' usage, by kind (prompt/completion)",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.backend_config_errors = Counter(
+            "gateway_backend_config_errors",
+            "Backend rejected the gateway's own credentials "
+            "(401/403): a gateway configuration error, not a dead backend",
+            ["backend", "status"],
+            registry=r,
+        )
+        self.transitions = Counter(
+            "gateway_backend_transitions",
+            "Backend lifecycle transitions",
+            ["backend", "from", "to", "reason"],
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "gateway_scrape_errors",
+            "Failed scrapes of a backend's /metrics",
+            ["backend"],
+            registry=r,
+        )
+        self.probe_results = Counter(
+            "gateway_probe_results",
+            "Active health probe results",
+            ["backend", "result"],
+            registry=r,
+        )
+        self.loop_last_success = Gauge(
+            "gateway_loop_last_success_timestamp_seconds",
+            "Unix time of each control loop's last successful iteration",
+            ["loop"],
+            registry=r,
+        )
+        self.loop_errors = Counter(
+            "gateway_loop_errors",
+            "Exceptions caught in a control loop",
+            ["loop"],
+            registry=r,
+        )
+        self._req_children: dict[tuple[str, str, int], Counter] = {}
+
+    def attach_fleet(self, fleet: Fleet) -> None:
+        """Export the per-backend gauges of ``fleet``."""
+        self.registry.register(FleetCollector(fleet))
+
+    def count_request(self, endpoint: str, model: str, status: int) -> None:
+        """Count one answered client request (cached label child: ~0.3 us)."""
+        key = (endpoint, model, status)
+        child = self._req_children.get(key)
+        if child is None:
+            child = self._req_children[key] = self.requests.labels(endpoint, model, str(status))
+        child.inc()

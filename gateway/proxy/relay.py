@@ -1,0 +1,170 @@
+"""Client-side I/O of a proxied request: the disconnect watch and the SSE relay.
+
+:class:`ClientWatch` notices a client that hangs up (the ASGI ``http.disconnect``
+message) while the gateway waits on a backend, and cancels the request's task so the
+upstream request is closed at once and vLLM aborts the generation (cases BUG-01/BUG-02:
+Starlette abandons a streaming body without closing it, and LiteLLM kept generating for
+nobody). It costs one small task per request.
+
+:class:`RelayResponse` is an ASGI response that relays a backend's event stream as it
+arrives: no buffering beyond one incomplete event, no compression, LF framing. After the
+first byte reached the client nothing is retried; a failure ends the stream with one
+OpenAI-shaped error event then ``data: [DONE]`` (DESIGN.md decision, as vLLM does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from starlette.responses import Response
+
+from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event
+
+log = logging.getLogger("gateway.proxy")
+
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+
+class ClientWatch:
+    """Cancels the current task when the client disconnects, until :meth:`stop` is called.
+
+    After a cancellation caused by the client, :attr:`disconnected` is True and the
+    handler must call :meth:`absorb` (which un-cancels the task) instead of re-raising.
+    """
+
+    __slots__ = ("_task", "_watcher", "disconnected", "done")
+
+    def __init__(self, receive: Receive) -> None:
+        self._task = asyncio.current_task()
+        self.disconnected = False
+        self.done = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        if not self.done and self._task is not None:
+            self.disconnected = True
+            self._task.cancel("client disconnected")
+
+    def stop(self) -> None:
+        """Stop watching (the answer is complete or about to be)."""
+        self.done = True
+        self._watcher.cancel()
+
+    def absorb(self) -> None:
+        """Undo the cancellation this watch caused, so the handler can finish normally."""
+        self.stop()
+        if self._task is not None:
+            self._task.uncancel()
+
+
+class StreamOutcome:
+    """How a relayed stream ended: ``ok``, ``client_gone``, or an error code."""
+
+    OK = "ok"
+    CLIENT_GONE = "client_gone"
+
+
+class RelayResponse(Response):
+    """ASGI response relaying an upstream SSE stream whose first events were already read.
+
+    ``first`` holds the complete events read before the client's headers were sent (so a
+    failure before them could still be retried elsewhere). ``on_done(outcome, framer)`` is
+    called exactly once with ``"ok"``, ``"client_gone"`` or the error code the client saw.
+    """
+
+    def __init__(
+        self,
+        resp: aiohttp.ClientResponse,
+        headers: list[tuple[bytes, bytes]],
+        first: bytes,
+        framer: EventFramer,
+        watch: ClientWatch,
+        idle_timeout_s: float,
+        on_done: Callable[[str, EventFramer, float | None], None],
+    ) -> None:
+        self.resp = resp
+        self.raw_headers = headers
+        self.first = first
+        self.framer = framer
+        self.watch = watch
+        self.idle_timeout_s = idle_timeout_s
+        self.on_done = on_done
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = headers
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        resp, framer, watch = self.resp, self.framer, self.watch
+        outcome = StreamOutcome.OK
+        first_sent_at: float | None = None
+        clean = False
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            first_sent_at = time.perf_counter()
+            content = resp.content
+            idle = self.idle_timeout_s
+            code: str | None = None
+            message = ""
+            try:
+                while True:
+                    async with asyncio.timeout(idle):
+                        chunk = await content.readany()
+                    if not chunk:
+                        break
+                    out = framer.feed(chunk)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                if framer.saw_done:
+                    clean = True
+                else:
+                    code = "upstream_incomplete"
+                    message = (
+                        "The backend ended the stream without [DONE]; the answer is incomplete."
+                    )
+            except TimeoutError:
+                code = "upstream_idle_timeout"
+                message = (
+                    f"The backend sent nothing for {idle:g} s (idle_timeout_s); the stream was "
+                    "closed and the answer is incomplete."
+                )
+            except (aiohttp.ClientError, ConnectionError) as e:
+                code = "upstream_disconnected"
+                message = (
+                    f"The backend connection broke mid-stream ({type(e).__name__}); the answer "
+                    "is incomplete."
+                )
+            watch.stop()
+            if code is None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                outcome = code
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": error_event(message, code) + DONE_EVENT,
+                        "more_body": False,
+                    }
+                )
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            watch.absorb()
+            outcome = StreamOutcome.CLIENT_GONE
+        finally:
+            watch.stop()
+            if clean:
+                resp.release()
+            else:
+                resp.close()  # closes the socket: vLLM sees the disconnect and aborts
+            self.on_done(outcome, framer, first_sent_at)

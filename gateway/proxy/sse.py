@@ -1,0 +1,93 @@
+"""Server-sent events helpers for the relay (pure, bytes in -> bytes out).
+
+The relay forwards upstream bytes unchanged, with two exceptions that keep clients safe:
+
+* it releases only *complete* events (up to the last blank line), holding an incomplete
+  tail, so an error event added after an upstream failure never lands inside a half event;
+* CR and CRLF line endings (legal in SSE, https://html.spec.whatwg.org/multipage/server-sent-events.html)
+  are rewritten to LF, the framing OpenAI clients expect (DESIGN.md decision). JSON payloads
+  cannot contain a raw CR, so this never changes a payload.
+
+Nothing is decoded: multi-byte UTF-8 split across chunks passes through intact.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+_PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+class EventFramer:
+    """Cuts a byte stream into complete SSE events and normalises line endings to LF.
+
+    ``feed(chunk)`` returns the bytes of the events completed by ``chunk`` (possibly
+    ``b""``); ``pending`` is the incomplete tail; ``last`` is the last released block
+    (used to find the ``[DONE]`` marker and the usage chunk without parsing every event).
+    """
+
+    __slots__ = ("_buf", "last", "prev")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.last = b""
+        self.prev = b""
+
+    @property
+    def pending(self) -> bytes:
+        return self._buf
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._buf + chunk if self._buf else chunk
+        hold = b""
+        if b"\r" in data:
+            if data.endswith(b"\r"):  # maybe the first half of a CRLF split across chunks
+                data, hold = data[:-1], b"\r"
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._buf = data + hold
+            return b""
+        end = cut + 2
+        if end == len(data):
+            out, self._buf = data, hold
+        else:
+            out, self._buf = data[:end], data[end:] + hold
+        self.prev, self.last = self.last, out
+        return out
+
+    @property
+    def saw_done(self) -> bool:
+        """True when the last released event is ``data: [DONE]``."""
+        return self.last.endswith(DONE_EVENT)
+
+    def usage(self) -> tuple[int, int] | None:
+        """``(prompt_tokens, completion_tokens)`` from the last usage seen, if any."""
+        return extract_usage(self.prev + self.last)
+
+
+def extract_usage(body: bytes) -> tuple[int, int] | None:
+    """Token usage from the last ``"usage"`` object in ``body`` (a JSON body or SSE tail).
+
+    Looks only after the last ``"usage"`` key (vLLM writes usage last), so the cost does
+    not grow with the body. Returns None when absent or null.
+    """
+    i = body.rfind(b'"usage"')
+    if i < 0:
+        return None
+    tail = body[i : i + 400]
+    p = _PROMPT_RE.search(tail)
+    if p is None:
+        return None
+    c = _COMPLETION_RE.search(tail)
+    return int(p.group(1)), int(c.group(1)) if c else 0
+
+
+def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
+    """One OpenAI-shaped error event: ``data: {"error": {...}}\\n\\n``."""
+    payload = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,209 @@
+"""The data path toward backends: pooled aiohttp sessions, forwarding, header hygiene.
+
+DESIGN.md: aiohttp where bytes flow (measured ~0.4 ms CPU per proxied request against 5-9
+ms for httpx's own pool, encode/httpx#3215). One ``ClientSession`` per backend, so one slow
+backend's pool can never starve another's. No hidden caps: the pool size comes from config
+(default 1024 per backend); there is no total timeout, only connect, time-to-first-byte
+and idle-between-chunks (see :class:`gateway.config.ProxyConfig`).
+
+Responses are never decompressed here (``auto_decompress=False``): bytes and their
+``content-encoding`` travel together, so a client always gets a body that matches its headers.
+Streams ask the backend for ``identity`` so that the relay can frame events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+
+from gateway.config import ProxyConfig
+from gateway.fleet.backend import Backend
+
+# RFC 9110 section 7.6.1 hop-by-hop headers, plus headers the gateway sets itself.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+_DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
+
+FailureKind = Literal["connect", "ttfb_timeout", "idle_timeout", "disconnected", "status", "auth"]
+
+
+class UpstreamFailure(Exception):
+    """An attempt toward ``backend`` failed.
+
+    ``kind``: ``connect`` (refused, reset before the request was taken, DNS), ``ttfb_timeout``,
+    ``idle_timeout``, ``disconnected`` (the backend closed or broke the response),
+    ``status`` (a 5xx answer), ``auth`` (the backend refused the gateway's own key).
+    ``body``/``status``/``headers`` keep a backend's error answer so it can be passed on.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        kind: FailureKind,
+        message: str,
+        status: int | None = None,
+        body: bytes = b"",
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.kind = kind
+        self.message = message
+        self.status = status
+        self.body = body
+        self.headers = headers or []
+
+
+@dataclass(slots=True)
+class UpstreamRequest:
+    """What to send: method, path (with query), forwarded headers, raw body bytes."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    stream: bool
+
+
+def forward_headers(
+    raw: list[tuple[bytes, bytes]],
+    request_id_header: str,
+    request_id: str,
+    stream: bool,
+) -> dict[str, str]:
+    """Client headers to send upstream (without the backend key, added per attempt).
+
+    Drops hop-by-hop headers (and any named by ``Connection``), ``host``,
+    ``content-length`` (recomputed), and the client's ``authorization`` (the client's key
+    never leaves the gateway). Keeps everything else unchanged. Streams ask for
+    ``accept-encoding: identity``.
+    """
+    out: dict[str, str] = {}
+    extra_drop: set[str] = set()
+    for k, v in raw:
+        name = k.decode("latin-1").lower()
+        if name == "connection":
+            extra_drop.update(t.strip().lower() for t in v.decode("latin-1").split(","))
+            continue
+        if name in _DROP_REQUEST:
+            continue
+        value = v.decode("latin-1")
+        prev = out.get(name)
+        out[name] = value if prev is None else f"{prev}, {value}"
+    for name in extra_drop:
+        out.pop(name, None)
+    out[request_id_header] = request_id
+    if stream or "accept-encoding" not in out:
+        out["accept-encoding"] = "identity"
+    return out
+
+
+def response_headers(resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    """Backend response headers to pass to the client (hop-by-hop and length dropped)."""
+    extra_drop: set[str] = set()
+    conn = resp.headers.get("connection")
+    if conn:
+        extra_drop = {t.strip().lower() for t in conn.split(",")}
+    out = []
+    for k, v in resp.raw_headers:
+        name = k.decode("latin-1").lower()
+        if name in _DROP_RESPONSE or name in extra_drop:
+            continue
+        out.append((name.encode("latin-1"), v))
+    return out
+
+
+class UpstreamPool:
+    """One pooled aiohttp session per backend, created lazily inside the running loop."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=cfg.connect_timeout_s,
+            sock_connect=cfg.connect_timeout_s,
+            sock_read=None,
+        )
+
+    def session(self, backend: Backend) -> aiohttp.ClientSession:
+        s = self._sessions.get(backend.id)
+        if s is None or s.closed:
+            connector = aiohttp.TCPConnector(
+                limit=self.cfg.pool_size_per_backend,
+                limit_per_host=self.cfg.pool_size_per_backend,
+                keepalive_timeout=self.cfg.keepalive_timeout_s,
+                ttl_dns_cache=60,
+            )
+            s = aiohttp.ClientSession(
+                base_url=backend.base_url,
+                connector=connector,
+                timeout=self._timeout,
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("Accept-Encoding",),
+                read_bufsize=2**16,
+            )
+            self._sessions[backend.id] = s
+        return s
+
+    def open_connections(self, backend_id: str) -> int:
+        """Connections of this backend's pool currently carrying a request."""
+        s = self._sessions.get(backend_id)
+        if s is None or s.connector is None:
+            return 0
+        acquired = getattr(s.connector, "_acquired", ())
+        return len(acquired)
+
+    async def close(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+
+    async def send(
+        self, backend: Backend, req: UpstreamRequest, api_key: str | None
+    ) -> aiohttp.ClientResponse:
+        """Send ``req`` to ``backend`` and return once the response headers are in.
+
+        Raises :class:`UpstreamFailure` (``connect``, ``ttfb_timeout``, ``disconnected``)
+        when no response could be had. The caller owns the returned response and must
+        ``release()`` or ``close()`` it.
+        """
+        headers = req.headers
+        if api_key:
+            headers = {**headers, "authorization": f"Bearer {api_key}"}
+        session = self.session(backend)
+        try:
+            async with asyncio.timeout(self.cfg.ttfb_timeout_s):
+                return await session._request(req.method, req.path, data=req.body, headers=headers)
+        except TimeoutError as e:
+            if isinstance(e, aiohttp.ConnectionTimeoutError):
+                raise UpstreamFailure(backend, "connect", f"connect timeout: {e}") from None
+            raise UpstreamFailure(
+                backend,
+                "ttfb_timeout",
+                f"no response within {self.cfg.ttfb_timeout_s:g} s (ttfb_timeout_s)",
+            ) from None
+        except aiohttp.ClientConnectorError as e:
+            raise UpstreamFailure(backend, "connect", f"connect error: {e}") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            raise UpstreamFailure(
+                backend, "disconnected", f"connection lost before the response: {e!r}"
+            ) from None
+        except aiohttp.ClientError as e:
+            raise UpstreamFailure(backend, "disconnected", f"upstream error: {e!r}") from None

@@ -1,0 +1,153 @@
+"""Load-aware backend choice and session affinity (pure: no I/O; clock injected).
+
+Score (lower wins) of a candidate backend, from its last vLLM scrape corrected by the
+gateway's own in-flight count since that scrape::
+
+    total     = waiting + running + (in_flight_now - in_flight_at_scrape)   (>= 0)
+    running'  = min(total, capacity)        waiting' = total - running'   (capacity known)
+    running'  = running + delta             waiting' = waiting            (capacity unknown)
+    score     = w_waiting * waiting' + w_running * running' / capacity + w_kv * kv_usage
+
+(capacity = vLLM ``--max-num-seqs``; unknown -> 256, vLLM's default ``max_num_seqs``.) The
+correction means a burst that arrives between two scrapes spreads over the fleet instead of
+landing on the backend that looked idle at the last scrape. Without a fresh sample (none, or
+older than the stale limit) only the gateway's in-flight count is used. Ties are broken
+round-robin so an idle fleet shares load evenly.
+
+Session affinity (header ``x-session-id`` by default) pins a session to the backend that
+served its first request, for prefix-cache reuse; when that backend stops being a candidate
+(unhealthy, draining, gone) the session is re-pinned to the best candidate and stays there.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+from gateway.config import RoutingWeights
+from gateway.fleet.backend import LoadSample
+
+DEFAULT_CAPACITY = 256  # vLLM's default --max-num-seqs
+_EPS = 1e-9
+
+
+class Candidate(Protocol):
+    """What the policy reads of a backend."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def capacity(self) -> int | None: ...
+
+    in_flight: int
+    load: LoadSample | None
+
+
+def estimated_load(c: Candidate, now: float, stale_after_s: float) -> tuple[float, float, float]:
+    """``(waiting, running, kv_usage)`` of ``c`` now, corrected by in-flight changes.
+
+    ``now`` is monotonic seconds (same clock as ``LoadSample.scraped_at``).
+    """
+    s = c.load
+    if s is None or now - s.scraped_at > stale_after_s:
+        return 0.0, float(c.in_flight), 0.0
+    delta = c.in_flight - s.in_flight_at_scrape
+    cap = c.capacity
+    if cap:
+        total = max(0.0, s.waiting + s.running + delta)
+        running = min(total, float(cap))
+        return total - running, running, s.kv_cache_usage
+    return s.waiting, max(0.0, s.running + delta), s.kv_cache_usage
+
+
+def score(c: Candidate, w: RoutingWeights, now: float, stale_after_s: float) -> float:
+    """The load score of one candidate (see the module docstring); dimensionless."""
+    waiting, running, kv = estimated_load(c, now, stale_after_s)
+    cap = c.capacity or DEFAULT_CAPACITY
+    return w.waiting * waiting + w.running * running / cap + w.kv_cache * kv
+
+
+C = TypeVar("C", bound=Candidate)
+
+
+class AffinityTable:
+    """Session key -> backend id, bounded (LRU) and with a time to live.
+
+    ``clock`` returns monotonic seconds. Memory is bounded by ``max_entries``.
+    """
+
+    def __init__(self, ttl_s: float, max_entries: int, clock: Callable[[], float]) -> None:
+        self._ttl = ttl_s
+        self._max = max_entries
+        self._clock = clock
+        self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def get(self, key: str) -> str | None:
+        item = self._pins.get(key)
+        if item is None:
+            return None
+        backend_id, expires = item
+        if expires < self._clock():
+            del self._pins[key]
+            return None
+        return backend_id
+
+    def pin(self, key: str, backend_id: str) -> None:
+        self._pins[key] = (backend_id, self._clock() + self._ttl)
+        self._pins.move_to_end(key)
+        while len(self._pins) > self._max:
+            self._pins.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+
+class Router:
+    """Picks one backend among candidates: least score, affinity first, round-robin ties."""
+
+    def __init__(
+        self,
+        weights: RoutingWeights,
+        stale_after_s: float,
+        affinity: AffinityTable,
+        clock: Callable[[], float],
+    ) -> None:
+        self.weights = weights
+        self.stale_after_s = stale_after_s
+        self.affinity = affinity
+        self._clock = clock
+        self._rr = 0
+
+    def pick(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
+        """The backend for the next request, or None when ``candidates`` is empty.
+
+        ``candidates`` are already filtered (routable, serving the model, not yet tried by
+        this request). With ``session_key``, a pinned backend still among the candidates
+        wins; otherwise the best one is chosen and pinned.
+        """
+        if not candidates:
+            return None
+        if session_key is not None:
+            pinned = self.affinity.get(session_key)
+            if pinned is not None:
+                for c in candidates:
+                    if c.id == pinned:
+                        self.affinity.pin(session_key, c.id)  # refresh the TTL
+                        return c
+        best = self._least_loaded(candidates)
+        if session_key is not None:
+            self.affinity.pin(session_key, best.id)
+        return best
+
+    def _least_loaded(self, candidates: Sequence[C]) -> C:
+        if len(candidates) == 1:
+            return candidates[0]
+        now = self._clock()
+        w, stale = self.weights, self.stale_after_s
+        scores = [score(c, w, now, stale) for c in candidates]
+        low = min(scores)
+        ties = [c for c, s in zip(candidates, scores, strict=True) if s - low <= _EPS]
+        self._rr += 1
+        return ties[self._rr % len(ties)]

@@ -1,0 +1,141 @@
+"""Run real servers in background threads for sync tests: the gateway under uvicorn.
+
+Each server gets its own event loop and a socket bound to port 0 (no port races).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+import uvicorn
+
+from gateway.app import Gateway, create_app
+from gateway.cli import uvicorn_config
+from gateway.config import GatewayConfig, load_config
+
+
+def bound_socket(host: str = "127.0.0.1") -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    s.listen(1024)
+    s.setblocking(False)
+    return s
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; ``call(coro)`` runs a coroutine there."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        self.loop.call_soon_threadsafe(fn)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+class GatewayThread:
+    """The real gateway app under uvicorn, in a thread. ``url`` is its base URL."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.app = create_app(cfg)
+        self._lt: LoopThread | None = None
+        self._server: uvicorn.Server | None = None
+        self.url = ""
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.app.state.gateway  # type: ignore[no-any-return]
+
+    def start(self, wait_ready: bool = True, timeout: float = 20) -> str:
+        sock = bound_socket()
+        port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        ucfg = uvicorn_config(self.app, self.cfg)
+        self._server = uvicorn.Server(ucfg)
+        self._server.capture_signals = _no_signals  # type: ignore[method-assign]
+        self._lt = LoopThread("gateway")
+        server = self._server
+        self._task = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self._lt.loop)
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if self._task.done():
+                self._task.result()
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway did not start")
+            time.sleep(0.02)
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self.url
+
+    def wait_ready(self, timeout: float = 20, routable: int | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = httpx.get(self.url + "/ready")
+            if r.status_code == 200 and (
+                routable is None or len(r.json()["routable"]) >= routable
+            ):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"gateway not ready: {httpx.get(self.url + '/admin/backends').text}")
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
+        """Run a coroutine on the gateway's loop (to read or poke its state safely)."""
+        assert self._lt is not None
+        return self._lt.call(coro, timeout)
+
+    def stop(self) -> None:
+        if self._server is not None and self._lt is not None:
+            self._server.should_exit = True
+            try:
+                self._task.result(15)
+            except Exception:
+                pass
+            self._lt.close()
+        self._server = None
+
+    def __enter__(self) -> GatewayThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _NoSignals:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _no_signals() -> _NoSignals:
+    return _NoSignals()
+
+
+def gateway_config(backends: list[dict[str, Any]], **sections: Any) -> GatewayConfig:
+    """A test config: fast probes/scrapes unless overridden, the given backends."""
+    base: dict[str, Any] = {
+        "health": {"interval_s": 0.2, "timeout_s": 1.0},
+        "telemetry": {"scrape_interval_s": 0.2, "models_refresh_s": 2.0},
+        "server": {"graceful_shutdown_s": 2},
+    }
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+    return load_config(None, backends=backends, **base)
