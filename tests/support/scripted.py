@@ -200,7 +200,7 @@ class ScriptedBackend:
         self.models = models
         self.control = control or self._default_control
         self.requests: list[Received] = []
-        self.open_now = 0
+        self.open_now = 0  # data-plane requests being answered now
         self.max_open = 0
         self._lt: LoopThread | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -287,15 +287,18 @@ class ScriptedBackend:
                 self.requests.append(req)
                 conn = Conn(reader, writer, req)
                 watcher = asyncio.create_task(self._watch_close(reader, conn))
-                script = self.control if req.path in CONTROL_PATHS else self.script
-                self.open_now += 1
-                self.max_open = max(self.max_open, self.open_now)
+                control = req.path in CONTROL_PATHS
+                script = self.control if control else self.script
+                if not control:
+                    self.open_now += 1
+                    self.max_open = max(self.max_open, self.open_now)
                 try:
                     await script(req, conn)
                 except (ConnectionError, OSError):
                     conn._mark_closed()
                 finally:
-                    self.open_now -= 1
+                    if not control:
+                        self.open_now -= 1
                     req.finished_at = time.monotonic()
                 if not conn.keep_alive or conn.peer_closed.is_set():
                     # keep watching so a late close is still recorded, then stop

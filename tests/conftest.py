@@ -1,0 +1,46 @@
+"""Shared fixtures: scripted backends and a gateway in front of them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.scripted import ScriptedBackend
+from tests.support.servers import GatewayThread, gateway_config
+
+
+@pytest.fixture
+def backends() -> Iterator[Callable[..., ScriptedBackend]]:
+    """Factory of started scripted backends, stopped after the test."""
+    made: list[ScriptedBackend] = []
+
+    def make(*args: Any, **kwargs: Any) -> ScriptedBackend:
+        b = ScriptedBackend(*args, **kwargs)
+        b.start()
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.stop()
+
+
+@pytest.fixture
+def gateway() -> Iterator[Callable[..., GatewayThread]]:
+    """Factory: ``gateway({"a": backend_a, ...}, **config_sections)`` -> started gateway."""
+    made: list[GatewayThread] = []
+
+    def make(bk: dict[str, ScriptedBackend], wait_routable: int | None = None,
+             **sections: Any) -> GatewayThread:
+        cfg = gateway_config([{"id": k, "url": b.url} for k, b in bk.items()], **sections)
+        gw = GatewayThread(cfg)
+        gw.start()
+        gw.wait_ready(routable=len(bk) if wait_routable is None else wait_routable)
+        made.append(gw)
+        return gw
+
+    yield make
+    for gw in made:
+        gw.stop()
