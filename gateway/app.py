@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import APIRouter, FastAPI
+from fastapi import FastAPI
 
 from gateway.api import admin, ops
+from gateway.api import openai as openai_api
 from gateway.api.errors import install_error_handlers
-from gateway.api.openai import install_routes
 from gateway.config import ClientKey, GatewayConfig
 from gateway.fleet.backend import Fleet
 from gateway.fleet.controller import FleetController
@@ -96,9 +96,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     except TypeError:
         app = FastAPI(**kwargs)
     install_error_handlers(app)
-    openai_routes = APIRouter()
-    install_routes(openai_routes, cfg.proxy.passthrough_paths)
-    app.include_router(openai_routes)
-    app.include_router(ops.router)
-    app.include_router(admin.router)
+    openai_api.install_routes(app, cfg.proxy.passthrough_paths)
+    ops.install_routes(app)
+    admin.install_routes(app)
     return app

@@ -28,6 +28,8 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # httpx logs every control-plane request (probes, scrapes) at INFO: too chatty.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def uvicorn_config(app: object, cfg: GatewayConfig) -> uvicorn.Config:

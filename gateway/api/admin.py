@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.api.errors import GatewayError
@@ -16,8 +16,6 @@ from gateway.fleet.backend import Backend
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
-
-router = APIRouter(prefix="/admin", include_in_schema=False)
 
 
 def _gateway(request: Request) -> Gateway:
@@ -63,14 +61,12 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
     }
 
 
-@router.get("/backends")
 async def list_backends(request: Request) -> Response:
     """Every backend, in config order."""
     gw = _gateway(request)
     return JSONResponse({"backends": [backend_summary(gw, b) for b in gw.fleet.backends]})
 
 
-@router.get("/backends/{backend_id}")
 async def get_backend(backend_id: str, request: Request) -> Response:
     """One backend with its recent state history (last 20 transitions)."""
     gw = _gateway(request)
@@ -83,3 +79,11 @@ async def get_backend(backend_id: str, request: Request) -> Response:
         for t in b.history
     ]
     return JSONResponse(out)
+
+
+def install_routes(app: FastAPI) -> None:
+    """Register the ``/admin/...`` routes on ``app``."""
+    app.add_api_route("/admin/backends", list_backends, methods=["GET"], include_in_schema=False)
+    app.add_api_route(
+        "/admin/backends/{backend_id}", get_backend, methods=["GET"], include_in_schema=False
+    )

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
@@ -268,8 +268,11 @@ async def get_model(request: Request) -> Response:
     )
 
 
-def install_routes(app_router: APIRouter, passthrough: list[str]) -> None:
-    """Register the OpenAI routes and the vLLM pass-through routes on ``app_router``."""
+def install_routes(app_router: FastAPI, passthrough: list[str]) -> None:
+    """Register the OpenAI routes and the vLLM pass-through routes on ``app``.
+
+    Routes go straight on the app (no included routers): one less dispatch layer per
+    request on the hot path."""
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", *passthrough):
         app_router.add_api_route(path, proxy, methods=["POST"], include_in_schema=False)
     app_router.add_api_route("/v1/models", list_models, methods=["GET"], include_in_schema=False)

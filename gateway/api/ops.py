@@ -4,27 +4,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
-router = APIRouter(include_in_schema=False)
-
 
 def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
-@router.get("/health")
 async def health() -> Response:
     """200 while the process runs (liveness); says nothing about backends."""
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready")
 async def ready(request: Request) -> Response:
     """200 when at least one backend is routable and the gateway is not shutting down."""
     gw = _gateway(request)
@@ -36,9 +32,14 @@ async def ready(request: Request) -> Response:
     return JSONResponse({"status": "ready", "routable": routable})
 
 
-@router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition of the gateway's own registry."""
     return Response(
         generate_latest(_gateway(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
     )
+
+
+def install_routes(app: FastAPI) -> None:
+    """Register ``/health``, ``/ready`` and ``/metrics`` on ``app``."""
+    for path, fn in (("/health", health), ("/ready", ready), ("/metrics", metrics)):
+        app.add_api_route(path, fn, methods=["GET"], include_in_schema=False)

@@ -121,6 +121,11 @@ class RelayResponse(Response):
                     async with asyncio.timeout(idle):
                         chunk = await content.readany()
                     if not chunk:
+                        tail = framer.finish()
+                        if tail:
+                            await send(
+                                {"type": "http.response.body", "body": tail, "more_body": True}
+                            )
                         break
                     out = framer.feed(chunk)
                     if out:

@@ -60,6 +60,13 @@ class EventFramer:
         self.prev, self.last = self.last, out
         return out
 
+    def finish(self) -> bytes:
+        """At end of stream: a held trailing CR ends its line; return what completes."""
+        if self._buf.endswith(b"\r"):
+            buf, self._buf = self._buf[:-1] + b"\n", b""
+            return self.feed(buf)
+        return b""
+
     @property
     def saw_done(self) -> bool:
         """True when the last released event is ``data: [DONE]``."""

@@ -1,0 +1,86 @@
+"""Config loading: the shipped files are valid, env overrides apply, bad files fail clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["gateway.yaml", "vllm-example.yaml"])
+def test_shipped_configs_are_valid(name):
+    cfg = load_config(ROOT / "config" / name)
+    assert cfg.backends
+
+
+def test_demo_fleet_has_three_simulated_backends():
+    cfg = load_config(ROOT / "config" / "gateway.yaml")
+    assert [b.id for b in cfg.backends] == ["sim-1", "sim-2", "sim-3"]
+    assert all(b.sim is not None for b in cfg.backends)
+
+
+def test_production_timeouts_have_no_wall_clock_cap():
+    p = load_config(None).proxy
+    assert p.ttfb_timeout_s >= 600 and p.idle_timeout_s >= 60
+    assert not hasattr(p, "total_timeout_s")
+
+
+def test_env_overrides_file(tmp_path, monkeypatch):
+    f = tmp_path / "c.yaml"
+    f.write_text("server: {port: 8001}\nproxy: {idle_timeout_s: 50}\n"
+                 "backends: [{id: a, url: 'http://10.0.0.1:8000'}]\n")
+    monkeypatch.setenv("LLM_GATEWAY_SERVER__PORT", "9100")
+    monkeypatch.setenv("LLM_GATEWAY_BACKENDS", '[{"id": "z", "url": "http://10.0.0.9:8000"}]')
+    cfg = load_config(f)
+    assert cfg.server.port == 9100
+    assert cfg.proxy.idle_timeout_s == 50  # untouched by env
+    assert [b.id for b in cfg.backends] == ["z"]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("proxy: {idle_timout_s: 5}\n", "proxy.idle_timout_s: unknown field"),
+        ("server: {port: 70000}\n", "server.port: Input should be less than or equal to 65535"),
+        ("backends: [{id: a, url: 'not a url'}]\n", "backends.0.url:"),
+        ("backends: [{id: a, url: 'http://h:1/v1'}]\n", "give the server root"),
+        ("backends: [{id: a, url: 'http://h:1'}, {id: a, url: 'http://h:2'}]\n", "appears twice"),
+        ("auth: {client_keys: [{name: k}]}\n", "exactly one of 'key' or 'key_env'"),
+        ("server: [1, 2\n", "invalid YAML"),
+        ("- just\n- a list\n", "top level must be a mapping"),
+    ],
+)
+def test_bad_file_names_field_and_problem(tmp_path, text, needle):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert needle in str(e.value)
+    assert str(f) in str(e.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config("/nonexistent/gw.yaml")
+
+
+def test_cli_reports_bad_config_and_exits_2(tmp_path, capsys):
+    from gateway.cli import main
+
+    f = tmp_path / "bad.yaml"
+    f.write_text("health: {fail_threshold: 0}\n")
+    assert main(["check-config", "-c", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "health.fail_threshold" in err and "greater than or equal to 1" in err
+
+
+def test_demo_sim_blocks_are_valid_simulator_configs():
+    from gateway.sim.config import SimConfig
+
+    for b in load_config(ROOT / "config" / "gateway.yaml").backends:
+        assert b.sim is not None
+        SimConfig(**b.sim)

@@ -1,0 +1,71 @@
+"""The SSE framer: complete events only, LF framing, byte-exact payloads, usage lookup."""
+
+from __future__ import annotations
+
+import json
+
+from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, extract_usage
+
+
+def feed_all(chunks: list[bytes]) -> tuple[bytes, EventFramer]:
+    f = EventFramer()
+    return b"".join(f.feed(c) for c in chunks), f
+
+
+def test_whole_events_pass_unchanged():
+    data = b'data: {"a":1}\n\ndata: {"b":2}\n\n'
+    out, f = feed_all([data])
+    assert out == data and f.pending == b""
+
+
+def test_partial_event_is_held_until_complete():
+    f = EventFramer()
+    assert f.feed(b'data: {"a":') == b""
+    assert f.pending == b'data: {"a":'
+    assert f.feed(b'1}\n\ndata: {"b"') == b'data: {"a":1}\n\n'
+    assert f.feed(b":2}\n\n") == b'data: {"b":2}\n\n'
+
+
+def test_every_split_point_gives_the_same_bytes():
+    data = 'data: {"c":"héllo wörld 🚀"}\n\ndata: [DONE]\n\n'.encode()
+    for i in range(len(data) + 1):
+        out, f = feed_all([data[:i], data[i:]])
+        assert out == data, i
+        assert f.saw_done
+
+
+def test_crlf_and_cr_become_lf_even_split_across_chunks():
+    crlf = b'data: {"a":1}\r\n\r\ndata: [DONE]\r\n\r\n'
+    for i in range(len(crlf) + 1):
+        out, f = feed_all([crlf[:i], crlf[i:]])
+        assert out == b'data: {"a":1}\n\ndata: [DONE]\n\n', i
+        assert f.saw_done
+    f = EventFramer()
+    out = f.feed(b'data: {"a":1}\r\rdata: [DONE]\r\r') + f.finish()
+    assert out == b'data: {"a":1}\n\ndata: [DONE]\n\n'
+
+
+def test_large_event_over_64k_is_one_event():
+    payload = json.dumps({"content": "x" * 200_000}).encode()
+    data = b"data: " + payload + b"\n\n"
+    chunks = [data[i : i + 4096] for i in range(0, len(data), 4096)]
+    out, _ = feed_all(chunks)
+    assert out == data
+
+
+def test_usage_found_in_tail():
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":7,"total_tokens":12,"completion_tokens":5}}\n\n'
+    _, f = feed_all([b'data: {"choices":[{"delta":{}}]}\n\n', usage, DONE_EVENT])
+    assert f.usage() == (7, 5)
+    _, f = feed_all([b'data: {"choices":[]}\n\n', DONE_EVENT])
+    assert f.usage() is None
+    assert extract_usage(b'{"usage": null}') is None
+
+
+def test_error_event_shape():
+    ev = error_event("boom", "upstream_disconnected")
+    assert ev.startswith(b"data: ") and ev.endswith(b"\n\n")
+    assert json.loads(ev[6:]) == {
+        "error": {"message": "boom", "type": "server_error", "param": None,
+                  "code": "upstream_disconnected"}
+    }
