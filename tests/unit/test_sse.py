@@ -54,7 +54,8 @@ def test_large_event_over_64k_is_one_event():
 
 
 def test_usage_found_in_tail():
-    usage = b'data: {"choices":[],"usage":{"prompt_tokens":7,"total_tokens":12,"completion_tokens":5}}\n\n'
+    usage = (b'data: {"choices":[],"usage":{"prompt_tokens":7,"total_tokens":12,'
+             b'"completion_tokens":5}}\n\n')
     _, f = feed_all([b'data: {"choices":[{"delta":{}}]}\n\n', usage, DONE_EVENT])
     assert f.usage() == (7, 5)
     _, f = feed_all([b'data: {"choices":[]}\n\n', DONE_EVENT])

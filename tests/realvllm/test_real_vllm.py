@@ -1,0 +1,168 @@
+"""End to end against REAL vLLM servers (CPU build, tiny random-weight model).
+
+Two vLLM OpenAI servers start once for this module (``scripts/vllm-cpu/``); B runs with
+``--api-key`` so that the gateway must replace the client's key with the backend's own. The
+official ``openai`` SDK talks to the gateway. Random weights make the text gibberish, so the
+tests check counts, usage, framing and metrics, never the text (``ignore_eos`` gives exact
+lengths). Skipped, with the reason printed, when the vLLM venv is not installed
+(``scripts/vllm-cpu/install.sh``; ``.ci/run`` installs it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.support.servers import GatewayThread, gateway_config
+from tests.support.vllm import (
+    VllmServer,
+    default_vllm_venv,
+    ensure_tiny_model,
+    start_all,
+    vllm_unavailable_reason,
+)
+
+pytestmark = pytest.mark.realvllm
+
+MODEL = "tiny-llama"
+CLIENT_KEY = "client-secret"
+BACKEND_KEY = "backend-secret"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    venv = default_vllm_venv()
+    reason = vllm_unavailable_reason(venv)
+    if reason:
+        pytest.skip(f"real vLLM unavailable: {reason}")
+    model = ensure_tiny_model(venv)
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    a = VllmServer(venv, model, log_path=logs / "a.log")
+    b = VllmServer(venv, model, api_key=BACKEND_KEY, log_path=logs / "b.log")
+    start_all([a, b])
+    cfg = gateway_config(
+        [{"id": "vllm-a", "url": a.url, "max_num_seqs": 16},
+         {"id": "vllm-b", "url": b.url, "max_num_seqs": 16, "api_key": BACKEND_KEY}],
+        auth={"client_keys": [{"name": "tests", "key": CLIENT_KEY}]},
+    )
+    gw = GatewayThread(cfg)
+    gw.start()
+    gw.wait_ready(timeout=30, routable=2)
+    yield gw, a, b
+    gw.stop()
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture
+def client(fleet):
+    gw, _, _ = fleet
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=CLIENT_KEY, max_retries=0)
+
+
+def test_models_aggregated_once_with_vllm_fields(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == 1024  # vLLM's own field survives
+
+
+def test_chat_non_stream(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=16,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens > 0
+
+
+def test_chat_stream_with_usage(fleet, client):
+    gw, _, _ = fleet
+    before = gw.gateway.metrics.tokens.labels(MODEL, "completion")._value.get()
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))
+    usage = [c for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].choices == [] and chunks[-1] is usage[0]
+    assert usage[0].usage.completion_tokens == 24
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    after = gw.gateway.metrics.tokens.labels(MODEL, "completion")._value.get()
+    assert after - before == 24
+
+
+def test_completions_stream_and_not(client):
+    r = client.completions.create(model=MODEL, prompt="the gateway", max_tokens=8,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8
+    parts = list(client.completions.create(model=MODEL, prompt="the gateway", max_tokens=8,
+                                           stream=True, extra_body={"ignore_eos": True}))
+    assert sum(1 for p in parts if p.choices and p.choices[0].text) >= 1
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_wrong_client_key_is_401_and_backend_key_never_leaks(fleet):
+    gw, _, _ = fleet
+    bad = openai.OpenAI(base_url=gw.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_load_spreads_and_metrics_scrape_shows_in_admin(fleet, client):
+    gw, _, _ = fleet
+
+    def one(i: int) -> int:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=64,
+            extra_body={"ignore_eos": True},
+        )
+        return r.usage.completion_tokens
+
+    seen_running = 0.0
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(16)]
+        while not all(f.done() for f in futures):
+            admin = httpx.get(gw.url + "/admin/backends").json()["backends"]
+            seen_running = max([seen_running] + [
+                (b["load"] or {}).get("running", 0) for b in admin])
+            time.sleep(0.05)
+        assert all(f.result() == 64 for f in futures)
+    admin = httpx.get(gw.url + "/admin/backends").json()["backends"]
+    assert {b["id"]: b["state"] for b in admin} == {"vllm-a": "warm", "vllm-b": "warm"}
+    assert all(b["requests_served"] > 0 for b in admin)  # both took traffic
+    assert all(b["load"] is not None and b["last_scrape_age_s"] < 2 for b in admin)
+    assert seen_running >= 1  # vLLM's own num_requests_running reached /admin/backends
+
+
+def test_client_disconnect_aborts_generation_in_vllm(fleet):
+    gw, a, b = fleet
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 900, "stream": True, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {CLIENT_KEY}"}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=30) as r:
+        assert r.status_code == 200
+        it = r.iter_lines()
+        for _ in range(5):
+            next(it)
+    closed = time.monotonic()
+
+    def running() -> float:
+        total = 0.0
+        for srv in (a, b):
+            text = httpx.get(srv.url + "/metrics").text
+            for line in text.splitlines():
+                if line.startswith("vllm:num_requests_running{"):
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    while running() > 0 and time.monotonic() - closed < 5:
+        time.sleep(0.1)
+    assert running() == 0
+    assert time.monotonic() - closed < 3  # aborted, not generated to 900 tokens
