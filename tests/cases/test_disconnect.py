@@ -80,7 +80,7 @@ def test_BUG_01_disconnect_in_ttft_window(backends, gateway):
         c.read_for(1.0)
         assert c.buf == b""  # nothing reached the client yet
         closed_at = c.close()
-        assert wait_for(lambda: a.data_requests and a.data_requests[0].peer_closed_at, 3)
+        assert wait_for(lambda a=a: a.data_requests and a.data_requests[0].peer_closed_at, 3)
         assert a.data_requests[0].peer_closed_at - closed_at <= 2.0
         _assert_clean_after_disconnect(gw, "a")
 
@@ -97,9 +97,8 @@ def test_BUG_02_non_stream_disconnect_cancels_upstream(backends, gateway):
         c.send("POST", "/v1/chat/completions", {**BODY, "max_tokens": 2048})
         c.read_for(1.0)
         closed_at = c.close()
-        reqs = lambda: a.data_requests + b.data_requests  # noqa: E731
-        assert wait_for(lambda: reqs() and reqs()[-1].peer_closed_at, 3)
-        assert reqs()[-1].peer_closed_at - closed_at <= 2.0
+        assert wait_for(lambda: (a.data_requests + b.data_requests)[-1].peer_closed_at, 3)
+        assert (a.data_requests + b.data_requests)[-1].peer_closed_at - closed_at <= 2.0
     assert len(a.data_requests) + len(b.data_requests) == 5  # no failover after a close
     assert a.max_open <= 1 and b.max_open <= 1  # never stacked
     for bid in ("a", "b"):

@@ -115,6 +115,7 @@ def test_BUG_10_late_failure_never_retried(backends, gateway):
     b = backends(b_script, control=busy_control())
     gw = gateway({"a": a, "b": b})
     status, raw = stream_raw(gw.url, {**BODY, "stream": True})
+    assert status == 200
     events = events_of(raw)
     contents = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2]]
     assert "".join(c or "" for c in contents) == "abcde"

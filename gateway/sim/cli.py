@@ -1,0 +1,121 @@
+"""``llm-gateway sim``: argument parsing and a blocking runner for one simulated vLLM.
+
+The main CLI wires it as::
+
+    sub = subparsers.add_parser("sim", help="run a simulated vLLM server")
+    add_sim_arguments(sub)
+    ...
+    run_sim_from_args(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+from gateway.sim.config import LoraAdapter, SimConfig
+from gateway.sim.engine import EngineParams
+from gateway.sim.faults import FaultConfig
+
+log = logging.getLogger(__name__)
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the simulator's flags to ``parser`` (times in seconds, sizes in tokens)."""
+    g = parser.add_argument_group("simulated vLLM server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    g.add_argument("--model", default="demo-model", help="served model name")
+    g.add_argument(
+        "--served-lora",
+        action="append",
+        default=[],
+        metavar="NAME[=PARENT]",
+        help="extra served model id, a LoRA adapter on PARENT (default: --model); repeatable",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of generated text and faults")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="max running requests")
+    g.add_argument("--max-model-len", type=int, default=4096, help="context length, tokens")
+    g.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV-cache size, tokens")
+    g.add_argument("--speed", type=float, default=1.0, help="speed multiplier (2 = twice as fast)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    g.add_argument("--error-rate", type=float, default=0.0, help="share of 5xx answers (0-1)")
+    g.add_argument("--error-status", type=int, default=500, help="status of injected errors")
+    g.add_argument("--rate-limit-rate", type=float, default=0.0, help="share of 429s (0-1)")
+    g.add_argument("--retry-after", type=float, default=1.0, help="Retry-After of 429s, s")
+    g.add_argument("--added-latency", type=float, default=0.0, help="delay before answering, s")
+    g.add_argument("--hang", action="store_true", help="accept requests and never answer")
+    g.add_argument(
+        "--drop-after-chunks",
+        type=int,
+        default=None,
+        help="cut streams after N SSE events (non-stream: no answer)",
+    )
+    g.add_argument("--unhealthy", action="store_true", help="GET /health answers 503")
+    g.add_argument("--log-level", default="info", help="uvicorn log level")
+
+
+def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Build the ``SimConfig`` described by parsed ``add_sim_arguments`` flags."""
+    loras = []
+    for spec in args.served_lora:
+        name, _, parent = spec.partition("=")
+        loras.append(LoraAdapter(name=name, parent=parent or None))
+    return SimConfig(
+        model=args.model,
+        lora_adapters=loras,
+        seed=args.seed,
+        api_key=args.api_key,
+        engine=EngineParams(
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            kv_cache_tokens=args.kv_cache_tokens,
+            speed=args.speed,
+        ),
+        faults=FaultConfig(
+            error_rate=args.error_rate,
+            error_status=args.error_status,
+            rate_limit_rate=args.rate_limit_rate,
+            retry_after_s=args.retry_after,
+            added_latency_s=args.added_latency,
+            hang=args.hang,
+            drop_after_chunks=args.drop_after_chunks,
+            unhealthy=args.unhealthy,
+            seed=args.seed,
+        ),
+    )
+
+
+async def _serve(config: SimConfig, host: str, port: int, log_level: str) -> None:
+    from gateway.sim.runner import run_sim_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    async with run_sim_server(config, host=host, port=port, log_level=log_level) as url:
+        print(f"vLLM simulator serving {config.served_ids} at {url}", flush=True)
+        await stop.wait()
+    print("vLLM simulator stopped", flush=True)
+
+
+def run_sim_from_args(args: argparse.Namespace) -> None:
+    """Serve until SIGINT/SIGTERM (blocking); Ctrl-C ends open streams and exits cleanly."""
+    config = sim_config_from_args(args)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(config, args.host, args.port, args.log_level))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Stand-alone entry point: ``python -m gateway.sim.cli --port 8001``."""
+    parser = argparse.ArgumentParser(description="Simulated vLLM OpenAI server")
+    add_sim_arguments(parser)
+    run_sim_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Fault injection for the simulator: errors, rate limits, latency, hangs, dropped streams.
+
+``FaultConfig`` is the knob set (changeable at run time through ``/sim/faults``);
+``FaultInjector`` turns it into one deterministic ``FaultDecision`` per request from a
+seeded ``random.Random``, so the same config, seed and request order give the same
+faults. Faults apply to the generation routes (``/v1/chat/completions``,
+``/v1/completions``, ``/v1/embeddings``); ``unhealthy`` applies to ``GET /health``.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class FaultConfig(BaseModel):
+    """What the simulator does wrong, and how often.
+
+    Rates are probabilities per request (0-1); times are seconds.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    error_rate: float = Field(0.0, ge=0.0, le=1.0, description="share answered with a 5xx")
+    error_status: int = Field(500, description="status of injected errors (500 or 503, any 5xx)")
+    rate_limit_rate: float = Field(0.0, ge=0.0, le=1.0, description="share answered with 429")
+    retry_after_s: float = Field(1.0, ge=0.0, description="Retry-After of injected 429s")
+    added_latency_s: float = Field(0.0, ge=0.0, description="delay before the response starts")
+    hang: bool = Field(False, description="accept requests and never answer")
+    drop_after_chunks: int | None = Field(
+        None,
+        ge=0,
+        description="streams: cut the TCP connection after N SSE events; "
+        "non-stream: close the connection without a response",
+    )
+    unhealthy: bool = Field(False, description="GET /health answers 503")
+    seed: int = Field(0, description="seed of the fault dice")
+
+    @field_validator("error_status")
+    @classmethod
+    def _five_hundreds(cls, v: int) -> int:
+        if not 500 <= v <= 599:
+            raise ValueError("error_status must be a 5xx status")
+        return v
+
+
+@dataclass(frozen=True)
+class FaultDecision:
+    """The faults one request gets.
+
+    ``kind`` is "ok", "error" (answer ``status``) or "rate_limit" (429);
+    ``latency_s`` is slept before answering; ``hang`` never answers; ``drop_after``
+    cuts the connection after that many SSE events (0 for a non-stream request: no
+    response at all).
+    """
+
+    kind: Literal["ok", "error", "rate_limit"] = "ok"
+    status: int = 200
+    retry_after_s: float = 0.0
+    latency_s: float = 0.0
+    hang: bool = False
+    drop_after: int | None = None
+
+
+class FaultInjector:
+    """Holds the current ``FaultConfig`` and rolls the dice for each request (thread-safe)."""
+
+    def __init__(self, config: FaultConfig | None = None) -> None:
+        self._lock = threading.Lock()
+        self._config = config or FaultConfig()
+        self._rng = random.Random(self._config.seed)
+        self.injected: dict[str, int] = {"error": 0, "rate_limit": 0, "hang": 0, "drop": 0}
+
+    @property
+    def config(self) -> FaultConfig:
+        """The config in force."""
+        return self._config
+
+    def replace(self, config: FaultConfig) -> FaultConfig:
+        """Put ``config`` in force; the dice restart from its seed."""
+        with self._lock:
+            self._config = config
+            self._rng = random.Random(config.seed)
+        return config
+
+    def patch(self, changes: dict[str, Any]) -> FaultConfig:
+        """Change only the given fields (validated); the dice restart if ``seed`` changes."""
+        merged = FaultConfig.model_validate({**self._config.model_dump(), **changes})
+        with self._lock:
+            reseed = merged.seed != self._config.seed
+            self._config = merged
+            if reseed:
+                self._rng = random.Random(merged.seed)
+        return merged
+
+    def decide(self) -> FaultDecision:
+        """Draw the faults of one generation request.
+
+        Order: hang, then rate limit, then error; latency and drop apply on top of an
+        "ok" or error answer. Two dice are drawn per request whatever the config, so a
+        change of rates does not shift later draws.
+        """
+        with self._lock:
+            c = self._config
+            r_limit = self._rng.random()
+            r_error = self._rng.random()
+        if c.hang:
+            self.injected["hang"] += 1
+            return FaultDecision(hang=True, latency_s=c.added_latency_s)
+        if r_limit < c.rate_limit_rate:
+            self.injected["rate_limit"] += 1
+            return FaultDecision(
+                kind="rate_limit",
+                status=429,
+                retry_after_s=c.retry_after_s,
+                latency_s=c.added_latency_s,
+            )
+        if r_error < c.error_rate:
+            self.injected["error"] += 1
+            return FaultDecision(kind="error", status=c.error_status, latency_s=c.added_latency_s)
+        if c.drop_after_chunks is not None:
+            self.injected["drop"] += 1
+        return FaultDecision(latency_s=c.added_latency_s, drop_after=c.drop_after_chunks)

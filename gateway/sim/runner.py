@@ -1,0 +1,189 @@
+"""Run simulated vLLM servers in-process: on the current asyncio loop, or in a thread.
+
+``run_sim_server`` serves ``create_sim_app(config)`` with a ``uvicorn.Server`` task on
+the running loop (port 0 picks a free port; the yielded URL has the real one).
+``SimServerThread`` does the same on its own loop in a daemon thread, for sync tests.
+Neither installs signal handlers, so they never steal the host's Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import AsyncIterator, Generator
+
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.sim.config import SimConfig
+from gateway.sim.server import SimState, create_sim_app
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn server that leaves the process's signal handlers alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port).
+
+    ``proto`` must be ``IPPROTO_TCP``: asyncio sets ``TCP_NODELAY`` on accepted sockets
+    only when ``sock.proto == IPPROTO_TCP``; with the default ``proto=0`` Nagle stays on
+    and every keep-alive response (headers and body are two writes) waits ~40 ms for
+    the client's delayed ACK. ``TCP_NODELAY`` on the listener is inherited as well.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _url(host: str, sock: socket.socket) -> str:
+    port = sock.getsockname()[1]
+    h = f"[{host}]" if ":" in host else host
+    return f"http://{h}:{port}"
+
+
+def _uvicorn_config(app: FastAPI, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=30,
+    )
+
+
+async def _shutdown(server: uvicorn.Server, app: FastAPI, task: asyncio.Task[None]) -> None:
+    state: SimState = app.state.sim
+    # End hanging requests and streams first (streams end with finish_reason "abort"),
+    # then let uvicorn close the connections and run the lifespan shutdown.
+    state.closing.set()
+    server.should_exit = True
+    await state.runner.stop()
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout=5)
+    except TimeoutError:
+        server.force_exit = True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@contextlib.asynccontextmanager
+async def run_sim_server(
+    config: SimConfig | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    app: FastAPI | None = None,
+) -> AsyncIterator[str]:
+    """Serve a simulator on the current event loop; yields its base URL (``http://h:p``).
+
+    ``port=0`` picks a free port. ``app`` (from ``create_sim_app``) may be passed to keep
+    a handle on ``app.state.sim``. On exit, open streams end and the server stops.
+    """
+    app = app or create_sim_app(config or SimConfig())
+    sock = _bind(host, port)
+    server = _EmbeddedServer(_uvicorn_config(app, log_level))
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="sim-uvicorn")
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # re-raise the start-up error
+                raise RuntimeError("simulator server exited during start-up")
+            await asyncio.sleep(0.005)
+        yield _url(host, sock)
+    finally:
+        await _shutdown(server, app, task)
+        sock.close()
+
+
+class SimServerThread:
+    """A simulator on its own event loop in a daemon thread, for synchronous code.
+
+    ``url = SimServerThread(config).start()`` ... ``.stop()``; also a context manager.
+    ``app`` is the FastAPI app (``app.state.sim`` holds the live state).
+    """
+
+    def __init__(
+        self,
+        config: SimConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+    ) -> None:
+        self.config = config or SimConfig()
+        self.host = host
+        self.port = port
+        self.log_level = log_level
+        self.app: FastAPI = create_sim_app(self.config)
+        self.url: str | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def state(self) -> SimState:
+        """The server's live ``SimState`` (engine, faults, counters)."""
+        return self.app.state.sim
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Start serving; return the base URL once it accepts connections."""
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        self._thread = threading.Thread(target=self._main, name="sim-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("simulator did not start in time")
+        if self._error is not None:
+            raise RuntimeError("simulator failed to start") from self._error
+        assert self.url is not None
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and join the thread (idempotent)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with run_sim_server(
+            host=self.host, port=self.port, log_level=self.log_level, app=self.app
+        ) as url:
+            self.url = url
+            self._ready.set()
+            await self._stop.wait()

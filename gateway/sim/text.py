@@ -1,0 +1,233 @@
+"""Deterministic approximate tokenizer and generated text for the simulator.
+
+The tokenizer is reversible and cheap, not a real BPE: text is split into pieces
+(a word with its leading space, a run of digits, punctuation, whitespace); a piece
+found in a small English vocabulary is one token, anything else is cut into chunks of
+up to 3 UTF-8 bytes, one token each. English prose lands near the 4 characters per
+token of real BPE tokenizers; ``detokenize(tokenize(s)) == s`` for any string.
+
+Chat prompts are rendered with a ChatML template (the one in
+``shared/real-vllm/make_tiny_model.py``) with a BOS token in front, so
+``[{"role": "user", "content": "hello world"}]`` counts 11 prompt tokens and the
+completion prompt ``"hello world"`` counts 3, as the real tiny-llama server does.
+
+Generated text is a pure function of (seed, prompt ids, sample index, token index);
+``natural_stop_length`` gives the length at which a request emits EOS (finish
+"stop") unless ``ignore_eos`` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+BOS_ID = 0
+EOS_ID = 1
+PAD_ID = 2
+IM_START_ID = 3
+IM_END_ID = 4
+SPECIAL_TOKENS: dict[int, str] = {
+    BOS_ID: "<|begin_of_text|>",
+    EOS_ID: "<|end_of_text|>",
+    PAD_ID: "<|pad|>",
+    IM_START_ID: "<|im_start|>",
+    IM_END_ID: "<|im_end|>",
+}
+_SPECIAL_BY_TEXT = {v: k for k, v in SPECIAL_TOKENS.items()}
+
+_WORDS: tuple[str, ...] = tuple(
+    (
+        "the of and to in is that it for was on are as with be at by this have from or one "
+        "had not but what all were when we there can an your which their said if do will "
+        "each about how up out them then she many some so these would other into has more "
+        "her two like him see time could no make than first been its who now people my made "
+        "over did down only way find use may water long little very after words called just "
+        "where most know get through back much before go good new write our used me man too "
+        "any day same right look think also around another came come work three word must "
+        "because does part even place well such here take why things help put years "
+        "different away again off went old number great tell men say small every found still "
+        "between name should home big give air line set own under read last never us left "
+        "end along while might next sound below saw something thought both few those always "
+        "looked show large often together asked house world going want school important "
+        "until form food keep children feet land side without boy once animals life enough "
+        "took sometimes four head above kind began almost live page got earth need far hand "
+        "high year mother light parts country father let night following picture being study "
+        "second eyes soon times story boys since white days ever paper hard near sentence "
+        "better best across during today others however sure means knew try told young "
+        "miles sun ways thing whole hear example heard several change answer room sea "
+        "against top turned learn point city play toward five using model server request "
+        "response token stream router gateway latency queue cache prefix health metrics chat "
+        "completion assistant user system hello python async await json http tool function "
+        "data code test value error result question please thanks yes"
+    ).split()
+)
+# Generated text draws from the lower-case words so that output reads like words.
+_GEN_WORDS: tuple[str, ...] = _WORDS
+
+_WORD_BASE = 16  # ids 0..15 reserved for special tokens
+_VOCAB: dict[str, int] = {}
+for _i, _w in enumerate(_WORDS):
+    _VOCAB[_w] = _WORD_BASE + 2 * _i
+    _VOCAB[" " + _w] = _WORD_BASE + 2 * _i + 1
+_ID_TO_PIECE: dict[int, str] = {v: k for k, v in _VOCAB.items()}
+MAX_CHARS_PER_TOKEN = max(3, *(len(p) for p in _VOCAB))
+"""Longest token in characters (vLLM's ``tokenizer.max_chars_per_token``)."""
+_BYTE_BASE = 4096  # byte-chunk ids: _BYTE_BASE + (len-1) * 2**24 + int(bytes)
+VOCAB_SIZE_HINT = _BYTE_BASE + 3 * (1 << 24)
+
+_PIECE_RE = re.compile(r" ?[A-Za-z]+| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]+|\s+")
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in _SPECIAL_BY_TEXT) + ")")
+
+
+def _chunk_ids(piece: str) -> list[int]:
+    raw = piece.encode("utf-8")
+    out = []
+    for i in range(0, len(raw), 3):
+        chunk = raw[i : i + 3]
+        out.append(_BYTE_BASE + (len(chunk) - 1) * (1 << 24) + int.from_bytes(chunk, "big"))
+    return out
+
+
+def tokenize(text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``; with ``add_special_tokens`` a BOS id comes first.
+
+    Special-token strings such as ``<|im_start|>`` map to their single ids.
+    """
+    ids: list[int] = [BOS_ID] if add_special_tokens else []
+    for part in _SPECIAL_RE.split(text):
+        if not part:
+            continue
+        special = _SPECIAL_BY_TEXT.get(part)
+        if special is not None:
+            ids.append(special)
+            continue
+        for m in _PIECE_RE.finditer(part):
+            piece = m.group(0)
+            tid = _VOCAB.get(piece)
+            if tid is not None:
+                ids.append(tid)
+            else:
+                ids.extend(_chunk_ids(piece))
+    return ids
+
+
+def token_bytes(token_id: int) -> bytes:
+    """UTF-8 bytes of one token (special tokens render as their text)."""
+    special = SPECIAL_TOKENS.get(token_id)
+    if special is not None:
+        return special.encode()
+    piece = _ID_TO_PIECE.get(token_id)
+    if piece is not None:
+        return piece.encode()
+    if token_id >= _BYTE_BASE:
+        off = token_id - _BYTE_BASE
+        length = off // (1 << 24) + 1
+        if length <= 3:
+            return (off % (1 << 24)).to_bytes(length, "big")
+    return b""
+
+
+def detokenize(token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    """Text of ``token_ids`` (inverse of ``tokenize``); unknown ids render as nothing."""
+    buf = bytearray()
+    for tid in token_ids:
+        if skip_special_tokens and tid in SPECIAL_TOKENS:
+            continue
+        buf += token_bytes(tid)
+    return buf.decode("utf-8", errors="replace")
+
+
+def token_str(token_id: int) -> str:
+    """Display string of one token (for ``/tokenize`` ``return_token_strs``)."""
+    return token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def count_tokens(text: str, add_special_tokens: bool = True) -> int:
+    """Number of tokens ``tokenize`` gives for ``text``."""
+    return len(tokenize(text, add_special_tokens))
+
+
+def message_text(content: Any) -> str:
+    """Text of an OpenAI message ``content``: a string or a list of parts (text kept)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                parts.append(part)
+        return "".join(parts)
+    return str(content)
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """ChatML rendering of ``messages`` (without the BOS, which ``tokenize`` adds)."""
+    out = []
+    for msg in messages:
+        role = str(msg.get("role", "user"))
+        out.append(f"<|im_start|>{role}\n{message_text(msg.get('content'))}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def tokenize_chat(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+) -> list[int]:
+    """Prompt token ids of a chat conversation: BOS + ChatML template."""
+    return tokenize(render_chat(messages, add_generation_prompt), add_special_tokens=True)
+
+
+def count_chat_tokens(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+) -> int:
+    """Prompt tokens of a chat conversation (see ``tokenize_chat``)."""
+    return len(tokenize_chat(messages, add_generation_prompt))
+
+
+def _digest(*parts: object) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(repr(p).encode())
+        h.update(b"\x1f")
+    return int.from_bytes(h.digest(), "big")
+
+
+def prompt_key(prompt_token_ids: Sequence[int]) -> int:
+    """A stable 64-bit key of a prompt, used to seed its generated text."""
+    h = hashlib.blake2b(digest_size=8)
+    for tid in prompt_token_ids:
+        h.update(tid.to_bytes(8, "big", signed=True))
+    return int.from_bytes(h.digest(), "big")
+
+
+def natural_stop_length(seed: int, key: int, sample: int = 0, lo: int = 4, hi: int = 512) -> int:
+    """Tokens after which a request emits EOS (the EOS token included).
+
+    Log-uniform in [lo, hi] (median about sqrt(lo*hi), ~45 tokens by default), a pure
+    function of (seed, prompt key, sample index).
+    """
+    u = (_digest("len", seed, key, sample) % 1_000_000) / 1_000_000
+    return max(1, round(lo * (hi / lo) ** u))
+
+
+def generated_token_id(seed: int, key: int, sample: int, index: int) -> int:
+    """Id of generated token number ``index`` (0-based): a word, space-prefixed after the first."""
+    word = _GEN_WORDS[_digest("tok", seed, key, sample, index) % len(_GEN_WORDS)]
+    return _VOCAB[word if index == 0 else " " + word]
+
+
+def generated_token_text(seed: int, key: int, sample: int, index: int) -> str:
+    """Text of generated token number ``index`` (see ``generated_token_id``)."""
+    return _ID_TO_PIECE[generated_token_id(seed, key, sample, index)]
+
+
+def generated_text(seed: int, key: int, sample: int, num_tokens: int) -> str:
+    """Concatenated text of the first ``num_tokens`` generated tokens."""
+    return "".join(generated_token_text(seed, key, sample, i) for i in range(num_tokens))
