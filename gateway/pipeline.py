@@ -25,7 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet.backend import Backend, BackendState, Fleet
 from gateway.fleet.controller import FleetController
 from gateway.metrics import GatewayMetrics
-from gateway.proxy.relay import ClientWatch, RelayResponse, StreamOutcome
+from gateway.proxy.relay import ClientWatch, Cut, CutHandle, RelayResponse, StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
 from gateway.proxy.upstream import (
     UpstreamFailure,
@@ -50,6 +50,7 @@ class RequestContext:
     stream: bool
     upstream: UpstreamRequest
     request_id: str
+    cut: CutHandle
     session_key: str | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -128,18 +129,35 @@ class Pipeline:
             if failure is not None:
                 self.metrics.retries.labels(failure.kind).inc()
             backend.in_flight += 1
+            backend.active.add(ctx.cut)
             try:
                 return await self._attempt(backend, ctx)
             except UpstreamFailure as f:
-                backend.in_flight -= 1
+                self._release(backend, ctx)
                 failure = f
                 self._record_failure(f, ctx)
                 if not should_retry(f.kind, attempt, max_attempts):
                     break
+            except asyncio.CancelledError:
+                self._release(backend, ctx)
+                if ctx.cut.reason != Cut.DRAIN_DEADLINE:
+                    raise
+                # The backend's drain deadline ended this attempt before any byte reached
+                # the client: not the backend's fault, and safe to send elsewhere.
+                ctx.cut.absorb()
+                ctx.cut.rearm()
+                failure = UpstreamFailure(backend, "drained", "backend drained before answering")
+                self._count_attempt(backend, "drained")
             except BaseException:
-                backend.in_flight -= 1
+                self._release(backend, ctx)
                 raise
         return self._give_up(ctx, failure)
+
+    @staticmethod
+    def _release(backend: Backend, ctx: RequestContext) -> None:
+        """Give back the backend slot this request held."""
+        backend.in_flight -= 1
+        backend.active.discard(ctx.cut)
 
     async def _attempt(self, backend: Backend, ctx: RequestContext) -> Opened:
         resp = await self.pool.send(backend, ctx.upstream, self.controller.api_keys[backend.id])
@@ -247,6 +265,17 @@ class Pipeline:
                 request_id=rid,
                 id_header=idh,
             )
+        if f.kind == "drained":
+            return error_response(
+                503,
+                f"The backend serving model '{ctx.model}' was drained and no other could "
+                "take the request.",
+                SERVER_ERROR,
+                "no_backend_available",
+                retry_after_s=self.retry_after_s(),
+                request_id=rid,
+                id_header=idh,
+            )
         if f.kind in ("ttfb_timeout", "idle_timeout"):
             return error_response(
                 504,
@@ -269,7 +298,7 @@ class Pipeline:
     def finish_body(self, ctx: RequestContext, opened: Opened) -> Response:
         """The non-streaming answer for the client; releases the backend slot."""
         backend, resp, body = opened.backend, opened.resp, opened.data
-        backend.in_flight -= 1
+        self._release(backend, ctx)
         backend.requests_served += 1
         status = resp.status
         self._count_attempt(backend, "ok" if status < 400 else f"http_{status}")
@@ -291,7 +320,7 @@ class Pipeline:
         assert opened.framer is not None
 
         def on_done(outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
-            backend.in_flight -= 1
+            self._release(backend, ctx)
             backend.requests_served += 1
             m = self.metrics
             if first_sent_at is not None:
@@ -307,6 +336,9 @@ class Pipeline:
             if outcome == StreamOutcome.OK:
                 self._count_attempt(backend, "ok")
                 self.controller.on_traffic(backend, failed=False)
+            elif outcome in (Cut.DRAIN_DEADLINE, Cut.SHUTDOWN):
+                self._count_attempt(backend, outcome)  # ended by us, not the backend's fault
+                m.stream_errors.labels(backend.id, outcome).inc()
             else:
                 self._count_attempt(backend, outcome)
                 m.stream_errors.labels(backend.id, outcome).inc()
@@ -319,6 +351,7 @@ class Pipeline:
             opened.data,
             opened.framer,
             watch,
+            ctx.cut,
             self.cfg.proxy.idle_timeout_s,
             on_done,
         )

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
 from gateway.fleet.probes import fetch_models
 from gateway.pipeline import Opened, RequestContext
-from gateway.proxy.relay import ClientWatch
+from gateway.proxy.relay import ClientWatch, Cut, CutHandle
 from gateway.proxy.upstream import UpstreamRequest, forward_headers
 
 if TYPE_CHECKING:
@@ -176,10 +176,11 @@ async def proxy(request: Request) -> Response:
             stream,
         ),
         request_id=rid,
+        cut=CutHandle(),
         session_key=request.headers.get(cfg.routing.session_header),
         started=started,
     )
-    watch = ClientWatch(request.receive)
+    watch = ClientWatch(request.receive, ctx.cut)
     try:
         opened = await gw.pipeline.open(ctx)
     except GatewayError as e:
@@ -187,12 +188,23 @@ async def proxy(request: Request) -> Response:
         gw.metrics.count_request(endpoint, model, e.status)
         return e.response(rid, idh)
     except asyncio.CancelledError:
-        if not watch.disconnected:
+        watch.stop()
+        if ctx.cut.reason is None:
             raise
-        watch.absorb()
-        gw.metrics.client_disconnects.labels(endpoint).inc()
-        gw.metrics.count_request(endpoint, model, 499)
-        return Response(status_code=499)
+        if ctx.cut.absorb() == Cut.CLIENT_GONE:
+            gw.metrics.client_disconnects.labels(endpoint).inc()
+            gw.metrics.count_request(endpoint, model, 499)
+            return Response(status_code=499)
+        gw.metrics.count_request(endpoint, model, 503)
+        return error_response(
+            503,
+            "The gateway is shutting down; retry on another instance.",
+            SERVER_ERROR,
+            "gateway_shutting_down",
+            retry_after_s=1,
+            request_id=rid,
+            id_header=idh,
+        )
     if not isinstance(opened, Opened):
         watch.stop()
         gw.metrics.count_request(endpoint, model, opened.status_code)

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from gateway.config import BackendConfig, BackendRole
 
@@ -82,6 +83,8 @@ class Backend:
     config_error: str | None = None  # e.g. backend answered 401 to our own key
     requests_served: int = 0
     history: deque[Transition] = field(default_factory=lambda: deque(maxlen=20))
+    # Cut handles of the requests open on this backend (drain deadlines end them).
+    active: set[Any] = field(default_factory=set)
 
     @property
     def id(self) -> str:

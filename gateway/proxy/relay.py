@@ -31,18 +31,63 @@ Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 
 
-class ClientWatch:
-    """Cancels the current task when the client disconnects, until :meth:`stop` is called.
+class Cut:
+    """Why a request was ended early by someone other than its backend."""
 
-    After a cancellation caused by the client, :attr:`disconnected` is True and the
-    handler must call :meth:`absorb` (which un-cancels the task) instead of re-raising.
+    CLIENT_GONE = "client_gone"  # the client hung up
+    DRAIN_DEADLINE = "drain_deadline"  # its backend's drain deadline passed
+    SHUTDOWN = "gateway_shutdown"  # the gateway's own grace period ended
+
+
+# What the client reads in the error event when its stream is cut (never a backend fault).
+CUT_MESSAGES = {
+    Cut.DRAIN_DEADLINE: "The backend serving this stream was drained and its deadline passed; "
+    "the answer is incomplete.",
+    Cut.SHUTDOWN: "The gateway is shutting down and its grace period ended; the answer is "
+    "incomplete.",
+}
+
+
+class CutHandle:
+    """Lets others end a request early, with a reason, by cancelling its task.
+
+    One handle per client request. The first :meth:`cut` wins (later ones are ignored) and
+    cancels the request's task; the code that catches the ``CancelledError`` reads
+    :attr:`reason` and calls :meth:`absorb` to un-cancel and answer properly (an error
+    event for a stream, a retry elsewhere for a drained attempt, nothing for a client that
+    left). A cancellation with no reason is someone else's and must propagate.
     """
 
-    __slots__ = ("_task", "_watcher", "disconnected", "done")
+    __slots__ = ("reason", "task")
 
-    def __init__(self, receive: Receive) -> None:
-        self._task = asyncio.current_task()
-        self.disconnected = False
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        self.reason: str | None = None
+
+    def cut(self, reason: str) -> None:
+        if self.reason is None and self.task is not None and not self.task.done():
+            self.reason = reason
+            self.task.cancel(reason)
+
+    def absorb(self) -> str:
+        """Undo our cancellation; returns the reason. Call only when :attr:`reason` is set."""
+        assert self.reason is not None and self.task is not None
+        self.task.uncancel()
+        return self.reason
+
+    def rearm(self) -> None:
+        """After an absorbed cut, allow a new one (a drained attempt retried elsewhere)."""
+        self.reason = None
+
+
+class ClientWatch:
+    """Cuts the request (:attr:`Cut.CLIENT_GONE`) when the client disconnects, until
+    :meth:`stop` is called."""
+
+    __slots__ = ("_cut", "_watcher", "done")
+
+    def __init__(self, receive: Receive, cut: CutHandle) -> None:
+        self._cut = cut
         self.done = False
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
 
@@ -51,27 +96,20 @@ class ClientWatch:
             message = await receive()
             if message["type"] == "http.disconnect":
                 break
-        if not self.done and self._task is not None:
-            self.disconnected = True
-            self._task.cancel("client disconnected")
+        if not self.done:
+            self._cut.cut(Cut.CLIENT_GONE)
 
     def stop(self) -> None:
         """Stop watching (the answer is complete or about to be)."""
         self.done = True
         self._watcher.cancel()
 
-    def absorb(self) -> None:
-        """Undo the cancellation this watch caused, so the handler can finish normally."""
-        self.stop()
-        if self._task is not None:
-            self._task.uncancel()
-
 
 class StreamOutcome:
-    """How a relayed stream ended: ``ok``, ``client_gone``, or an error code."""
+    """How a relayed stream ended: ``ok``, a :class:`Cut` reason, or an error code."""
 
     OK = "ok"
-    CLIENT_GONE = "client_gone"
+    CLIENT_GONE = Cut.CLIENT_GONE
 
 
 class RelayResponse(Response):
@@ -89,6 +127,7 @@ class RelayResponse(Response):
         first: bytes,
         framer: EventFramer,
         watch: ClientWatch,
+        cut: CutHandle,
         idle_timeout_s: float,
         on_done: Callable[[str, EventFramer, float | None], None],
     ) -> None:
@@ -97,6 +136,7 @@ class RelayResponse(Response):
         self.first = first
         self.framer = framer
         self.watch = watch
+        self.cut = cut
         self.idle_timeout_s = idle_timeout_s
         self.on_done = on_done
         self.status_code = 200
@@ -162,10 +202,18 @@ class RelayResponse(Response):
                     }
                 )
         except asyncio.CancelledError:
-            if not watch.disconnected:
+            if self.cut.reason is None:
                 raise
-            watch.absorb()
-            outcome = StreamOutcome.CLIENT_GONE
+            watch.stop()
+            outcome = self.cut.absorb()
+            if outcome != Cut.CLIENT_GONE:
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": error_event(CUT_MESSAGES[outcome], outcome) + DONE_EVENT,
+                        "more_body": False,
+                    }
+                )
         finally:
             watch.stop()
             if clean:

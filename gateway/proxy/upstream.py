@@ -40,7 +40,9 @@ HOP_BY_HOP = frozenset(
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
-FailureKind = Literal["connect", "ttfb_timeout", "idle_timeout", "disconnected", "status", "auth"]
+FailureKind = Literal[
+    "connect", "ttfb_timeout", "idle_timeout", "disconnected", "status", "auth", "drained"
+]
 
 
 class UpstreamFailure(Exception):
@@ -48,7 +50,8 @@ class UpstreamFailure(Exception):
 
     ``kind``: ``connect`` (refused, reset before the request was taken, DNS), ``ttfb_timeout``,
     ``idle_timeout``, ``disconnected`` (the backend closed or broke the response),
-    ``status`` (a 5xx answer), ``auth`` (the backend refused the gateway's own key).
+    ``status`` (a 5xx answer), ``auth`` (the backend refused the gateway's own key),
+    ``drained`` (the backend's drain deadline ended the attempt; not its fault).
     ``body``/``status``/``headers`` keep a backend's error answer so it can be passed on.
     """
 

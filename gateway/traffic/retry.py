@@ -9,7 +9,8 @@ the same backend, and only for failures that say nothing about the request itsel
   a backend that died);
 * ``status``: the backend answered 5xx;
 * ``auth``: the backend refused the gateway's own key (a misconfigured backend; another
-  one may be configured right).
+  one may be configured right);
+* ``drained``: the backend's drain deadline ended the attempt before any answer.
 
 Not retried: ``ttfb_timeout`` (the backend may still be generating; re-sending doubles
 load at the worst moment) and every 4xx caused by the request (cases BUG-06/BUG-07).
@@ -17,7 +18,7 @@ load at the worst moment) and every 4xx caused by the request (cases BUG-06/BUG-
 
 from __future__ import annotations
 
-RETRYABLE_KINDS = frozenset({"connect", "disconnected", "status", "auth"})
+RETRYABLE_KINDS = frozenset({"connect", "disconnected", "status", "auth", "drained"})
 
 
 def should_retry(kind: str, attempt: int, max_attempts: int) -> bool:
