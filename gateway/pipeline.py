@@ -185,18 +185,25 @@ class Pipeline:
             raise
 
     async def _read_body(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole body; ``idle_timeout_s`` bounds each silence, not the total."""
         idle = self.cfg.proxy.idle_timeout_s
+        loop = asyncio.get_running_loop()
+        content = resp.content
+        parts: list[bytes] = []
         try:
-            async with asyncio.timeout(idle):
-                return await resp.read()
+            async with asyncio.timeout(idle) as timer:
+                while chunk := await content.readany():
+                    parts.append(chunk)
+                    timer.reschedule(loop.time() + idle)
         except TimeoutError:
             raise UpstreamFailure(
-                backend, "ttfb_timeout", f"response body stalled for {idle:g} s"
+                backend, "idle_timeout", f"response body stalled for {idle:g} s (idle_timeout_s)"
             ) from None
         except (aiohttp.ClientError, ConnectionError) as e:
             raise UpstreamFailure(
                 backend, "disconnected", f"connection broke in the response body: {e!r}"
             ) from None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _first_events(
         self, backend: Backend, resp: aiohttp.ClientResponse, framer: EventFramer

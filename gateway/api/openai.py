@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ from gateway.proxy.upstream import UpstreamRequest, forward_headers
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+
+log = logging.getLogger("gateway.api")
 
 # Field each endpoint cannot do without (vLLM answers 400 without it too).
 REQUIRED_FIELD = {
@@ -77,6 +80,10 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
         raise GatewayError(
             400, f"Request body is not valid JSON: {e}", code="invalid_json"
         ) from None
+    except RecursionError:
+        raise GatewayError(
+            400, "Request body JSON is nested too deeply.", code="invalid_json"
+        ) from None
     if not isinstance(payload, dict):
         raise GatewayError(400, "Request body must be a JSON object.", code="invalid_json")
     model = payload.get("model")
@@ -109,6 +116,16 @@ async def check_model(gw: Gateway, model: str) -> None:
     await gw.controller.refresh_models_soon()
     if any(model in b.models for b in gw.fleet.backends):
         return
+    misconfigured = [b.id for b in gw.fleet.backends if b.config_error and not b.models]
+    if misconfigured:
+        raise GatewayError(
+            502,
+            f"Backends {', '.join(misconfigured)} reject the gateway's credentials, so the "
+            f"model '{model}' cannot be looked up: the gateway's backend key is misconfigured "
+            "(backends[].api_key / api_key_env).",
+            SERVER_ERROR,
+            "backend_auth_failed",
+        )
     if all(b.model_cards or b.config.models is not None for b in gw.fleet.backends):
         raise GatewayError(
             404,
@@ -143,6 +160,22 @@ def check_client_key(gw: Gateway, request: Request) -> None:
         )
 
 
+def log_refusal(e: GatewayError, endpoint: str, request_id: str) -> None:
+    """Log an error the gateway answered itself, with the request id (client mistakes at
+    INFO, a too-large body, auth and capacity problems at WARNING)."""
+    level = logging.INFO if e.status in (400, 404, 405) else logging.WARNING
+    log.log(
+        level,
+        "%s %s: %d %s: %s [request %s]",
+        "POST",
+        endpoint,
+        e.status,
+        e.code,
+        e.message,
+        request_id,
+    )
+
+
 async def proxy(request: Request) -> Response:
     """Forward one model request (stream or not) through the pipeline."""
     gw = _gateway(request)
@@ -160,6 +193,7 @@ async def proxy(request: Request) -> Response:
         await check_model(gw, model)
     except GatewayError as e:
         gw.metrics.count_request(endpoint, "", e.status)
+        log_refusal(e, endpoint, rid)
         return e.response(rid, idh)
     stream = payload.get("stream") is True
     query = request.scope.get("query_string", b"")
@@ -186,6 +220,7 @@ async def proxy(request: Request) -> Response:
     except GatewayError as e:
         watch.stop()
         gw.metrics.count_request(endpoint, model, e.status)
+        log_refusal(e, endpoint, rid)
         return e.response(rid, idh)
     except asyncio.CancelledError:
         watch.stop()
