@@ -53,6 +53,8 @@ def build_gateway(cfg: GatewayConfig) -> Gateway:
         cfg.telemetry.stale_after_s,
         AffinityTable(r.session_ttl_s, r.session_max_entries, clock),
         clock,
+        slow_start_s=cfg.lifecycle.slow_start_s,
+        slow_start_min_weight=cfg.lifecycle.slow_start_min_weight,
     )
     pool = UpstreamPool(cfg.proxy)
     controller = FleetController(cfg, fleet, metrics, clock=clock)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from pathlib import Path
-
-import uvicorn
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 
@@ -32,22 +31,6 @@ def setup_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def uvicorn_config(app: object, cfg: GatewayConfig) -> uvicorn.Config:
-    """uvicorn settings for the gateway: no server header, graceful shutdown from config."""
-    s = cfg.server
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        host=s.host,
-        port=s.port,
-        log_level=s.log_level,
-        access_log=s.access_log,
-        server_header=False,
-        lifespan="on",
-        timeout_graceful_shutdown=s.graceful_shutdown_s,
-        timeout_keep_alive=5,
-    )
-
-
 def _load(args: argparse.Namespace) -> GatewayConfig:
     path = Path(args.config) if args.config else find_default_config()
     server: dict[str, object] = {}
@@ -60,10 +43,12 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
+    from gateway.serving import serve
 
     cfg = _load(args)
     setup_logging(cfg.server.log_level)
-    uvicorn.Server(uvicorn_config(create_app(cfg), cfg)).run()
+    app = create_app(cfg)
+    asyncio.run(serve(app, cfg))
     return 0
 
 
@@ -113,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("demo", help="start simulated backends and the gateway (no GPU needed)")
     with_config(sp)
+    sp.add_argument(
+        "--fast-cycles",
+        action="store_true",
+        help="run the maintenance cycles in seconds, to watch a backend drain, rest, "
+        "recalibrate and return in /admin/backends",
+    )
     sp.set_defaults(func=cmd_demo)
 
     sp = sub.add_parser("check-config", help="validate a config file and print the fleet")

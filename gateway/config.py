@@ -199,6 +199,88 @@ class ProxyConfig(_Strict):
     )
 
 
+class CycleConfig(_Strict):
+    """One maintenance cycle's period (seconds; 0 disables it)."""
+
+    every_s: float = Field(..., ge=0)
+
+
+class MediumCycleConfig(CycleConfig):
+    """Drain -> ``POST /reset_prefix_cache`` -> rest ``cooldown_s`` (probes only; optional
+    vLLM ``/sleep`` then ``/wake_up``) -> calibration -> slow-start return. Due every
+    ``every_s`` seconds or every ``every_requests`` requests served, whichever comes first."""
+
+    every_requests: int = Field(10_000, ge=0, description="0 disables the request trigger")
+    cooldown_s: float = Field(300.0, ge=0)
+    sleep: bool = Field(False, description="put vLLM to sleep (level 1) while resting")
+
+
+class RestartHook(_Strict):
+    """How the long cycle restarts a backend: a command or an HTTP call (not both).
+
+    ``{backend_id}`` and ``{url}`` in the command's arguments or the URL are replaced, e.g.
+    ``command: [kubectl, delete, pod, "{backend_id}"]``.
+    """
+
+    command: list[str] | None = None
+    url: str | None = None
+    method: Literal["POST", "PUT", "DELETE", "GET"] = "POST"
+    timeout_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> RestartHook:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give exactly one of 'command' or 'url'")
+        return self
+
+
+class LifecycleConfig(_Strict):
+    """Warm-up, slow start, drain and the three maintenance cycles (seed 000).
+
+    Defaults: short every 5 min (probe only), medium every 30 min or 10,000 requests, long
+    every 4 h. Per model at most ``max_unavailable`` backends are out of rotation at once
+    (default: 1 or 25% of the model's backends, whichever is larger), and never its last warm
+    backend.
+    """
+
+    warmup_batch_shapes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+    warmup_max_tokens: int = Field(8, ge=1)
+    warmup_timeout_s: float = Field(120.0, gt=0)
+    slow_start_s: float = Field(30.0, ge=0, description="traffic share ramps over this")
+    slow_start_min_weight: float = Field(0.1, gt=0, le=1)
+    drain_deadline_s: float = Field(60.0, ge=0)
+    preempt_deadline_s: float = Field(30.0, ge=0)
+    max_unavailable: int | None = Field(None, ge=1)
+    check_interval_s: float = Field(1.0, gt=0, description="how often cycles are evaluated")
+    short: CycleConfig = Field(default_factory=lambda: CycleConfig(every_s=300.0))
+    medium: MediumCycleConfig = Field(default_factory=lambda: MediumCycleConfig(every_s=1800.0))
+    long: CycleConfig = Field(default_factory=lambda: CycleConfig(every_s=4 * 3600.0))
+    restart_hook: RestartHook | None = None
+    app_probe_max_tokens: int = Field(1, ge=1)
+
+
+class CalibrationConfig(_Strict):
+    """Answer checks after each cooldown: fixed prompts at temperature 0 and a fixed seed.
+
+    The first answers of a backend once warm (or ``baseline_file``: JSON ``{model: {prompt:
+    text}}``) are its baseline. Below ``threshold`` token-overlap similarity the backend is
+    ``unhealthy`` (``calibration_drift``) and the restart hook runs.
+    """
+
+    enabled: bool = True
+    prompts: list[str] = Field(
+        default_factory=lambda: [
+            "List the first five prime numbers.",
+            "Translate 'good morning' into French.",
+            "What is the capital of Japan?",
+        ]
+    )
+    max_tokens: int = Field(16, ge=1)
+    seed: int = 1234
+    threshold: float = Field(0.95, ge=0, le=1)
+    baseline_file: str | None = None
+
+
 class BackendRole(StrEnum):
     PRIMARY = "primary"
     STANDBY = "standby"
@@ -258,6 +340,8 @@ class GatewayConfig(BaseSettings):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     backends: list[BackendConfig] = Field(default_factory=list)
 

@@ -9,21 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from urllib.parse import urlsplit
-
-import uvicorn
 
 from gateway.app import create_app
 from gateway.config import ConfigError, GatewayConfig
-
-
-class EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to its host program."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def,override]
-        yield
 
 
 def banner(cfg: GatewayConfig, model: str) -> str:
@@ -44,42 +33,49 @@ Ctrl-C stops everything.
 """
 
 
+FAST_CYCLES = {
+    "lifecycle": {
+        "slow_start_s": 5.0,
+        "drain_deadline_s": 10.0,
+        "check_interval_s": 0.5,
+        "short": {"every_s": 5.0},
+        "medium": {"every_s": 20.0, "every_requests": 500, "cooldown_s": 4.0},
+        "long": {"every_s": 120.0},
+    }
+}
+
+
+def with_fast_cycles(cfg: GatewayConfig) -> GatewayConfig:
+    """``cfg`` with the maintenance cycles sped up to seconds (``demo --fast-cycles``)."""
+    data = cfg.model_dump()
+    lc = data["lifecycle"]
+    fast = FAST_CYCLES["lifecycle"]
+    for key, value in fast.items():
+        lc[key] = {**lc[key], **value} if isinstance(value, dict) else value
+    return GatewayConfig(**data)
+
+
 async def serve_demo(cfg: GatewayConfig) -> None:
     """Start the simulators, then serve the gateway until a signal arrives."""
+    from gateway.serving import serve
     from gateway.sim.config import SimConfig
     from gateway.sim.runner import run_sim_server
 
     sims = [(b, SimConfig(**b.sim)) for b in cfg.backends if b.sim is not None]
     if not sims:
         raise ConfigError("demo: no backend has a 'sim' block to simulate")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     async with contextlib.AsyncExitStack() as stack:
         for b, sc in sims:
             u = urlsplit(b.base_url)
             await stack.enter_async_context(
                 run_sim_server(sc, host=u.hostname or "127.0.0.1", port=u.port or 80)
             )
-        from gateway.cli import uvicorn_config
-
-        server = EmbeddedServer(uvicorn_config(create_app(cfg), cfg))
-        task = asyncio.create_task(server.serve())
-        while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn has no event)
-            await asyncio.sleep(0.05)
-        if task.done():
-            task.result()
-            return
-        print(banner(cfg, sims[0][1].model), flush=True)
-        waiter = asyncio.create_task(stop.wait())
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        server.should_exit = True
-        waiter.cancel()
-        await task
+        await serve(create_app(cfg), cfg, lambda: print(banner(cfg, sims[0][1].model), flush=True))
 
 
 def run_demo(cfg: GatewayConfig, fast_cycles: bool = False) -> int:
     """Blocking entry point of ``llm-gateway demo``; returns the exit status."""
+    if fast_cycles:
+        cfg = with_fast_cycles(cfg)
     asyncio.run(serve_demo(cfg))
     return 0

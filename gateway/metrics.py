@@ -42,8 +42,9 @@ LATENCY_BUCKETS = (
 class FleetCollector(Collector):
     """Per-backend gauges read from the live Fleet at scrape time."""
 
-    def __init__(self, fleet: Fleet, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, fleet: Fleet, metrics: GatewayMetrics, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
         self._fleet = fleet
+        self._metrics = metrics
         self._clock = clock
 
     def collect(self) -> Iterator[Metric]:
@@ -88,7 +89,15 @@ class FleetCollector(Collector):
                 kv.add_metric([b.id], b.load.kv_cache_usage)
             if b.last_scrape_ok_at is not None:
                 age.add_metric([b.id], now - b.last_scrape_ok_at)
-        yield from (state, in_flight, waiting, running, kv, age)
+        m = self._metrics
+        ratio = GaugeMetricFamily(
+            "gateway_warm_pool_hit_ratio",
+            "Requests served by backends that were warm and past slow start / all requests",
+        )
+        ratio.add_metric(
+            [], m.warm_pool_hits / m.warm_pool_requests if m.warm_pool_requests else 1.0
+        )
+        yield from (state, in_flight, waiting, running, kv, age, ratio)
 
 
 class GatewayMetrics:
@@ -186,11 +195,56 @@ class GatewayMetrics:
             ["loop"],
             registry=r,
         )
+        self.cold_start = Histogram(
+            "gateway_cold_start_seconds",
+            "Backend first seen (or cold/unhealthy) -> warm",
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+            registry=r,
+        )
+        self.cycles = Counter(
+            "gateway_maintenance_cycles",
+            "Maintenance cycles started (short/medium/long)",
+            ["backend", "cycle"],
+            registry=r,
+        )
+        self.drain_seconds = Histogram(
+            "gateway_drain_seconds",
+            "Drain start -> nothing in flight (or deadline)",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.probe_ttft = Gauge(
+            "gateway_probe_ttft_seconds",
+            "Last application probe's time to first token",
+            ["backend"],
+            registry=r,
+        )
+        self.calibration_score = Gauge(
+            "gateway_calibration_score",
+            "Last calibration similarity to the baseline (0-1)",
+            ["backend"],
+            registry=r,
+        )
+        self.restart_hooks = Counter(
+            "gateway_restart_hooks",
+            "Restart hook runs by result (ok/failed/none)",
+            ["backend", "result"],
+            registry=r,
+        )
+        self.prefix_cache_resets = Counter(
+            "gateway_prefix_cache_resets",
+            "Successful POST /reset_prefix_cache",
+            ["backend"],
+            registry=r,
+        )
+        # warm pool hit ratio = hits / requests, computed at scrape time
+        self.warm_pool_requests = 0
+        self.warm_pool_hits = 0
         self._req_children: dict[tuple[str, str, int], Counter] = {}
 
     def attach_fleet(self, fleet: Fleet) -> None:
-        """Export the per-backend gauges of ``fleet``."""
-        self.registry.register(FleetCollector(fleet))
+        """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
+        self.registry.register(FleetCollector(fleet, self))
 
     def count_request(self, endpoint: str, model: str, status: int) -> None:
         """Count one answered client request (cached label child: ~0.3 us)."""

@@ -84,6 +84,7 @@ class Pipeline:
         self.controller = controller
         self.metrics = metrics
         self._attempt_children: dict[tuple[str, str], object] = {}
+        self.router_clock = controller.clock
 
     # ---- candidates -------------------------------------------------------------------
     def candidates(self, model: str, tried: list[str]) -> list[Backend]:
@@ -158,6 +159,15 @@ class Pipeline:
         """Give back the backend slot this request held."""
         backend.in_flight -= 1
         backend.active.discard(ctx.cut)
+
+    def _served(self, backend: Backend) -> None:
+        """Count one request served by ``backend`` (10,000-request cycle trigger, warm-pool
+        hit ratio: served by a backend that was warm and past its slow start)."""
+        backend.requests_served += 1
+        m = self.metrics
+        m.warm_pool_requests += 1
+        if self.router.weight(backend, self.router_clock()) >= 1.0:
+            m.warm_pool_hits += 1
 
     async def _attempt(self, backend: Backend, ctx: RequestContext) -> Opened:
         resp = await self.pool.send(backend, ctx.upstream, self.controller.api_keys[backend.id])
@@ -306,7 +316,7 @@ class Pipeline:
         """The non-streaming answer for the client; releases the backend slot."""
         backend, resp, body = opened.backend, opened.resp, opened.data
         self._release(backend, ctx)
-        backend.requests_served += 1
+        self._served(backend)
         status = resp.status
         self._count_attempt(backend, "ok" if status < 400 else f"http_{status}")
         self.controller.on_traffic(backend, failed=False)
@@ -328,7 +338,7 @@ class Pipeline:
 
         def on_done(outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
             self._release(backend, ctx)
-            backend.requests_served += 1
+            self._served(backend)
             m = self.metrics
             if first_sent_at is not None:
                 m.ttft.labels(ctx.endpoint).observe(first_sent_at - ctx.started)

@@ -6,6 +6,7 @@ Guarded by ``auth.admin_key`` when configured (``Authorization: Bearer <key>``).
 from __future__ import annotations
 
 import hmac
+import json
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -56,6 +57,14 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         "last_error": b.last_error,
         "last_error_at": b.last_error_at,
         "config_error": b.config_error,
+        "drained": b.drained,
+        "maintenance": b.maintenance,
+        "drain_deadline_in_s": (
+            None if b.drain_deadline is None else round(b.drain_deadline - now, 3)
+        ),
+        "slow_start_weight": round(gw.router.weight(b, now), 3) if b.state.value == "warm" else 0.0,
+        "calibration_score": b.calibration_score,
+        "probe_ttft_s": b.probe_ttft_s,
         "consecutive_probe_failures": b.consecutive_probe_failures,
         "consecutive_traffic_failures": b.consecutive_traffic_failures,
     }
@@ -81,9 +90,114 @@ async def get_backend(backend_id: str, request: Request) -> Response:
     return JSONResponse(out)
 
 
+def _backend(gw: Gateway, backend_id: str) -> Backend:
+    b = gw.fleet.get(backend_id)
+    if b is None:
+        raise GatewayError(404, f"No backend with id '{backend_id}'.", code="backend_not_found")
+    return b
+
+
+async def _options(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if not body:
+        return {}
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise GatewayError(400, "Body must be a JSON object.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise GatewayError(400, "Body must be a JSON object.", code="invalid_json")
+    return data
+
+
+def _number(opts: dict[str, Any], key: str, default: float) -> float:
+    value = opts.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise GatewayError(
+            400, f"'{key}' must be a number of seconds >= 0.", param=key, code="invalid_value"
+        )
+    return float(value)
+
+
+async def drain_backend(backend_id: str, request: Request) -> Response:
+    """Stop new requests to the backend now; in-flight ones finish or, at ``deadline_s``
+    (default ``lifecycle.drain_deadline_s``), streams end with an error event. 202."""
+    gw = _gateway(request)
+    b = _backend(gw, backend_id)
+    deadline = _number(await _options(request), "deadline_s", gw.cfg.lifecycle.drain_deadline_s)
+    if not gw.controller.start_drain(b, deadline):
+        raise GatewayError(
+            409,
+            f"Backend '{backend_id}' is {b.state.value}; only a warm or "
+            "warming backend can be drained.",
+            code="invalid_state",
+        )
+    return JSONResponse(backend_summary(gw, b), status_code=202)
+
+
+async def preempt_backend(backend_id: str, request: Request) -> Response:
+    """Spot-preemption notice: a drain with ``lifecycle.preempt_deadline_s`` (30 s), then
+    ``cold`` (the instance is going away; probes bring it back if it returns). 202."""
+    gw = _gateway(request)
+    b = _backend(gw, backend_id)
+    deadline = _number(await _options(request), "deadline_s", gw.cfg.lifecycle.preempt_deadline_s)
+    if not gw.controller.start_drain(b, deadline, preempt=True):
+        raise GatewayError(
+            409,
+            f"Backend '{backend_id}' is {b.state.value}; nothing to preempt.",
+            code="invalid_state",
+        )
+    return JSONResponse(backend_summary(gw, b), status_code=202)
+
+
+async def undrain_backend(backend_id: str, request: Request) -> Response:
+    """Return a draining or resting backend to rotation (through slow start)."""
+    gw = _gateway(request)
+    b = _backend(gw, backend_id)
+    if not gw.controller.undrain(b):
+        raise GatewayError(
+            409,
+            f"Backend '{backend_id}' is {b.state.value}, not draining or in cooldown.",
+            code="invalid_state",
+        )
+    return JSONResponse(backend_summary(gw, b))
+
+
+async def cooldown_backend(backend_id: str, request: Request) -> Response:
+    """Run the medium cycle now (drain -> reset prefix cache -> rest -> calibration ->
+    slow-start return). Refused (409) when staggering forbids it, unless ``"force": true``.
+    ``min_rest_s`` lengthens the rest."""
+    gw = _gateway(request)
+    b = _backend(gw, backend_id)
+    opts = await _options(request)
+    rest = _number(opts, "min_rest_s", 0.0)
+    if not gw.controller.request_cooldown(b.id, "admin", rest, force=opts.get("force") is True):
+        raise GatewayError(
+            409,
+            f"Backend '{backend_id}' cannot start a cooldown now: it is "
+            f"{b.state.value}{' and busy' if gw.controller.busy(b) else ''}, or "
+            "taking it out would leave its model without enough warm backends "
+            '(send {"force": true} to override).',
+            code="invalid_state",
+        )
+    return JSONResponse(backend_summary(gw, b), status_code=202)
+
+
 def install_routes(app: FastAPI) -> None:
     """Register the ``/admin/...`` routes on ``app``."""
     app.add_api_route("/admin/backends", list_backends, methods=["GET"], include_in_schema=False)
     app.add_api_route(
         "/admin/backends/{backend_id}", get_backend, methods=["GET"], include_in_schema=False
     )
+    for action, fn in (
+        ("drain", drain_backend),
+        ("undrain", undrain_backend),
+        ("preempt", preempt_backend),
+        ("cooldown", cooldown_backend),
+    ):
+        app.add_api_route(
+            f"/admin/backends/{{backend_id}}/{action}",
+            fn,
+            methods=["POST"],
+            include_in_schema=False,
+        )

@@ -185,6 +185,17 @@ async def proxy(request: Request) -> Response:
     rid = request_id_of(request, idh)
     request.state.request_id = rid
     started = time.perf_counter()
+    if gw.shutting_down:
+        gw.metrics.count_request(endpoint, "", 503)
+        return error_response(
+            503,
+            "The gateway is shutting down; retry on another instance.",
+            SERVER_ERROR,
+            "gateway_shutting_down",
+            retry_after_s=1,
+            request_id=rid,
+            id_header=idh,
+        )
     try:
         check_client_key(gw, request)
         body = await read_body(request, cfg.server.max_body_bytes)

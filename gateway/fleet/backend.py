@@ -85,6 +85,16 @@ class Backend:
     history: deque[Transition] = field(default_factory=lambda: deque(maxlen=20))
     # Cut handles of the requests open on this backend (drain deadlines end them).
     active: set[Any] = field(default_factory=set)
+    # Lifecycle bookkeeping (monotonic seconds unless said otherwise).
+    first_seen: float | None = None  # when the gateway first knew it (cold start timer)
+    warm_since: float | None = None  # start of the slow-start ramp
+    drain_deadline: float | None = None
+    drained: bool = False  # a manual drain finished: no in-flight left, out of rotation
+    maintenance: str | None = None  # the cycle running now (short/medium/long/drain/...)
+    cycles: Any = None  # lifecycle.CycleClock, set by the controller
+    calibration_baseline: dict[str, object] | None = None
+    calibration_score: float | None = None
+    probe_ttft_s: float | None = None  # last application probe's time to first token
 
     @property
     def id(self) -> str:

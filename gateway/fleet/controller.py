@@ -1,4 +1,8 @@
-"""The fleet's control loops: health probes, load scrapes, model discovery.
+"""The fleet's control loops and lifecycle procedures.
+
+Loops: health probes, load scrapes, model discovery, and the lifecycle loop that starts
+maintenance cycles when due. Procedures: warm-up, drain (with its deadline), the short /
+medium / long cycles, calibration, the restart hook, spot preemption.
 
 I/O lives here; every decision comes from the pure rules of
 :mod:`gateway.fleet.lifecycle`. Each loop survives its own exceptions (logged, counted in
@@ -11,18 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import httpx
 
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
 from gateway.fleet import lifecycle
 from gateway.fleet.backend import Backend, BackendState, Fleet
-from gateway.fleet.probes import fetch_models, probe_health
+from gateway.fleet.calibration import collect_answers, compare
+from gateway.fleet.lifecycle import CycleKind
+from gateway.fleet.probes import app_probe, fetch_models, probe_health, warm_up
 from gateway.fleet.telemetry import scrape_load
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.relay import Cut
+
+S = BackendState
 
 log = logging.getLogger("gateway.fleet")
 
@@ -51,8 +62,15 @@ class FleetController:
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._warming: dict[str, asyncio.Task[None]] = {}
+        self._maintenance: dict[str, asyncio.Task[None]] = {}
+        self._work_client: httpx.AsyncClient | None = None
         self._last_models_refresh = float("-inf")
         self._models_lock = asyncio.Lock()
+        self.baselines = _load_baselines(cfg.calibration.baseline_file)
+        self.longest_drain_s = 0.0  # seconds, since start (reported by drills)
+        now = clock()
+        for b in fleet:
+            b.first_seen = now
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -67,12 +85,21 @@ class FleetController:
         soon as the gateway accepts traffic and a dead one never blocks start-up.
         """
         h = self.cfg.health
+        lc = self.cfg.lifecycle
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(h.timeout_s),
             limits=httpx.Limits(max_connections=max(16, 4 * len(self.fleet))),
         )
+        # Warm-up, application probes and calibration generate tokens: a longer timeout.
+        self._work_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(lc.warmup_timeout_s, connect=h.timeout_s),
+            limits=httpx.Limits(max_connections=max(16, 16 * len(self.fleet))),
+        )
+        now = self.clock()
+        for i, b in enumerate(self.fleet):
+            b.cycles = lifecycle.initial_cycle_clock(i, len(self.fleet), now, lc)
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(h.timeout_s + 1.0):
+            async with asyncio.timeout(max(h.timeout_s + 1.0, min(lc.warmup_timeout_s, 10.0))):
                 await self.probe_round()
                 if self._warming:
                     await asyncio.gather(*self._warming.values(), return_exceptions=True)
@@ -81,17 +108,24 @@ class FleetController:
             asyncio.create_task(self._loop("probe", h.interval_s, self.probe_round)),
             asyncio.create_task(self._loop("scrape", t.scrape_interval_s, self.scrape_round)),
             asyncio.create_task(self._loop("models", t.models_refresh_s, self.models_round)),
+            asyncio.create_task(self._loop("lifecycle", lc.check_interval_s, self.lifecycle_round)),
         ]
 
     async def stop(self) -> None:
-        tasks = self._tasks + list(self._warming.values())
+        tasks = self._tasks + list(self._warming.values()) + list(self._maintenance.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks, self._warming = [], {}
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        self._tasks, self._warming, self._maintenance = [], {}, {}
+        for client in (self._client, self._work_client):
+            if client is not None:
+                await client.aclose()
+        self._client = self._work_client = None
+
+    @property
+    def work_client(self) -> httpx.AsyncClient:
+        assert self._work_client is not None, "controller not started"
+        return self._work_client
 
     async def _loop(self, name: str, interval: float, body: Callable[[], Awaitable[None]]) -> None:
         gauge = self.metrics.loop_last_success.labels(name)
@@ -109,14 +143,26 @@ class FleetController:
 
     # ---- transitions --------------------------------------------------------------------
     def transition(self, backend: Backend, to: BackendState, reason: str) -> None:
-        """Apply one checked transition, log it and count it."""
+        """Apply one checked transition, log it, count it, and start what it implies
+        (warm-up on ``warming``; the slow-start ramp on ``warm``)."""
         if backend.state is to:
             return
         t = lifecycle.apply_transition(backend, to, reason, self.wall())
-        level = logging.WARNING if to is BackendState.UNHEALTHY else logging.INFO
+        level = logging.WARNING if to is S.UNHEALTHY else logging.INFO
         log.log(level, "backend %s: %s -> %s (%s)", backend.id, t.from_state, to, reason)
         self.metrics.transitions.labels(backend.id, t.from_state.value, to.value, reason).inc()
-        if to is BackendState.WARMING:
+        now = self.clock()
+        if to is S.WARM:
+            backend.warm_since = now
+            backend.drained = False
+            if backend.first_seen is not None:
+                self.metrics.cold_start.observe(now - backend.first_seen)
+                backend.first_seen = None
+        elif to in (S.COLD, S.UNHEALTHY) and backend.first_seen is None:
+            backend.first_seen = now  # the cold-start timer runs until warm again
+        if t.from_state is S.DRAINING:
+            backend.drain_deadline = None
+        if to is S.WARMING:
             self._start_warming(backend)
 
     def apply(self, backend: Backend, decision: lifecycle.Decision | None) -> None:
@@ -134,10 +180,33 @@ class FleetController:
         self._warming[backend.id] = asyncio.get_running_loop().create_task(self._warm(backend))
 
     async def _warm(self, backend: Backend) -> None:
-        """Bring a ``warming`` backend to ``warm``: it must list its models first."""
+        """Bring a ``warming`` backend to ``warm``: it lists its models, passes the warm-up
+        at each batch shape, and (first time only) gives its calibration baseline."""
         await self.refresh_models(backend)
-        if backend.state is BackendState.WARMING and backend.models:
-            self.transition(backend, BackendState.WARM, "ready")
+        if backend.state is not S.WARMING or not backend.models:
+            return
+        lc = self.cfg.lifecycle
+        key = self.api_keys[backend.id]
+        model = backend.models[0]
+        err = await warm_up(
+            self.work_client, backend, model, key, lc.warmup_batch_shapes, lc.warmup_max_tokens
+        )
+        if backend.state is not S.WARMING:
+            return
+        if err is not None:
+            backend.note_error(err)
+            self.transition(backend, S.UNHEALTHY, "warmup_failed")
+            return
+        if self.cfg.calibration.enabled and backend.calibration_baseline is None:
+            baseline = self.baselines.get(model)
+            if baseline is None:
+                try:
+                    baseline = await self._answers(backend, model)
+                except (httpx.HTTPError, ValueError) as e:
+                    backend.note_error(f"calibration baseline: {e}")
+            backend.calibration_baseline = baseline
+        if backend.state is S.WARMING:
+            self.transition(backend, S.WARM, "ready")
 
     # ---- probes ---------------------------------------------------------------------------
     def _config_error(self, backend: Backend, detail: str, status: int | None) -> None:
@@ -217,3 +286,339 @@ class FleetController:
             if self.clock() - self._last_models_refresh < min_interval_s:
                 return
             await self.models_round()
+
+    # ---- lifecycle loop and maintenance cycles ---------------------------------------------
+    def busy(self, backend: Backend) -> bool:
+        """Whether a maintenance procedure (cycle, drain) is running on ``backend``."""
+        task = self._maintenance.get(backend.id)
+        return task is not None and not task.done()
+
+    def _run(self, backend: Backend, name: str, coro: Awaitable[None]) -> asyncio.Task[None]:
+        """Run one maintenance procedure on ``backend`` (at most one at a time)."""
+
+        async def wrapped() -> None:
+            backend.maintenance = name
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.metrics.loop_errors.labels(f"maintenance_{name}").inc()
+                log.exception("backend %s: %s failed", backend.id, name)
+            finally:
+                backend.maintenance = None
+
+        task = asyncio.get_running_loop().create_task(wrapped())
+        self._maintenance[backend.id] = task
+        return task
+
+    async def lifecycle_round(self) -> None:
+        """Start every cycle that is due and allowed (staggered per model)."""
+        lc = self.cfg.lifecycle
+        now = self.clock()
+        for b in self.fleet:
+            if b.cycles is None or self.busy(b) or b.state is not S.WARM:
+                continue
+            kind = lifecycle.due_cycle(b.cycles, now, b.requests_served, lc)
+            if kind is None:
+                continue
+            if kind is not CycleKind.SHORT and not lifecycle.may_take_out(
+                b, self.fleet.backends, lc
+            ):
+                continue  # staggered: it stays due and starts when allowed
+            lifecycle.cycle_started(b.cycles, kind, now, b.requests_served, lc)
+            self.metrics.cycles.labels(b.id, kind.value).inc()
+            if kind is CycleKind.SHORT:
+                self._run(b, "short", self.short_cycle(b))
+            elif kind is CycleKind.MEDIUM:
+                self._run(b, "medium", self.medium_cycle(b, "scheduled"))
+            else:
+                self._run(b, "long", self.long_cycle(b, "scheduled"))
+
+    async def short_cycle(self, backend: Backend) -> None:
+        """Probe through the engine; no traffic change unless it fails."""
+        if not backend.models:
+            return
+        res = await app_probe(
+            self.work_client,
+            backend,
+            backend.models[0],
+            self.api_keys[backend.id],
+            self.cfg.lifecycle.app_probe_max_tokens,
+        )
+        if res.ok:
+            backend.probe_ttft_s = res.ttft_s
+            if res.ttft_s is not None:
+                self.metrics.probe_ttft.labels(backend.id).set(res.ttft_s)
+            return
+        backend.note_error(res.detail)
+        if backend.state is S.WARM:
+            self.transition(backend, S.UNHEALTHY, "app_probe_failed")
+
+    async def drain(self, backend: Backend, deadline_s: float, reason: str) -> bool:
+        """Stop new requests to ``backend`` at once and wait for its in-flight ones.
+
+        At the deadline (seconds from now) the remaining requests are cut: streams end
+        with an error event then ``[DONE]``; a request still waiting for its answer is
+        re-sent to another backend. Returns True when the backend is still ``draining``
+        with nothing in flight (False: something else changed its state meanwhile).
+        """
+        if backend.state in (S.WARM, S.WARMING):
+            self.transition(backend, S.DRAINING, reason)
+        if backend.state is not S.DRAINING:
+            return False
+        started = self.clock()
+        backend.drain_deadline = started + deadline_s
+        cut = False
+        while backend.in_flight > 0 and backend.state is S.DRAINING:
+            if not cut and self.clock() >= backend.drain_deadline:
+                cut = True
+                log.warning(
+                    "backend %s: drain deadline (%g s) passed with %d in flight; ending them",
+                    backend.id,
+                    deadline_s,
+                    backend.in_flight,
+                )
+                for handle in list(backend.active):
+                    handle.cut(Cut.DRAIN_DEADLINE)
+            await asyncio.sleep(0.05)
+        took = self.clock() - started
+        self.metrics.drain_seconds.observe(took)
+        self.longest_drain_s = max(self.longest_drain_s, took)
+        return backend.state is S.DRAINING
+
+    async def manual_drain(
+        self, backend: Backend, deadline_s: float, then_cold: str | None = None
+    ) -> None:
+        """Admin drain: out of rotation until undrained (or, for a spot preemption, ``cold``)."""
+        if await self.drain(backend, deadline_s, "spot_preemption" if then_cold else "admin_drain"):
+            if then_cold:
+                self.transition(backend, S.COLD, then_cold)
+            else:
+                backend.drained = True
+                log.info("backend %s: drained (nothing in flight)", backend.id)
+
+    def undrain(self, backend: Backend) -> bool:
+        """Return a draining or resting backend to rotation (with slow start)."""
+        task = self._maintenance.get(backend.id)
+        if task is not None and not task.done():
+            task.cancel()
+        if backend.state in (S.DRAINING, S.COOLDOWN):
+            self.transition(backend, S.WARM, "admin_undrain")
+            return True
+        return False
+
+    async def medium_cycle(self, backend: Backend, reason: str, min_rest_s: float = 0.0) -> None:
+        """Drain -> reset prefix cache -> rest (probes only; optional vLLM sleep) ->
+        calibration -> slow-start return."""
+        lc = self.cfg.lifecycle
+        if not await self.drain(backend, lc.drain_deadline_s, f"cooldown_{reason}"):
+            return
+        self.transition(backend, S.COOLDOWN, "drained")
+        await self._reset_prefix_cache(backend)
+        rest = max(lc.medium.cooldown_s, min_rest_s)
+        slept = lc.medium.sleep and await self._vllm_post(backend, "/sleep?level=1")
+        deadline = self.clock() + rest
+        while self.clock() < deadline:
+            if backend.state is not S.COOLDOWN:
+                return  # a probe failed meanwhile, or an admin undrained it
+            await asyncio.sleep(min(0.25, max(0.0, deadline - self.clock())))
+        if slept:
+            await self._vllm_post(backend, "/wake_up")
+        if backend.state is not S.COOLDOWN:
+            return
+        if not await self.calibrate(backend):
+            return
+        if backend.state is S.COOLDOWN:
+            self.transition(backend, S.WARM, "cooldown_done")
+
+    async def long_cycle(self, backend: Backend, reason: str) -> None:
+        """Drain -> restart hook -> ``cold`` (probes then bring it through warming)."""
+        if not await self.drain(backend, self.cfg.lifecycle.drain_deadline_s, f"restart_{reason}"):
+            return
+        await self.run_restart_hook(backend)
+        if backend.state is S.DRAINING:
+            self.transition(backend, S.COLD, "restarted")
+
+    def request_cooldown(
+        self, backend_id: str, reason: str, min_rest_s: float = 0.0, force: bool = False
+    ) -> bool:
+        """Run the medium cycle on a backend now: the entry point for the admin API and for
+        thermal triggers. Respects staggering (``max_unavailable``, never the last warm
+        backend of a model) unless ``force``. Returns whether the cycle started."""
+        backend = self.fleet.get(backend_id)
+        if backend is None or self.busy(backend) or backend.state is not S.WARM:
+            return False
+        if not force and not lifecycle.may_take_out(
+            backend, self.fleet.backends, self.cfg.lifecycle
+        ):
+            return False
+        if backend.cycles is not None:
+            lifecycle.cycle_started(
+                backend.cycles,
+                CycleKind.MEDIUM,
+                self.clock(),
+                backend.requests_served,
+                self.cfg.lifecycle,
+            )
+        self.metrics.cycles.labels(backend.id, "medium").inc()
+        self._run(backend, "medium", self.medium_cycle(backend, reason, min_rest_s))
+        return True
+
+    def start_drain(self, backend: Backend, deadline_s: float, preempt: bool = False) -> bool:
+        """Admin drain / spot preemption (a drain then ``cold``). False if not serving."""
+        if backend.state not in (S.WARM, S.WARMING, S.DRAINING):
+            return False
+        task = self._maintenance.get(backend.id)
+        if task is not None and not task.done():
+            task.cancel()
+        name = "preempt" if preempt else "drain"
+        self._run(
+            backend,
+            name,
+            self.manual_drain(backend, deadline_s, "spot_preemption" if preempt else None),
+        )
+        return True
+
+    # ---- calibration and hooks ---------------------------------------------------------------
+    async def _answers(self, backend: Backend, model: str) -> dict[str, object]:
+        c = self.cfg.calibration
+        return await collect_answers(
+            self.work_client,
+            backend.base_url,
+            model,
+            c.prompts,
+            c.max_tokens,
+            c.seed,
+            self.api_keys[backend.id],
+        )
+
+    async def calibrate(self, backend: Backend) -> bool:
+        """Compare the backend's answers with its baseline; False (and ``unhealthy``,
+        reason ``calibration_drift``, plus the restart hook) below the threshold."""
+        c = self.cfg.calibration
+        if not c.enabled or not backend.models:
+            return True
+        model = backend.models[0]
+        baseline = backend.calibration_baseline or self.baselines.get(model)
+        try:
+            answers = await self._answers(backend, model)
+        except (httpx.HTTPError, ValueError) as e:
+            backend.note_error(f"calibration: {e}")
+            if backend.state is S.COOLDOWN:
+                self.transition(backend, S.UNHEALTHY, "calibration_failed")
+            return False
+        if baseline is None:
+            backend.calibration_baseline = answers
+            return True
+        result = compare(baseline, answers)
+        backend.calibration_score = result.similarity
+        self.metrics.calibration_score.labels(backend.id).set(result.similarity)
+        log.info(
+            "backend %s: calibration exact-match %.2f similarity %.3f",
+            backend.id,
+            result.exact_match,
+            result.similarity,
+        )
+        if result.similarity >= c.threshold:
+            return True
+        backend.note_error(
+            f"calibration drift: similarity {result.similarity:.3f} < {c.threshold} "
+            f"(exact match {result.exact_match:.2f})"
+        )
+        if backend.state in (S.COOLDOWN, S.WARM, S.WARMING, S.DRAINING):
+            self.transition(backend, S.UNHEALTHY, "calibration_drift")
+        await self.run_restart_hook(backend)
+        return False
+
+    async def run_restart_hook(self, backend: Backend) -> None:
+        """Run the configured restart hook for ``backend`` (none: only logged)."""
+        hook = self.cfg.lifecycle.restart_hook
+        if hook is None:
+            log.info("backend %s: no restart hook configured; a restart would go here", backend.id)
+            self.metrics.restart_hooks.labels(backend.id, "none").inc()
+            return
+        subst = {"backend_id": backend.id, "url": backend.base_url}
+        try:
+            if hook.command is not None:
+                argv = [a.format(**subst) for a in hook.command]
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+                )
+                try:
+                    async with asyncio.timeout(hook.timeout_s):
+                        _, err = await proc.communicate()
+                except TimeoutError:
+                    proc.kill()
+                    raise
+                ok = proc.returncode == 0
+                detail = f"exit {proc.returncode}: {err.decode(errors='replace')[-200:]}"
+            else:
+                assert hook.url is not None
+                r = await self.work_client.request(
+                    hook.method, hook.url.format(**subst), timeout=hook.timeout_s
+                )
+                ok = r.status_code < 400
+                detail = f"HTTP {r.status_code}"
+        except (OSError, TimeoutError, httpx.HTTPError) as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        self.metrics.restart_hooks.labels(backend.id, "ok" if ok else "failed").inc()
+        if ok:
+            log.info("backend %s: restart hook ran (%s)", backend.id, detail)
+        else:
+            log.error("backend %s: restart hook failed (%s)", backend.id, detail)
+            backend.note_error(f"restart hook failed: {detail}")
+
+    async def _vllm_post(self, backend: Backend, path: str) -> bool:
+        """POST a vLLM dev-mode route; False when absent (404) or failing."""
+        headers = {"authorization": f"Bearer {k}"} if (k := self.api_keys[backend.id]) else None
+        try:
+            r = await self.work_client.post(f"{backend.base_url}{path}", headers=headers)
+        except httpx.HTTPError as e:
+            backend.note_error(f"{path}: {type(e).__name__}")
+            return False
+        if r.status_code == 404:
+            log.info(
+                "backend %s: %s not supported (404; vLLM needs VLLM_SERVER_DEV_MODE=1)",
+                backend.id,
+                path,
+            )
+            return False
+        return r.status_code < 300
+
+    async def _reset_prefix_cache(self, backend: Backend) -> None:
+        """``POST /reset_prefix_cache``; vLLM refuses (``success: false``) while blocks are
+        in use, so retry a few times."""
+        for _ in range(5):
+            headers = {"authorization": f"Bearer {k}"} if (k := self.api_keys[backend.id]) else None
+            try:
+                r = await self.work_client.post(
+                    f"{backend.base_url}/reset_prefix_cache", headers=headers
+                )
+            except httpx.HTTPError:
+                return
+            if r.status_code == 404:
+                log.info("backend %s: /reset_prefix_cache not supported (404)", backend.id)
+                return
+            try:
+                if r.status_code == 200 and r.json().get("success", True) is not False:
+                    self.metrics.prefix_cache_resets.labels(backend.id).inc()
+                    return
+            except ValueError:
+                return
+            await asyncio.sleep(0.5)
+
+
+def _load_baselines(path: str | None) -> dict[str, dict[str, object]]:
+    """Calibration baselines from a JSON file ``{model: {prompt: answer}}`` (or none)."""
+    if path is None:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"calibration.baseline_file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"calibration.baseline_file {path}: expected {{model: {{prompt: answer}}}}"
+        )
+    return data

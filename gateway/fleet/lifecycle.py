@@ -6,6 +6,18 @@ States and the legal moves between them (DESIGN.md, "Backend states")::
     draining -> warm (undrain) | cold (restart hook)      any -> unhealthy
     unhealthy -> warming | cold
 
+Maintenance cycles (seed 000), all periods configurable (:class:`LifecycleConfig`):
+
+* short (5 min): an application probe; no traffic change unless it fails;
+* medium (30 min or 10,000 requests served, whichever first): drain -> reset prefix cache
+  -> rest -> calibration -> slow-start return;
+* long (4 h): drain -> restart hook -> cold -> warming.
+
+:func:`initial_cycle_clock` spreads first due times over the period so backends do not
+all come due together, and :func:`may_take_out` keeps at most ``max_unavailable`` backends
+of a model out of rotation and never its last warm one (Kubernetes' ``maxUnavailable``
+with the percentage rounded down, at least 1).
+
 Every change goes through :func:`apply_transition`, which rejects illegal moves with
 :class:`IllegalTransition` and appends to the backend's history. Health decisions
 (:func:`after_probe`, :func:`after_traffic`) are pure functions of the counters and the
@@ -16,16 +28,19 @@ checking uses the same unhealthy/healthy threshold pair).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
-from gateway.config import HealthConfig
+from gateway.config import HealthConfig, LifecycleConfig
 from gateway.fleet.backend import Backend, BackendState, Transition
 
 S = BackendState
 
 LEGAL: dict[BackendState, frozenset[BackendState]] = {
     S.COLD: frozenset({S.WARMING, S.UNHEALTHY}),
-    S.WARMING: frozenset({S.WARM, S.UNHEALTHY, S.COLD}),
+    S.WARMING: frozenset({S.WARM, S.DRAINING, S.UNHEALTHY, S.COLD}),
     S.WARM: frozenset({S.DRAINING, S.UNHEALTHY}),
     S.DRAINING: frozenset({S.COOLDOWN, S.WARM, S.COLD, S.UNHEALTHY}),
     S.COOLDOWN: frozenset({S.WARMING, S.WARM, S.UNHEALTHY, S.COLD}),
@@ -112,3 +127,109 @@ def after_traffic(backend: Backend, failed: bool, cfg: HealthConfig) -> Decision
         backend.consecutive_probe_successes = 0
         return Decision(S.UNHEALTHY, "passive_outlier")
     return None
+
+
+# ---- slow start --------------------------------------------------------------------------
+def slow_start_weight(
+    warm_since: float | None, now: float, slow_start_s: float, min_weight: float
+) -> float:
+    """Share multiplier (0-1] of a backend that became warm at ``warm_since`` (seconds).
+
+    Ramps linearly from ``min_weight`` to 1 over ``slow_start_s`` (Envoy's slow-start mode
+    ramps weights over a window the same way, with a minimum weight of 10% by default).
+    """
+    if warm_since is None or slow_start_s <= 0:
+        return 1.0
+    progress = (now - warm_since) / slow_start_s
+    if progress >= 1.0:
+        return 1.0
+    return max(min_weight, progress)
+
+
+# ---- maintenance cycles --------------------------------------------------------------------
+class CycleKind(StrEnum):
+    SHORT = "short"
+    MEDIUM = "medium"
+    LONG = "long"
+
+
+@dataclass(slots=True)
+class CycleClock:
+    """When each cycle of one backend is next due (monotonic seconds), and the request count
+    at its last medium cycle (for the every-N-requests trigger)."""
+
+    next_short: float
+    next_medium: float
+    next_long: float
+    requests_at_medium: int = 0
+
+
+def _first(now: float, every: float, index: int, count: int) -> float:
+    if every <= 0:
+        return math.inf
+    return now + every * (index + 1) / max(1, count)
+
+
+def initial_cycle_clock(index: int, count: int, now: float, cfg: LifecycleConfig) -> CycleClock:
+    """First due times of backend ``index`` of ``count``, spread evenly over each period."""
+    return CycleClock(
+        next_short=_first(now, cfg.short.every_s, index, count),
+        next_medium=_first(now, cfg.medium.every_s, index, count),
+        next_long=_first(now, cfg.long.every_s, index, count),
+    )
+
+
+def due_cycle(
+    clock: CycleClock, now: float, requests_served: int, cfg: LifecycleConfig
+) -> CycleKind | None:
+    """The most thorough cycle now due for one backend (long > medium > short), or None."""
+    if now >= clock.next_long:
+        return CycleKind.LONG
+    every_n = cfg.medium.every_requests
+    if now >= clock.next_medium or (
+        every_n > 0 and requests_served - clock.requests_at_medium >= every_n
+    ):
+        return CycleKind.MEDIUM
+    if now >= clock.next_short:
+        return CycleKind.SHORT
+    return None
+
+
+def cycle_started(
+    clock: CycleClock, kind: CycleKind, now: float, requests_served: int, cfg: LifecycleConfig
+) -> None:
+    """Book a started cycle: its next due time moves one period on. A long cycle also
+    counts as a medium and a short one (it does more than both)."""
+    inf = math.inf
+    if kind is CycleKind.LONG:
+        clock.next_long = now + cfg.long.every_s if cfg.long.every_s > 0 else inf
+    if kind in (CycleKind.LONG, CycleKind.MEDIUM):
+        clock.next_medium = now + cfg.medium.every_s if cfg.medium.every_s > 0 else inf
+        clock.requests_at_medium = requests_served
+    clock.next_short = now + cfg.short.every_s if cfg.short.every_s > 0 else inf
+
+
+def max_unavailable(model_backends: int, cfg: LifecycleConfig) -> int:
+    """How many of a model's ``model_backends`` may be out of rotation at once."""
+    if cfg.max_unavailable is not None:
+        return cfg.max_unavailable
+    return max(1, math.floor(0.25 * model_backends))
+
+
+def may_take_out(backend: Backend, fleet: Sequence[Backend], cfg: LifecycleConfig) -> bool:
+    """Whether a maintenance cycle may take ``backend`` out of rotation now.
+
+    For every model it serves: after taking it out, at least one *other* backend of the
+    model must be warm, and no more than :func:`max_unavailable` of the model's backends may
+    be out of rotation (any state but ``warm`` counts as out: draining, cooldown, warming,
+    cold, unhealthy). Only a warm backend is taken out.
+    """
+    if backend.state is not S.WARM or not backend.models:
+        return False
+    for model in backend.models:
+        peers = [b for b in fleet if model in b.models]
+        out = sum(1 for b in peers if b.state is not S.WARM)
+        warm_others = sum(1 for b in peers if b is not backend and b.state is S.WARM)
+        if warm_others == 0 or out + 1 > max_unavailable(len(peers), cfg):
+            return False
+    return True

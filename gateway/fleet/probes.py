@@ -9,6 +9,7 @@ backend is dead: it is reported as a configuration error and the backend keeps i
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,3 +83,62 @@ async def fetch_models(
     except (ValueError, KeyError, TypeError) as e:
         return ModelsResult(None, "fail", f"/v1/models: unexpected body ({e})", 200)
     return ModelsResult(cards, "ok", http_status=200)
+
+
+@dataclass(frozen=True, slots=True)
+class AppProbeResult:
+    """An application probe: ``ok``, its TTFT in seconds (a 1-token answer), or ``detail``."""
+
+    ok: bool
+    ttft_s: float | None = None
+    detail: str = ""
+
+
+async def app_probe(
+    client: httpx.AsyncClient,
+    backend: Backend,
+    model: str,
+    api_key: str | None,
+    max_tokens: int = 1,
+) -> AppProbeResult:
+    """A tiny completion (``max_tokens`` 1 by default) through the engine; its latency is
+    the time to first token. A model that does not generate (a 4xx on completions) is
+    probed with a one-word embedding instead."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    body = {"model": model, "prompt": "ping", "max_tokens": max_tokens, "temperature": 0}
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        r = await client.post(f"{backend.base_url}/v1/completions", json=body, headers=headers)
+        if 400 <= r.status_code < 500 and r.status_code not in (401, 403, 429):
+            r = await client.post(
+                f"{backend.base_url}/v1/embeddings",
+                json={"model": model, "input": "ping"},
+                headers=headers,
+            )
+    except httpx.HTTPError as e:
+        return AppProbeResult(False, detail=f"app probe: {type(e).__name__}: {e}".rstrip(": "))
+    if r.status_code != 200:
+        return AppProbeResult(False, detail=f"app probe answered {r.status_code}")
+    return AppProbeResult(True, ttft_s=loop.time() - t0)
+
+
+async def warm_up(
+    client: httpx.AsyncClient,
+    backend: Backend,
+    model: str,
+    api_key: str | None,
+    batch_shapes: list[int],
+    max_tokens: int,
+) -> str | None:
+    """Warm-up passes at each batch shape (1, 2, 4, 8 concurrent requests by default), so
+    CUDA graphs, allocator pools and kernels for those batch sizes exist before real traffic
+    arrives. Returns None when every pass answered, else what failed."""
+    for shape in batch_shapes:
+        results = await asyncio.gather(
+            *(app_probe(client, backend, model, api_key, max_tokens) for _ in range(shape))
+        )
+        bad = [r.detail for r in results if not r.ok]
+        if bad:
+            return f"warm-up at batch {shape}: {bad[0]}"
+    return None

@@ -14,6 +14,12 @@ landing on the backend that looked idle at the last scrape. Without a fresh samp
 older than the stale limit) only the gateway's in-flight count is used. Ties are broken
 round-robin so an idle fleet shares load evenly.
 
+Slow start: a backend that just became warm (``warm_since``) takes a share of traffic that
+ramps linearly over ``slow_start_s`` (:func:`gateway.fleet.lifecycle.slow_start_weight`):
+when it wins the pick, it keeps the request only with probability equal to its weight,
+otherwise the best other candidate takes it. Its share is thus its weight times what it
+would get at full weight.
+
 Session affinity (header ``x-session-id`` by default) pins a session to the backend that
 served its first request, for prefix-cache reuse; when that backend stops being a candidate
 (unhealthy, draining, gone) the session is re-pinned to the best candidate and stays there.
@@ -21,12 +27,14 @@ served its first request, for prefix-cache reuse; when that backend stops being 
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from gateway.config import RoutingWeights
 from gateway.fleet.backend import LoadSample
+from gateway.fleet.lifecycle import slow_start_weight
 
 DEFAULT_CAPACITY = 256  # vLLM's default --max-num-seqs
 _EPS = 1e-9
@@ -43,6 +51,7 @@ class Candidate(Protocol):
 
     in_flight: int
     load: LoadSample | None
+    warm_since: float | None
 
 
 def estimated_load(c: Candidate, now: float, stale_after_s: float) -> tuple[float, float, float]:
@@ -105,7 +114,8 @@ class AffinityTable:
 
 
 class Router:
-    """Picks one backend among candidates: least score, affinity first, round-robin ties."""
+    """Picks one backend among candidates: least score, affinity first, round-robin ties,
+    slow start for newly warm backends."""
 
     def __init__(
         self,
@@ -113,12 +123,22 @@ class Router:
         stale_after_s: float,
         affinity: AffinityTable,
         clock: Callable[[], float],
+        slow_start_s: float = 0.0,
+        slow_start_min_weight: float = 0.1,
+        rng: random.Random | None = None,
     ) -> None:
         self.weights = weights
         self.stale_after_s = stale_after_s
         self.affinity = affinity
+        self.slow_start_s = slow_start_s
+        self.slow_start_min_weight = slow_start_min_weight
         self._clock = clock
+        self._rng = rng or random.Random()
         self._rr = 0
+
+    def weight(self, c: Candidate, now: float) -> float:
+        """Slow-start share multiplier of ``c`` now (1 when past the ramp)."""
+        return slow_start_weight(c.warm_since, now, self.slow_start_s, self.slow_start_min_weight)
 
     def pick(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
         """The backend for the next request, or None when ``candidates`` is empty.
@@ -136,15 +156,19 @@ class Router:
                     if c.id == pinned:
                         self.affinity.pin(session_key, c.id)  # refresh the TTL
                         return c
-        best = self._least_loaded(candidates)
+        now = self._clock()
+        best = self._least_loaded(candidates, now)
+        if len(candidates) > 1 and self.slow_start_s > 0:
+            w = self.weight(best, now)
+            if w < 1.0 and self._rng.random() >= w:
+                best = self._least_loaded([c for c in candidates if c is not best], now)
         if session_key is not None:
             self.affinity.pin(session_key, best.id)
         return best
 
-    def _least_loaded(self, candidates: Sequence[C]) -> C:
+    def _least_loaded(self, candidates: Sequence[C], now: float) -> C:
         if len(candidates) == 1:
             return candidates[0]
-        now = self._clock()
         w, stale = self.weights, self.stale_after_s
         scores = [score(c, w, now, stale) for c in candidates]
         low = min(scores)

@@ -16,8 +16,8 @@ import httpx
 import uvicorn
 
 from gateway.app import Gateway, create_app
-from gateway.cli import uvicorn_config
 from gateway.config import GatewayConfig, load_config
+from gateway.serving import EmbeddedServer, uvicorn_config
 
 
 def bound_socket(host: str = "127.0.0.1") -> socket.socket:
@@ -70,8 +70,7 @@ class GatewayThread:
         port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         ucfg = uvicorn_config(self.app, self.cfg)
-        self._server = uvicorn.Server(ucfg)
-        self._server.capture_signals = _no_signals  # type: ignore[method-assign]
+        self._server = EmbeddedServer(ucfg)
         self._lt = LoopThread("gateway")
         server = self._server
         self._task = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self._lt.loop)
@@ -120,25 +119,31 @@ class GatewayThread:
         self.stop()
 
 
-class _NoSignals:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _no_signals() -> _NoSignals:
-    return _NoSignals()
-
-
 def gateway_config(backends: list[dict[str, Any]], **sections: Any) -> GatewayConfig:
     """A test config: fast probes/scrapes unless overridden, the given backends."""
     base: dict[str, Any] = {
         "health": {"interval_s": 0.2, "timeout_s": 1.0},
         "telemetry": {"scrape_interval_s": 0.2, "models_refresh_s": 2.0},
         "server": {"graceful_shutdown_s": 2},
+        # Scripted backends answer data-plane paths with the test's script, so by default
+        # no warm-up, calibration or maintenance cycle sends them extra requests; the
+        # lifecycle tests turn these on.
+        "lifecycle": {
+            "warmup_batch_shapes": [],
+            "slow_start_s": 0,
+            "short": {"every_s": 0},
+            "medium": {"every_s": 0, "every_requests": 0},
+            "long": {"every_s": 0},
+        },
+        "calibration": {"enabled": False},
     }
     for k, v in sections.items():
-        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+        base[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
     return load_config(None, backends=backends, **base)
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

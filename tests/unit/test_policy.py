@@ -23,6 +23,7 @@ class B:
     capacity: int | None = 16
     in_flight: int = 0
     load: LoadSample | None = None
+    warm_since: float | None = None
 
 
 def sample(waiting=0.0, running=0.0, kv=0.0, at=100.0, in_flight=0) -> LoadSample:

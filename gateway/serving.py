@@ -1,0 +1,111 @@
+"""Running the gateway under uvicorn with a graceful shutdown.
+
+On SIGTERM (or Ctrl-C) the gateway drains itself: ``/ready`` answers 503 at once and new
+model requests get 503 ``gateway_shutting_down`` with ``retry-after`` (a load balancer
+moves them elsewhere); requests in flight, streams included, get up to
+``server.graceful_shutdown_s`` to finish; at the end of that grace period the streams still
+open end with an OpenAI-shaped error event then ``data: [DONE]``; then the server closes.
+A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.app import Gateway
+from gateway.config import GatewayConfig
+from gateway.proxy.relay import Cut
+
+log = logging.getLogger("gateway.serving")
+
+
+class EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to its host program."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # type: ignore[override]
+        yield
+
+
+def uvicorn_config(app: FastAPI, cfg: GatewayConfig) -> uvicorn.Config:
+    """uvicorn settings for the gateway: no server header, no access log unless asked."""
+    s = cfg.server
+    return uvicorn.Config(
+        app,
+        host=s.host,
+        port=s.port,
+        log_level=s.log_level,
+        access_log=s.access_log,
+        server_header=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
+
+
+def in_flight(gw: Gateway) -> int:
+    return sum(b.in_flight for b in gw.fleet.backends)
+
+
+async def graceful_shutdown(gw: Gateway, grace_s: float, poll_s: float = 0.05) -> None:
+    """Stop taking requests, let in-flight ones finish within ``grace_s`` seconds, then end
+    the rest (streams get an error event and ``[DONE]``)."""
+    gw.shutting_down = True
+    left = in_flight(gw)
+    log.warning("shutting down: /ready is 503; %d request(s) in flight get %g s", left, grace_s)
+    deadline = time.monotonic() + grace_s
+    while in_flight(gw) > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+    if in_flight(gw) > 0:
+        log.warning("grace period over: ending %d request(s)", in_flight(gw))
+        for b in gw.fleet.backends:
+            for handle in list(b.active):
+                handle.cut(Cut.SHUTDOWN)
+        end = time.monotonic() + 3.0
+        while in_flight(gw) > 0 and time.monotonic() < end:
+            await asyncio.sleep(poll_s)
+
+
+async def serve(
+    app: FastAPI, cfg: GatewayConfig, on_started: Callable[[], Awaitable[None] | None] | None = None
+) -> None:
+    """Serve ``app`` until SIGTERM/SIGINT, then shut down gracefully."""
+    server = EmbeddedServer(uvicorn_config(app, cfg))
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("second signal: exiting now")
+            server.force_exit = True
+            server.should_exit = True
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if task.done():
+        task.result()
+        return
+    if on_started is not None:
+        result = on_started()
+        if result is not None:
+            await result
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        gw: Gateway = app.state.gateway
+        await graceful_shutdown(gw, cfg.server.graceful_shutdown_s)
+        server.should_exit = True
+    waiter.cancel()
+    await task
