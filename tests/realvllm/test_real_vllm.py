@@ -48,6 +48,10 @@ def fleet(tmp_path_factory):
         [{"id": "vllm-a", "url": a.url, "max_num_seqs": 16},
          {"id": "vllm-b", "url": b.url, "max_num_seqs": 16, "api_key": BACKEND_KEY}],
         auth={"client_keys": [{"name": "tests", "key": CLIENT_KEY}]},
+        # the real lifecycle: warm-up at batch 1, 2, 4, 8 and a calibration baseline before
+        # warm; cycles only on demand (POST .../cooldown), with a short rest
+        lifecycle={"warmup_batch_shapes": [1, 2, 4, 8], "medium": {"cooldown_s": 1.0}},
+        calibration={"enabled": True},
     )
     gw = GatewayThread(cfg)
     gw.start()
@@ -166,3 +170,34 @@ def test_client_disconnect_aborts_generation_in_vllm(fleet):
         time.sleep(0.1)
     assert running() == 0
     assert time.monotonic() - closed < 3  # aborted, not generated to 900 tokens
+
+
+def test_warm_up_and_calibration_baseline_before_warm(fleet):
+    gw, _, _ = fleet
+    g = gw.gateway
+    for bid in ("vllm-a", "vllm-b"):
+        b = g.fleet.get(bid)
+        assert [t.to_state.value for t in b.history][:2] == ["warming", "warm"]
+        assert b.calibration_baseline and len(b.calibration_baseline) == 3
+    assert g.metrics.cold_start._sum.get() > 0  # cold -> warm observed
+
+
+def test_medium_cycle_on_real_vllm(fleet, client):
+    """Drain -> /reset_prefix_cache (vLLM dev mode) -> rest -> calibration (temperature 0,
+    same answers) -> back to warm; traffic keeps flowing to the other backend meanwhile."""
+    gw, _, _ = fleet
+    r = httpx.post(gw.url + "/admin/backends/vllm-a/cooldown")
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4)
+        detail = httpx.get(gw.url + "/admin/backends/vllm-a").json()
+        if detail["state"] == "warm" and detail["maintenance"] is None:
+            break
+        time.sleep(0.2)
+    path = [h["to"] for h in detail["history"]]
+    assert path[-3:] == ["draining", "cooldown", "warm"], path
+    assert detail["calibration_score"] == 1.0
+    g = gw.gateway
+    assert g.metrics.prefix_cache_resets.labels("vllm-a")._value.get() == 1
