@@ -83,13 +83,20 @@ def _summarize(value: Any) -> Any:
 
 
 def validation_error(
-    err_type: str, loc: str, msg: str, value: Any, ctx: Mapping[str, Any] | None = None
+    err_type: str,
+    loc: str,
+    msg: str,
+    value: Any,
+    ctx: Mapping[str, Any] | None = None,
+    param: str | None = "",
 ) -> SimHTTPError:
-    """vLLM's answer to a request-schema error (FastAPI ``RequestValidationError``)."""
+    """vLLM's answer to a request-schema error (FastAPI ``RequestValidationError``);
+    ``param`` defaults to ``loc`` (``""``); vLLM 0.32 sends null for an empty body."""
     err: dict[str, Any] = {"type": err_type, "loc": loc, "msg": msg, "input": _summarize(value)}
     if ctx:
         err["ctx"] = dict(ctx)
-    return error(400, f"1 validation error:\n  {err!r}", "Bad Request", loc)
+    return error(400, f"1 validation error:\n  {err!r}", "Bad Request",
+                 loc if param == "" else param)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -100,7 +107,12 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         pos = getattr(exc, "pos", 0)
         reason = getattr(exc, "msg", str(exc))
         raise validation_error(
-            "json_invalid", f"body.{pos}", "JSON decode error", {}, {"error": reason}
+            "json_invalid",
+            f"body.{pos}",
+            "JSON decode error",
+            {},
+            {"error": reason},
+            param=None if not raw else "",  # vLLM: null for an empty body
         ) from None
     if not isinstance(body, dict):
         raise validation_error(

@@ -17,33 +17,19 @@ import httpx
 import openai
 import pytest
 
+from tests.realvllm.conftest import BACKEND_KEY
+from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
-from tests.support.vllm import (
-    VllmServer,
-    default_vllm_venv,
-    ensure_tiny_model,
-    start_all,
-    vllm_unavailable_reason,
-)
 
 pytestmark = pytest.mark.realvllm
 
 MODEL = "tiny-llama"
 CLIENT_KEY = "client-secret"
-BACKEND_KEY = "backend-secret"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    venv = default_vllm_venv()
-    reason = vllm_unavailable_reason(venv)
-    if reason:
-        pytest.skip(f"real vLLM unavailable: {reason}")
-    model = ensure_tiny_model(venv)
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    a = VllmServer(venv, model, log_path=logs / "a.log")
-    b = VllmServer(venv, model, api_key=BACKEND_KEY, log_path=logs / "b.log")
-    start_all([a, b])
+def fleet(real_vllm):
+    a, b = real_vllm["a"], real_vllm["b"]
     cfg = gateway_config(
         [{"id": "vllm-a", "url": a.url, "max_num_seqs": 16},
          {"id": "vllm-b", "url": b.url, "max_num_seqs": 16, "api_key": BACKEND_KEY}],
@@ -58,8 +44,6 @@ def fleet(tmp_path_factory):
     gw.wait_ready(timeout=30, routable=2)
     yield gw, a, b
     gw.stop()
-    a.stop()
-    b.stop()
 
 
 @pytest.fixture
@@ -97,8 +81,8 @@ def test_chat_stream_with_usage(fleet, client):
               if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"]
     assert chunks[0].choices[0].delta.role == "assistant"
-    after = gw.gateway.metrics.tokens.labels(MODEL, "completion")._value.get()
-    assert after - before == 24
+    counter = gw.gateway.metrics.tokens.labels(MODEL, "completion")._value
+    assert wait_for(lambda: counter.get() - before == 24)  # recorded as the stream ends
 
 
 def test_completions_stream_and_not(client):

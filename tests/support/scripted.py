@@ -307,7 +307,12 @@ class ScriptedBackend:
                     if not writer.is_closing():
                         writer.close()
                     return
+                # Wait until the close watcher has really stopped reading: a read of the next
+                # request while its read(1) is still pending raises RuntimeError ("readuntil()
+                # called while another coroutine is already waiting"), which killed the
+                # connection under the gateway's pooled keep-alive (a spurious 502).
                 watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
         finally:
             self._conns.discard(writer)
 
