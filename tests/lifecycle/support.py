@@ -244,6 +244,33 @@ def wait_state(base_url: str, backend: str, state: str, timeout: float = 10,
         time.sleep(0.02)
 
 
+class Monitor:
+    """Samples ``GET /admin/backends`` every ~30 ms in a thread: a list of
+    ``(monotonic time, {backend id: its summary})``."""
+
+    def __init__(self, base_url: str, every_s: float = 0.03) -> None:
+        self.samples: list[tuple[float, dict[str, dict[str, Any]]]] = []
+        self._stop = threading.Event()
+
+        def run() -> None:
+            with httpx.Client(timeout=5) as c:
+                while not self._stop.is_set():
+                    try:
+                        bs = c.get(base_url + "/admin/backends").json()["backends"]
+                    except httpx.HTTPError:
+                        return  # the gateway stopped (a failed test's teardown)
+                    self.samples.append((time.monotonic(), {b["id"]: b for b in bs}))
+                    time.sleep(every_s)
+
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+
+    def stop(self) -> list[tuple[float, dict[str, dict[str, Any]]]]:
+        self._stop.set()
+        self._t.join(5)
+        return self.samples
+
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -21,14 +21,15 @@ import pytest
 from tests.lifecycle.support import (
     MODEL,
     Background,
+    Monitor,
     StreamResult,
     admin,
     chat_body,
     history,
     metric,
     metric_samples,
-    sdk_kwargs,
     post_admin,
+    sdk_kwargs,
     stream_chat,
     wait_state,
 )
@@ -54,34 +55,6 @@ def pin_on_a(url: str, start: list[Any], expect_in_flight: int) -> list[Backgrou
     return running
 
 
-class Monitor:
-    """Samples ``GET /admin/backends/{id}`` every ~30 ms in a thread:
-    ``(monotonic time, state, in_flight, drained)``."""
-
-    def __init__(self, url: str, backend: str) -> None:
-        self.samples: list[tuple[float, str, int, bool]] = []
-        self._stop = threading.Event()
-
-        def run() -> None:
-            with httpx.Client(timeout=5) as c:
-                while not self._stop.is_set():
-                    try:
-                        b = c.get(f"{url}/admin/backends/{backend}").json()
-                    except httpx.HTTPError:
-                        return  # the gateway stopped (a failed test's teardown)
-                    self.samples.append(
-                        (time.monotonic(), b["state"], b["in_flight"], b["drained"]))
-                    time.sleep(0.03)
-
-        self._t = threading.Thread(target=run, daemon=True)
-        self._t.start()
-
-    def stop(self) -> list[tuple[float, str, int, bool]]:
-        self._stop.set()
-        self._t.join(5)
-        return self.samples
-
-
 # ---- BUG-21 --------------------------------------------------------------------------------
 
 IN_FLIGHT_TOKENS = 50  # A decodes 10 tokens/s: each in-flight stream lasts ~5 s
@@ -89,8 +62,8 @@ IN_FLIGHT_TOKENS = 50  # A decodes 10 tokens/s: each in-flight stream lasts ~5 s
 
 def test_BUG_21_drain_lets_streams_finish_and_sends_new_work_elsewhere(sims, lc_gateway):
     """BUG-21 repro, scaled from 30 s streams (drain at 2 s, 1 new stream/s until 35 s) to
-    ~5 s streams of 10 chunks/s (drain once each has sent bytes, a new stream every 0.25 s for 4 s), with the
-    default drain deadline (``lifecycle.drain_deadline_s``, 60 s):
+    ~5 s streams of 10 chunks/s (drain once each has sent bytes; a new stream every 0.25 s
+    for 4 s), with the default drain deadline (``lifecycle.drain_deadline_s``, 60 s):
 
     * the 3 streams in flight on A finish normally: every token, ``finish_reason``, one
       ``[DONE]``, no error event;
@@ -118,7 +91,7 @@ def test_BUG_21_drain_lets_streams_finish_and_sends_new_work_elsewhere(sims, lc_
 
     drained_req = post_admin(url, "a", "drain")
     drain_at = time.monotonic()
-    monitor = Monitor(url, "a")
+    monitor = Monitor(url)
     assert drained_req.status_code == 202, drained_req.text
     a_now = admin(url, "a")
     assert a_now["state"] == "draining" and a_now["drained"] is False
@@ -138,7 +111,8 @@ def test_BUG_21_drain_lets_streams_finish_and_sends_new_work_elsewhere(sims, lc_
     old_results: list[StreamResult] = [x.result() for x in old]
     new_results: list[StreamResult] = [x.result() for x in new]
     wait_state(url, "a", "draining", drained=True, timeout=5)
-    samples = monitor.stop()
+    samples = [(t, x["a"]["state"], x["a"]["in_flight"], x["a"]["drained"])
+               for t, x in monitor.stop()]
 
     for r in old_results:  # in-flight streams complete normally
         assert r.problem() is None, (r.problem(), r.events[-3:])
