@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
+from gateway.fleet.backend import BackendState
 from gateway.fleet.probes import fetch_models
 from gateway.pipeline import Opened, RequestContext
 from gateway.proxy.relay import ClientWatch, Cut, CutHandle
@@ -277,7 +278,13 @@ async def list_models(request: Request) -> Response:
         check_client_key(gw, request)
     except GatewayError as e:
         return e.response(rid, idh)
-    live = [b for b in gw.fleet.backends if b.routable]
+    # Routable backends, and those only resting (draining, cooldown): the model is still
+    # the fleet's while they are out of rotation.
+    live = [
+        b
+        for b in gw.fleet.backends
+        if b.state in (BackendState.WARM, BackendState.DRAINING, BackendState.COOLDOWN)
+    ]
     results = await asyncio.gather(
         *(fetch_models(gw.controller.client, b, gw.controller.api_keys[b.id]) for b in live)
     )

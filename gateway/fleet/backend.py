@@ -94,6 +94,7 @@ class Backend:
     cycles: Any = None  # lifecycle.CycleClock, set by the controller
     calibration_baseline: dict[str, object] | None = None
     calibration_score: float | None = None
+    needs_calibration: bool = False  # drifted: must pass calibration before warm again
     probe_ttft_s: float | None = None  # last application probe's time to first token
 
     @property

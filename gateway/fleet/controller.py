@@ -68,6 +68,7 @@ class FleetController:
         self._models_lock = asyncio.Lock()
         self.baselines = _load_baselines(cfg.calibration.baseline_file)
         self.longest_drain_s = 0.0  # seconds, since start (reported by drills)
+        self._starting = False
         now = clock()
         for b in fleet:
             b.first_seen = now
@@ -98,11 +99,15 @@ class FleetController:
         now = self.clock()
         for i, b in enumerate(self.fleet):
             b.cycles = lifecycle.initial_cycle_clock(i, len(self.fleet), now, lc)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(h.timeout_s + 1.0, min(lc.warmup_timeout_s, 10.0))):
-                await self.probe_round()
-                if self._warming:
-                    await asyncio.gather(*self._warming.values(), return_exceptions=True)
+        self._starting = True
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(h.timeout_s + 1.0, min(lc.warmup_timeout_s, 10.0))):
+                    await self.probe_round()
+                    if self._warming:
+                        await asyncio.gather(*self._warming.values(), return_exceptions=True)
+        finally:
+            self._starting = False
         t = self.cfg.telemetry
         self._tasks = [
             asyncio.create_task(self._loop("probe", h.interval_s, self.probe_round)),
@@ -153,7 +158,8 @@ class FleetController:
         self.metrics.transitions.labels(backend.id, t.from_state.value, to.value, reason).inc()
         now = self.clock()
         if to is S.WARM:
-            backend.warm_since = now
+            # A fleet found warm when the gateway starts is not new: no slow start then.
+            backend.warm_since = None if self._starting else now
             backend.drained = False
             if backend.first_seen is not None:
                 self.metrics.cold_start.observe(now - backend.first_seen)
@@ -197,7 +203,12 @@ class FleetController:
             backend.note_error(err)
             self.transition(backend, S.UNHEALTHY, "warmup_failed")
             return
-        if self.cfg.calibration.enabled and backend.calibration_baseline is None:
+        if backend.needs_calibration:
+            # It drifted before: probes passing is not enough, its answers must match again.
+            if not await self.calibrate(backend):
+                return
+            backend.needs_calibration = False
+        elif self.cfg.calibration.enabled and backend.calibration_baseline is None:
             baseline = self.baselines.get(model)
             if baseline is None:
                 try:
@@ -313,12 +324,18 @@ class FleetController:
         return task
 
     async def lifecycle_round(self) -> None:
-        """Start every cycle that is due and allowed (staggered per model)."""
+        """Start every cycle that is due and allowed (staggered per model).
+
+        The most overdue backends go first, and a backend leaves rotation (``draining``)
+        here, synchronously, so the next backend's stagger check already counts it out.
+        """
         lc = self.cfg.lifecycle
         now = self.clock()
-        for b in self.fleet:
-            if b.cycles is None or self.busy(b) or b.state is not S.WARM:
-                continue
+        due = [
+            b for b in self.fleet if b.cycles is not None and not self.busy(b) and b.state is S.WARM
+        ]
+        due.sort(key=lambda b: min(b.cycles.next_long, b.cycles.next_medium, b.cycles.next_short))
+        for b in due:
             kind = lifecycle.due_cycle(b.cycles, now, b.requests_served, lc)
             if kind is None:
                 continue
@@ -331,8 +348,10 @@ class FleetController:
             if kind is CycleKind.SHORT:
                 self._run(b, "short", self.short_cycle(b))
             elif kind is CycleKind.MEDIUM:
+                self.transition(b, S.DRAINING, "cooldown_scheduled")
                 self._run(b, "medium", self.medium_cycle(b, "scheduled"))
             else:
+                self.transition(b, S.DRAINING, "restart_scheduled")
                 self._run(b, "long", self.long_cycle(b, "scheduled"))
 
     async def short_cycle(self, backend: Backend) -> None:
@@ -462,6 +481,7 @@ class FleetController:
                 self.cfg.lifecycle,
             )
         self.metrics.cycles.labels(backend.id, "medium").inc()
+        self.transition(backend, S.DRAINING, f"cooldown_{reason}")  # out now: stagger counts it
         self._run(backend, "medium", self.medium_cycle(backend, reason, min_rest_s))
         return True
 
@@ -473,6 +493,8 @@ class FleetController:
         if task is not None and not task.done():
             task.cancel()
         name = "preempt" if preempt else "drain"
+        if backend.state is not S.DRAINING:
+            self.transition(backend, S.DRAINING, "spot_preemption" if preempt else "admin_drain")
         self._run(
             backend,
             name,
@@ -521,11 +543,13 @@ class FleetController:
             result.similarity,
         )
         if result.similarity >= c.threshold:
+            backend.needs_calibration = False
             return True
         backend.note_error(
             f"calibration drift: similarity {result.similarity:.3f} < {c.threshold} "
             f"(exact match {result.exact_match:.2f})"
         )
+        backend.needs_calibration = True
         if backend.state in (S.COOLDOWN, S.WARM, S.WARMING, S.DRAINING):
             self.transition(backend, S.UNHEALTHY, "calibration_drift")
         await self.run_restart_hook(backend)

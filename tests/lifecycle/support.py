@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim import SimConfig, SimServerThread
@@ -29,6 +30,11 @@ def chat_body(max_tokens: int = 8, stream: bool = False, **extra: Any) -> dict[s
         body["stream"] = True
     body.update(extra)
     return body
+
+
+def sdk(base_url: str) -> openai.OpenAI:
+    """The openai SDK pointed at the gateway (no retries: every error is seen)."""
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=30)
 
 
 def sdk_kwargs(max_tokens: int = 8, stream: bool = False) -> dict[str, Any]:

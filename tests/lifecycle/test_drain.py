@@ -29,14 +29,12 @@ from tests.lifecycle.support import (
     metric,
     metric_samples,
     post_admin,
+    sdk,
     sdk_kwargs,
     stream_chat,
     wait_state,
 )
-
-
-def sdk(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+from tests.support.scripted import wait_for
 
 
 def pin_on_a(url: str, start: list[Any], expect_in_flight: int) -> list[Background]:
@@ -111,6 +109,7 @@ def test_BUG_21_drain_lets_streams_finish_and_sends_new_work_elsewhere(sims, lc_
     old_results: list[StreamResult] = [x.result() for x in old]
     new_results: list[StreamResult] = [x.result() for x in new]
     wait_state(url, "a", "draining", drained=True, timeout=5)
+    time.sleep(0.15)  # a few more samples of the drained state
     samples = [(t, x["a"]["state"], x["a"]["in_flight"], x["a"]["drained"])
                for t, x in monitor.stop()]
 
@@ -221,7 +220,7 @@ def test_BUG_21_drain_deadline_ends_streams_with_an_error_event(sims, lc_gateway
 
     a_state = wait_state(url, "a", "draining", drained=True, timeout=2)
     assert a_state["in_flight"] == 0
-    assert a.stats()["aborted"] == 4
+    assert wait_for(lambda: a.stats()["aborted"] == 4, 3), a.stats()["aborted"]
     m = metric_samples(url)
     assert metric(m, "gateway_stream_errors_total", backend="a", code="drain_deadline") == 3
 

@@ -1,0 +1,158 @@
+"""Graceful shutdown of the gateway process (case BUG-21's last point: "gateway
+self-shutdown (SIGTERM) follows the same rule"): ``llm-gateway serve -c <yaml>`` runs as a
+real subprocess in front of a simulated vLLM; on SIGTERM ``/ready`` answers 503 at once, new
+requests get 503 with ``retry-after``, in-flight streams finish within
+``server.graceful_shutdown_s`` (or, past it, end with an error event then ``[DONE]``), and
+the process exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.lifecycle.support import Background, chat_body, sdk_kwargs, stream_chat
+
+CLI = Path(sys.executable).with_name("llm-gateway")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class GatewayProcess:
+    """``llm-gateway serve -c <tmp yaml>`` as a subprocess; its log goes to a file."""
+
+    def __init__(self, tmp: Path, backend_url: str, grace_s: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg: dict[str, Any] = {
+            "server": {"host": "127.0.0.1", "port": self.port, "graceful_shutdown_s": grace_s},
+            "health": {"interval_s": 0.2, "timeout_s": 1.0},
+            "telemetry": {"scrape_interval_s": 0.2},
+            "lifecycle": {"warmup_batch_shapes": [1, 2], "short": {"every_s": 0},
+                          "medium": {"every_s": 0, "every_requests": 0},
+                          "long": {"every_s": 0}},
+            "calibration": {"enabled": False},
+            "backends": [{"id": "a", "url": backend_url}],
+        }
+        path = tmp / "gateway.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.log = tmp / "gateway.log"
+        cli = [str(CLI)] if CLI.exists() else [sys.executable, "-m", "gateway.cli"]
+        cmd = [*cli, "serve", "-c", str(path)]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-2000:]
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError("gateway not ready: " + self.log.read_text()[-2000:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def gateway_process(tmp_path: Path) -> Iterator[Any]:
+    made: list[GatewayProcess] = []
+
+    def make(backend_url: str, grace_s: float) -> GatewayProcess:
+        g = GatewayProcess(tmp_path, backend_url, grace_s)
+        made.append(g)
+        g.wait_ready()
+        return g
+
+    yield make
+    for g in made:
+        g.stop()
+
+
+def start_stream(url: str, tokens: int) -> tuple[Background, float]:
+    """Start a stream in the background; return it once its first event arrived."""
+    first = threading.Event()
+    bg = Background(lambda: stream_chat(url, chat_body(tokens, stream=True),
+                                        on_first_event=first.set))
+    assert first.wait(10), "no first event"
+    return bg, time.monotonic()
+
+
+def test_BUG_21_sigterm_stops_taking_requests_and_lets_streams_finish(sims, gateway_process):
+    """SIGTERM while a ~3 s stream is in flight, ``graceful_shutdown_s`` 10: ``/ready`` is 503
+    within 0.5 s; a new chat request (SDK, no retries) gets a 503 OpenAI error
+    ``gateway_shutting_down`` with ``retry-after``; the stream finishes normally (every token,
+    ``[DONE]``, no error event); the process exits 0 after the stream ended and well within
+    the grace period."""
+    a = sims("A", itl_s=0.1)
+    gw = gateway_process(a.url, 10.0)
+    stream, _ = start_stream(gw.url, 30)
+
+    gw.proc.send_signal(signal.SIGTERM)
+    t_sig = time.monotonic()
+    ready = httpx.get(gw.url + "/ready", timeout=2)
+    ready_after = time.monotonic() - t_sig
+    while ready.status_code == 200 and time.monotonic() - t_sig < 0.5:
+        ready = httpx.get(gw.url + "/ready", timeout=2)
+        ready_after = time.monotonic() - t_sig
+    assert ready.status_code == 503 and ready_after < 0.5, (ready.status_code, ready_after)
+    assert ready.json()["status"] == "shutting_down"
+
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.chat.completions.create(**sdk_kwargs(4))
+    assert exc.value.status_code == 503
+    assert float(exc.value.response.headers["retry-after"]) > 0
+    assert exc.value.response.json()["error"]["code"] == "gateway_shutting_down"
+    assert gw.proc.poll() is None  # still serving its stream
+
+    r = stream.result(20)
+    assert r.problem() is None and not r.errors, (r.problem(), r.events[-3:])
+    assert r.finish_reason == "length" and len(r.content) > 0
+    rc = gw.proc.wait(timeout=15)
+    exited = time.monotonic()
+    assert rc == 0, gw.log.read_text()[-2000:]
+    assert r.ended - 0.2 <= exited and exited - t_sig < 10.0, (r.ended - t_sig, exited - t_sig)
+    assert r.ended > t_sig + 1.0  # the stream really ran on after the signal
+
+
+def test_BUG_21_sigterm_grace_expiry_ends_streams_with_error_event(sims, gateway_process):
+    """SIGTERM with ``graceful_shutdown_s`` 1 while a ~6 s stream is in flight: at the end of
+    the grace period the stream ends with one OpenAI-shaped error event (code
+    ``gateway_shutdown``) then ``[DONE]`` (never a silent cut), and the process exits 0
+    soon after."""
+    a = sims("A", itl_s=0.1)
+    gw = gateway_process(a.url, 1.0)
+    stream, _ = start_stream(gw.url, 60)
+    os.kill(gw.proc.pid, signal.SIGTERM)
+    t_sig = time.monotonic()
+    r = stream.result(20)
+    assert r.problem() is None, (r.problem(), r.events[-3:])  # error event, then [DONE]
+    assert len(r.errors) == 1 and r.errors[0]["code"] == "gateway_shutdown", r.events[-3:]
+    assert r.content and r.finish_reason is None
+    assert 0.8 <= r.ended - t_sig <= 3.0, r.ended - t_sig
+    rc = gw.proc.wait(timeout=10)
+    assert rc == 0, gw.log.read_text()[-2000:]
+    assert time.monotonic() - t_sig < 6.0

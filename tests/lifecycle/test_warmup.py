@@ -1,0 +1,112 @@
+"""Warm-up and slow start end to end: a backend gets warm-up requests at batch shapes 1, 2,
+4 and 8 before it turns ``warm``; a backend that comes back (restarted) takes a share of
+traffic that ramps up over ``slow_start_s`` instead of all at once."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import openai
+
+from tests.lifecycle.support import admin, history, metric, metric_samples, sdk_kwargs, wait_state
+from tests.support.scripted import Conn, Received, completion_obj
+
+
+def test_warmup_batches_1_2_4_8_before_warm(backends, lc_gateway):
+    """Warm-up on (``warmup_batch_shapes`` [1, 2, 4, 8], ``warmup_max_tokens`` 8). The
+    backend (scripted: it records arrival times and how many requests it holds at once, and
+    answers each after 0.15 s) receives 15 warm-up completions in four waves of 1, 2, 4 and 8
+    concurrent requests, each wave after the previous one answered, all of them before its
+    ``warming -> warm`` transition; no client request reaches it before it is warm. The cold
+    start is observed in ``gateway_cold_start_seconds``."""
+    seen: list[tuple[float, str, dict]] = []  # (wall time, path, body)
+
+    async def script(req: Received, conn: Conn) -> None:
+        seen.append((time.time(), req.path, req.json() if req.body else {}))
+        if req.path == "/v1/completions":
+            await asyncio.sleep(0.15)
+            await conn.send_json(200, {
+                "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m1",
+                "choices": [{"index": 0, "text": " pong", "logprobs": None,
+                             "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        else:
+            await conn.send_json(200, completion_obj("hi"))
+
+    a = backends(script)
+    gw = lc_gateway({"a": a.url}, lifecycle={"warmup_batch_shapes": [1, 2, 4, 8]})
+    url = gw.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    client.chat.completions.create(**sdk_kwargs(2))
+
+    warm_at = next(t["at"] for t in admin(url, "a")["history"] if t["to"] == "warm")
+    assert history(url, "a") == [("cold", "warming", "probe_ok"), ("warming", "warm", "ready")]
+    warmups = [(t, b) for t, p, b in seen if p == "/v1/completions"]
+    assert len(warmups) == 15
+    assert all(b["prompt"] == "ping" and b["max_tokens"] == 8 and b["temperature"] == 0
+               for _, b in warmups), warmups[:2]
+    waves: list[list[float]] = []
+    for t, _ in warmups:
+        if waves and t - waves[-1][-1] < 0.08:
+            waves[-1].append(t)
+        else:
+            waves.append([t])
+    assert [len(w) for w in waves] == [1, 2, 4, 8], [[round(t - waves[0][0], 3) for t in w]
+                                                      for w in waves]
+    for prev, nxt in itertools.pairwise(waves):
+        assert nxt[0] - prev[-1] >= 0.14  # the next wave waited for the previous answers
+    assert a.max_open == 8
+    assert warmups[-1][0] + 0.14 <= warm_at  # the last wave was answered before warm
+    chats = [t for t, p, _ in seen if p == "/v1/chat/completions"]
+    assert chats and min(chats) > warm_at
+    m = metric_samples(url)
+    assert metric(m, "gateway_cold_start_seconds_count") == 1
+
+
+def test_slow_start_ramps_a_restarted_backends_share(sims, lc_gateway):
+    """A and B serve m1 (load weights 0, so without slow start sequential requests simply
+    alternate); ``slow_start_s`` 3. A is killed (connection refused), marked
+    unhealthy, restarted on its port and comes back ``warm``. During the first 1.2 s of its
+    ramp A gets well under its fair share of sequential requests (its weight goes 0.1 ->
+    0.4: expected ~12% against ~50% at full weight) and the admin API shows its
+    ``slow_start_weight`` below 1; once the ramp is over it gets about half again. The
+    requests served during the ramp pull ``gateway_warm_pool_hit_ratio`` below 1."""
+    a, b = sims("A"), sims("B")
+    # Load weights 0: every pick is a tie broken round-robin, so the only thing that moves
+    # the shares is slow start (not the noise of load scrapes between sequential requests).
+    gw = lc_gateway({"a": a.url, "b": b.url}, lifecycle={"slow_start_s": 3.0},
+                    routing={"weights": {"waiting": 0, "running": 0, "kv_cache": 0}})
+    url = gw.url
+    fp = {a.fingerprint: "A", b.fingerprint: "B"}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+    def who() -> str:
+        return fp[client.chat.completions.create(**sdk_kwargs(1)).system_fingerprint]
+
+    # B (and A) started their own ramp when the gateway found them warm; wait it out, so
+    # that only the restarted A ramps below.
+    wait_state(url, "b", "warm", timeout=5, slow_start_weight=1.0)
+    a.kill()
+    wait_state(url, "a", "unhealthy", timeout=5)
+    a.restart()
+    back = wait_state(url, "a", "warm", timeout=10)
+    t_warm = time.monotonic()
+    assert back["slow_start_weight"] < 0.5, back
+    ramp: list[str] = []
+    while time.monotonic() - t_warm < 1.2:
+        ramp.append(who())
+    weight_mid = admin(url, "a")["slow_start_weight"]
+    time.sleep(max(0.0, t_warm + 3.1 - time.monotonic()))
+    assert admin(url, "a")["slow_start_weight"] == 1.0
+    full = [who() for _ in range(len(ramp))]
+
+    ramp_share = ramp.count("A") / len(ramp)
+    full_share = full.count("A") / len(full)
+    assert len(ramp) >= 20, len(ramp)
+    assert weight_mid < 1.0
+    assert ramp_share < 0.3, (ramp_share, ramp)
+    assert 0.4 <= full_share <= 0.6, (full_share, full)
+    ratio = metric(metric_samples(url), "gateway_warm_pool_hit_ratio")
+    assert ratio is not None and ratio < 1.0
