@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -43,12 +42,12 @@ def _load(args: argparse.Namespace) -> GatewayConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.serving import serve
+    from gateway.serving import run, serve
 
     cfg = _load(args)
     setup_logging(cfg.server.log_level)
     app = create_app(cfg)
-    asyncio.run(serve(app, cfg))
+    run(lambda: serve(app, cfg), cfg)
     return 0
 
 

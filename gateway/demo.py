@@ -7,7 +7,6 @@ and no other service is needed. Ctrl-C (or SIGTERM) stops everything cleanly.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from urllib.parse import urlsplit
 
@@ -75,7 +74,9 @@ async def serve_demo(cfg: GatewayConfig) -> None:
 
 def run_demo(cfg: GatewayConfig, fast_cycles: bool = False) -> int:
     """Blocking entry point of ``llm-gateway demo``; returns the exit status."""
+    from gateway.serving import run
+
     if fast_cycles:
         cfg = with_fast_cycles(cfg)
-    asyncio.run(serve_demo(cfg))
+    run(lambda: serve_demo(cfg), cfg)
     return 0

@@ -170,75 +170,92 @@ class Pipeline:
             m.warm_pool_hits += 1
 
     async def _attempt(self, backend: Backend, ctx: RequestContext) -> Opened:
-        resp = await self.pool.send(backend, ctx.upstream, self.controller.api_keys[backend.id])
+        """One attempt on ``backend``: send, then read what must be read before the client
+        may see anything (a non-stream's whole body, a stream's first complete events).
+
+        One timer covers the attempt: ``ttfb_timeout_s`` until the response (for streams:
+        its first event) arrives, then ``idle_timeout_s`` re-armed at every chunk of a
+        body. Raises :class:`UpstreamFailure`; the response is closed on any failure.
+        """
+        proxy = self.cfg.proxy
+        resp: aiohttp.ClientResponse | None = None
+        waiting_first_byte = True
         try:
-            status = resp.status
-            if status >= 500 or status in (401, 403):
-                body = await self._read_body(backend, resp)
-                kind = "status" if status >= 500 else "auth"
+            async with asyncio.timeout(proxy.ttfb_timeout_s) as timer:
+                resp = await self.pool.send(
+                    backend, ctx.upstream, self.controller.api_keys[backend.id]
+                )
+                status = resp.status
+                if ctx.stream and status == 200 and resp.content_type == _EVENT_STREAM:
+                    framer = EventFramer()
+                    first = await self._first_events(backend, resp, framer)
+                    return Opened(backend, resp, first, framer)
+                waiting_first_byte = False
+                body = await self._read_body(resp, timer, proxy.idle_timeout_s)
+                if status >= 500 or status in (401, 403):
+                    raise UpstreamFailure(
+                        backend,
+                        "status" if status >= 500 else "auth",
+                        f"backend answered {status}",
+                        status,
+                        body,
+                        response_headers(resp),
+                    )
+                return Opened(backend, resp, body, None)
+        except TimeoutError:
+            if resp is not None:
+                resp.close()
+            if waiting_first_byte:
                 raise UpstreamFailure(
                     backend,
-                    kind,
-                    f"backend answered {status}",
-                    status,
-                    body,
-                    response_headers(resp),
-                )
-            if ctx.stream and status == 200 and resp.content_type == _EVENT_STREAM:
-                framer = EventFramer()
-                first = await self._first_events(backend, resp, framer)
-                return Opened(backend, resp, first, framer)
-            body = await self._read_body(backend, resp)
-            return Opened(backend, resp, body, None)
+                    "ttfb_timeout",
+                    f"no answer within {proxy.ttfb_timeout_s:g} s (ttfb_timeout_s)",
+                ) from None
+            raise UpstreamFailure(
+                backend,
+                "idle_timeout",
+                f"response body stalled for {proxy.idle_timeout_s:g} s (idle_timeout_s)",
+            ) from None
+        except (aiohttp.ClientError, ConnectionError) as e:
+            if resp is not None:
+                resp.close()
+            raise UpstreamFailure(
+                backend, "disconnected", f"connection broke in the response: {e!r}"
+            ) from None
         except BaseException:
-            resp.close()
+            if resp is not None:
+                resp.close()
             raise
 
-    async def _read_body(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
-        """The whole body; ``idle_timeout_s`` bounds each silence, not the total."""
-        idle = self.cfg.proxy.idle_timeout_s
+    @staticmethod
+    async def _read_body(
+        resp: aiohttp.ClientResponse, timer: asyncio.Timeout, idle_s: float
+    ) -> bytes:
+        """The whole body; ``idle_s`` bounds each silence (re-arms ``timer``), not the total."""
         loop = asyncio.get_running_loop()
+        timer.reschedule(loop.time() + idle_s)
         content = resp.content
         parts: list[bytes] = []
-        try:
-            async with asyncio.timeout(idle) as timer:
-                while chunk := await content.readany():
-                    parts.append(chunk)
-                    timer.reschedule(loop.time() + idle)
-        except TimeoutError:
-            raise UpstreamFailure(
-                backend, "idle_timeout", f"response body stalled for {idle:g} s (idle_timeout_s)"
-            ) from None
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise UpstreamFailure(
-                backend, "disconnected", f"connection broke in the response body: {e!r}"
-            ) from None
+        while chunk := await content.readany():
+            parts.append(chunk)
+            timer.reschedule(loop.time() + idle_s)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    @staticmethod
     async def _first_events(
-        self, backend: Backend, resp: aiohttp.ClientResponse, framer: EventFramer
+        backend: Backend, resp: aiohttp.ClientResponse, framer: EventFramer
     ) -> bytes:
-        """Read until at least one complete event is in (bounded by the TTFB timeout)."""
-        ttfb = self.cfg.proxy.ttfb_timeout_s
-        try:
-            async with asyncio.timeout(ttfb):
-                while True:
-                    chunk = await resp.content.readany()
-                    if not chunk:
-                        raise UpstreamFailure(
-                            backend, "disconnected", "stream ended before its first event"
-                        )
-                    out = framer.feed(chunk)
-                    if out:
-                        return out
-        except TimeoutError:
-            raise UpstreamFailure(
-                backend, "ttfb_timeout", f"no first event within {ttfb:g} s (ttfb_timeout_s)"
-            ) from None
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise UpstreamFailure(
-                backend, "disconnected", f"stream broke before its first event: {e!r}"
-            ) from None
+        """Read until at least one complete event is in (under the caller's TTFB timer)."""
+        content = resp.content
+        while True:
+            chunk = await content.readany()
+            if not chunk:
+                raise UpstreamFailure(
+                    backend, "disconnected", "stream ended before its first event"
+                )
+            out = framer.feed(chunk)
+            if out:
+                return out
 
     def _record_failure(self, f: UpstreamFailure, ctx: RequestContext) -> None:
         backend = f.backend
@@ -342,7 +359,7 @@ class Pipeline:
             m = self.metrics
             if first_sent_at is not None:
                 m.ttft.labels(ctx.endpoint).observe(first_sent_at - ctx.started)
-            m.request_duration.labels(ctx.endpoint).observe(time.perf_counter() - ctx.started)
+            m.observe_duration(ctx.endpoint, time.perf_counter() - ctx.started)
             if outcome == StreamOutcome.CLIENT_GONE:
                 m.client_disconnects.labels(ctx.endpoint).inc()
                 m.count_request(ctx.endpoint, ctx.model, 499)

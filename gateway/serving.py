@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
 
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
@@ -35,7 +36,7 @@ class EmbeddedServer(uvicorn.Server):
         yield
 
 
-def uvicorn_config(app: FastAPI, cfg: GatewayConfig) -> uvicorn.Config:
+def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
     """uvicorn settings for the gateway: no server header, no access log unless asked."""
     s = cfg.server
     return uvicorn.Config(
@@ -74,10 +75,22 @@ async def graceful_shutdown(gw: Gateway, grace_s: float, poll_s: float = 0.05) -
             await asyncio.sleep(poll_s)
 
 
+def run(main: Callable[[], Awaitable[None]], cfg: GatewayConfig) -> None:
+    """Run ``main()`` on the event loop uvicorn would pick (uvloop when installed)."""
+    factory = uvicorn_config(None, cfg).get_loop_factory()  # type: ignore[arg-type]
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
+
+
 async def serve(
-    app: FastAPI, cfg: GatewayConfig, on_started: Callable[[], Awaitable[None] | None] | None = None
+    app: Any, cfg: GatewayConfig, on_started: Callable[[], Awaitable[None] | None] | None = None
 ) -> None:
-    """Serve ``app`` until SIGTERM/SIGINT, then shut down gracefully."""
+    """Serve ``app`` until SIGTERM/SIGINT, then shut down gracefully.
+
+    Once started, everything allocated so far (modules, config, the app) is moved out of
+    the garbage collector's reach (``gc.freeze()``, as the CPython docs suggest for servers):
+    later collections then scan only per-request objects.
+    """
     server = EmbeddedServer(uvicorn_config(app, cfg))
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -97,6 +110,8 @@ async def serve(
     if task.done():
         task.result()
         return
+    gc.collect()
+    gc.freeze()
     if on_started is not None:
         result = on_started()
         if result is not None:

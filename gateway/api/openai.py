@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
-import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -31,6 +32,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.api")
 
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
 # Field each endpoint cannot do without (vLLM answers 400 without it too).
 REQUIRED_FIELD = {
     "/v1/chat/completions": "messages",
@@ -43,17 +49,27 @@ def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
-def request_id_of(request: Request, header: str) -> str:
-    """The client's request id (if sane: <= 200 printable chars) or a new one."""
-    rid = request.headers.get(header)
-    if rid and len(rid) <= 200 and rid.isprintable():
-        return rid
-    return uuid.uuid4().hex
+def new_request_id() -> str:
+    """A fresh request id: 32 hex digits (128 random bits, like a UUID4's hex)."""
+    return secrets.token_hex(16)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole request body, refusing more than ``limit`` bytes with a 413."""
-    declared = request.headers.get("content-length")
+def sane_request_id(value: bytes | None) -> str:
+    """The client's request id if sane (<= 200 printable chars), else a new one."""
+    if value:
+        rid = value.decode("latin-1")
+        if len(rid) <= 200 and rid.isprintable():
+            return rid
+    return new_request_id()
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request body was being read."""
+
+
+async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
+    """The whole request body from ASGI ``receive``, refusing more than ``limit`` bytes
+    with a 413 (checked against ``content-length`` first, then while reading)."""
     too_big = GatewayError(
         413,
         f"Request body is larger than the gateway's limit of {limit} bytes "
@@ -65,11 +81,18 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_big
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        parts.append(chunk)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            break
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -144,11 +167,11 @@ async def check_model(gw: Gateway, model: str) -> None:
     )
 
 
-def check_client_key(gw: Gateway, request: Request) -> None:
+def check_client_key(gw: Gateway, authorization: bytes | None) -> None:
     """401 unless the client presents a configured key (no keys configured: open)."""
     if not gw.client_keys:
         return
-    auth = request.headers.get("authorization", "")
+    auth = authorization.decode("latin-1") if authorization else ""
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or token.strip() not in gw.client_keys:
         raise GatewayError(
@@ -177,61 +200,84 @@ def log_refusal(e: GatewayError, endpoint: str, request_id: str) -> None:
     )
 
 
-async def proxy(request: Request) -> Response:
-    """Forward one model request (stream or not) through the pipeline."""
-    gw = _gateway(request)
+def _shutting_down(rid: str, idh: str) -> Response:
+    return error_response(
+        503,
+        "The gateway is shutting down; retry on another instance.",
+        SERVER_ERROR,
+        "gateway_shutting_down",
+        retry_after_s=1,
+        request_id=rid,
+        id_header=idh,
+    )
+
+
+async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Response:
+    """Forward one model request (stream or not) through the pipeline; the answer to send.
+
+    Works on the raw ASGI ``scope``/``receive`` (no framework request object), because it is
+    the data path: see :class:`gateway.app.GatewayApp`.
+    """
     cfg = gw.cfg
-    endpoint = request.scope["path"]
+    metrics = gw.metrics
+    endpoint: str = scope["path"]
     idh = cfg.server.request_id_header
-    rid = request_id_of(request, idh)
-    request.state.request_id = rid
     started = time.perf_counter()
+    # one pass over the headers for what the gateway reads
+    id_key, session_key_name = gw.header_keys
+    authorization = declared = rid_value = session = None
+    for k, v in scope["headers"]:
+        if k == b"authorization":
+            authorization = v
+        elif k == b"content-length":
+            declared = v
+        elif k == id_key:
+            rid_value = v
+        elif k == session_key_name:
+            session = v
+    rid = sane_request_id(rid_value)
     if gw.shutting_down:
-        gw.metrics.count_request(endpoint, "", 503)
-        return error_response(
-            503,
-            "The gateway is shutting down; retry on another instance.",
-            SERVER_ERROR,
-            "gateway_shutting_down",
-            retry_after_s=1,
-            request_id=rid,
-            id_header=idh,
-        )
+        metrics.count_request(endpoint, "", 503)
+        return _shutting_down(rid, idh)
     try:
-        check_client_key(gw, request)
-        body = await read_body(request, cfg.server.max_body_bytes)
+        check_client_key(gw, authorization)
+        body = await read_body(receive, declared, cfg.server.max_body_bytes)
         payload = parse_payload(body, endpoint)
         model: str = payload["model"]
         await check_model(gw, model)
     except GatewayError as e:
-        gw.metrics.count_request(endpoint, "", e.status)
+        metrics.count_request(endpoint, "", e.status)
         log_refusal(e, endpoint, rid)
         return e.response(rid, idh)
+    except ClientGone:
+        metrics.client_disconnects.labels(endpoint).inc()
+        metrics.count_request(endpoint, "", 499)
+        return Response(status_code=499)
     stream = payload.get("stream") is True
-    query = request.scope.get("query_string", b"")
+    query = scope.get("query_string", b"")
     path = endpoint + ("?" + query.decode("latin-1") if query else "")
     ctx = RequestContext(
         endpoint=endpoint,
         model=model,
         stream=stream,
         upstream=UpstreamRequest(
-            request.method,
+            scope["method"],
             path,
-            forward_headers(request.scope["headers"], idh, rid, stream),
+            forward_headers(scope["headers"], idh, rid, stream),
             body,
             stream,
         ),
         request_id=rid,
         cut=CutHandle(),
-        session_key=request.headers.get(cfg.routing.session_header),
+        session_key=session.decode("latin-1") if session is not None else None,
         started=started,
     )
-    watch = ClientWatch(request.receive, ctx.cut)
+    watch = ClientWatch(receive, ctx.cut)
     try:
         opened = await gw.pipeline.open(ctx)
     except GatewayError as e:
         watch.stop()
-        gw.metrics.count_request(endpoint, model, e.status)
+        metrics.count_request(endpoint, model, e.status)
         log_refusal(e, endpoint, rid)
         return e.response(rid, idh)
     except asyncio.CancelledError:
@@ -239,30 +285,27 @@ async def proxy(request: Request) -> Response:
         if ctx.cut.reason is None:
             raise
         if ctx.cut.absorb() == Cut.CLIENT_GONE:
-            gw.metrics.client_disconnects.labels(endpoint).inc()
-            gw.metrics.count_request(endpoint, model, 499)
+            metrics.client_disconnects.labels(endpoint).inc()
+            metrics.count_request(endpoint, model, 499)
             return Response(status_code=499)
-        gw.metrics.count_request(endpoint, model, 503)
-        return error_response(
-            503,
-            "The gateway is shutting down; retry on another instance.",
-            SERVER_ERROR,
-            "gateway_shutting_down",
-            retry_after_s=1,
-            request_id=rid,
-            id_header=idh,
-        )
+        metrics.count_request(endpoint, model, 503)
+        return _shutting_down(rid, idh)
     if not isinstance(opened, Opened):
         watch.stop()
-        gw.metrics.count_request(endpoint, model, opened.status_code)
+        metrics.count_request(endpoint, model, opened.status_code)
         return opened
     if opened.framer is not None:
         return gw.pipeline.relay(ctx, opened, watch)
     watch.stop()
     response = gw.pipeline.finish_body(ctx, opened)
-    gw.metrics.count_request(endpoint, model, response.status_code)
-    gw.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
+    metrics.count_request(endpoint, model, response.status_code)
+    metrics.observe_duration(endpoint, time.perf_counter() - started)
     return response
+
+
+async def proxy(request: Request) -> Response:
+    """The framework route for model requests (the same code as the ASGI fast path)."""
+    return await model_response(_gateway(request), request.scope, request.receive)
 
 
 async def list_models(request: Request) -> Response:
@@ -273,9 +316,9 @@ async def list_models(request: Request) -> Response:
     """
     gw = _gateway(request)
     idh = gw.cfg.server.request_id_header
-    rid = request_id_of(request, idh)
+    rid = sane_request_id(request.headers.get(idh, "").encode("latin-1"))
     try:
-        check_client_key(gw, request)
+        check_client_key(gw, request.headers.get("authorization", "").encode("latin-1"))
     except GatewayError as e:
         return e.response(rid, idh)
     # Routable backends, and those only resting (draining, cooldown): the model is still
@@ -338,7 +381,7 @@ def install_routes(app_router: FastAPI, passthrough: list[str]) -> None:
 
     Routes go straight on the app (no included routers): one less dispatch layer per
     request on the hot path."""
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", *passthrough):
+    for path in (*MODEL_ROUTES, *passthrough):
         app_router.add_api_route(path, proxy, methods=["POST"], include_in_schema=False)
     app_router.add_api_route("/v1/models", list_models, methods=["GET"], include_in_schema=False)
     app_router.add_api_route(

@@ -82,16 +82,28 @@ class CutHandle:
 
 class ClientWatch:
     """Cuts the request (:attr:`Cut.CLIENT_GONE`) when the client disconnects, until
-    :meth:`stop` is called."""
+    :meth:`stop` is called.
 
-    __slots__ = ("_cut", "_watcher", "done")
+    The watching task starts only after ``delay_s`` (50 ms): most answers that quick never
+    need it, and a timer costs far less than a task. A client gone sooner is noticed at
+    that moment (its ``http.disconnect`` is waiting), well inside the 2 s promise.
+    """
 
-    def __init__(self, receive: Receive, cut: CutHandle) -> None:
+    __slots__ = ("_cut", "_receive", "_timer", "_watcher", "done")
+
+    def __init__(self, receive: Receive, cut: CutHandle, delay_s: float = 0.05) -> None:
         self._cut = cut
+        self._receive = receive
         self.done = False
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        self._watcher: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._start)
 
-    async def _watch(self, receive: Receive) -> None:
+    def _start(self) -> None:
+        if not self.done:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        receive = self._receive
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -101,8 +113,12 @@ class ClientWatch:
 
     def stop(self) -> None:
         """Stop watching (the answer is complete or about to be)."""
+        if self.done:
+            return
         self.done = True
-        self._watcher.cancel()
+        self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 class StreamOutcome:
@@ -145,34 +161,53 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         resp, framer, watch = self.resp, self.framer, self.watch
-        outcome = StreamOutcome.OK
         first_sent_at: float | None = None
-        clean = False
+        finished = False
+        outcome = "relay_error"  # unless set below
+
+        def finish(result: str) -> None:
+            # Release the upstream side and record the outcome once, BEFORE the last bytes
+            # go out, so that metrics and in-flight counts are final when the client sees
+            # the end of its stream.
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            watch.stop()
+            if result == StreamOutcome.OK:
+                resp.release()
+            else:
+                resp.close()  # closes the socket: vLLM sees the disconnect and aborts
+            self.on_done(result, framer, first_sent_at)
+
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             first_sent_at = time.perf_counter()
+            loop = asyncio.get_running_loop()
             content = resp.content
             idle = self.idle_timeout_s
             code: str | None = None
             message = ""
             try:
-                while True:
-                    async with asyncio.timeout(idle):
+                # One timer for the whole stream: armed while waiting on the backend,
+                # disarmed while a slow client is being written to.
+                async with asyncio.timeout(idle) as timer:
+                    while True:
                         chunk = await content.readany()
-                    if not chunk:
-                        tail = framer.finish()
-                        if tail:
+                        if not chunk:
+                            out = framer.finish()
+                        else:
+                            out = framer.feed(chunk)
+                        if out:
+                            timer.reschedule(None)
                             await send(
-                                {"type": "http.response.body", "body": tail, "more_body": True}
+                                {"type": "http.response.body", "body": out, "more_body": True}
                             )
-                        break
-                    out = framer.feed(chunk)
-                    if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-                if framer.saw_done:
-                    clean = True
-                else:
+                        if not chunk:
+                            break
+                        timer.reschedule(loop.time() + idle)
+                if not framer.saw_done:
                     code = "upstream_incomplete"
                     message = (
                         "The backend ended the stream without [DONE]; the answer is incomplete."
@@ -189,11 +224,11 @@ class RelayResponse(Response):
                     f"The backend connection broke mid-stream ({type(e).__name__}); the answer "
                     "is incomplete."
                 )
-            watch.stop()
             if code is None:
+                finish(StreamOutcome.OK)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
-                outcome = code
+                finish(code)
                 await send(
                     {
                         "type": "http.response.body",
@@ -204,8 +239,8 @@ class RelayResponse(Response):
         except asyncio.CancelledError:
             if self.cut.reason is None:
                 raise
-            watch.stop()
             outcome = self.cut.absorb()
+            finish(outcome)
             if outcome != Cut.CLIENT_GONE:
                 await send(
                     {
@@ -215,9 +250,4 @@ class RelayResponse(Response):
                     }
                 )
         finally:
-            watch.stop()
-            if clean:
-                resp.release()
-            else:
-                resp.close()  # closes the socket: vLLM sees the disconnect and aborts
-            self.on_done(outcome, framer, first_sent_at)
+            finish(outcome)

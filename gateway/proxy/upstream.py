@@ -183,25 +183,19 @@ class UpstreamPool:
     ) -> aiohttp.ClientResponse:
         """Send ``req`` to ``backend`` and return once the response headers are in.
 
-        Raises :class:`UpstreamFailure` (``connect``, ``ttfb_timeout``, ``disconnected``)
-        when no response could be had. The caller owns the returned response and must
-        ``release()`` or ``close()`` it.
+        Raises :class:`UpstreamFailure` (``connect``, ``disconnected``) when no response
+        could be had. The time to first byte is bounded by the caller's timer. The caller
+        owns the returned response and must ``release()`` or ``close()`` it.
         """
         headers = req.headers
         if api_key:
             headers = {**headers, "authorization": f"Bearer {api_key}"}
-        session = self.session(backend)
         try:
-            async with asyncio.timeout(self.cfg.ttfb_timeout_s):
-                return await session._request(req.method, req.path, data=req.body, headers=headers)
-        except TimeoutError as e:
-            if isinstance(e, aiohttp.ConnectionTimeoutError):
-                raise UpstreamFailure(backend, "connect", f"connect timeout: {e}") from None
-            raise UpstreamFailure(
-                backend,
-                "ttfb_timeout",
-                f"no response within {self.cfg.ttfb_timeout_s:g} s (ttfb_timeout_s)",
-            ) from None
+            return await self.session(backend).request(
+                req.method, req.path, data=req.body, headers=headers
+            )
+        except aiohttp.ConnectionTimeoutError as e:
+            raise UpstreamFailure(backend, "connect", f"connect timeout: {e}") from None
         except aiohttp.ClientConnectorError as e:
             raise UpstreamFailure(backend, "connect", f"connect error: {e}") from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
