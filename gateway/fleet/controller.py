@@ -572,8 +572,11 @@ class FleetController:
                 try:
                     async with asyncio.timeout(hook.timeout_s):
                         _, err = await proc.communicate()
-                except TimeoutError:
-                    proc.kill()
+                except BaseException:  # timeout, or the gateway stopping: never leave it behind
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(proc.wait(), 5)
                     raise
                 ok = proc.returncode == 0
                 detail = f"exit {proc.returncode}: {err.decode(errors='replace')[-200:]}"

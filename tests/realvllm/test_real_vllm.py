@@ -185,3 +185,14 @@ def test_medium_cycle_on_real_vllm(fleet, client):
     assert detail["calibration_score"] == 1.0
     g = gw.gateway
     assert g.metrics.prefix_cache_resets.labels("vllm-a")._value.get() == 1
+
+
+def test_load_parser_reads_a_live_vllm_scrape(fleet):
+    """The router's /metrics scan against vLLM's own exposition (names, labels, values)."""
+    from gateway.fleet.telemetry import parse_vllm_load
+
+    _, a, _ = fleet
+    parsed = parse_vllm_load(httpx.get(a.url + "/metrics").text)
+    assert parsed is not None
+    waiting, running, kv = parsed
+    assert waiting >= 0 and running >= 0 and 0 <= kv <= 1
