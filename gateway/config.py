@@ -90,6 +90,8 @@ class ClientKey(_Strict):
     key: str | None = None
     key_env: str | None = None
     priority: Priority = Priority.NORMAL
+    rpm: int | None = Field(None, ge=1, description="requests per minute (None: default)")
+    tpm: int | None = Field(None, ge=1, description="tokens per minute (None: default)")
 
     @model_validator(mode="after")
     def _one_source(self) -> ClientKey:
@@ -136,6 +138,9 @@ class RoutingWeights(_Strict):
     waiting: float = Field(1.0, ge=0, description="per request queued on the backend")
     running: float = Field(0.5, ge=0, description="per unit of batch occupancy (0-1)")
     kv_cache: float = Field(1.0, ge=0, description="per unit of KV-cache usage (0-1)")
+    failures: float = Field(
+        4.0, ge=0, description="per consecutive failure on the backend's breaker"
+    )
 
 
 class RoutingConfig(_Strict):
@@ -159,18 +164,17 @@ class TelemetryConfig(_Strict):
 
 
 class HealthConfig(_Strict):
-    """Active probes (``GET /health``) and passive outlier detection.
+    """Active probes (``GET /health``).
 
     Defaults: a backend is ``unhealthy`` after 3 failed probes in a row (so within about
-    ``3 * interval_s`` of dying) or after ``passive_fail_threshold`` consecutive connect
-    errors/5xx on real traffic; it returns after 2 passing probes.
+    ``3 * interval_s`` of dying); it returns after 2 passing probes. Passive outlier
+    detection from real traffic is the circuit breaker's job (``breaker:``).
     """
 
     interval_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
     fail_threshold: int = Field(3, ge=1)
     recover_threshold: int = Field(2, ge=1)
-    passive_fail_threshold: int = Field(3, ge=1)
 
 
 class ProxyConfig(_Strict):
@@ -281,6 +285,78 @@ class CalibrationConfig(_Strict):
     baseline_file: str | None = None
 
 
+class SLOConfig(_Strict):
+    """Service-level objectives (seconds): what "fast enough" means for this fleet."""
+
+    ttft_s: float = Field(2.0, gt=0, description="time to first token")
+    itl_s: float = Field(0.1, gt=0, description="inter-token latency")
+
+
+class BreakerSettings(_Strict):
+    """Per-backend circuit breaker (see :mod:`gateway.traffic.breaker`)."""
+
+    consecutive_failures: int = Field(5, ge=1)
+    error_rate: float = Field(0.5, gt=0, le=1)
+    min_requests: int = Field(20, ge=1)
+    window_s: float = Field(30.0, gt=0)
+    open_base_s: float = Field(5.0, gt=0)
+    open_max_s: float = Field(120.0, gt=0)
+    half_open_max: int = Field(1, ge=1)
+    latency_fuse_factor: float = Field(5.0, gt=1, description="x the TTFT SLO, on P99")
+    unhealthy_after_trips: int = Field(
+        3, ge=1, description="trips in a row (no success between) that make it unhealthy"
+    )
+
+
+class RetrySettings(_Strict):
+    """Backoff and retry budget (see :mod:`gateway.traffic.retry`)."""
+
+    backoff_base_s: float = Field(0.025, ge=0, description="Envoy's default base interval")
+    backoff_max_s: float = Field(1.0, ge=0)
+    budget_ratio: float = Field(0.2, ge=0, le=1)
+    budget_window_s: float = Field(10.0, gt=0)
+    budget_min_per_s: float = Field(1.0, ge=0, description="retry floor, per second")
+    default_retry_after_s: float = Field(
+        1.0, gt=0, description="cooling time of a backend 429 without Retry-After"
+    )
+
+
+class AdmissionConfig(_Strict):
+    """Admission control (see :mod:`gateway.traffic.admission`).
+
+    ``max_in_flight`` None: the sum of the backends' ``max_num_seqs`` times
+    ``in_flight_per_seq`` (requests beyond a backend's batch wait in its queue, so a small
+    overcommit keeps batches full), or unbounded when a capacity is unknown.
+    Saturation thresholds are levels of the least-loaded backend's load (1.0 = its queue
+    holds ``waiting_full`` requests or its KV cache is at ``kv_full``).
+    """
+
+    enabled: bool = True
+    default_rpm: int | None = Field(None, ge=1)
+    default_tpm: int | None = Field(None, ge=1)
+    default_max_tokens: int = Field(256, ge=1, description="token estimate when not given")
+    priority_header: str = "x-priority"
+    max_in_flight: int | None = Field(None, ge=1)
+    in_flight_per_seq: float = Field(2.0, gt=0)
+    max_queued: int = Field(1024, ge=0)
+    max_queue_wait_s: float = Field(30.0, ge=0)
+    waiting_full: float = Field(8.0, gt=0)
+    kv_full: float = Field(0.95, gt=0, le=1)
+    shed_levels: tuple[float, float, float] = Field(
+        (2.0, 1.5, 1.0), description="saturation at which high, normal, low are shed"
+    )
+
+
+class DegradedConfig(_Strict):
+    """Optional degraded mode under sustained overload (off by default)."""
+
+    enabled: bool = False
+    enter_after_s: float = Field(10.0, gt=0)
+    step_s: float = Field(30.0, gt=0)
+    max_tokens_cap: int = Field(512, ge=1, description="cap at level 1; halves per level")
+    low_priority_max_prompt_tokens: int = Field(4096, ge=1)
+
+
 class BackendRole(StrEnum):
     PRIMARY = "primary"
     STANDBY = "standby"
@@ -341,6 +417,11 @@ class GatewayConfig(BaseSettings):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
+    slo: SLOConfig = Field(default_factory=SLOConfig)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    degraded: DegradedConfig = Field(default_factory=DegradedConfig)
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     backends: list[BackendConfig] = Field(default_factory=list)

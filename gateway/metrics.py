@@ -73,6 +73,11 @@ class FleetCollector(Collector):
             "Last scraped KV-cache usage (0-1)",
             labels=["backend"],
         )
+        breaker = GaugeMetricFamily(
+            "gateway_backend_breaker_state",
+            "1 for the circuit breaker's current state",
+            labels=["backend", "state"],
+        )
         age = GaugeMetricFamily(
             "gateway_backend_scrape_age_seconds",
             "Seconds since the last good /metrics scrape",
@@ -89,6 +94,10 @@ class FleetCollector(Collector):
                 kv.add_metric([b.id], b.load.kv_cache_usage)
             if b.last_scrape_ok_at is not None:
                 age.add_metric([b.id], now - b.last_scrape_ok_at)
+            if b.breaker is not None:
+                current = b.breaker.current().value
+                for st in ("closed", "open", "half_open"):
+                    breaker.add_metric([b.id, st], 1.0 if st == current else 0.0)
         m = self._metrics
         ratio = GaugeMetricFamily(
             "gateway_warm_pool_hit_ratio",
@@ -97,7 +106,7 @@ class FleetCollector(Collector):
         ratio.add_metric(
             [], m.warm_pool_hits / m.warm_pool_requests if m.warm_pool_requests else 1.0
         )
-        yield from (state, in_flight, waiting, running, kv, age, ratio)
+        yield from (state, in_flight, waiting, running, kv, age, breaker, ratio)
 
 
 class GatewayMetrics:
@@ -235,6 +244,36 @@ class GatewayMetrics:
             "gateway_prefix_cache_resets",
             "Successful POST /reset_prefix_cache",
             ["backend"],
+            registry=r,
+        )
+        self.breaker_trips = Counter(
+            "gateway_breaker_trips",
+            "Circuit breaker openings by reason",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "gateway_retry_budget_exhausted",
+            "Retries refused because the retry budget was spent",
+            registry=r,
+        )
+        self.admission_rejections = Counter(
+            "gateway_admission_rejections",
+            "Requests refused by admission control, by layer (entry/scheduler/resource/"
+            "degraded) and priority",
+            ["layer", "priority"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "gateway_admission_queue_wait_seconds",
+            "Time requests waited for a slot",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.degraded_level = Gauge(
+            "gateway_degraded_mode",
+            "Degraded mode level (0 = off)",
             registry=r,
         )
         # warm pool hit ratio = hits / requests, computed at scrape time

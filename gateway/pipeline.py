@@ -13,14 +13,17 @@ passive health check and the metrics.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import logging
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import aiohttp
 from starlette.responses import Response
 
-from gateway.api.errors import SERVER_ERROR, GatewayError, error_response
+from gateway.api.errors import SERVER_ERROR, error_response
 from gateway.config import GatewayConfig
 from gateway.fleet.backend import Backend, BackendState, Fleet
 from gateway.fleet.controller import FleetController
@@ -34,7 +37,9 @@ from gateway.proxy.upstream import (
     response_headers,
 )
 from gateway.routing.policy import Router
-from gateway.traffic.retry import should_retry
+from gateway.traffic.admission import MAX_RETRY_AFTER_S
+from gateway.traffic.breaker import BreakerState
+from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
 
 log = logging.getLogger("gateway.pipeline")
 
@@ -65,6 +70,27 @@ class Opened:
     framer: EventFramer | None
 
 
+class NoCandidate(Exception):
+    """No backend this request has not tried can take it now."""
+
+
+def parse_retry_after(value: str | None, now_unix: float) -> float | None:
+    """Seconds in a ``Retry-After`` header (RFC 9110 section 10.2.3: delay-seconds or an
+    HTTP-date), or None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - now_unix)
+
+
 class Pipeline:
     """Runs requests against the fleet; one per app, built in the lifespan."""
 
@@ -85,15 +111,44 @@ class Pipeline:
         self.metrics = metrics
         self._attempt_children: dict[tuple[str, str], object] = {}
         self.router_clock = controller.clock
+        r = cfg.retry
+        self.retry = RetryPolicy(r.backoff_base_s, r.backoff_max_s)
+        self.budget = RetryBudget(
+            r.budget_ratio, r.budget_window_s, r.budget_min_per_s, controller.clock
+        )
+        # (monotonic time, TTFT seconds) of recent streams: the latency fuse, degraded mode
+        self.ttft_window: deque[tuple[float, float]] = deque(maxlen=4096)
 
     # ---- candidates -------------------------------------------------------------------
-    def candidates(self, model: str, tried: list[str]) -> list[Backend]:
-        """Routable backends serving ``model`` that this request has not tried yet."""
-        return [
-            b
-            for b in self.fleet.backends
-            if b.state is BackendState.WARM and model in b.models and b.id not in tried
-        ]
+    def candidates(self, model: str, tried: list[str], now: float) -> list[Backend]:
+        """Backends that may take a request for ``model`` now and that this request has
+        not tried: warm, serving it, not cooling after a 429, breaker not open (or a free
+        half-open slot). Standby backends only when no primary qualifies."""
+        primaries: list[Backend] = []
+        standbys: list[Backend] = []
+        for b in self.fleet.backends:
+            if (
+                b.state is not BackendState.WARM
+                or model not in b.models
+                or b.id in tried
+                or b.cooling_until > now
+                or not b.breaker.can_take()
+            ):
+                continue
+            (standbys if b.is_standby else primaries).append(b)
+        return primaries or standbys
+
+    def availability_s(self, model: str, now: float) -> float | None:
+        """Seconds until some backend of ``model`` can take a request again (a 429 cooldown
+        or an open breaker ending), or None when none is expected back soon (unhealthy,
+        draining, gone)."""
+        soonest: float | None = None
+        for b in self.fleet.backends:
+            if b.state is not BackendState.WARM or model not in b.models:
+                continue
+            wait = max(0.0, b.cooling_until - now, b.breaker.retry_in())
+            soonest = wait if soonest is None else min(soonest, wait)
+        return soonest
 
     def retry_after_s(self) -> float:
         """When a backend could plausibly be routable again: one recovery of probes."""
@@ -112,47 +167,90 @@ class Pipeline:
         """Find a backend whose answer starts well; the caller then sends it to the client.
 
         Returns :class:`Opened` (the caller owns ``resp`` and the backend's in-flight
-        slot), or a final :class:`Response` when every attempt failed (a backend's own
-        5xx answer is passed on unchanged). Raises :class:`GatewayError` (503) when no
-        backend can serve the model. Cancellation (client gone) propagates after
+        slot), or a final :class:`Response` when no attempt succeeded: the gateway's own
+        429/503 when no backend can take the model now (with ``retry-after``), or a
+        backend's own 5xx answer unchanged. Cancellation (client gone) propagates after
         releasing everything.
+
+        The first attempt runs plainly (most requests need no other); retries go through
+        :class:`gateway.traffic.retry.RetryPolicy` (full-jitter backoff, tenacity for the
+        later ones) and must fit in the retry budget.
         """
+        self.budget.record_request()
         tried: list[str] = []
-        failure: UpstreamFailure | None = None
         max_attempts = self.cfg.proxy.max_attempts
-        attempt = 0
-        while attempt < max_attempts:
-            backend = self.router.pick(self.candidates(ctx.model, tried), ctx.session_key)
-            if backend is None:
-                break
-            attempt += 1
-            tried.append(backend.id)
-            if failure is not None:
-                self.metrics.retries.labels(failure.kind).inc()
-            backend.in_flight += 1
-            backend.active.add(ctx.cut)
-            try:
-                return await self._attempt(backend, ctx)
-            except UpstreamFailure as f:
-                self._release(backend, ctx)
-                failure = f
-                self._record_failure(f, ctx)
-                if not should_retry(f.kind, attempt, max_attempts):
-                    break
-            except asyncio.CancelledError:
-                self._release(backend, ctx)
-                if ctx.cut.reason != Cut.DRAIN_DEADLINE:
-                    raise
-                # The backend's drain deadline ended this attempt before any byte reached
-                # the client: not the backend's fault, and safe to send elsewhere.
-                ctx.cut.absorb()
-                ctx.cut.rearm()
-                failure = UpstreamFailure(backend, "drained", "backend drained before answering")
-                self._count_attempt(backend, "drained")
-            except BaseException:
-                self._release(backend, ctx)
+        try:
+            return await self._one(ctx, tried)
+        except UpstreamFailure as f:
+            last = f
+        except NoCandidate:
+            return self._give_up(ctx, None)
+        if not self._may_retry(last, len(tried), max_attempts):
+            return self._give_up(ctx, last)
+        await self.retry.pause()
+
+        def may_retry(e: BaseException) -> bool:
+            return isinstance(e, UpstreamFailure) and self._may_retry(e, len(tried), max_attempts)
+
+        try:
+            async for attempt in self.retry.retrying(max_attempts - len(tried), may_retry):
+                with attempt:
+                    self.metrics.retries.labels(last.kind).inc()
+                    try:
+                        return await self._one(ctx, tried)
+                    except UpstreamFailure as f:
+                        last = f
+                        raise
+        except UpstreamFailure as f:
+            return self._give_up(ctx, f)
+        except NoCandidate:
+            pass
+        return self._give_up(ctx, last)
+
+    def _may_retry(self, f: UpstreamFailure, attempts: int, max_attempts: int) -> bool:
+        if not should_retry(f.kind, attempts, max_attempts):
+            return False
+        if self.budget.try_spend():
+            return True
+        self.metrics.retry_budget_exhausted.inc()
+        return False
+
+    async def _one(self, ctx: RequestContext, tried: list[str]) -> Opened:
+        """Pick a backend this request has not tried and run one attempt on it.
+
+        Raises :class:`NoCandidate` when none is left, :class:`UpstreamFailure` when the
+        attempt fails (already recorded in the breaker, metrics and backend state).
+        """
+        now = self.router_clock()
+        backend = self.router.pick(self.candidates(ctx.model, tried, now), ctx.session_key)
+        if backend is None:
+            raise NoCandidate
+        tried.append(backend.id)
+        breaker = backend.breaker
+        breaker.acquire()
+        backend.in_flight += 1
+        backend.active.add(ctx.cut)
+        try:
+            return await self._attempt(backend, ctx)
+        except UpstreamFailure as f:
+            self._release(backend, ctx)
+            self._record_failure(f, ctx)
+            raise
+        except asyncio.CancelledError:
+            self._release(backend, ctx)
+            breaker.on_neutral()
+            if ctx.cut.reason != Cut.DRAIN_DEADLINE:
                 raise
-        return self._give_up(ctx, failure)
+            # The backend's drain deadline ended this attempt before any byte reached
+            # the client: not the backend's fault, and safe to send elsewhere.
+            ctx.cut.absorb()
+            ctx.cut.rearm()
+            self._count_attempt(backend, "drained")
+            raise UpstreamFailure(backend, "drained", "backend drained before answering") from None
+        except BaseException:
+            self._release(backend, ctx)
+            breaker.on_neutral()
+            raise
 
     @staticmethod
     def _release(backend: Backend, ctx: RequestContext) -> None:
@@ -192,10 +290,15 @@ class Pipeline:
                     return Opened(backend, resp, first, framer)
                 waiting_first_byte = False
                 body = await self._read_body(resp, timer, proxy.idle_timeout_s)
-                if status >= 500 or status in (401, 403):
+                if status == 429 or status >= 500 or status in (401, 403):
+                    kind = (
+                        "rate_limited" if status == 429 else "status" if status >= 500 else "auth"
+                    )
+                    if status in (429, 503):
+                        self._cool(backend, resp.headers.get("retry-after"), status == 429)
                     raise UpstreamFailure(
                         backend,
-                        "status" if status >= 500 else "auth",
+                        kind,
                         f"backend answered {status}",
                         status,
                         body,
@@ -257,14 +360,30 @@ class Pipeline:
             if out:
                 return out
 
+    def _cool(self, backend: Backend, retry_after: str | None, always: bool) -> None:
+        """Honour a backend's ``Retry-After``: no request goes to it before then. A 429
+        cools it even without the header (``retry.default_retry_after_s``)."""
+        seconds = parse_retry_after(retry_after, self.controller.wall())
+        if seconds is None:
+            if not always:
+                return
+            seconds = self.cfg.retry.default_retry_after_s
+        until = self.router_clock() + seconds
+        if until > backend.cooling_until:
+            backend.cooling_until = until
+            log.info("backend %s: cooling for %.1f s (Retry-After)", backend.id, seconds)
+
     def _record_failure(self, f: UpstreamFailure, ctx: RequestContext) -> None:
+        """One failed attempt: metrics, the backend's last error, its breaker."""
         backend = f.backend
         self._count_attempt(backend, f.kind)
         backend.note_error(f"{ctx.endpoint}: {f.message}")
         if f.kind == "auth":
             self.controller._config_error(backend, f.message, f.status)
-            return
-        self.controller.on_traffic(backend, failed=True)
+        if f.kind in ("rate_limited", "drained"):
+            backend.breaker.on_neutral()  # busy or ours to end: not a health signal
+        else:
+            self._breaker_failure(backend)
         log.info(
             "attempt on %s failed (%s): %s [request %s]",
             backend.id,
@@ -273,18 +392,18 @@ class Pipeline:
             ctx.request_id,
         )
 
+    def _breaker_failure(self, backend: Backend) -> None:
+        breaker = backend.breaker
+        was = breaker.state
+        breaker.on_failure()
+        if breaker.state is BreakerState.OPEN and was is not BreakerState.OPEN:
+            self.controller.on_breaker_trip(backend)
+
     def _give_up(self, ctx: RequestContext, f: UpstreamFailure | None) -> Response:
         rid = ctx.request_id
         idh = self.cfg.server.request_id_header
-        if f is None:
-            raise GatewayError(
-                503,
-                f"No backend is available for model '{ctx.model}' right now "
-                "(all are unhealthy, draining or cooling down).",
-                SERVER_ERROR,
-                "no_backend_available",
-                retry_after_s=self.retry_after_s(),
-            )
+        if f is None or f.kind == "rate_limited":
+            return self.unavailable(ctx.model, rid)
         if f.kind == "status" and f.status is not None:
             headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in f.headers)
             headers[idh] = rid
@@ -328,6 +447,35 @@ class Pipeline:
             id_header=idh,
         )
 
+    def unavailable(self, model: str, rid: str) -> Response:
+        """The gateway's own answer when no backend of ``model`` can take a request now,
+        sent without contacting any: 429 when one is expected back within 60 s (its
+        cooldown or open breaker ending; ``retry-after`` is that wait rounded up), else 503
+        (unhealthy, draining, gone) with the probe-recovery estimate."""
+        idh = self.cfg.server.request_id_header
+        soon = self.availability_s(model, self.router_clock())
+        if soon is not None and soon <= MAX_RETRY_AFTER_S:
+            return error_response(
+                429,
+                f"Every backend serving model '{model}' is rate-limited or recovering; retry "
+                f"in {max(1, math.ceil(soon))} s.",
+                "requests",
+                "rate_limit_exceeded",
+                retry_after_s=max(soon, 1.0),
+                request_id=rid,
+                id_header=idh,
+            )
+        return error_response(
+            503,
+            f"No backend is available for model '{model}' right now (all are unhealthy, "
+            "draining or restarting).",
+            SERVER_ERROR,
+            "no_backend_available",
+            retry_after_s=self.retry_after_s(),
+            request_id=rid,
+            id_header=idh,
+        )
+
     # ---- completion -----------------------------------------------------------------------
     def finish_body(self, ctx: RequestContext, opened: Opened) -> Response:
         """The non-streaming answer for the client; releases the backend slot."""
@@ -336,7 +484,10 @@ class Pipeline:
         self._served(backend)
         status = resp.status
         self._count_attempt(backend, "ok" if status < 400 else f"http_{status}")
-        self.controller.on_traffic(backend, failed=False)
+        if status < 400:
+            backend.breaker.on_success()
+        else:
+            backend.breaker.on_neutral()  # a 4xx caused by the request
         headers = response_headers(resp)
         resp.release()
         if status == 200 and resp.headers.get("content-encoding") is None:
@@ -357,27 +508,31 @@ class Pipeline:
             self._release(backend, ctx)
             self._served(backend)
             m = self.metrics
-            if first_sent_at is not None:
-                m.ttft.labels(ctx.endpoint).observe(first_sent_at - ctx.started)
+            ttft = None if first_sent_at is None else first_sent_at - ctx.started
+            if ttft is not None:
+                m.ttft.labels(ctx.endpoint).observe(ttft)
+                self.ttft_window.append((self.router_clock(), ttft))
             m.observe_duration(ctx.endpoint, time.perf_counter() - ctx.started)
             if outcome == StreamOutcome.CLIENT_GONE:
                 m.client_disconnects.labels(ctx.endpoint).inc()
                 m.count_request(ctx.endpoint, ctx.model, 499)
                 self._count_attempt(backend, "client_gone")
+                backend.breaker.on_neutral()
                 return
             m.count_request(ctx.endpoint, ctx.model, 200)
             self._count_usage(ctx.model, framer.usage())
             if outcome == StreamOutcome.OK:
                 self._count_attempt(backend, "ok")
-                self.controller.on_traffic(backend, failed=False)
+                backend.breaker.on_success(ttft)
             elif outcome in (Cut.DRAIN_DEADLINE, Cut.SHUTDOWN):
                 self._count_attempt(backend, outcome)  # ended by us, not the backend's fault
                 m.stream_errors.labels(backend.id, outcome).inc()
+                backend.breaker.on_neutral()
             else:
                 self._count_attempt(backend, outcome)
                 m.stream_errors.labels(backend.id, outcome).inc()
                 backend.note_error(f"{ctx.endpoint}: stream ended with {outcome}")
-                self.controller.on_traffic(backend, failed=True)
+                self._breaker_failure(backend)
 
         return RelayResponse(
             resp,

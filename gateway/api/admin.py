@@ -66,7 +66,14 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         "calibration_score": b.calibration_score,
         "probe_ttft_s": b.probe_ttft_s,
         "consecutive_probe_failures": b.consecutive_probe_failures,
-        "consecutive_traffic_failures": b.consecutive_traffic_failures,
+        "breaker": {
+            "state": b.breaker.current().value,
+            "consecutive_failures": b.breaker.consecutive,
+            "trips": b.breaker.trips,
+            "last_trip_reason": b.breaker.last_trip_reason,
+            "retry_in_s": round(b.breaker.retry_in(), 3),
+        },
+        "cooling_for_s": round(max(0.0, b.cooling_until - now), 3),
     }
 
 

@@ -79,7 +79,6 @@ class Backend:
     last_error_at: float | None = None  # unix seconds
     consecutive_probe_failures: int = 0
     consecutive_probe_successes: int = 0
-    consecutive_traffic_failures: int = 0
     config_error: str | None = None  # e.g. backend answered 401 to our own key
     requests_served: int = 0
     history: deque[Transition] = field(default_factory=lambda: deque(maxlen=20))
@@ -96,6 +95,8 @@ class Backend:
     calibration_score: float | None = None
     needs_calibration: bool = False  # drifted: must pass calibration before warm again
     probe_ttft_s: float | None = None  # last application probe's time to first token
+    breaker: Any = None  # traffic.breaker.CircuitBreaker, set by the controller
+    cooling_until: float = 0.0  # monotonic; a 429/503 Retry-After keeps requests away
 
     @property
     def id(self) -> str:
@@ -109,6 +110,11 @@ class Backend:
     def capacity(self) -> int | None:
         """Batch capacity in sequences (``max_num_seqs``) when configured."""
         return self.config.max_num_seqs
+
+    @property
+    def recent_failures(self) -> int:
+        """Consecutive failures on this backend's breaker (0 when healthy)."""
+        return self.breaker.consecutive if self.breaker is not None else 0
 
     @property
     def is_standby(self) -> bool:

@@ -8,7 +8,8 @@ I/O lives here; every decision comes from the pure rules of
 :mod:`gateway.fleet.lifecycle`. Each loop survives its own exceptions (logged, counted in
 ``gateway_loop_errors_total``) and exports its last success time
 (``gateway_loop_last_success_timestamp_seconds{loop}``). The request path reports traffic
-outcomes through :meth:`FleetController.on_traffic` (passive outlier detection).
+outcomes through the backends' circuit breakers (passive outlier detection), and breaker
+trips reach :meth:`FleetController.on_breaker_trip`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from gateway.fleet.probes import app_probe, fetch_models, probe_health, warm_up
 from gateway.fleet.telemetry import scrape_load
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import Cut
+from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
 
 S = BackendState
 
@@ -59,6 +61,20 @@ class FleetController:
         self.clock = clock
         self.wall = wall
         self.api_keys = {b.id: b.config.resolved_api_key() for b in fleet}
+        bc = cfg.breaker
+        breaker_cfg = BreakerConfig(
+            consecutive_failures=bc.consecutive_failures,
+            error_rate=bc.error_rate,
+            min_requests=bc.min_requests,
+            window_s=bc.window_s,
+            open_base_s=bc.open_base_s,
+            open_max_s=bc.open_max_s,
+            half_open_max=bc.half_open_max,
+            ttft_slo_s=cfg.slo.ttft_s,
+            latency_fuse_factor=bc.latency_fuse_factor,
+        )
+        for b in fleet:
+            b.breaker = CircuitBreaker(breaker_cfg, clock)
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._warming: dict[str, asyncio.Task[None]] = {}
@@ -157,6 +173,8 @@ class FleetController:
         log.log(level, "backend %s: %s -> %s (%s)", backend.id, t.from_state, to, reason)
         self.metrics.transitions.labels(backend.id, t.from_state.value, to.value, reason).inc()
         now = self.clock()
+        if to is S.WARM and t.from_state is S.WARMING:
+            backend.breaker.reset()  # it came back through probes and warm-up
         if to is S.WARM:
             # A fleet found warm when the gateway starts is not new: no slow start then.
             backend.warm_since = None if self._starting else now
@@ -175,9 +193,26 @@ class FleetController:
         if decision is not None:
             self.transition(backend, decision.to, decision.reason)
 
-    def on_traffic(self, backend: Backend, failed: bool) -> None:
-        """Passive outlier detection: one real request's outcome on ``backend``."""
-        self.apply(backend, lifecycle.after_traffic(backend, failed, self.cfg.health))
+    def on_breaker_trip(self, backend: Backend) -> None:
+        """The backend's circuit breaker opened (passive outlier detection from real
+        traffic). After ``breaker.unhealthy_after_trips`` trips in a row it is
+        ``unhealthy`` and must come back through probes and warm-up."""
+        br = backend.breaker
+        self.metrics.breaker_trips.labels(backend.id, br.last_trip_reason or "").inc()
+        log.warning(
+            "backend %s: circuit breaker open (%s, trip %d, %.0f s)",
+            backend.id,
+            br.last_trip_reason,
+            br.trips,
+            br.retry_in(),
+        )
+        if br.trips >= self.cfg.breaker.unhealthy_after_trips and backend.state in (
+            S.WARM,
+            S.WARMING,
+            S.DRAINING,
+            S.COOLDOWN,
+        ):
+            self.transition(backend, S.UNHEALTHY, "breaker_open")
 
     def _start_warming(self, backend: Backend) -> None:
         task = self._warming.get(backend.id)
@@ -330,6 +365,9 @@ class FleetController:
         here, synchronously, so the next backend's stagger check already counts it out.
         """
         lc = self.cfg.lifecycle
+        for b in self.fleet:
+            if b.state is S.WARM and b.breaker.evaluate():
+                self.on_breaker_trip(b)  # latency fuse: P99 TTFT over 5x the SLO
         now = self.clock()
         due = [
             b for b in self.fleet if b.cycles is not None and not self.busy(b) and b.state is S.WARM

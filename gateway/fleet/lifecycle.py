@@ -20,7 +20,7 @@ with the percentage rounded down, at least 1).
 
 Every change goes through :func:`apply_transition`, which rejects illegal moves with
 :class:`IllegalTransition` and appends to the backend's history. Health decisions
-(:func:`after_probe`, :func:`after_traffic`) are pure functions of the counters and the
+(:func:`after_probe`) are pure functions of the counters and the
 thresholds in :class:`gateway.config.HealthConfig`: fail after ``fail_threshold`` failed
 probes in a row, recover after ``recover_threshold`` passing ones (Envoy's active health
 checking uses the same unhealthy/healthy threshold pair).
@@ -106,26 +106,6 @@ def after_probe(backend: Backend, ok: bool, cfg: HealthConfig) -> Decision | Non
         and backend.consecutive_probe_failures >= cfg.fail_threshold
     ):
         return Decision(S.UNHEALTHY, "probe_failed")
-    return None
-
-
-def after_traffic(backend: Backend, failed: bool, cfg: HealthConfig) -> Decision | None:
-    """Passive outlier detection from real traffic.
-
-    ``failed`` is a connect error, timeout, broken stream or 5xx (never a 4xx, a 429 or a
-    client disconnect). After ``cfg.passive_fail_threshold`` in a row a serving backend
-    becomes ``unhealthy`` (reason ``passive_outlier``); any success resets the count.
-    """
-    if not failed:
-        backend.consecutive_traffic_failures = 0
-        return None
-    backend.consecutive_traffic_failures += 1
-    if (
-        backend.state in (S.WARMING, S.WARM, S.DRAINING, S.COOLDOWN)
-        and backend.consecutive_traffic_failures >= cfg.passive_fail_threshold
-    ):
-        backend.consecutive_probe_successes = 0
-        return Decision(S.UNHEALTHY, "passive_outlier")
     return None
 
 

@@ -7,12 +7,15 @@ gateway's own in-flight count since that scrape::
     running'  = min(total, capacity)        waiting' = total - running'   (capacity known)
     running'  = running + delta             waiting' = waiting            (capacity unknown)
     score     = w_waiting * waiting' + w_running * running' / capacity + w_kv * kv_usage
+                + w_failures * consecutive failures on the backend's breaker
 
 (capacity = vLLM ``--max-num-seqs``; unknown -> 256, vLLM's default ``max_num_seqs``.) The
 correction means a burst that arrives between two scrapes spreads over the fleet instead of
 landing on the backend that looked idle at the last scrape. Without a fresh sample (none, or
 older than the stale limit) only the gateway's in-flight count is used. Ties are broken
-round-robin so an idle fleet shares load evenly.
+round-robin so an idle fleet shares load evenly. The failure term steers traffic away from
+a backend that just failed, during the moments before its breaker opens or its probes
+fail (a request that meets a dead backend is retried elsewhere, but only once).
 
 Slow start: a backend that just became warm (``warm_since``) takes a share of traffic that
 ramps linearly over ``slow_start_s`` (:func:`gateway.fleet.lifecycle.slow_start_weight`):
@@ -53,6 +56,9 @@ class Candidate(Protocol):
     load: LoadSample | None
     warm_since: float | None
 
+    @property
+    def recent_failures(self) -> int: ...
+
 
 def estimated_load(c: Candidate, now: float, stale_after_s: float) -> tuple[float, float, float]:
     """``(waiting, running, kv_usage)`` of ``c`` now, corrected by in-flight changes.
@@ -75,7 +81,12 @@ def score(c: Candidate, w: RoutingWeights, now: float, stale_after_s: float) -> 
     """The load score of one candidate (see the module docstring); dimensionless."""
     waiting, running, kv = estimated_load(c, now, stale_after_s)
     cap = c.capacity or DEFAULT_CAPACITY
-    return w.waiting * waiting + w.running * running / cap + w.kv_cache * kv
+    return (
+        w.waiting * waiting
+        + w.running * running / cap
+        + w.kv_cache * kv
+        + w.failures * c.recent_failures
+    )
 
 
 C = TypeVar("C", bound=Candidate)

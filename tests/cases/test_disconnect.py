@@ -21,7 +21,7 @@ def _assert_clean_after_disconnect(gw, backend_id: str) -> None:
     assert wait_for(lambda: b.in_flight == 0, 2), b.in_flight
     assert wait_for(lambda: g.pool.open_connections(backend_id) == 0, 2)
     assert b.state.value == "warm"
-    assert b.consecutive_traffic_failures == 0  # a client leaving is not a backend failure
+    assert b.breaker.consecutive == 0  # a client leaving is not a backend failure
     assert g.metrics.client_disconnects.labels("/v1/chat/completions")._value.get() >= 1
     assert g.metrics.requests.labels("/v1/chat/completions", "m1", "499")._value.get() >= 1
 
@@ -107,5 +107,5 @@ def test_BUG_02_non_stream_disconnect_cancels_upstream(backends, gateway):
     for bid in ("a", "b"):
         backend = gw.gateway.fleet.get(bid)
         assert backend.state.value == "warm"
-        assert backend.consecutive_traffic_failures == 0
+        assert backend.breaker.consecutive == 0
     assert gw.gateway.metrics.requests.labels("/v1/chat/completions", "m1", "499")._value.get() == 5

@@ -82,7 +82,7 @@ def test_BUG_09_upstream_dies_mid_stream(backends, gateway, ending):
     assert b"finish_reason\": \"stop" not in raw
     assert not b.data_requests  # no retry once bytes were sent
     g = gw.gateway
-    assert wait_for(lambda: g.fleet.get("a").consecutive_traffic_failures == 1)  # charged to A
+    assert wait_for(lambda: g.fleet.get("a").breaker.consecutive == 1)  # charged to A's breaker
     assert g.metrics.stream_errors.labels("a", "upstream_disconnected")._value.get() == 1
 
     # The SDK yields both chunks, then raises.

@@ -10,12 +10,11 @@ from gateway.fleet.lifecycle import (
     LEGAL,
     IllegalTransition,
     after_probe,
-    after_traffic,
     apply_transition,
 )
 
 S = BackendState
-CFG = HealthConfig(fail_threshold=3, recover_threshold=2, passive_fail_threshold=3)
+CFG = HealthConfig(fail_threshold=3, recover_threshold=2)
 
 
 def backend(state: BackendState = S.COLD) -> Backend:
@@ -69,14 +68,3 @@ def test_cold_backend_stays_cold_when_failing():
     b = backend(S.COLD)
     for _ in range(5):
         assert after_probe(b, False, CFG) is None
-
-
-def test_passive_outlier_detection():
-    b = backend(S.WARM)
-    assert after_traffic(b, True, CFG) is None
-    assert after_traffic(b, True, CFG) is None
-    assert after_traffic(b, False, CFG) is None  # a success resets
-    assert after_traffic(b, True, CFG) is None
-    assert after_traffic(b, True, CFG) is None
-    d = after_traffic(b, True, CFG)
-    assert d is not None and (d.to, d.reason) == (S.UNHEALTHY, "passive_outlier")

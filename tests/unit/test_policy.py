@@ -24,6 +24,7 @@ class B:
     in_flight: int = 0
     load: LoadSample | None = None
     warm_since: float | None = None
+    recent_failures: int = 0
 
 
 def sample(waiting=0.0, running=0.0, kv=0.0, at=100.0, in_flight=0) -> LoadSample:

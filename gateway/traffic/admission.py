@@ -1,0 +1,342 @@
+"""Admission control: who gets in now, who waits, who is told to come back (pure).
+
+Three layers, each with its own rejection reason and metric
+(``gateway_admission_rejections_total{layer,priority}``):
+
+1. **entry** (per client key): token buckets for requests per minute and tokens per minute
+   (the prompt estimated at 4 bytes per token plus ``max_tokens``), the way OpenAI's own
+   ``x-ratelimit-*`` limits work;
+2. **scheduler** (global): a bound on requests in flight, a bounded priority queue in front
+   of it, and a bound on the time a request may wait there;
+3. **resource** (fleet): saturation read from the backends' scraped queue depth and KV-cache
+   use; under saturation ``low`` priority is shed first, then ``normal``; ``high`` last.
+
+Every rejection carries a ``retry-after`` from :func:`retry_after_s`: the predicted time until
+capacity frees (queued work over the recent service rate), bounded to [1, 60] s.
+
+Nothing here does I/O or reads a clock of its own: time comes in as arguments (monotonic
+seconds). :class:`Scheduler` keeps the queue's bookkeeping; the pipeline owns the waiting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+
+MIN_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 60.0
+
+
+class Prio(IntEnum):
+    """Priority classes; lower value is served first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @classmethod
+    def parse(cls, value: str | None, default: Prio) -> Prio:
+        """``high|normal|low`` (case-insensitive); anything else -> ``default``."""
+        if value:
+            v = value.strip().lower()
+            if v == "high":
+                return cls.HIGH
+            if v == "normal":
+                return cls.NORMAL
+            if v == "low":
+                return cls.LOW
+        return default
+
+
+def clamp_retry_after(seconds: float) -> float:
+    """Bound a predicted wait to [1, 60] s (openai-python honours 0 < value <= 60)."""
+    if not math.isfinite(seconds):
+        return MAX_RETRY_AFTER_S
+    return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, seconds))
+
+
+def estimate_tokens(body_bytes: int, max_tokens: int | None, default_max_tokens: int) -> int:
+    """Tokens a request may cost: prompt estimated at 4 bytes per token (the usual rule of
+    thumb for English BPE vocabularies) plus the completion budget."""
+    return body_bytes // 4 + (max_tokens if max_tokens is not None else default_max_tokens)
+
+
+# ---- entry layer ---------------------------------------------------------------------------
+class TokenBucket:
+    """A token bucket of ``capacity`` refilled at ``capacity / period_s`` per second.
+
+    ``per_minute=60`` means 60 per minute with bursts up to 60. Times are seconds.
+    """
+
+    __slots__ = ("_at", "capacity", "rate", "tokens")
+
+    def __init__(self, capacity: float, period_s: float, now: float) -> None:
+        self.capacity = capacity
+        self.rate = capacity / period_s
+        self.tokens = capacity
+        self._at = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._at:
+            self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
+            self._at = now
+
+    def wait_for(self, n: float, now: float) -> float:
+        """Seconds until ``n`` could be taken (0: now). ``inf`` if ``n`` exceeds capacity."""
+        self._refill(now)
+        if n <= self.tokens:
+            return 0.0
+        if n > self.capacity:
+            return math.inf
+        return (n - self.tokens) / self.rate
+
+    def take(self, n: float, now: float) -> None:
+        self._refill(now)
+        self.tokens -= n
+
+    def reset_in(self, now: float) -> float:
+        """Seconds until the bucket is full again (OpenAI's ``x-ratelimit-reset-*``)."""
+        self._refill(now)
+        return (self.capacity - self.tokens) / self.rate
+
+
+@dataclass(frozen=True, slots=True)
+class EntryVerdict:
+    """Outcome of the entry layer. ``retry_after_s`` is 0 when admitted; the limit fields
+    feed the ``x-ratelimit-*`` headers (None when that limit is not configured)."""
+
+    admitted: bool
+    retry_after_s: float
+    limit_requests: int | None
+    remaining_requests: int | None
+    reset_requests_s: float | None
+    limit_tokens: int | None
+    remaining_tokens: int | None
+    reset_tokens_s: float | None
+    reason: str = ""
+
+
+class KeyLimiter:
+    """Requests-per-minute and tokens-per-minute buckets of one client key."""
+
+    def __init__(self, rpm: int | None, tpm: int | None, now: float) -> None:
+        self.rpm = rpm
+        self.tpm = tpm
+        self.requests = TokenBucket(rpm, 60.0, now) if rpm else None
+        self.tokens = TokenBucket(tpm, 60.0, now) if tpm else None
+
+    def check(self, tokens: int, now: float) -> EntryVerdict:
+        """Admit (and charge) one request costing ``tokens``, or say when to come back."""
+        wait_r = self.requests.wait_for(1, now) if self.requests else 0.0
+        wait_t = self.tokens.wait_for(tokens, now) if self.tokens else 0.0
+        admitted = wait_r == 0.0 and wait_t == 0.0
+        if admitted:
+            if self.requests:
+                self.requests.take(1, now)
+            if self.tokens:
+                self.tokens.take(tokens, now)
+        reason = ""
+        if wait_t == math.inf:
+            reason = (
+                f"the request's estimated {tokens} tokens exceed the key's tokens-per-minute limit"
+            )
+        elif not admitted:
+            reason = "requests per minute" if wait_r >= wait_t else "tokens per minute"
+        r, t = self.requests, self.tokens
+        return EntryVerdict(
+            admitted,
+            0.0 if admitted else max(wait_r, wait_t),
+            self.rpm,
+            None if r is None else max(0, math.floor(r.tokens)),
+            None if r is None else r.reset_in(now),
+            self.tpm,
+            None if t is None else max(0, math.floor(t.tokens)),
+            None if t is None else t.reset_in(now),
+            reason,
+        )
+
+
+def ratelimit_duration(seconds: float) -> str:
+    """OpenAI's reset format: ``"20ms"``, ``"1.5s"``, ``"6m0s"``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    m, s = divmod(round(seconds), 60)
+    return f"{m}m{s}s"
+
+
+# ---- scheduler layer ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SchedulerVerdict:
+    """``run`` (go now), ``queue`` (wait for a slot), or ``reject`` (with a retry hint)."""
+
+    action: str
+    retry_after_s: float = 0.0
+    reason: str = ""
+
+
+class Scheduler:
+    """Bookkeeping of the global bound: ``max_in_flight`` running, at most ``max_queued``
+    waiting in priority order (high first, FIFO within a class).
+
+    The pipeline asks :meth:`offer` for each request; on ``queue`` it parks a waiter and
+    registers it with :meth:`enqueue`; every finished request calls :meth:`release`, which
+    returns the next waiter to wake (already counted as running). :meth:`service_rate`
+    (requests finished per second over the last ``rate_window_s``) feeds
+    :func:`retry_after_s`.
+    """
+
+    def __init__(
+        self, max_in_flight: int | None, max_queued: int, rate_window_s: float = 10.0
+    ) -> None:
+        self.max_in_flight = max_in_flight
+        self.max_queued = max_queued
+        self.in_flight = 0
+        self.queues: tuple[deque[object], ...] = (deque(), deque(), deque())
+        self._rate_window_s = rate_window_s
+        self._done: deque[float] = deque()  # finish times within the window
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self.queues)
+
+    def queued_ahead(self, prio: Prio) -> int:
+        """Waiters that would be served before a new request of ``prio``."""
+        return sum(len(self.queues[p]) for p in range(prio + 1))
+
+    def offer(self, prio: Prio, now: float) -> SchedulerVerdict:
+        if self.max_in_flight is None or (self.in_flight < self.max_in_flight and self.queued == 0):
+            self.in_flight += 1
+            return SchedulerVerdict("run")
+        if self.queued >= self.max_queued:
+            # Full: a higher-priority request may take the place of the lowest waiter.
+            return SchedulerVerdict(
+                "reject", self.retry_after(prio, now), "the gateway's queue is full"
+            )
+        return SchedulerVerdict("queue")
+
+    def enqueue(self, prio: Prio, waiter: object) -> None:
+        self.queues[prio].append(waiter)
+
+    def evict_lowest(self, below: Prio) -> object | None:
+        """Remove the newest waiter of the lowest class strictly below ``below`` (it gets a
+        429), making room for a more urgent request. None if there is none."""
+        for p in (Prio.LOW, Prio.NORMAL):
+            if p > below and self.queues[p]:
+                return self.queues[p].pop()
+        return None
+
+    def cancel(self, prio: Prio, waiter: object) -> None:
+        """A waiter gave up (timeout, client gone)."""
+        try:
+            self.queues[prio].remove(waiter)
+        except ValueError:
+            pass
+
+    def service_rate(self, now: float) -> float:
+        """Requests finished per second over the last ``rate_window_s``."""
+        horizon = now - self._rate_window_s
+        done = self._done
+        while done and done[0] < horizon:
+            done.popleft()
+        return len(done) / self._rate_window_s
+
+    def release(self, now: float) -> object | None:
+        """One request finished: count it for the service rate and hand its slot to the next
+        waiter (returned, already counted as running), if any."""
+        self._done.append(now)
+        if len(self._done) > 4096:
+            self.service_rate(now)
+        for q in self.queues:
+            if q:
+                return q.popleft()  # the slot passes on: in_flight unchanged
+        self.in_flight -= 1
+        return None
+
+    def retry_after(self, prio: Prio, now: float) -> float:
+        """Predicted wait for a new request of ``prio``: the waiters served before it, plus
+        itself, over the service rate."""
+        return retry_after_s(self.queued_ahead(prio) + 1, self.service_rate(now))
+
+
+def retry_after_s(work_ahead: float, service_rate: float) -> float:
+    """Predicted seconds until capacity frees for one more request: the work ahead of it
+    over the recent service rate (Little's law), bounded to [1, 60] s."""
+    if service_rate <= 0:
+        return clamp_retry_after(MAX_RETRY_AFTER_S if work_ahead > 0 else MIN_RETRY_AFTER_S)
+    return clamp_retry_after(work_ahead / service_rate)
+
+
+# ---- resource layer ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    """How full the fleet serving one model is, 0 (idle) to 1+ (over).
+
+    The level is the least-loaded backend's: ``max(waiting / waiting_full, kv / kv_full)``;
+    when even the best backend is saturated, the whole pool is.
+    """
+
+    level: float
+
+
+def pool_saturation(
+    loads: Iterable[tuple[float, float]], waiting_full: float, kv_full: float
+) -> Saturation:
+    """``loads``: (waiting requests, KV-cache usage 0-1) of each routable backend."""
+    best = math.inf
+    for waiting, kv in loads:
+        best = min(best, max(waiting / waiting_full, kv / kv_full))
+    return Saturation(0.0 if best == math.inf else best)
+
+
+def shed(prio: Prio, saturation: Saturation, thresholds: tuple[float, float, float]) -> bool:
+    """Whether a request of ``prio`` is shed at this saturation. ``thresholds`` are the
+    levels at which high, normal and low requests are shed (low sheds first)."""
+    return saturation.level >= thresholds[prio]
+
+
+# ---- degraded mode -----------------------------------------------------------------------
+class DegradedMode:
+    """Under sustained overload, cap ``max_tokens`` and refuse long low-priority prompts;
+    lift it one step at a time while P99 TTFT stays under the SLO.
+
+    Level 0 is normal. Each :meth:`update` (about once a second) raises the level by one after
+    ``enter_after_s`` of continuous overload (up to ``max_level``), and lowers it by one
+    after every ``step_s`` with P99 TTFT under the SLO. The cap halves with each level.
+    """
+
+    def __init__(self, enter_after_s: float, step_s: float, max_level: int = 3) -> None:
+        self.enter_after_s = enter_after_s
+        self.step_s = step_s
+        self.max_level = max_level
+        self.level = 0
+        self._over_since: float | None = None
+        self._ok_since: float | None = None
+
+    def update(self, overloaded: bool, now: float) -> int:
+        if overloaded:
+            self._ok_since = None
+            if self._over_since is None:
+                self._over_since = now
+            elif now - self._over_since >= self.enter_after_s and self.level < self.max_level:
+                self.level += 1
+                self._over_since = now
+        else:
+            self._over_since = None
+            if self.level > 0:
+                if self._ok_since is None:
+                    self._ok_since = now
+                elif now - self._ok_since >= self.step_s:
+                    self.level -= 1
+                    self._ok_since = now
+        return self.level
+
+    def max_tokens_cap(self, base_cap: int) -> int | None:
+        """The ``max_tokens`` cap now (None: no cap)."""
+        if self.level == 0:
+            return None
+        return max(1, base_cap >> (self.level - 1))
