@@ -21,6 +21,7 @@ from gateway.api.errors import SERVER_ERROR, error_response, install_error_handl
 from gateway.config import ClientKey, GatewayConfig
 from gateway.fleet.backend import Fleet
 from gateway.fleet.controller import FleetController
+from gateway.gate import AdmissionGate
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.proxy.upstream import UpstreamPool
@@ -40,16 +41,18 @@ class Gateway:
     pool: UpstreamPool
     controller: FleetController
     pipeline: Pipeline
+    gate: AdmissionGate
     client_keys: dict[str, ClientKey]
     admin_key: str | None
     shutting_down: bool = False
 
     @property
-    def header_keys(self) -> tuple[bytes, bytes]:
-        """Lower-case names of the request-id and session headers, as raw ASGI bytes."""
+    def header_keys(self) -> tuple[bytes, bytes, bytes]:
+        """Lower-case names of the request-id, session and priority headers (raw ASGI)."""
         return (
             self.cfg.server.request_id_header.lower().encode("latin-1"),
             self.cfg.routing.session_header.lower().encode("latin-1"),
+            self.cfg.admission.priority_header.lower().encode("latin-1"),
         )
 
 
@@ -70,10 +73,20 @@ def build_gateway(cfg: GatewayConfig) -> Gateway:
     )
     pool = UpstreamPool(cfg.proxy)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
-    pipeline = Pipeline(cfg, fleet, router, pool, controller, metrics)
+    gate = AdmissionGate(cfg, fleet, metrics, clock)
+    pipeline = Pipeline(cfg, fleet, router, pool, controller, metrics, gate)
     keys = {k.resolve(): k for k in cfg.auth.client_keys}
     return Gateway(
-        cfg, fleet, metrics, router, pool, controller, pipeline, keys, cfg.auth.resolved_admin_key()
+        cfg=cfg,
+        fleet=fleet,
+        metrics=metrics,
+        router=router,
+        pool=pool,
+        controller=controller,
+        pipeline=pipeline,
+        gate=gate,
+        client_keys=keys,
+        admin_key=cfg.auth.resolved_admin_key(),
     )
 
 

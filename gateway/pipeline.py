@@ -27,6 +27,7 @@ from gateway.api.errors import SERVER_ERROR, error_response
 from gateway.config import GatewayConfig
 from gateway.fleet.backend import Backend, BackendState, Fleet
 from gateway.fleet.controller import FleetController
+from gateway.gate import AdmissionGate, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import ClientWatch, Cut, CutHandle, RelayResponse, StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
@@ -58,6 +59,8 @@ class RequestContext:
     cut: CutHandle
     session_key: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    ticket: Ticket | None = None  # the admission slot, released when the request ends
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -102,8 +105,10 @@ class Pipeline:
         pool: UpstreamPool,
         controller: FleetController,
         metrics: GatewayMetrics,
+        gate: AdmissionGate,
     ) -> None:
         self.cfg = cfg
+        self.gate = gate
         self.fleet = fleet
         self.router = router
         self.pool = pool
@@ -493,6 +498,7 @@ class Pipeline:
         if status == 200 and resp.headers.get("content-encoding") is None:
             self._count_usage(ctx.model, extract_usage(body))
         headers.append((self.cfg.server.request_id_header.encode(), ctx.request_id.encode()))
+        headers.extend(ctx.extra_headers)
         r = Response(body, status_code=status)
         r.raw_headers = [*headers, (b"content-length", str(len(body)).encode())]
         return r
@@ -502,10 +508,12 @@ class Pipeline:
         backend, resp = opened.backend, opened.resp
         headers = response_headers(opened.resp)
         headers.append((self.cfg.server.request_id_header.encode(), ctx.request_id.encode()))
+        headers.extend(ctx.extra_headers)
         assert opened.framer is not None
 
         def on_done(outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
             self._release(backend, ctx)
+            self.gate.release(ctx.ticket)
             self._served(backend)
             m = self.metrics
             ttft = None if first_sent_at is None else first_sent_at - ctx.started

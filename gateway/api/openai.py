@@ -21,11 +21,14 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
+from gateway.config import ClientKey
 from gateway.fleet.backend import BackendState
 from gateway.fleet.probes import fetch_models
+from gateway.gate import Rejected, cap_max_tokens, ratelimit_headers
 from gateway.pipeline import Opened, RequestContext
 from gateway.proxy.relay import ClientWatch, Cut, CutHandle
 from gateway.proxy.upstream import UpstreamRequest, forward_headers
+from gateway.traffic.admission import estimate_tokens
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -167,13 +170,15 @@ async def check_model(gw: Gateway, model: str) -> None:
     )
 
 
-def check_client_key(gw: Gateway, authorization: bytes | None) -> None:
-    """401 unless the client presents a configured key (no keys configured: open)."""
+def check_client_key(gw: Gateway, authorization: bytes | None) -> ClientKey | None:
+    """The client's configured key; 401 unless it presents one (no keys configured: open,
+    None)."""
     if not gw.client_keys:
-        return
+        return None
     auth = authorization.decode("latin-1") if authorization else ""
     scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or token.strip() not in gw.client_keys:
+    key = gw.client_keys.get(token.strip()) if scheme.lower() == "bearer" else None
+    if key is None:
         raise GatewayError(
             401,
             "Incorrect API key provided."
@@ -182,6 +187,7 @@ def check_client_key(gw: Gateway, authorization: bytes | None) -> None:
             INVALID_REQUEST,
             "invalid_api_key",
         )
+    return key
 
 
 def log_refusal(e: GatewayError, endpoint: str, request_id: str) -> None:
@@ -224,8 +230,8 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     idh = cfg.server.request_id_header
     started = time.perf_counter()
     # one pass over the headers for what the gateway reads
-    id_key, session_key_name = gw.header_keys
-    authorization = declared = rid_value = session = None
+    id_key, session_key_name, priority_key = gw.header_keys
+    authorization = declared = rid_value = session = prio_value = None
     for k, v in scope["headers"]:
         if k == b"authorization":
             authorization = v
@@ -235,12 +241,14 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             rid_value = v
         elif k == session_key_name:
             session = v
+        elif k == priority_key:
+            prio_value = v
     rid = sane_request_id(rid_value)
     if gw.shutting_down:
         metrics.count_request(endpoint, "", 503)
         return _shutting_down(rid, idh)
     try:
-        check_client_key(gw, authorization)
+        key = check_client_key(gw, authorization)
         body = await read_body(receive, declared, cfg.server.max_body_bytes)
         payload = parse_payload(body, endpoint)
         model: str = payload["model"]
@@ -254,6 +262,37 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         metrics.count_request(endpoint, "", 499)
         return Response(status_code=499)
     stream = payload.get("stream") is True
+    cut = CutHandle()
+    watch = ClientWatch(receive, cut)
+    # admission: entry (key limits), resource (saturation), scheduler (slot or queue)
+    gate = gw.gate
+    ticket = verdict = None
+    if gate.enabled:
+        prio = gate.priority(prio_value, key)
+        max_tokens = payload.get("max_tokens", payload.get("max_completion_tokens"))
+        est = estimate_tokens(
+            len(body),
+            max_tokens if isinstance(max_tokens, int) else None,
+            cfg.admission.default_max_tokens,
+        )
+        client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
+        try:
+            ticket, verdict = await gate.admit(model, client, key, prio, est, len(body) // 4, rid)
+        except Rejected as r:
+            watch.stop()
+            metrics.count_request(endpoint, model, 429)
+            return r.response
+        except asyncio.CancelledError:
+            watch.stop()
+            if cut.reason is None:
+                raise
+            cut.absorb()
+            metrics.client_disconnects.labels(endpoint).inc()
+            metrics.count_request(endpoint, model, 499)
+            return Response(status_code=499)
+        cap = gate.max_tokens_cap()
+        if cap is not None:
+            body = cap_max_tokens(payload, cap) or body
     query = scope.get("query_string", b"")
     path = endpoint + ("?" + query.decode("latin-1") if query else "")
     ctx = RequestContext(
@@ -268,20 +307,25 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             stream,
         ),
         request_id=rid,
-        cut=CutHandle(),
+        cut=cut,
         session_key=session.decode("latin-1") if session is not None else None,
         started=started,
+        ticket=ticket,
+        extra_headers=[(k.encode(), v.encode()) for k, v in ratelimit_headers(verdict).items()]
+        if verdict is not None
+        else [],
     )
-    watch = ClientWatch(receive, ctx.cut)
     try:
         opened = await gw.pipeline.open(ctx)
     except GatewayError as e:
         watch.stop()
+        gate.release(ticket)
         metrics.count_request(endpoint, model, e.status)
         log_refusal(e, endpoint, rid)
         return e.response(rid, idh)
     except asyncio.CancelledError:
         watch.stop()
+        gate.release(ticket)
         if ctx.cut.reason is None:
             raise
         if ctx.cut.absorb() == Cut.CLIENT_GONE:
@@ -292,12 +336,14 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         return _shutting_down(rid, idh)
     if not isinstance(opened, Opened):
         watch.stop()
+        gate.release(ticket)
         metrics.count_request(endpoint, model, opened.status_code)
         return opened
     if opened.framer is not None:
         return gw.pipeline.relay(ctx, opened, watch)
     watch.stop()
     response = gw.pipeline.finish_body(ctx, opened)
+    gate.release(ticket)
     metrics.count_request(endpoint, model, response.status_code)
     metrics.observe_duration(endpoint, time.perf_counter() - started)
     return response

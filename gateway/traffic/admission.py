@@ -179,9 +179,15 @@ class SchedulerVerdict:
     reason: str = ""
 
 
+# Share of the queue each class may fill: under saturation low is shed first (at half the
+# queue), then normal (at 80%), high only when it is full (and then a low or normal
+# waiter gives its place to it).
+QUEUE_SHARE = (1.0, 0.8, 0.5)
+
+
 class Scheduler:
     """Bookkeeping of the global bound: ``max_in_flight`` running, at most ``max_queued``
-    waiting in priority order (high first, FIFO within a class).
+    waiting in priority order (high first, FIFO within a class; see :data:`QUEUE_SHARE`).
 
     The pipeline asks :meth:`offer` for each request; on ``queue`` it parks a waiter and
     registers it with :meth:`enqueue`; every finished request calls :meth:`release`, which
@@ -212,8 +218,9 @@ class Scheduler:
         if self.max_in_flight is None or (self.in_flight < self.max_in_flight and self.queued == 0):
             self.in_flight += 1
             return SchedulerVerdict("run")
-        if self.queued >= self.max_queued:
-            # Full: a higher-priority request may take the place of the lowest waiter.
+        if self.queued >= self.max_queued * QUEUE_SHARE[prio]:
+            # Over this class's share: rejected (when the whole queue is full, a more
+            # urgent request may still take the place of a lower waiter: evict_lowest).
             return SchedulerVerdict(
                 "reject", self.retry_after(prio, now), "the gateway's queue is full"
             )

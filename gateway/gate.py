@@ -1,0 +1,333 @@
+"""The admission gate: the I/O side of :mod:`gateway.traffic.admission`.
+
+For each request, in order: the **entry** layer (the client key's requests/min and
+tokens/min buckets), degraded mode's refusal of long low-priority prompts, the **resource**
+layer (the model's backends saturated: shed by priority), then the **scheduler** layer (a
+slot among ``max_in_flight``, or a wait in the priority queue, at most
+``max_queue_wait_s``). A refusal is a 429 in OpenAI's shape with ``retry-after``,
+``retry-after-ms`` and, where the key has limits, OpenAI's ``x-ratelimit-*`` headers.
+
+Every admitted request holds a :class:`Ticket` until it ends; releasing it hands the slot
+to the most urgent waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.responses import Response
+
+from gateway.api.errors import error_body, retry_after_headers
+from gateway.config import ClientKey, GatewayConfig
+from gateway.fleet.backend import BackendState, Fleet
+from gateway.metrics import GatewayMetrics
+from gateway.routing.policy import estimated_load
+from gateway.traffic.admission import (
+    DegradedMode,
+    EntryVerdict,
+    KeyLimiter,
+    Prio,
+    Scheduler,
+    clamp_retry_after,
+    pool_saturation,
+    ratelimit_duration,
+    retry_after_s,
+    shed,
+)
+
+log = logging.getLogger("gateway.admission")
+
+_PRIO_NAMES = {Prio.HIGH: "high", Prio.NORMAL: "normal", Prio.LOW: "low"}
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request's slot; :meth:`AdmissionGate.release` gives it back once."""
+
+    prio: Prio
+    released: bool = False
+
+
+class Rejected(Exception):
+    """Admission refused the request; ``response`` is the 429 to send."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__("rejected")
+        self.response = response
+
+
+class AdmissionGate:
+    """One per app. ``clock``: monotonic seconds."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        fleet: Fleet,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        a = cfg.admission
+        self.enabled = a.enabled
+        self.fleet = fleet
+        self.metrics = metrics
+        self.clock = clock
+        max_in_flight = a.max_in_flight
+        if max_in_flight is None:
+            caps = [b.max_num_seqs for b in cfg.backends]
+            if caps and all(caps):
+                max_in_flight = max(1, math.ceil(sum(caps) * a.in_flight_per_seq))  # type: ignore[arg-type]
+        self.scheduler = Scheduler(max_in_flight, a.max_queued)
+        self.limiters: dict[str, KeyLimiter] = {}
+        d = cfg.degraded
+        self.degraded = DegradedMode(d.enter_after_s, d.step_s) if d.enabled else None
+
+    # ---- helpers -------------------------------------------------------------------------
+    def priority(self, header: bytes | None, key: ClientKey | None) -> Prio:
+        """``x-priority`` header, else the key's priority, else normal."""
+        default = Prio.parse(key.priority.value, Prio.NORMAL) if key else Prio.NORMAL
+        return Prio.parse(header.decode("latin-1") if header else None, default)
+
+    def _limiter(self, name: str, key: ClientKey | None) -> KeyLimiter | None:
+        a = self.cfg.admission
+        rpm = (key.rpm if key else None) or a.default_rpm
+        tpm = (key.tpm if key else None) or a.default_tpm
+        if rpm is None and tpm is None:
+            return None
+        lim = self.limiters.get(name)
+        if lim is None:
+            lim = self.limiters[name] = KeyLimiter(rpm, tpm, self.clock())
+        return lim
+
+    def _reject(
+        self,
+        layer: str,
+        prio: Prio,
+        message: str,
+        retry_s: float,
+        verdict: EntryVerdict | None,
+        request_id: str,
+        code: str = "rate_limit_exceeded",
+    ) -> Rejected:
+        self.metrics.admission_rejections.labels(layer, _PRIO_NAMES[prio]).inc()
+        retry_s = clamp_retry_after(retry_s)
+        headers = retry_after_headers(retry_s)
+        headers[self.cfg.server.request_id_header] = request_id
+        if verdict is not None:
+            headers.update(ratelimit_headers(verdict))
+        log.info(
+            "admission %s refused a %s request: %s [request %s]",
+            layer,
+            _PRIO_NAMES[prio],
+            message,
+            request_id,
+        )
+        return Rejected(
+            Response(
+                error_body(message, "requests" if layer == "entry" else "server_overloaded", code),
+                status_code=429,
+                headers=headers,
+                media_type="application/json",
+            )
+        )
+
+    # ---- the gate ---------------------------------------------------------------------------
+    async def admit(
+        self,
+        model: str,
+        key_name: str,
+        key: ClientKey | None,
+        prio: Prio,
+        est_tokens: int,
+        prompt_tokens: int,
+        request_id: str,
+    ) -> tuple[Ticket | None, EntryVerdict | None]:
+        """Admit one request or raise :class:`Rejected` (a 429 to send).
+
+        Returns the ticket to release when the request ends (None when admission is off),
+        and the entry verdict for the ``x-ratelimit-*`` headers (None without limits).
+        """
+        if not self.enabled:
+            return None, None
+        now = self.clock()
+        verdict = None
+        limiter = self._limiter(key_name, key)
+        if limiter is not None:
+            verdict = limiter.check(est_tokens, now)
+            if not verdict.admitted:
+                raise self._reject(
+                    "entry",
+                    prio,
+                    f"Rate limit reached for key '{key_name}': "
+                    f"{verdict.reason}. Retry in {verdict.retry_after_s:.1f} s.",
+                    verdict.retry_after_s,
+                    verdict,
+                    request_id,
+                )
+        if (
+            self.degraded is not None
+            and self.degraded.level > 0
+            and prio is Prio.LOW
+            and prompt_tokens > self.cfg.degraded.low_priority_max_prompt_tokens
+        ):
+            raise self._reject(
+                "degraded",
+                prio,
+                "The gateway is overloaded (degraded mode): low-priority "
+                f"prompts above {self.cfg.degraded.low_priority_max_prompt_tokens} tokens "
+                "are refused for now.",
+                self.cfg.degraded.step_s,
+                verdict,
+                request_id,
+            )
+        saturation, waiting = self.saturation(model, now)
+        if shed(prio, saturation, self.cfg.admission.shed_levels):
+            raise self._reject(
+                "resource",
+                prio,
+                f"The backends serving '{model}' are saturated "
+                f"(load {saturation.level:.2f}); {_PRIO_NAMES[prio]}-priority requests are "
+                "shed first.",
+                retry_after_s(waiting + 1, self.scheduler.service_rate(now)),
+                verdict,
+                request_id,
+            )
+        return await self._schedule(prio, verdict, request_id), verdict
+
+    def saturation(self, model: str, now: float):  # type: ignore[no-untyped-def]
+        """Saturation of the routable backends of ``model`` and their total queue."""
+        a = self.cfg.admission
+        stale = self.cfg.telemetry.stale_after_s
+        loads = []
+        total_waiting = 0.0
+        for b in self.fleet.backends:
+            if b.state is BackendState.WARM and model in b.models:
+                waiting, _running, kv = estimated_load(b, now, stale)
+                loads.append((waiting, kv))
+                total_waiting += waiting
+        return pool_saturation(loads, a.waiting_full, a.kv_full), total_waiting
+
+    async def _schedule(self, prio: Prio, verdict: EntryVerdict | None, request_id: str) -> Ticket:
+        sched = self.scheduler
+        now = self.clock()
+        decision = sched.offer(prio, now)
+        if decision.action == "run":
+            return Ticket(prio)
+        if decision.action == "reject":
+            full = sched.queued >= sched.max_queued
+            evicted = sched.evict_lowest(prio) if full else None
+            if evicted is None:
+                raise self._reject(
+                    "scheduler",
+                    prio,
+                    f"The gateway's queue is full; {_PRIO_NAMES[prio]}-priority requests are shed.",
+                    decision.retry_after_s,
+                    verdict,
+                    request_id,
+                )
+            assert isinstance(evicted, asyncio.Future)
+            evicted.set_exception(_Evicted())
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        sched.enqueue(prio, fut)
+        started = now
+        try:
+            async with asyncio.timeout(self.cfg.admission.max_queue_wait_s):
+                await fut
+        except TimeoutError:
+            sched.cancel(prio, fut)
+            raise self._reject(
+                "scheduler",
+                prio,
+                "No capacity freed within "
+                f"{self.cfg.admission.max_queue_wait_s:g} s (admission.max_queue_wait_s).",
+                sched.retry_after(prio, self.clock()),
+                verdict,
+                request_id,
+            ) from None
+        except _Evicted:
+            raise self._reject(
+                "scheduler",
+                prio,
+                "The gateway's queue is full; this "
+                f"{_PRIO_NAMES[prio]}-priority request gave its place to a more urgent one.",
+                sched.retry_after(prio, self.clock()),
+                verdict,
+                request_id,
+            ) from None
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(Ticket(prio))  # the slot reached us as we were cancelled
+            else:
+                sched.cancel(prio, fut)
+            raise
+        self.metrics.queue_wait.labels(_PRIO_NAMES[prio]).observe(self.clock() - started)
+        return Ticket(prio)
+
+    def release(self, ticket: Ticket | None) -> None:
+        """The request holding ``ticket`` ended: its slot goes to the next waiter."""
+        if ticket is None or ticket.released:
+            return
+        ticket.released = True
+        waiter = self.scheduler.release(self.clock())
+        if waiter is not None:
+            assert isinstance(waiter, asyncio.Future)
+            if waiter.done():  # gave up meanwhile: pass the slot on
+                self.release(Ticket(ticket.prio))
+            else:
+                waiter.set_result(None)
+
+    # ---- degraded mode ----------------------------------------------------------------------
+    def tick(self, p99_ttft_s: float | None) -> None:
+        """About once a second: update degraded mode from P99 TTFT and the queue."""
+        if self.degraded is None:
+            return
+        overloaded = (p99_ttft_s is not None and p99_ttft_s > self.cfg.slo.ttft_s) or (
+            self.scheduler.queued > 0
+        )
+        level = self.degraded.update(overloaded, self.clock())
+        self.metrics.degraded_level.set(level)
+
+    def max_tokens_cap(self) -> int | None:
+        """The ``max_tokens`` cap of degraded mode now (None: no cap)."""
+        if self.degraded is None:
+            return None
+        return self.degraded.max_tokens_cap(self.cfg.degraded.max_tokens_cap)
+
+
+class _Evicted(Exception):
+    """A queued waiter lost its place to a more urgent request."""
+
+
+def ratelimit_headers(v: EntryVerdict) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers."""
+    out: dict[str, str] = {}
+    if v.limit_requests is not None:
+        out["x-ratelimit-limit-requests"] = str(v.limit_requests)
+        out["x-ratelimit-remaining-requests"] = str(v.remaining_requests)
+        out["x-ratelimit-reset-requests"] = ratelimit_duration(v.reset_requests_s or 0.0)
+    if v.limit_tokens is not None:
+        out["x-ratelimit-limit-tokens"] = str(v.limit_tokens)
+        out["x-ratelimit-remaining-tokens"] = str(v.remaining_tokens)
+        out["x-ratelimit-reset-tokens"] = ratelimit_duration(v.reset_tokens_s or 0.0)
+    return out
+
+
+def cap_max_tokens(payload: dict[str, object], cap: int) -> bytes | None:
+    """The body re-serialised with ``max_tokens``/``max_completion_tokens`` capped, or None
+    when the request already asks for no more than ``cap``."""
+    changed = False
+    for field in ("max_tokens", "max_completion_tokens"):
+        v = payload.get(field)
+        if v is None and field == "max_tokens" and "max_completion_tokens" not in payload:
+            payload[field] = cap
+            changed = True
+        elif isinstance(v, int) and v > cap:
+            payload[field] = cap
+            changed = True
+    return json.dumps(payload).encode() if changed else None
