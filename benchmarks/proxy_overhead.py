@@ -668,7 +668,8 @@ def print_tables(
 
 # ---- metadata -------------------------------------------------------------------------------
 def source_fingerprint() -> str:
-    """sha1 of the gateway's sources (``gateway/**/*.py``), to notice edits during a run."""
+    """sha1 of the repo's gateway sources (``gateway/**/*.py``), to notice edits during a run
+    (what ``llm-gateway serve`` runs; with ``--gateway-cmd`` it may be something else)."""
     h = hashlib.sha1()
     for path in sorted((REPO / "gateway").rglob("*.py")):
         h.update(str(path.relative_to(REPO)).encode())
@@ -819,6 +820,68 @@ def pinning(enabled: bool) -> dict[str, set[int]]:
     return {"bare": first, "gateway": first, "backend": rest, "loadgen": rest}
 
 
+def report(
+    args: argparse.Namespace,
+    meta: dict[str, Any],
+    servers: Servers,
+    idle: dict[str, float],
+    cells: list[dict[str, Any]],
+    interrupted: bool = False,
+) -> None:
+    """Summarise ``cells`` (all of them, or those done before an interruption), print the
+    tables and write the JSON result file."""
+    summary, ratios = summarise(cells, args.mode_list, args.concurrency_list, args.target_list)
+    acc = acceptance(ratios)
+    print_tables(summary, ratios, acc, idle, args.repeat)
+    result = {
+        "benchmark": "proxy_overhead",
+        "meta": meta,
+        "params": {
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "concurrency": args.concurrency_list,
+            "modes": args.mode_list,
+            "targets": args.target_list,
+            "repeat": args.repeat,
+            "chunks": args.chunks,
+            "rate": args.rate,
+            "stream_gap_ms": args.stream_gap_ms,
+            "quiet_threshold_cores": args.quiet_threshold,
+            "quiet_wait_s": args.quiet_wait,
+            "retry_noisy": args.retry_noisy,
+            "gateway_cmd": args.gateway_cmd,
+            "pin": args.pin,
+            "request_body_bytes": {m: len(request_body(m == "stream")) for m in MODES},
+            "response_body_bytes": {
+                "nonstream": len(completion_body()),
+                "stream": len(stream_body(args.chunks)),
+            },
+        },
+        "gateway_config": servers.gateway_config,
+        "idle_cpu_s_per_s": idle,
+        "cells": cells,
+        "summary": summary,
+        "ratios": ratios,
+        "acceptance": acc,
+        "interrupted": interrupted,
+    }
+    if interrupted:
+        console.print(f"[yellow]partial results: the {len(cells)} cells done before[/yellow]")
+    meta["loadavg_end"] = os.getloadavg()
+    meta["gateway_sources_sha1_end"] = source_fingerprint()
+    if (
+        not args.gateway_cmd  # then the repo's gateway/ need not be what ran
+        and meta["gateway_sources_sha1_end"] != meta["gateway_sources_sha1"]
+    ):
+        console.print(
+            "[yellow]the gateway's sources changed during the run: the gateway process "
+            "ran the version of its start; rerun to measure the new one[/yellow]"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"results: {args.out}")
+
+
 def _term_handler(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -832,6 +895,9 @@ def main(argv: list[str] | None = None) -> int:
     procs = Procs(logdir)
     failed = True
     cells: list[dict[str, Any]] = []
+    servers: Servers | None = None
+    meta: dict[str, Any] = {}
+    idle: dict[str, float] = {}
     try:
         cpus = pinning(args.pin)
         meta = run_meta(args, cpus)
@@ -889,50 +955,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 {cell['latency_ms']['p99']:7.2f} ms  proxy CPU "
                 f"{fmt(proxy)} ms/req  other {noisy(cell['other_cpu_cores'])} cores{err}"
             )
-        summary, ratios = summarise(cells, args.mode_list, args.concurrency_list, args.target_list)
-        acc = acceptance(ratios)
-        print_tables(summary, ratios, acc, idle, args.repeat)
-        result = {
-            "benchmark": "proxy_overhead",
-            "meta": meta,
-            "params": {
-                "duration_s": args.duration,
-                "warmup_s": args.warmup,
-                "concurrency": args.concurrency_list,
-                "modes": args.mode_list,
-                "targets": args.target_list,
-                "repeat": args.repeat,
-                "chunks": args.chunks,
-                "rate": args.rate,
-                "stream_gap_ms": args.stream_gap_ms,
-                "quiet_threshold_cores": args.quiet_threshold,
-                "quiet_wait_s": args.quiet_wait,
-                "retry_noisy": args.retry_noisy,
-                "gateway_cmd": args.gateway_cmd,
-                "pin": args.pin,
-                "request_body_bytes": {m: len(request_body(m == "stream")) for m in MODES},
-                "response_body_bytes": {
-                    "nonstream": len(completion_body()),
-                    "stream": len(stream_body(args.chunks)),
-                },
-            },
-            "gateway_config": servers.gateway_config,
-            "idle_cpu_s_per_s": idle,
-            "cells": cells,
-            "summary": summary,
-            "ratios": ratios,
-            "acceptance": acc,
-        }
-        meta["loadavg_end"] = os.getloadavg()
-        meta["gateway_sources_sha1_end"] = source_fingerprint()
-        if meta["gateway_sources_sha1_end"] != meta["gateway_sources_sha1"]:
-            console.print(
-                "[yellow]the gateway's sources changed during the run: the gateway process "
-                "ran the version of its start; rerun to measure the new one[/yellow]"
-            )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"results: {args.out}")
+        report(args, meta, servers, idle, cells)
         failed = any(c["errors"] for c in cells)
         return 1 if failed else 0
     except BenchError as e:
@@ -940,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; stopping the servers[/yellow]")
+        if cells and servers is not None:
+            with contextlib.suppress(Exception, KeyboardInterrupt):
+                report(args, meta, servers, idle, cells, interrupted=True)
         return 130
     finally:
         procs.stop_all()

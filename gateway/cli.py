@@ -7,7 +7,13 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    load_config,
+    require_backends,
+    with_server_overrides,
+)
 
 DEFAULT_CONFIG = Path("config/gateway.yaml")
 _REPO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
@@ -31,13 +37,17 @@ def setup_logging(level: str) -> None:
 
 
 def _load(args: argparse.Namespace) -> GatewayConfig:
+    """The config file (default: config/gateway.yaml), env overrides, then the command
+    line's --host/--port, which win over both. Refuses a fleet with no backends."""
     path = Path(args.config) if args.config else find_default_config()
     server: dict[str, object] = {}
     if getattr(args, "host", None):
         server["host"] = args.host
     if getattr(args, "port", None) is not None:
         server["port"] = args.port
-    return load_config(path, **({"server": server} if server else {}))
+    cfg = with_server_overrides(load_config(path), **server)
+    require_backends(cfg)
+    return cfg
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -124,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"llm-gateway: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a port already in use
+        print(
+            f"llm-gateway: {e.strerror or e}"
+            + (f" ({e.filename})" if getattr(e, "filename", None) else ""),
+            file=sys.stderr,
+        )
+        return 3
     except KeyboardInterrupt:
         return 130
 

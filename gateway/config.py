@@ -12,6 +12,7 @@ problem (:class:`ConfigError`), never silently.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +27,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 ENV_PREFIX = "LLM_GATEWAY_"
 
@@ -173,6 +179,10 @@ class HealthConfig(_Strict):
 
     interval_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
+    stall_after_s: float = Field(
+        30.0, gt=0, description="requests in flight and no answer for this long: probe now"
+    )
+    stall_probe_timeout_s: float = Field(30.0, gt=0)
     fail_threshold: int = Field(3, ge=1)
     recover_threshold: int = Field(2, ge=1)
 
@@ -254,6 +264,12 @@ class LifecycleConfig(_Strict):
     slow_start_min_weight: float = Field(0.1, gt=0, le=1)
     drain_deadline_s: float = Field(60.0, ge=0)
     preempt_deadline_s: float = Field(30.0, ge=0)
+    preempt_hold_s: float = Field(
+        600.0, gt=0, description="a preempted backend stays out until it goes away, or this"
+    )
+    restart_hold_s: float = Field(
+        120.0, gt=0, description="after a restart hook, out until a probe fails, or this"
+    )
     max_unavailable: int | None = Field(None, ge=1)
     check_interval_s: float = Field(1.0, gt=0, description="how often cycles are evaluated")
     short: CycleConfig = Field(default_factory=lambda: CycleConfig(every_s=300.0))
@@ -496,7 +512,47 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
             data[key] = {**data[key], **value}
         else:
             data[key] = value
+    check_env_names()
     try:
         return GatewayConfig(**data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(source, e)) from None
+        raise ConfigError(_format_errors(f"{source} (and {ENV_PREFIX}* variables)", e)) from None
+    except SettingsError as e:
+        raise ConfigError(f"invalid {ENV_PREFIX}* environment variable: {e}") from None
+
+
+def check_env_names(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse ``LLM_GATEWAY_*`` variables that name no section (a typo would otherwise be
+    silently ignored). Raises :class:`ConfigError` naming the variable."""
+    env = os.environ if environ is None else environ
+    sections = set(GatewayConfig.model_fields)
+    for name in env:
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        section = name[len(ENV_PREFIX) :].split("__", 1)[0].lower()
+        if section not in sections:
+            raise ConfigError(
+                f"environment variable {name}: no config section {section!r} "
+                f"(sections: {', '.join(sorted(sections))})"
+            )
+
+
+def with_server_overrides(cfg: GatewayConfig, **server: Any) -> GatewayConfig:
+    """``cfg`` with command-line ``server`` settings (host, port), which beat the file and the
+    environment. Raises :class:`ConfigError` for invalid values."""
+    if not server:
+        return cfg
+    try:
+        new = ServerConfig(**{**cfg.server.model_dump(), **server})
+    except ValidationError as e:
+        raise ConfigError(_format_errors("the command line", e)) from None
+    return cfg.model_copy(update={"server": new})
+
+
+def require_backends(cfg: GatewayConfig) -> None:
+    """A gateway with no backend serves nothing: refuse to start (``ConfigError``)."""
+    if not cfg.backends:
+        raise ConfigError(
+            "no backends configured: list at least one under 'backends:' "
+            f"(or set {ENV_PREFIX}BACKENDS)"
+        )

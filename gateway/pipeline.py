@@ -30,7 +30,7 @@ from gateway.fleet.controller import FleetController
 from gateway.gate import AdmissionGate, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import ClientWatch, Cut, CutHandle, RelayResponse, StreamOutcome
-from gateway.proxy.sse import EventFramer, extract_usage
+from gateway.proxy.sse import DONE_TERMINATED, EventFramer, extract_usage
 from gateway.proxy.upstream import (
     UpstreamFailure,
     UpstreamPool,
@@ -116,6 +116,7 @@ class Pipeline:
         self.metrics = metrics
         self._attempt_children: dict[tuple[str, str], object] = {}
         self.router_clock = controller.clock
+        self.id_header = cfg.server.request_id_header.lower()
         r = cfg.retry
         self.retry = RetryPolicy(r.backoff_base_s, r.backoff_max_s)
         self.budget = RetryBudget(
@@ -233,10 +234,14 @@ class Pipeline:
         tried.append(backend.id)
         breaker = backend.breaker
         breaker.acquire()
+        if backend.in_flight == 0:
+            backend.busy_since = now
         backend.in_flight += 1
         backend.active.add(ctx.cut)
         try:
-            return await self._attempt(backend, ctx)
+            opened = await self._attempt(backend, ctx)
+            backend.last_answer_at = self.router_clock()
+            return opened
         except UpstreamFailure as f:
             self._release(backend, ctx)
             self._record_failure(f, ctx)
@@ -244,14 +249,14 @@ class Pipeline:
         except asyncio.CancelledError:
             self._release(backend, ctx)
             breaker.on_neutral()
-            if ctx.cut.reason != Cut.DRAIN_DEADLINE:
+            if ctx.cut.reason not in (Cut.DRAIN_DEADLINE, Cut.BACKEND_HUNG):
                 raise
-            # The backend's drain deadline ended this attempt before any byte reached
-            # the client: not the backend's fault, and safe to send elsewhere.
+            # The gateway ended this attempt (its backend's drain deadline, or the backend
+            # hung) before any byte reached the client: safe to send elsewhere.
             ctx.cut.absorb()
             ctx.cut.rearm()
             self._count_attempt(backend, "drained")
-            raise UpstreamFailure(backend, "drained", "backend drained before answering") from None
+            raise UpstreamFailure(backend, "drained", "backend left before answering") from None
         except BaseException:
             self._release(backend, ctx)
             breaker.on_neutral()
@@ -307,7 +312,7 @@ class Pipeline:
                         f"backend answered {status}",
                         status,
                         body,
-                        response_headers(resp),
+                        response_headers(resp, self.id_header),
                     )
                 return Opened(backend, resp, body, None)
         except TimeoutError:
@@ -493,7 +498,7 @@ class Pipeline:
             backend.breaker.on_success()
         else:
             backend.breaker.on_neutral()  # a 4xx caused by the request
-        headers = response_headers(resp)
+        headers = response_headers(resp, self.id_header)
         resp.release()
         if status == 200 and resp.headers.get("content-encoding") is None:
             self._count_usage(ctx.model, extract_usage(body))
@@ -506,7 +511,7 @@ class Pipeline:
     def relay(self, ctx: RequestContext, opened: Opened, watch: ClientWatch) -> RelayResponse:
         """The streaming answer for the client; the slot is released when the stream ends."""
         backend, resp = opened.backend, opened.resp
-        headers = response_headers(opened.resp)
+        headers = response_headers(opened.resp, self.id_header)
         headers.append((self.cfg.server.request_id_header.encode(), ctx.request_id.encode()))
         headers.extend(ctx.extra_headers)
         assert opened.framer is not None
@@ -532,7 +537,7 @@ class Pipeline:
             if outcome == StreamOutcome.OK:
                 self._count_attempt(backend, "ok")
                 backend.breaker.on_success(ttft)
-            elif outcome in (Cut.DRAIN_DEADLINE, Cut.SHUTDOWN):
+            elif outcome in (Cut.DRAIN_DEADLINE, Cut.SHUTDOWN, Cut.BACKEND_HUNG):
                 self._count_attempt(backend, outcome)  # ended by us, not the backend's fault
                 m.stream_errors.labels(backend.id, outcome).inc()
                 backend.breaker.on_neutral()
@@ -551,6 +556,7 @@ class Pipeline:
             ctx.cut,
             self.cfg.proxy.idle_timeout_s,
             on_done,
+            ends_with_done=ctx.endpoint in DONE_TERMINATED,
         )
 
     def _count_usage(self, model: str, usage: tuple[int, int] | None) -> None:

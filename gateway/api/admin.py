@@ -58,6 +58,7 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         "last_error_at": b.last_error_at,
         "config_error": b.config_error,
         "drained": b.drained,
+        "hold": b.hold,
         "maintenance": b.maintenance,
         "drain_deadline_in_s": (
             None if b.drain_deadline is None else round(b.drain_deadline - now, 3)
@@ -133,12 +134,7 @@ async def drain_backend(backend_id: str, request: Request) -> Response:
     b = _backend(gw, backend_id)
     deadline = _number(await _options(request), "deadline_s", gw.cfg.lifecycle.drain_deadline_s)
     if not gw.controller.start_drain(b, deadline):
-        raise GatewayError(
-            409,
-            f"Backend '{backend_id}' is {b.state.value}; only a warm or "
-            "warming backend can be drained.",
-            code="invalid_state",
-        )
+        raise GatewayError(409, f"Backend '{backend_id}' is already drained.", code="invalid_state")
     return JSONResponse(backend_summary(gw, b), status_code=202)
 
 
@@ -150,9 +146,7 @@ async def preempt_backend(backend_id: str, request: Request) -> Response:
     deadline = _number(await _options(request), "deadline_s", gw.cfg.lifecycle.preempt_deadline_s)
     if not gw.controller.start_drain(b, deadline, preempt=True):
         raise GatewayError(
-            409,
-            f"Backend '{backend_id}' is {b.state.value}; nothing to preempt.",
-            code="invalid_state",
+            409, f"Backend '{backend_id}' is already preempted.", code="invalid_state"
         )
     return JSONResponse(backend_summary(gw, b), status_code=202)
 

@@ -129,15 +129,15 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
             code="missing_required_parameter",
             param=required,
         )
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         raise GatewayError(400, "'stream' must be a boolean.", code="invalid_type", param="stream")
     return payload
 
 
 async def check_model(gw: Gateway, model: str) -> None:
     """404 ``model_not_found`` when no backend lists ``model`` (after one fresh look);
-    503 when some backend never answered, so the model may exist but is unreachable."""
+    503 only while no backend has ever listed its models (nothing is reachable yet)."""
     if any(model in b.models for b in gw.fleet.backends):
         return
     await gw.controller.refresh_models_soon()
@@ -153,7 +153,9 @@ async def check_model(gw: Gateway, model: str) -> None:
             SERVER_ERROR,
             "backend_auth_failed",
         )
-    if all(b.model_cards or b.config.models is not None for b in gw.fleet.backends):
+    # 404 as soon as some backend told us what it serves: a typo must not get a 503 that
+    # SDKs retry (case BUG-07); 503 only while no backend has answered at all.
+    if any(b.model_cards or b.config.models is not None for b in gw.fleet.backends):
         raise GatewayError(
             404,
             f"The model '{model}' does not exist or is not served by any backend.",

@@ -89,6 +89,10 @@ class Backend:
     warm_since: float | None = None  # start of the slow-start ramp
     drain_deadline: float | None = None
     drained: bool = False  # a manual drain finished: no in-flight left, out of rotation
+    # Kept out of rotation even when probes pass: "admin_drain" (until undrain),
+    # "preempted" / "restarting" (until the instance goes away, or hold_until passes).
+    hold: str | None = None
+    hold_until: float | None = None
     maintenance: str | None = None  # the cycle running now (short/medium/long/drain/...)
     cycles: Any = None  # lifecycle.CycleClock, set by the controller
     calibration_baseline: dict[str, object] | None = None
@@ -97,6 +101,9 @@ class Backend:
     probe_ttft_s: float | None = None  # last application probe's time to first token
     breaker: Any = None  # traffic.breaker.CircuitBreaker, set by the controller
     cooling_until: float = 0.0  # monotonic; a 429/503 Retry-After keeps requests away
+    busy_since: float = 0.0  # monotonic: when in-flight last went from 0 to 1
+    last_answer_at: float = 0.0  # monotonic: the last answer (or first event) it gave
+    stall_probe: Any = None  # the running stall probe task, if any
 
     @property
     def id(self) -> str:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -74,6 +75,14 @@ def compare(baseline: Mapping[str, object], answers: Mapping[str, object]) -> Ca
     return CalibrationResult(exact / n, total / n, sum(1 for p in baseline if p in answers))
 
 
+def _field(r: httpx.Response, get: Callable[[Any], object]) -> object:
+    """One field of a JSON answer; ``ValueError`` when the answer is not shaped as expected."""
+    try:
+        return get(r.json())
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"unexpected calibration answer ({type(e).__name__}: {e})") from None
+
+
 async def collect_answers(
     client: httpx.AsyncClient,
     base_url: str,
@@ -104,7 +113,7 @@ async def collect_answers(
             headers=headers,
         )
         if r.status_code == 200:
-            out[prompt] = r.json()["choices"][0]["text"]
+            out[prompt] = _field(r, lambda d: d["choices"][0]["text"])
             continue
         if 400 <= r.status_code < 500:
             e = await client.post(
@@ -113,7 +122,7 @@ async def collect_answers(
                 headers=headers,
             )
             if e.status_code == 200:
-                out[prompt] = e.json()["data"][0]["embedding"]
+                out[prompt] = _field(e, lambda d: d["data"][0]["embedding"])
                 continue
         raise ValueError(f"calibration prompt answered {r.status_code}: {r.text[:200]}")
     return out

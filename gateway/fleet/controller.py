@@ -134,6 +134,7 @@ class FleetController:
 
     async def stop(self) -> None:
         tasks = self._tasks + list(self._warming.values()) + list(self._maintenance.values())
+        tasks += [b.stall_probe for b in self.fleet if b.stall_probe is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -281,8 +282,18 @@ class FleetController:
             ok = res.status == "ok"
             if not ok:
                 backend.note_error(res.detail)
+        if backend.hold in ("preempted", "restarting") and (
+            not ok or (backend.hold_until is not None and self.clock() >= backend.hold_until)
+        ):
+            log.info(
+                "backend %s: %s hold over (%s)",
+                backend.id,
+                backend.hold,
+                "it went away" if not ok else "hold time passed",
+            )
+            backend.hold = backend.hold_until = None
         self.apply(backend, lifecycle.after_probe(backend, ok, self.cfg.health))
-        if ok and backend.state is BackendState.WARMING:
+        if ok and backend.state is S.WARMING:
             self._start_warming(backend)
 
     # ---- load scrapes ---------------------------------------------------------------------
@@ -365,9 +376,17 @@ class FleetController:
         here, synchronously, so the next backend's stagger check already counts it out.
         """
         lc = self.cfg.lifecycle
+        stall = self.cfg.health.stall_after_s
         for b in self.fleet:
             if b.state is S.WARM and b.breaker.evaluate():
                 self.on_breaker_trip(b)  # latency fuse: P99 TTFT over 5x the SLO
+            if (
+                b.state is S.WARM
+                and b.in_flight > 0
+                and self.clock() - max(b.last_answer_at, b.busy_since) > stall
+                and (b.stall_probe is None or b.stall_probe.done())
+            ):
+                b.stall_probe = asyncio.get_running_loop().create_task(self.stall_probe(b))
         now = self.clock()
         due = [
             b for b in self.fleet if b.cycles is not None and not self.busy(b) and b.state is S.WARM
@@ -391,6 +410,37 @@ class FleetController:
             else:
                 self.transition(b, S.DRAINING, "restart_scheduled")
                 self._run(b, "long", self.long_cycle(b, "scheduled"))
+
+    async def stall_probe(self, backend: Backend) -> None:
+        """Requests are in flight but nothing came back for ``health.stall_after_s``: ask for
+        one token now. A backend whose ``/health`` still passes while its engine is stuck
+        fails here: it goes ``unhealthy`` (``engine_stalled``) and its requests are ended
+        (those still waiting for a first byte are re-sent elsewhere; streams get an error
+        event)."""
+        if not backend.models:
+            return
+        h = self.cfg.health
+        res = await app_probe(
+            self.work_client,
+            backend,
+            backend.models[0],
+            self.api_keys[backend.id],
+            timeout_s=h.stall_probe_timeout_s,
+        )
+        if res.ok:
+            backend.last_answer_at = self.clock()  # alive: look again after another stall
+            return
+        backend.note_error(f"engine stalled: {res.detail}")
+        log.warning(
+            "backend %s: in-flight requests got nothing for %.0f s and a 1-token probe failed (%s)",
+            backend.id,
+            h.stall_after_s,
+            res.detail,
+        )
+        if backend.state is S.WARM:
+            self.transition(backend, S.UNHEALTHY, "engine_stalled")
+        for handle in list(backend.active):
+            handle.cut(Cut.BACKEND_HUNG)
 
     async def short_cycle(self, backend: Backend) -> None:
         """Probe through the engine; no traffic change unless it fails."""
@@ -425,15 +475,17 @@ class FleetController:
         if backend.state is not S.DRAINING:
             return False
         started = self.clock()
-        backend.drain_deadline = started + deadline_s
+        if backend.drain_deadline is None:
+            backend.drain_deadline = started + deadline_s
         cut = False
         while backend.in_flight > 0 and backend.state is S.DRAINING:
-            if not cut and self.clock() >= backend.drain_deadline:
+            deadline = backend.drain_deadline  # an admin may move it meanwhile
+            if not cut and deadline is not None and self.clock() >= deadline:
                 cut = True
                 log.warning(
-                    "backend %s: drain deadline (%g s) passed with %d in flight; ending them",
+                    "backend %s: drain deadline passed after %.1f s with %d in flight; ending them",
                     backend.id,
-                    deadline_s,
+                    self.clock() - started,
                     backend.in_flight,
                 )
                 for handle in list(backend.active):
@@ -444,26 +496,30 @@ class FleetController:
         self.longest_drain_s = max(self.longest_drain_s, took)
         return backend.state is S.DRAINING
 
-    async def manual_drain(
-        self, backend: Backend, deadline_s: float, then_cold: str | None = None
-    ) -> None:
-        """Admin drain: out of rotation until undrained (or, for a spot preemption, ``cold``)."""
-        if await self.drain(backend, deadline_s, "spot_preemption" if then_cold else "admin_drain"):
-            if then_cold:
-                self.transition(backend, S.COLD, then_cold)
-            else:
-                backend.drained = True
-                log.info("backend %s: drained (nothing in flight)", backend.id)
+    async def manual_drain(self, backend: Backend, deadline_s: float, preempt: bool) -> None:
+        """Admin drain (held out of rotation until undrained) or spot preemption (then
+        ``cold``, held until the instance goes away or ``lifecycle.preempt_hold_s``)."""
+        reason = "spot_preemption" if preempt else "admin_drain"
+        if not await self.drain(backend, deadline_s, reason):
+            return
+        if backend.hold == "preempted":
+            self.transition(backend, S.COLD, "spot_preemption")
+        else:
+            backend.drained = True
+            log.info("backend %s: drained (nothing in flight)", backend.id)
 
     def undrain(self, backend: Backend) -> bool:
-        """Return a draining or resting backend to rotation (with slow start)."""
-        task = self._maintenance.get(backend.id)
-        if task is not None and not task.done():
-            task.cancel()
+        """Return a drained, draining or resting backend to rotation (with slow start); a
+        held backend that is down (cold, unhealthy) returns when its probes pass."""
+        held = backend.hold is not None
+        backend.hold = backend.hold_until = None
         if backend.state in (S.DRAINING, S.COOLDOWN):
+            task = self._maintenance.get(backend.id)
+            if task is not None and not task.done():
+                task.cancel()
             self.transition(backend, S.WARM, "admin_undrain")
             return True
-        return False
+        return held
 
     async def medium_cycle(self, backend: Backend, reason: str, min_rest_s: float = 0.0) -> None:
         """Drain -> reset prefix cache -> rest (probes only; optional vLLM sleep) ->
@@ -486,6 +542,9 @@ class FleetController:
             return
         if not await self.calibrate(backend):
             return
+        if backend.hold is not None:
+            backend.drained = True  # an admin drained it meanwhile: it stays out
+            return
         if backend.state is S.COOLDOWN:
             self.transition(backend, S.WARM, "cooldown_done")
 
@@ -493,7 +552,11 @@ class FleetController:
         """Drain -> restart hook -> ``cold`` (probes then bring it through warming)."""
         if not await self.drain(backend, self.cfg.lifecycle.drain_deadline_s, f"restart_{reason}"):
             return
-        await self.run_restart_hook(backend)
+        if await self.run_restart_hook(backend):
+            # Hold it out until the restart is seen (a failed probe) or the hold passes, so
+            # the old process does not take traffic in the moment before it goes away.
+            backend.hold = "restarting"
+            backend.hold_until = self.clock() + self.cfg.lifecycle.restart_hold_s
         if backend.state is S.DRAINING:
             self.transition(backend, S.COLD, "restarted")
 
@@ -524,20 +587,40 @@ class FleetController:
         return True
 
     def start_drain(self, backend: Backend, deadline_s: float, preempt: bool = False) -> bool:
-        """Admin drain / spot preemption (a drain then ``cold``). False if not serving."""
-        if backend.state not in (S.WARM, S.WARMING, S.DRAINING):
-            return False
-        task = self._maintenance.get(backend.id)
-        if task is not None and not task.done():
-            task.cancel()
-        name = "preempt" if preempt else "drain"
-        if backend.state is not S.DRAINING:
+        """Admin drain or spot preemption of ``backend``, whatever it is doing.
+
+        The backend is held out of rotation (``hold``): an admin drain until undrain, a
+        preemption until the instance goes away (or ``lifecycle.preempt_hold_s``). A warm or
+        warming backend starts draining now (``deadline_s`` from now); one already draining
+        keeps its procedure and gets the earlier of the two deadlines; one resting or down
+        just stays out when its cycle or probes would have brought it back. Returns False
+        when nothing changed (already held the same way).
+        """
+        now = self.clock()
+        want = "preempted" if preempt else "admin_drain"
+        if backend.hold == want and (
+            backend.state is not S.DRAINING or backend.drained or backend.hold == "preempted"
+        ):
+            return False  # already drained / preempted
+        if backend.hold != "preempted":  # a preemption is never downgraded to a drain
+            backend.hold = want
+            backend.hold_until = now + self.cfg.lifecycle.preempt_hold_s if preempt else None
+        if backend.state in (S.WARM, S.WARMING):
+            task = self._maintenance.get(backend.id)
+            if task is not None and not task.done():
+                task.cancel()  # e.g. a short cycle's probe
             self.transition(backend, S.DRAINING, "spot_preemption" if preempt else "admin_drain")
-        self._run(
-            backend,
-            name,
-            self.manual_drain(backend, deadline_s, "spot_preemption" if preempt else None),
-        )
+            backend.drain_deadline = now + deadline_s
+            self._run(
+                backend,
+                "preempt" if preempt else "drain",
+                self.manual_drain(backend, deadline_s, preempt),
+            )
+        elif backend.state is S.DRAINING:
+            if backend.drain_deadline is None or now + deadline_s < backend.drain_deadline:
+                backend.drain_deadline = now + deadline_s
+            if not self.busy(backend):
+                self._run(backend, "drain", self.manual_drain(backend, deadline_s, preempt))
         return True
 
     # ---- calibration and hooks ---------------------------------------------------------------
@@ -593,13 +676,14 @@ class FleetController:
         await self.run_restart_hook(backend)
         return False
 
-    async def run_restart_hook(self, backend: Backend) -> None:
-        """Run the configured restart hook for ``backend`` (none: only logged)."""
+    async def run_restart_hook(self, backend: Backend) -> bool:
+        """Run the configured restart hook for ``backend`` (none: only logged). True when
+        a hook ran successfully."""
         hook = self.cfg.lifecycle.restart_hook
         if hook is None:
             log.info("backend %s: no restart hook configured; a restart would go here", backend.id)
             self.metrics.restart_hooks.labels(backend.id, "none").inc()
-            return
+            return False
         subst = {"backend_id": backend.id, "url": backend.base_url}
         try:
             if hook.command is not None:
@@ -633,6 +717,7 @@ class FleetController:
         else:
             log.error("backend %s: restart hook failed (%s)", backend.id, detail)
             backend.note_error(f"restart hook failed: {detail}")
+        return ok
 
     async def _vllm_post(self, backend: Backend, path: str) -> bool:
         """POST a vLLM dev-mode route; False when absent (404) or failing."""

@@ -86,11 +86,15 @@ def after_probe(backend: Backend, ok: bool, cfg: HealthConfig) -> Decision | Non
       (warming/warm/draining/cooldown) becomes ``unhealthy`` (reason ``probe_failed``);
       a ``cold`` one stays cold.
     * a passing probe: ``cold`` -> ``warming`` at once (it answers now); ``unhealthy`` ->
-      ``warming`` after ``cfg.recover_threshold`` passes in a row.
+      ``warming`` after ``cfg.recover_threshold`` passes in a row; never while the backend
+      is held out of rotation (``backend.hold``: an admin drain, a spot preemption or a
+      restart that has not happened yet).
     """
     if ok:
         backend.consecutive_probe_failures = 0
         backend.consecutive_probe_successes += 1
+        if backend.hold is not None:
+            return None  # held out of rotation (admin drain, preemption, restart)
         if backend.state is S.COLD:
             return Decision(S.WARMING, "probe_ok")
         if (

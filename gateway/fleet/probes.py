@@ -100,21 +100,26 @@ async def app_probe(
     model: str,
     api_key: str | None,
     max_tokens: int = 1,
+    timeout_s: float | None = None,
 ) -> AppProbeResult:
     """A tiny completion (``max_tokens`` 1 by default) through the engine; its latency is
     the time to first token. A model that does not generate (a 4xx on completions) is
-    probed with a one-word embedding instead."""
+    probed with a one-word embedding instead. ``timeout_s`` overrides the client's."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     body = {"model": model, "prompt": "ping", "max_tokens": max_tokens, "temperature": 0}
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     try:
-        r = await client.post(f"{backend.base_url}/v1/completions", json=body, headers=headers)
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+        r = await client.post(
+            f"{backend.base_url}/v1/completions", json=body, headers=headers, timeout=timeout
+        )
         if 400 <= r.status_code < 500 and r.status_code not in (401, 403, 429):
             r = await client.post(
                 f"{backend.base_url}/v1/embeddings",
                 json={"model": model, "input": "ping"},
                 headers=headers,
+                timeout=timeout,
             )
     except httpx.HTTPError as e:
         return AppProbeResult(False, detail=f"app probe: {type(e).__name__}: {e}".rstrip(": "))

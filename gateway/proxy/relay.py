@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from starlette.responses import Response
 
-from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event
+from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, responses_error_event
 
 log = logging.getLogger("gateway.proxy")
 
@@ -36,6 +36,7 @@ class Cut:
 
     CLIENT_GONE = "client_gone"  # the client hung up
     DRAIN_DEADLINE = "drain_deadline"  # its backend's drain deadline passed
+    BACKEND_HUNG = "backend_hung"  # its backend stopped answering even a 1-token probe
     SHUTDOWN = "gateway_shutdown"  # the gateway's own grace period ended
 
 
@@ -45,6 +46,8 @@ CUT_MESSAGES = {
     "the answer is incomplete.",
     Cut.SHUTDOWN: "The gateway is shutting down and its grace period ended; the answer is "
     "incomplete.",
+    Cut.BACKEND_HUNG: "The backend serving this stream stopped answering (a 1-token probe "
+    "timed out); the answer is incomplete.",
 }
 
 
@@ -132,7 +135,10 @@ class RelayResponse(Response):
     """ASGI response relaying an upstream SSE stream whose first events were already read.
 
     ``first`` holds the complete events read before the client's headers were sent (so a
-    failure before them could still be retried elsewhere). ``on_done(outcome, framer)`` is
+    failure before them could still be retried elsewhere). ``ends_with_done``: the stream
+    must end with ``data: [DONE]`` (chat, completions) and a failure is reported as
+    ``data: {"error": ...}`` then ``[DONE]``; otherwise (the Responses API) the body's end is
+    the stream's end and a failure is an ``event: error``. ``on_done(outcome, framer)`` is
     called exactly once with ``"ok"``, ``"client_gone"`` or the error code the client saw.
     """
 
@@ -146,6 +152,7 @@ class RelayResponse(Response):
         cut: CutHandle,
         idle_timeout_s: float,
         on_done: Callable[[str, EventFramer, float | None], None],
+        ends_with_done: bool = True,
     ) -> None:
         self.resp = resp
         self.raw_headers = headers
@@ -155,9 +162,15 @@ class RelayResponse(Response):
         self.cut = cut
         self.idle_timeout_s = idle_timeout_s
         self.on_done = on_done
+        self.ends_with_done = ends_with_done
         self.status_code = 200
         self.background = None
         self.raw_headers = headers
+
+    def _error(self, message: str, code: str) -> bytes:
+        if self.ends_with_done:
+            return error_event(message, code) + DONE_EVENT
+        return responses_error_event(message, code)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         resp, framer, watch = self.resp, self.framer, self.watch
@@ -207,7 +220,7 @@ class RelayResponse(Response):
                         if not chunk:
                             break
                         timer.reschedule(loop.time() + idle)
-                if not framer.saw_done:
+                if self.ends_with_done and not framer.saw_done:
                     code = "upstream_incomplete"
                     message = (
                         "The backend ended the stream without [DONE]; the answer is incomplete."
@@ -232,7 +245,7 @@ class RelayResponse(Response):
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": error_event(message, code) + DONE_EVENT,
+                        "body": self._error(message, code),
                         "more_body": False,
                     }
                 )
@@ -245,7 +258,7 @@ class RelayResponse(Response):
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": error_event(CUT_MESSAGES[outcome], outcome) + DONE_EVENT,
+                        "body": self._error(CUT_MESSAGES[outcome], outcome),
                         "more_body": False,
                     }
                 )

@@ -95,6 +95,19 @@ def extract_usage(body: bytes) -> tuple[int, int] | None:
 
 
 def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
-    """One OpenAI-shaped error event: ``data: {"error": {...}}\\n\\n``."""
+    """One OpenAI-shaped error event: ``data: {"error": {...}}\\n\\n`` (chat and
+    completions streams, as vLLM ends a failed stream)."""
     payload = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def responses_error_event(message: str, code: str) -> bytes:
+    """The Responses API's error event (``event: error`` with ``{"type": "error", ...}``);
+    those streams have no ``[DONE]``."""
+    payload = {"type": "error", "code": code, "message": message, "param": None}
+    return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+# Streams that end with ``data: [DONE]`` (OpenAI chat and legacy completions, and vLLM's
+# own); other event streams (the Responses API) end when the body ends.
+DONE_TERMINATED = frozenset({"/v1/chat/completions", "/v1/completions"})

@@ -117,9 +117,12 @@ def forward_headers(
     return out
 
 
-def response_headers(resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-    """Backend response headers to pass to the client (hop-by-hop and length dropped)."""
-    extra_drop: set[str] = set()
+def response_headers(
+    resp: aiohttp.ClientResponse, own: str = "x-request-id"
+) -> list[tuple[bytes, bytes]]:
+    """Backend response headers to pass to the client: hop-by-hop, length, and ``own`` (the
+    request-id header, which the gateway sets itself) dropped."""
+    extra_drop: set[str] = {own}
     conn = resp.headers.get("connection")
     if conn:
         extra_drop = {t.strip().lower() for t in conn.split(",")}

@@ -264,7 +264,9 @@ def test_drifted_backend_stays_out_until_calibration_passes(backends, sims, lc_g
 
 def test_long_cycle_runs_restart_hook_then_cold_warming_warm(sims, lc_gateway, tmp_path):
     """Long cycle every 3 s (first due times spread: A at ~1.5 s, B at ~3 s), warm-up on,
-    restart hook = a command writing ``<id> <url>`` to a file. Each backend in turn: drain
+    restart hook = a command writing ``<id> <url>`` to a file (it restarts nothing, so the
+    backend is held out only for ``restart_hold_s``, here 0.5 s, instead of until a probe sees
+    it go away). Each backend in turn: drain
     (``restart_scheduled``) -> hook -> ``cold`` (``restarted``) -> probe -> ``warming`` ->
     warm-up at batch shapes 1, 2, 4, 8 (15 more warm-up completions seen by its simulator) ->
     ``warm``. Never both out of rotation; client requests meanwhile all 200; hooks, cycles
@@ -273,7 +275,7 @@ def test_long_cycle_runs_restart_hook_then_cold_warming_warm(sims, lc_gateway, t
     hook = tmp_path / "restarts.txt"
     gw = lc_gateway({"a": a.url, "b": b.url},
                     lifecycle={"long": {"every_s": 3.0}, "check_interval_s": 0.1,
-                               "warmup_batch_shapes": [1, 2, 4, 8],
+                               "warmup_batch_shapes": [1, 2, 4, 8], "restart_hold_s": 0.5,
                                "restart_hook": {"command": hook_command(hook)}})
     url = gw.url
     start_wall = time.time()

@@ -262,8 +262,9 @@ def test_undrain_returns_backend_to_rotation(sims, lc_gateway):
 def test_preempt_drains_with_30s_deadline_then_cold_then_back(sims, lc_gateway):
     """``POST .../preempt`` (spot preemption notice): a drain with the 30 s default deadline;
     the stream in flight on A still finishes with ``[DONE]``; then A goes ``cold`` (reason
-    ``spot_preemption``) and, as it still answers, probes bring it back through ``warming``
-    to ``warm``."""
+    ``spot_preemption``) and stays out while the old instance still answers (probes passing
+    must not bring back an instance that is about to vanish); once it goes away and a new
+    one answers on the same address, probes bring it back through ``warming`` to ``warm``."""
     a, b = sims("A", itl_s=0.05), sims("B")
     gw = lc_gateway({"a": a.url, "b": b.url})
     url = gw.url
@@ -274,6 +275,13 @@ def test_preempt_drains_with_30s_deadline_then_cold_then_back(sims, lc_gateway):
     assert 25 <= now["drain_deadline_in_s"] <= 30.5, now
     r = s.result()
     assert r.problem() is None and not r.errors and r.finish_reason == "length"
+    wait_state(url, "a", "cold", timeout=10)
+    time.sleep(1.5)  # several passing probes: still held out
+    detail = admin(url, "a")
+    assert detail["state"] == "cold" and detail["hold"] == "preempted", detail
+    a.kill()  # the spot instance goes away...
+    wait_for(lambda: admin(url, "a")["hold"] is None, 5)
+    a.restart()  # ...and a new one comes up on the same address
     wait_state(url, "a", "warm", timeout=10)
     h = history(url, "a")
     i = h.index(("warm", "draining", "spot_preemption"))
@@ -281,3 +289,28 @@ def test_preempt_drains_with_30s_deadline_then_cold_then_back(sims, lc_gateway):
                           ("draining", "cold", "spot_preemption"),
                           ("cold", "warming", "probe_ok"),
                           ("warming", "warm", "ready")], h
+
+
+def test_admin_drain_is_sticky(sims, lc_gateway):
+    """An operator's drain holds until undrain: a health blip (the backend restarting, the
+    usual reason to drain it) must not bring it back by itself, and a second drain request
+    neither restarts the procedure nor pushes the deadline out (the earlier one wins)."""
+    a, b = sims("A", itl_s=0.05), sims("B")
+    gw = lc_gateway({"a": a.url, "b": b.url})
+    url = gw.url
+    [s] = pin_on_a(url, [lambda: stream_chat(url, chat_body(60, stream=True))], 1)
+    assert post_admin(url, "a", "drain", {"deadline_s": 20}).status_code == 202
+    first = admin(url, "a")["drain_deadline_in_s"]
+    r = post_admin(url, "a", "drain", {"deadline_s": 100})
+    assert r.status_code == 202 and r.json()["drain_deadline_in_s"] <= first  # not extended
+    assert s.result().problem() is None
+    wait_state(url, "a", "draining", drained=True)
+
+    a.kill()  # the operator restarts it...
+    wait_state(url, "a", "unhealthy", timeout=5)
+    a.restart()  # ...it answers again, but stays out: it is still drained
+    time.sleep(1.5)
+    detail = admin(url, "a")
+    assert detail["state"] == "unhealthy" and detail["hold"] == "admin_drain", detail
+    assert post_admin(url, "a", "undrain").status_code == 200
+    wait_state(url, "a", "warm", timeout=10)
