@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from gateway.api import admin, ops
 from gateway.api import openai as openai_api
 from gateway.api.errors import SERVER_ERROR, error_response, install_error_handlers
+from gateway.batching import ArrivalForecasts, BatchDispatcher, forecast_params
 from gateway.config import ClientKey, GatewayConfig
 from gateway.fleet.backend import Fleet
 from gateway.fleet.controller import FleetController
@@ -45,6 +46,8 @@ class Gateway:
     client_keys: dict[str, ClientKey]
     admin_key: str | None
     shutting_down: bool = False
+    forecasts: ArrivalForecasts | None = None  # arrival counts and forecasts (cfg.forecast)
+    batching: BatchDispatcher | None = None  # the predictive batcher (cfg.batcher)
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -73,9 +76,28 @@ def build_gateway(cfg: GatewayConfig) -> Gateway:
     )
     pool = UpstreamPool(cfg.proxy)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
+    if cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains):
+        router.thermal = controller.gpu.choose  # thermal tiers, power caps and budgets
     gate = AdmissionGate(cfg, fleet, metrics, clock)
+    if cfg.thermal.enabled and cfg.power_domains:
+        gate.power_level = controller.gpu.power_level
     pipeline = Pipeline(cfg, fleet, router, pool, controller, metrics, gate)
     keys = {k.resolve(): k for k in cfg.auth.client_keys}
+    batching = (
+        BatchDispatcher(cfg, pipeline, router, gate, metrics, clock)
+        if cfg.batcher.enabled
+        else None
+    )
+    forecasts = None
+    if cfg.forecast.enabled or batching is not None:
+
+        def slack() -> float | None:
+            p99 = pipeline.p99_ttft(30.0)
+            return cfg.slo.ttft_s - (p99 if p99 is not None else 0.0)
+
+        forecasts = ArrivalForecasts(
+            forecast_params(cfg), metrics, batching.core if batching else None, slack
+        )
     return Gateway(
         cfg=cfg,
         fleet=fleet,
@@ -87,6 +109,8 @@ def build_gateway(cfg: GatewayConfig) -> Gateway:
         gate=gate,
         client_keys=keys,
         admin_key=cfg.auth.resolved_admin_key(),
+        forecasts=forecasts,
+        batching=batching,
     )
 
 
@@ -149,11 +173,26 @@ def create_app(cfg: GatewayConfig) -> GatewayApp:
         gw = build_gateway(cfg)
         app.state.gateway = gw
         await gw.controller.start()
+        if gw.gate.degraded is not None:
+
+            async def degraded_tick() -> None:
+                gw.gate.tick(gw.pipeline.p99_ttft(cfg.degraded.window_s))
+
+            gw.controller.add_loop("degraded_mode", cfg.degraded.tick_s, degraded_tick)
+        forecasts = gw.forecasts
+        if forecasts is not None:
+
+            async def forecast_tick() -> None:
+                forecasts.tick(float(int(gw.controller.wall())))
+
+            gw.controller.add_loop("forecast", 1.0, forecast_tick)
         try:
             yield
         finally:
             gw.shutting_down = True
             await gw.controller.stop()
+            if gw.batching is not None:
+                await gw.batching.close()
             await gw.pool.close()
 
     kwargs: dict[str, object] = dict(

@@ -1,4 +1,4 @@
-"""Command line: ``llm-gateway serve | demo | sim | check-config``."""
+"""Command line: ``llm-gateway serve | demo | sim | sim-fleet | agent | check-config``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,19 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sim_fleet(args: argparse.Namespace) -> int:
+    from gateway.sim.fleet_cli import run_fleet_from_args
+
+    return run_fleet_from_args(args)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from gateway.agent import run_agent
+
+    setup_logging("info")
+    return run_agent(args.host, args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llm-gateway",
@@ -119,11 +132,29 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sp)
     sp.set_defaults(func=cmd_check_config)
 
+    sp = sub.add_parser(
+        "agent",
+        help="serve this GPU host's NVML readings under DCGM exporter names (/metrics)",
+    )
+    sp.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    sp.add_argument("--port", type=int, default=9400, help="listen port (default 9400)")
+    sp.set_defaults(func=cmd_agent)
+
     from gateway.sim.cli import add_sim_arguments
 
     sp = sub.add_parser("sim", help="run one simulated vLLM server")
     add_sim_arguments(sp)
     sp.set_defaults(func=cmd_sim)
+
+    from gateway.sim.fleet_cli import add_fleet_arguments
+
+    sp = sub.add_parser(
+        "sim-fleet",
+        help="simulate a GPU fleet in simulated time and compare routing policies "
+        "(temperature, power, goodput)",
+    )
+    add_fleet_arguments(sp)
+    sp.set_defaults(func=cmd_sim_fleet)
     return p
 
 

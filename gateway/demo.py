@@ -28,6 +28,8 @@ llm-gateway demo: {len([b for b in cfg.backends if b.sim])} simulated vLLM backe
 c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], stream=True)]"
 
   backends: curl {base}/admin/backends     metrics: curl {base}/metrics
+  GPUs (simulated, DCGM names at each backend's /gpu/metrics): the "gpu" field of each
+  backend in /admin/backends, and gateway_gpu_temperature_celsius in /metrics
 Ctrl-C stops everything.
 """
 

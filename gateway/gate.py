@@ -2,7 +2,9 @@
 
 For each request, in order: the **entry** layer (the client key's requests/min and
 tokens/min buckets), degraded mode's refusal of long low-priority prompts, the **resource**
-layer (the model's backends saturated: shed by priority), then the **scheduler** layer (a
+layer (the model's backends saturated: shed by priority), the **power** layer (every power
+domain that could serve the model over budget: shed by priority, :meth:`_check_power`),
+then the **scheduler** layer (a
 slot among ``max_in_flight``, or a wait in the priority queue, at most
 ``max_queue_wait_s``). A refusal is a 429 in OpenAI's shape with ``retry-after``,
 ``retry-after-ms`` and, where the key has limits, OpenAI's ``x-ratelimit-*`` headers.
@@ -18,21 +20,23 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from starlette.responses import Response
 
 from gateway.api.errors import error_body, retry_after_headers
 from gateway.config import ClientKey, GatewayConfig
-from gateway.fleet.backend import BackendState, Fleet
+from gateway.fleet.backend import Backend, BackendState, Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.routing.policy import estimated_load
 from gateway.traffic.admission import (
+    QUEUE_FULL,
     DegradedMode,
     EntryVerdict,
     KeyLimiter,
     Prio,
+    Saturation,
     Scheduler,
     clamp_retry_after,
     pool_saturation,
@@ -51,6 +55,7 @@ class Ticket:
     """An admitted request's slot; :meth:`AdmissionGate.release` gives it back once."""
 
     prio: Prio
+    started: float | None = None  # monotonic seconds when the slot was taken
     released: bool = False
 
 
@@ -83,10 +88,22 @@ class AdmissionGate:
             caps = [b.max_num_seqs for b in cfg.backends]
             if caps and all(caps):
                 max_in_flight = max(1, math.ceil(sum(caps) * a.in_flight_per_seq))  # type: ignore[arg-type]
-        self.scheduler = Scheduler(max_in_flight, a.max_queued)
+        capacity = max_in_flight
+        if cfg.batcher.enabled:
+            # The batcher's buckets are the queue (gateway.batching): it bounds in-flight per
+            # backend and applies max_queued and max_queue_wait_s; no second queue here.
+            # The scheduler still measures the service rate (for its predictions) over the
+            # fleet's capacity.
+            max_in_flight = None
+        self.scheduler = Scheduler(
+            max_in_flight, a.max_queued, max_wait_s=a.max_queue_wait_s, capacity=capacity
+        )
         self.limiters: dict[str, KeyLimiter] = {}
         d = cfg.degraded
         self.degraded = DegradedMode(d.enter_after_s, d.step_s) if d.enabled else None
+        # Power layer: draw / budget of the roomiest power domain among a model's routable
+        # backends (gateway.fleet.gpu_monitor.GpuMonitor.power_level); None: no domains.
+        self.power_level: Callable[[Sequence[Backend], float], float] | None = None
 
     # ---- helpers -------------------------------------------------------------------------
     def priority(self, header: bytes | None, key: ClientKey | None) -> Prio:
@@ -198,7 +215,33 @@ class AdmissionGate:
                 verdict,
                 request_id,
             )
+        if self.power_level is not None:
+            self._check_power(model, prio, now, verdict, request_id)
         return await self._schedule(prio, verdict, request_id), verdict
+
+    def _check_power(
+        self, model: str, prio: Prio, now: float, verdict: EntryVerdict | None, request_id: str
+    ) -> None:
+        """Power layer: when every power domain that could serve ``model`` is over its
+        target (steering can no longer help), shed by priority before the facility caps
+        power: low at ``thermal.power_shed_levels[2]`` (80%) of budget, then normal, high."""
+        assert self.power_level is not None
+        routable = [
+            b for b in self.fleet.backends if b.state is BackendState.WARM and model in b.models
+        ]
+        level = self.power_level(routable, now)
+        t = self.cfg.thermal
+        if level > 0 and shed(prio, Saturation(level), t.power_shed_levels):
+            raise self._reject(
+                "power",
+                prio,
+                f"The power domains of the backends serving '{model}' draw {level:.0%} of "
+                f"their budget; {_PRIO_NAMES[prio]}-priority requests are refused until "
+                "their draw falls.",
+                2 * t.scrape_interval_s,
+                verdict,
+                request_id,
+            )
 
     def saturation(self, model: str, now: float):  # type: ignore[no-untyped-def]
         """Saturation of the routable backends of ``model`` and their total queue."""
@@ -218,15 +261,18 @@ class AdmissionGate:
         now = self.clock()
         decision = sched.offer(prio, now)
         if decision.action == "run":
-            return Ticket(prio)
+            return Ticket(prio, now)
         if decision.action == "reject":
-            full = sched.queued >= sched.max_queued
+            full = sched.queued >= sched.max_queued and decision.reason == QUEUE_FULL
             evicted = sched.evict_lowest(prio) if full else None
             if evicted is None:
                 raise self._reject(
                     "scheduler",
                     prio,
-                    f"The gateway's queue is full; {_PRIO_NAMES[prio]}-priority requests are shed.",
+                    f"The gateway's queue is full; {_PRIO_NAMES[prio]}-priority requests are shed."
+                    if decision.reason == QUEUE_FULL
+                    else f"The gateway is at capacity: {decision.reason} "
+                    f"(admission.max_queue_wait_s = {sched.max_wait_s:g} s).",
                     decision.retry_after_s,
                     verdict,
                     request_id,
@@ -266,15 +312,18 @@ class AdmissionGate:
             else:
                 sched.cancel(prio, fut)
             raise
-        self.metrics.queue_wait.labels(_PRIO_NAMES[prio]).observe(self.clock() - started)
-        return Ticket(prio)
+        granted = self.clock()
+        self.metrics.queue_wait.labels(_PRIO_NAMES[prio]).observe(granted - started)
+        return Ticket(prio, granted)
 
     def release(self, ticket: Ticket | None) -> None:
         """The request holding ``ticket`` ended: its slot goes to the next waiter."""
         if ticket is None or ticket.released:
             return
         ticket.released = True
-        waiter = self.scheduler.release(self.clock())
+        now = self.clock()
+        held = None if ticket.started is None else now - ticket.started
+        waiter = self.scheduler.release(now, held)
         if waiter is not None:
             assert isinstance(waiter, asyncio.Future)
             if waiter.done():  # gave up meanwhile: pass the slot on

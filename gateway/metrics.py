@@ -11,13 +11,14 @@ Units follow Prometheus conventions: seconds, ``_total`` counters, 0-1 ratios.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.fleet.backend import BackendState, Fleet
+from gateway.routing.thermal import ThermalTier, ThermalView
 
 # Latency buckets (seconds) spanning sub-millisecond proxy overhead to long generations.
 LATENCY_BUCKETS = (
@@ -107,6 +108,74 @@ class FleetCollector(Collector):
             [], m.warm_pool_hits / m.warm_pool_requests if m.warm_pool_requests else 1.0
         )
         yield from (state, in_flight, waiting, running, kv, age, breaker, ratio)
+
+
+class ThermalCollector(Collector):
+    """GPU temperature, power, thermal tier and power-domain gauges, read at scrape time
+    from the GPU telemetry loop's latest :class:`~gateway.routing.thermal.ThermalView`.
+    A backend without GPU telemetry configured is left out; one whose telemetry is missing
+    or stale has tier ``unknown`` and no temperature/power sample."""
+
+    def __init__(self, view: Callable[[], ThermalView], clock: Callable[[], float]) -> None:
+        self._view = view
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        temp = GaugeMetricFamily(
+            "gateway_gpu_temperature_celsius",
+            "Hottest GPU of the backend (DCGM_FI_DEV_GPU_TEMP), degrees Celsius",
+            labels=["backend"],
+        )
+        predicted = GaugeMetricFamily(
+            "gateway_gpu_predicted_temperature_celsius",
+            "Hottest GPU's temperature predicted thermal.predict_ahead_s ahead (trend)",
+            labels=["backend"],
+        )
+        power = GaugeMetricFamily(
+            "gateway_gpu_power_watts",
+            "Summed GPU power draw of the backend (DCGM_FI_DEV_POWER_USAGE), watts",
+            labels=["backend"],
+        )
+        power_ratio = GaugeMetricFamily(
+            "gateway_gpu_power_limit_ratio",
+            "Summed GPU power draw over summed power limit (0-1)",
+            labels=["backend"],
+        )
+        tier = GaugeMetricFamily(
+            "gateway_thermal_tier",
+            "1 for the backend's current thermal tier (cool/warm/hot/unknown)",
+            labels=["backend", "tier"],
+        )
+        domain_w = GaugeMetricFamily(
+            "gateway_power_domain_watts",
+            "Summed GPU draw of the backends in the power domain that report, watts",
+            labels=["domain"],
+        )
+        domain_budget = GaugeMetricFamily(
+            "gateway_power_domain_budget_watts",
+            "Power budget of the domain, watts",
+            labels=["domain"],
+        )
+        view = self._view()
+        now = self._clock()
+        for bid in view.statuses:
+            st = view.status(bid, now)
+            if not st.monitored:
+                continue
+            for t in ThermalTier:
+                tier.add_metric([bid, t.value], 1.0 if st.tier is t else 0.0)
+            if st.temp_c is not None:
+                temp.add_metric([bid], st.temp_c)
+            if st.predicted_c is not None:
+                predicted.add_metric([bid], st.predicted_c)
+            if st.power_w is not None:
+                power.add_metric([bid], st.power_w)
+            if st.power_ratio is not None:
+                power_ratio.add_metric([bid], st.power_ratio)
+        for d in view.domains.values():
+            domain_w.add_metric([d.name], d.draw_w)
+            domain_budget.add_metric([d.name], d.budget_w)
+        yield from (temp, predicted, power, power_ratio, tier, domain_w, domain_budget)
 
 
 class GatewayMetrics:
@@ -259,7 +328,7 @@ class GatewayMetrics:
         )
         self.admission_rejections = Counter(
             "gateway_admission_rejections",
-            "Requests refused by admission control, by layer (entry/scheduler/resource/"
+            "Requests refused by admission control, by layer (entry/scheduler/resource/power/"
             "degraded) and priority",
             ["layer", "priority"],
             registry=r,
@@ -276,6 +345,87 @@ class GatewayMetrics:
             "Degraded mode level (0 = off)",
             registry=r,
         )
+        # ---- predictive batcher and arrival forecast (gateway.batching) ----
+        self.batch_size = Histogram(
+            "gateway_batch_size",
+            "Requests per batch dispatched by the batcher, by priority bucket",
+            ["bucket"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.batch_wait = Histogram(
+            "gateway_batch_wait_seconds",
+            "Time a request waited in its batcher bucket before dispatch",
+            ["bucket"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, *LATENCY_BUCKETS[5:]),
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "gateway_queue_depth",
+            "Requests waiting in the batcher, by priority bucket",
+            ["bucket"],
+            registry=r,
+        )
+        self.batch_dispatches = Counter(
+            "gateway_batch_dispatches",
+            "Batches dispatched, by bucket and reason (full, timeout, forecast, priority)",
+            ["bucket", "reason"],
+            registry=r,
+        )
+        self.merged_requests = Counter(
+            "gateway_merged_requests",
+            "Client requests answered through a merged upstream request, by endpoint and "
+            "outcome (ok, or unmerged: the merge failed and each was retried alone)",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.forecast_rps = Gauge(
+            "gateway_forecast_rps",
+            "Forecast mean arrival rate over the next horizon (requests/s), by model",
+            ["model"],
+            registry=r,
+        )
+        self.forecast_interval = Gauge(
+            "gateway_forecast_interval_rps",
+            "Bounds of the forecast's 95% prediction interval (requests/s)",
+            ["model", "bound"],
+            registry=r,
+        )
+        self.forecast_error = Gauge(
+            "gateway_forecast_error",
+            "Last full horizon's actual mean rate minus the rate forecast for it (requests/s)",
+            ["model"],
+            registry=r,
+        )
+        self.gpu_scrape_errors = Counter(
+            "gateway_gpu_telemetry_scrape_errors",
+            "Failed scrapes of a backend's gpu_metrics_url",
+            ["backend"],
+            registry=r,
+        )
+        self.gpu_telemetry_unknown = Counter(
+            "gateway_gpu_telemetry_unknown",
+            "Times a backend's thermal tier became unknown (GPU telemetry missing or stale)",
+            ["backend"],
+            registry=r,
+        )
+        self.gpu_errors = Counter(
+            "gateway_gpu_errors",
+            "New GPU errors seen in telemetry, by kind (xid, ecc_dbe)",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.thermal_cooldowns = Counter(
+            "gateway_thermal_cooldowns",
+            "Cooldowns started because the backend's GPU was hot",
+            ["backend"],
+            registry=r,
+        )
+        self.thermal_all_hot = Counter(
+            "gateway_thermal_all_hot",
+            "Requests routed to a hot backend because every candidate was hot",
+            registry=r,
+        )
         # warm pool hit ratio = hits / requests, computed at scrape time
         self.warm_pool_requests = 0
         self.warm_pool_hits = 0
@@ -285,6 +435,10 @@ class GatewayMetrics:
     def attach_fleet(self, fleet: Fleet) -> None:
         """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
         self.registry.register(FleetCollector(fleet, self))
+
+    def attach_thermal(self, view: Callable[[], ThermalView], clock: Callable[[], float]) -> None:
+        """Export the GPU and power-domain gauges of the thermal view ``view()`` returns."""
+        self.registry.register(ThermalCollector(view, clock))
 
     def observe_duration(self, endpoint: str, seconds: float) -> None:
         """Observe one request's duration (cached label child)."""

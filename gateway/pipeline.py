@@ -18,7 +18,9 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from starlette.responses import Response
@@ -61,6 +63,9 @@ class RequestContext:
     started: float = field(default_factory=time.perf_counter)
     ticket: Ticket | None = None  # the admission slot, released when the request ends
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    priority: int = 1  # admission.Prio value: the batcher's bucket
+    merge_key: Hashable | None = None  # set when the batcher may merge this request
+    merge_part: Any = None  # api.merging.Part of a mergeable request
 
 
 @dataclass(slots=True)
@@ -124,6 +129,18 @@ class Pipeline:
         )
         # (monotonic time, TTFT seconds) of recent streams: the latency fuse, degraded mode
         self.ttft_window: deque[tuple[float, float]] = deque(maxlen=4096)
+        # the predictive batcher's driver (gateway.batching.BatchDispatcher), when enabled
+        self.batching: Any = None
+
+    def p99_ttft(self, window_s: float, min_samples: int = 20) -> float | None:
+        """P99 TTFT (seconds) of the streams whose first token reached the client within
+        the last ``window_s`` seconds; None with fewer than ``min_samples`` samples.
+        Non-streaming answers have no first token of their own and are not counted."""
+        horizon = self.router_clock() - window_s
+        samples = sorted(t for at, t in self.ttft_window if at >= horizon)
+        if len(samples) < min_samples:
+            return None
+        return samples[min(len(samples) - 1, int(0.99 * len(samples)))]
 
     # ---- candidates -------------------------------------------------------------------
     def candidates(self, model: str, tried: list[str], now: float) -> list[Backend]:
@@ -169,7 +186,7 @@ class Pipeline:
             child = self._attempt_children[key] = self.metrics.upstream_attempts.labels(*key)
         child.inc()  # type: ignore[attr-defined]
 
-    async def open(self, ctx: RequestContext) -> Opened | Response:
+    async def open(self, ctx: RequestContext, bound: Backend | None = None) -> Opened | Response:
         """Find a backend whose answer starts well; the caller then sends it to the client.
 
         Returns :class:`Opened` (the caller owns ``resp`` and the backend's in-flight
@@ -182,11 +199,18 @@ class Pipeline:
         :class:`gateway.traffic.retry.RetryPolicy` (full-jitter backoff, tenacity for the
         later ones) and must fit in the retry budget.
         """
+        if bound is None and self.batching is not None:
+            # wait in the batcher's bucket; it binds a backend with room (or answers: a
+            # merged request's share, a 429 after the queue timeout)
+            got = await self.batching.acquire(ctx)
+            if isinstance(got, Response):
+                return got
+            bound = got
         self.budget.record_request()
         tried: list[str] = []
         max_attempts = self.cfg.proxy.max_attempts
         try:
-            return await self._one(ctx, tried)
+            return await self._one(ctx, tried, bound)
         except UpstreamFailure as f:
             last = f
         except NoCandidate:
@@ -221,14 +245,20 @@ class Pipeline:
         self.metrics.retry_budget_exhausted.inc()
         return False
 
-    async def _one(self, ctx: RequestContext, tried: list[str]) -> Opened:
+    async def _one(
+        self, ctx: RequestContext, tried: list[str], bound: Backend | None = None
+    ) -> Opened:
         """Pick a backend this request has not tried and run one attempt on it.
 
         Raises :class:`NoCandidate` when none is left, :class:`UpstreamFailure` when the
         attempt fails (already recorded in the breaker, metrics and backend state).
         """
         now = self.router_clock()
-        backend = self.router.pick(self.candidates(ctx.model, tried, now), ctx.session_key)
+        backend = (
+            bound
+            if bound is not None  # bound by the batcher at dispatch
+            else self.router.pick(self.candidates(ctx.model, tried, now), ctx.session_key)
+        )
         if backend is None:
             raise NoCandidate
         tried.append(backend.id)
@@ -262,11 +292,12 @@ class Pipeline:
             breaker.on_neutral()
             raise
 
-    @staticmethod
-    def _release(backend: Backend, ctx: RequestContext) -> None:
-        """Give back the backend slot this request held."""
+    def _release(self, backend: Backend, ctx: RequestContext) -> None:
+        """Give back the backend slot this request held (the batcher may dispatch into it)."""
         backend.in_flight -= 1
         backend.active.discard(ctx.cut)
+        if self.batching is not None:
+            self.batching.slot_freed()
 
     def _served(self, backend: Backend) -> None:
         """Count one request served by ``backend`` (10,000-request cycle trigger, warm-pool
@@ -300,7 +331,15 @@ class Pipeline:
                     return Opened(backend, resp, first, framer)
                 waiting_first_byte = False
                 body = await self._read_body(resp, timer, proxy.idle_timeout_s)
-                if status == 429 or status >= 500 or status in (401, 403):
+                # 401/403: the gateway's own key is wrong only when the probes found this
+                # backend refusing it (``config_error``); then another backend may be set
+                # up right. Otherwise it is about this request (case BUG-06): passed
+                # through unchanged, like every 4xx, and never a breaker failure.
+                if (
+                    status == 429
+                    or status >= 500
+                    or (status in (401, 403) and backend.config_error is not None)
+                ):
                     kind = (
                         "rate_limited" if status == 429 else "status" if status >= 500 else "auth"
                     )
@@ -390,7 +429,7 @@ class Pipeline:
         backend.note_error(f"{ctx.endpoint}: {f.message}")
         if f.kind == "auth":
             self.controller._config_error(backend, f.message, f.status)
-        if f.kind in ("rate_limited", "drained"):
+        if f.kind in ("rate_limited", "drained", "auth"):
             backend.breaker.on_neutral()  # busy or ours to end: not a health signal
         else:
             self._breaker_failure(backend)

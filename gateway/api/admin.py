@@ -75,13 +75,70 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
             "retry_in_s": round(b.breaker.retry_in(), 3),
         },
         "cooling_for_s": round(max(0.0, b.cooling_until - now), 3),
+        "gpu": gpu_summary(gw, b, now),
     }
+
+
+def _r(v: float | None, digits: int = 1) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def gpu_summary(gw: Gateway, b: Backend, now: float) -> dict[str, Any]:
+    """GPU telemetry of one backend as the router sees it (°C, W, MHz, seconds).
+
+    ``monitored`` False: no ``gpu_metrics_url`` configured (tier unknown by design).
+    ``tier`` ``unknown`` with ``monitored`` True: telemetry missing or stale (``error``)."""
+    if b.thermal is None:
+        return {"monitored": False, "tier": "unknown", "power_domain": b.config.power_domain}
+    st = gw.controller.gpu.view.status(b.id, now)
+    last = b.thermal.latest
+    return {
+        "monitored": True,
+        "tier": st.tier.value,
+        "temperature_c": _r(st.temp_c),
+        "predicted_temperature_c": _r(st.predicted_c),
+        "slope_c_per_s": _r(st.slope_c_per_s, 4),
+        "power_w": _r(st.power_w),
+        "power_limit_ratio": _r(st.power_ratio, 3),
+        "power_limit_w": _r(last.power_limit_w) if last is not None else None,
+        "sm_clock_mhz": _r(last.sm_clock_mhz, 0) if last is not None else None,
+        "gpus": last.gpus if last is not None else 0,
+        "sample_age_s": None if last is None else round(now - last.at, 3),
+        "hot_latched": b.thermal.hot_latched,
+        "power_domain": b.config.power_domain,
+        "recent_xid_errors": b.gpu_health.recent_xids(now),
+        "error": b.gpu_error,
+    }
+
+
+def power_domains_summary(gw: Gateway, now: float) -> list[dict[str, Any]]:
+    """Each power domain: summed draw of its reporting backends against budget (W)."""
+    view = gw.controller.gpu.view
+    return [
+        {
+            "name": d.name,
+            "budget_w": d.budget_w,
+            "target_w": d.target_w,
+            "draw_w": round(d.draw_w, 1),
+            "utilisation": round(d.utilisation, 3),
+            "over_target": d.over_target,
+            "members": d.members,
+            "reporting": d.reporting,
+            "age_s": round(now - view.at, 3),
+        }
+        for d in view.domains.values()
+    ]
 
 
 async def list_backends(request: Request) -> Response:
     """Every backend, in config order."""
     gw = _gateway(request)
-    return JSONResponse({"backends": [backend_summary(gw, b) for b in gw.fleet.backends]})
+    return JSONResponse(
+        {
+            "backends": [backend_summary(gw, b) for b in gw.fleet.backends],
+            "power_domains": power_domains_summary(gw, gw.controller.clock()),
+        }
+    )
 
 
 async def get_backend(backend_id: str, request: Request) -> Response:

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
+from gateway.api.merging import merge_key, part_of
 from gateway.config import ClientKey
 from gateway.fleet.backend import BackendState
 from gateway.fleet.probes import fetch_models
@@ -269,8 +270,10 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     # admission: entry (key limits), resource (saturation), scheduler (slot or queue)
     gate = gw.gate
     ticket = verdict = None
+    prio = gate.priority(prio_value, key)
+    if gw.forecasts is not None:
+        gw.forecasts.arrive(model, prio)
     if gate.enabled:
-        prio = gate.priority(prio_value, key)
         max_tokens = payload.get("max_tokens", payload.get("max_completion_tokens"))
         est = estimate_tokens(
             len(body),
@@ -316,7 +319,12 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         extra_headers=[(k.encode(), v.encode()) for k, v in ratelimit_headers(verdict).items()]
         if verdict is not None
         else [],
+        priority=prio,
     )
+    if gw.batching is not None and gw.batching.merge and not stream:
+        mkey = merge_key(endpoint, payload)
+        if mkey is not None:
+            ctx.merge_key, ctx.merge_part = mkey, part_of(endpoint, payload)
     try:
         opened = await gw.pipeline.open(ctx)
     except GatewayError as e:

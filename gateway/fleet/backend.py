@@ -104,6 +104,10 @@ class Backend:
     busy_since: float = 0.0  # monotonic: when in-flight last went from 0 to 1
     last_answer_at: float = 0.0  # monotonic: the last answer (or first event) it gave
     stall_probe: Any = None  # the running stall probe task, if any
+    # GPU telemetry (set by the controller when ``gpu_metrics_url`` is configured):
+    thermal: Any = None  # routing.thermal.ThermalTracker
+    gpu_health: Any = None  # fleet.gpu_health.GpuHealth (Xid / ECC breaker)
+    gpu_error: str | None = None  # last GPU telemetry scrape error (None: last one worked)
 
     @property
     def id(self) -> str:

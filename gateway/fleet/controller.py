@@ -28,6 +28,7 @@ from gateway.config import ConfigError, GatewayConfig
 from gateway.fleet import lifecycle
 from gateway.fleet.backend import Backend, BackendState, Fleet
 from gateway.fleet.calibration import collect_answers, compare
+from gateway.fleet.gpu_monitor import GpuMonitor
 from gateway.fleet.lifecycle import CycleKind
 from gateway.fleet.probes import app_probe, fetch_models, probe_health, warm_up
 from gateway.fleet.telemetry import scrape_load
@@ -88,6 +89,7 @@ class FleetController:
         now = clock()
         for b in fleet:
             b.first_seen = now
+        self.gpu = GpuMonitor(self)  # GPU telemetry, thermal cooldowns, Xid/ECC breaker
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -125,12 +127,14 @@ class FleetController:
         finally:
             self._starting = False
         t = self.cfg.telemetry
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self._loop("probe", h.interval_s, self.probe_round)),
             asyncio.create_task(self._loop("scrape", t.scrape_interval_s, self.scrape_round)),
             asyncio.create_task(self._loop("models", t.models_refresh_s, self.models_round)),
             asyncio.create_task(self._loop("lifecycle", lc.check_interval_s, self.lifecycle_round)),
         ]
+        if self.gpu.monitored:
+            self.add_loop("gpu_telemetry", self.cfg.thermal.scrape_interval_s, self.gpu.round)
 
     async def stop(self) -> None:
         tasks = self._tasks + list(self._warming.values()) + list(self._maintenance.values())
@@ -143,6 +147,14 @@ class FleetController:
             if client is not None:
                 await client.aclose()
         self._client = self._work_client = None
+
+    def add_loop(
+        self, name: str, interval_s: float, body: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Run ``body`` every ``interval_s`` seconds until :meth:`stop`, as a control loop:
+        it survives its own exceptions (logged, counted in ``gateway_loop_errors_total``)
+        and exports its last success time. Call it from inside the running event loop."""
+        self._tasks.append(asyncio.create_task(self._loop(name, interval_s, body)))
 
     @property
     def work_client(self) -> httpx.AsyncClient:
@@ -521,9 +533,19 @@ class FleetController:
             return True
         return held
 
-    async def medium_cycle(self, backend: Backend, reason: str, min_rest_s: float = 0.0) -> None:
+    async def medium_cycle(
+        self,
+        backend: Backend,
+        reason: str,
+        min_rest_s: float = 0.0,
+        rest_done: Callable[[float], bool] | None = None,
+    ) -> None:
         """Drain -> reset prefix cache -> rest (probes only; optional vLLM sleep) ->
-        calibration -> slow-start return."""
+        calibration -> slow-start return.
+
+        The rest lasts ``max(medium.cooldown_s, min_rest_s)`` seconds, or, with
+        ``rest_done`` (called with the seconds rested so far), until it returns True: a
+        thermal cooldown rests until the GPU is cool (:mod:`gateway.fleet.gpu_monitor`)."""
         lc = self.cfg.lifecycle
         if not await self.drain(backend, lc.drain_deadline_s, f"cooldown_{reason}"):
             return
@@ -531,11 +553,18 @@ class FleetController:
         await self._reset_prefix_cache(backend)
         rest = max(lc.medium.cooldown_s, min_rest_s)
         slept = lc.medium.sleep and await self._vllm_post(backend, "/sleep?level=1")
-        deadline = self.clock() + rest
-        while self.clock() < deadline:
+        start = self.clock()
+        deadline = start + rest
+
+        def resting() -> bool:
+            now = self.clock()
+            return now < deadline if rest_done is None else not rest_done(now - start)
+
+        while resting():
             if backend.state is not S.COOLDOWN:
                 return  # a probe failed meanwhile, or an admin undrained it
-            await asyncio.sleep(min(0.25, max(0.0, deadline - self.clock())))
+            wait = 0.25 if rest_done is not None else min(0.25, max(0.0, deadline - self.clock()))
+            await asyncio.sleep(wait)
         if slept:
             await self._vllm_post(backend, "/wake_up")
         if backend.state is not S.COOLDOWN:
@@ -561,11 +590,17 @@ class FleetController:
             self.transition(backend, S.COLD, "restarted")
 
     def request_cooldown(
-        self, backend_id: str, reason: str, min_rest_s: float = 0.0, force: bool = False
+        self,
+        backend_id: str,
+        reason: str,
+        min_rest_s: float = 0.0,
+        force: bool = False,
+        rest_done: Callable[[float], bool] | None = None,
     ) -> bool:
         """Run the medium cycle on a backend now: the entry point for the admin API and for
         thermal triggers. Respects staggering (``max_unavailable``, never the last warm
-        backend of a model) unless ``force``. Returns whether the cycle started."""
+        backend of a model) unless ``force``. ``rest_done`` replaces the fixed rest (see
+        :meth:`medium_cycle`). Returns whether the cycle started."""
         backend = self.fleet.get(backend_id)
         if backend is None or self.busy(backend) or backend.state is not S.WARM:
             return False
@@ -583,7 +618,7 @@ class FleetController:
             )
         self.metrics.cycles.labels(backend.id, "medium").inc()
         self.transition(backend, S.DRAINING, f"cooldown_{reason}")  # out now: stagger counts it
-        self._run(backend, "medium", self.medium_cycle(backend, reason, min_rest_s))
+        self._run(backend, "medium", self.medium_cycle(backend, reason, min_rest_s, rest_done))
         return True
 
     def start_drain(self, backend: Backend, deadline_s: float, preempt: bool = False) -> bool:

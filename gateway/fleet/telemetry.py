@@ -10,16 +10,22 @@ Metric names (vLLM docs, "Production Metrics"): ``vllm:num_requests_waiting``,
 ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (0-1; before vLLM 0.10 named
 ``vllm:gpu_cache_usage_perc``). With several engines (data parallel) in one server, the
 counts are summed and the KV-cache usage is the highest engine's.
+
+GPU telemetry (:func:`parse_dcgm`, :func:`scrape_gpus`) reads a backend's
+``gpu_metrics_url``: NVIDIA dcgm-exporter's Prometheus text (or ``llm-gateway agent``'s,
+which serves the same names), one line per GPU with a ``gpu`` label, reduced to one
+:class:`gateway.routing.thermal.GpuSample` (hottest GPU, summed power).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import httpx
 
 from gateway.fleet.backend import Backend, LoadSample
+from gateway.routing.thermal import GpuReading, GpuSample
 
 _WAITING = "vllm:num_requests_waiting{"
 _WAITING_BARE = "vllm:num_requests_waiting "
@@ -90,3 +96,107 @@ async def scrape_load(
         raise ValueError("/metrics has no vllm: load gauges")
     waiting, running, kv = parsed
     return LoadSample(waiting, running, kv, clock(), backend.in_flight)
+
+
+# ---- GPU telemetry (DCGM exporter names) ------------------------------------------------------
+# dcgm-exporter's metric names (NVIDIA DCGM field names). Temperature in °C, power in W,
+# SM clock in MHz; XID_ERRORS is a gauge holding the last Xid code, ECC_DBE_VOL_TOTAL a
+# counter. The power limit is DCGM_FI_DEV_POWER_MGMT_LIMIT (the configured limit), falling
+# back to DCGM_FI_DEV_ENFORCED_POWER_LIMIT when only that is exported.
+DCGM_TEMP = "DCGM_FI_DEV_GPU_TEMP"
+DCGM_POWER = "DCGM_FI_DEV_POWER_USAGE"
+DCGM_POWER_LIMIT = "DCGM_FI_DEV_POWER_MGMT_LIMIT"
+DCGM_ENFORCED_LIMIT = "DCGM_FI_DEV_ENFORCED_POWER_LIMIT"
+DCGM_SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
+DCGM_XID = "DCGM_FI_DEV_XID_ERRORS"
+DCGM_ECC_DBE = "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"
+_DCGM_FIELDS = {
+    DCGM_TEMP: "temp_c",
+    DCGM_POWER: "power_w",
+    DCGM_POWER_LIMIT: "power_limit_w",
+    DCGM_ENFORCED_LIMIT: "enforced_limit_w",
+    DCGM_SM_CLOCK: "sm_clock_mhz",
+    DCGM_XID: "xid",
+    DCGM_ECC_DBE: "ecc_dbe",
+}
+
+
+def _label(line: str, name: str) -> str | None:
+    """The value of label ``name`` in an exposition line (no escapes expected in it)."""
+    key = f'{name}="'
+    i = line.find(key, 0, line.rfind("}") + 1)
+    if i < 0 or (i > 0 and line[i - 1] not in "{,"):
+        return None
+    j = line.find('"', i + len(key))
+    return None if j < 0 else line[i + len(key) : j]
+
+
+def _gpu_order(key: str) -> tuple[int, str]:
+    return (int(key), "") if key.isdigit() else (1 << 30, key)
+
+
+def parse_dcgm(text: str, gpu_indices: Sequence[int] | None = None) -> list[GpuReading]:
+    """Per-GPU readings (ordered by the ``gpu`` label) from a DCGM exporter exposition.
+
+    ``gpu_indices`` keeps only those GPUs (an exporter serves a whole node; a backend may
+    use some of its GPUs). A GPU without a ``gpu`` label counts as GPU "0". Returns an empty
+    list when no GPU reports a temperature (not a DCGM exposition, or no GPU of ours).
+    """
+    wanted = None if gpu_indices is None else {str(i) for i in gpu_indices}
+    per_gpu: dict[str, dict[str, float]] = {}
+    for line in text.split("\n"):
+        if not line.startswith("DCGM_FI_DEV_"):
+            continue
+        end = len(line)
+        for stop in "{ ":
+            k = line.find(stop)
+            if 0 <= k < end:
+                end = k
+        field = _DCGM_FIELDS.get(line[:end])
+        if field is None:
+            continue
+        value = _value(line)
+        if value is None:
+            continue
+        gpu = _label(line, "gpu") or "0"
+        if wanted is not None and gpu not in wanted:
+            continue
+        per_gpu.setdefault(gpu, {})[field] = value
+    out: list[GpuReading] = []
+    for gpu in sorted(per_gpu, key=_gpu_order):
+        f = per_gpu[gpu]
+        out.append(
+            GpuReading(
+                temp_c=f.get("temp_c"),
+                power_w=f.get("power_w"),
+                power_limit_w=f.get("power_limit_w", f.get("enforced_limit_w")),
+                sm_clock_mhz=f.get("sm_clock_mhz"),
+                xid=int(f.get("xid", 0.0)),
+                ecc_dbe=f.get("ecc_dbe"),
+            )
+        )
+    if not any(g.temp_c is not None for g in out):
+        return []
+    return out
+
+
+async def scrape_gpus(
+    client: httpx.AsyncClient,
+    url: str,
+    clock: Callable[[], float],
+    gpu_indices: Sequence[int] | None = None,
+    timeout_s: float | None = None,
+) -> GpuSample:
+    """GET a DCGM-style exposition at ``url`` and reduce it to one :class:`GpuSample`
+    stamped with ``clock()`` (monotonic seconds) when the answer arrived.
+
+    Raises ``httpx.HTTPError`` on transport errors and ``ValueError`` when the answer is not
+    200 or carries no GPU temperature.
+    """
+    r = await client.get(url, timeout=timeout_s)
+    if r.status_code != 200:
+        raise ValueError(f"GPU metrics answered {r.status_code}")
+    readings = parse_dcgm(r.text, gpu_indices)
+    if not readings:
+        raise ValueError(f"GPU metrics have no {DCGM_TEMP}")
+    return GpuSample.from_gpus(clock(), readings)

@@ -13,15 +13,20 @@ gateway's own in-flight count since that scrape::
 correction means a burst that arrives between two scrapes spreads over the fleet instead of
 landing on the backend that looked idle at the last scrape. Without a fresh sample (none, or
 older than the stale limit) only the gateway's in-flight count is used. Ties are broken
-round-robin so an idle fleet shares load evenly. The failure term steers traffic away from
-a backend that just failed, during the moments before its breaker opens or its probes
-fail (a request that meets a dead backend is retried elsewhere, but only once).
+round-robin so an idle fleet shares load evenly. The failure term (off by default) steers
+traffic away from a backend that just failed, before its breaker opens or its probes fail;
+with it off, a failing backend keeps its share until ``breaker.consecutive_failures`` in a
+row open its breaker (each such request is retried elsewhere, within the retry budget).
 
 Slow start: a backend that just became warm (``warm_since``) takes a share of traffic that
 ramps linearly over ``slow_start_s`` (:func:`gateway.fleet.lifecycle.slow_start_weight`):
 when it wins the pick, it keeps the request only with probability equal to its weight,
 otherwise the best other candidate takes it. Its share is thus its weight times what it
 would get at full weight.
+
+Thermal and power awareness (optional ``thermal`` hook, :mod:`gateway.routing.thermal`):
+hot backends are dropped from the candidates and warm, stale-telemetry, power-capped or
+over-budget-domain backends get a score penalty, plus a term for predicted temperature.
 
 Session affinity (header ``x-session-id`` by default) pins a session to the backend that
 served its first request, for prefix-cache reuse; when that backend stops being a candidate
@@ -32,12 +37,13 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from gateway.config import RoutingWeights
 from gateway.fleet.backend import LoadSample
 from gateway.fleet.lifecycle import slow_start_weight
+from gateway.routing.thermal import ThermalChoice
 
 DEFAULT_CAPACITY = 256  # vLLM's default --max-num-seqs
 _EPS = 1e-9
@@ -92,6 +98,12 @@ def score(c: Candidate, w: RoutingWeights, now: float, stale_after_s: float) -> 
 C = TypeVar("C", bound=Candidate)
 
 
+class ThermalHook(Protocol):
+    """``(candidates, now) -> ThermalChoice``: see :func:`gateway.routing.thermal.choose`."""
+
+    def __call__(self, candidates: Sequence[C], now: float) -> ThermalChoice[C]: ...
+
+
 class AffinityTable:
     """Session key -> backend id, bounded (LRU) and with a time to live.
 
@@ -137,8 +149,10 @@ class Router:
         slow_start_s: float = 0.0,
         slow_start_min_weight: float = 0.1,
         rng: random.Random | None = None,
+        thermal: ThermalHook | None = None,
     ) -> None:
         self.weights = weights
+        self.thermal = thermal
         self.stale_after_s = stale_after_s
         self.affinity = affinity
         self.slow_start_s = slow_start_s
@@ -151,13 +165,35 @@ class Router:
         """Slow-start share multiplier of ``c`` now (1 when past the ramp)."""
         return slow_start_weight(c.warm_since, now, self.slow_start_s, self.slow_start_min_weight)
 
-    def pick(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
+    def pick(
+        self,
+        candidates: Sequence[C],
+        session_key: str | None = None,
+        penalties: Mapping[str, float] | None = None,
+    ) -> C | None:
         """The backend for the next request, or None when ``candidates`` is empty.
 
         ``candidates`` are already filtered (routable, serving the model, not yet tried by
         this request). With ``session_key``, a pinned backend still among the candidates
-        wins; otherwise the best one is chosen and pinned.
+        wins; otherwise the best one is chosen and pinned. ``penalties`` (backend id ->
+        score) are added to the load scores.
+
+        With a ``thermal`` hook (:func:`gateway.routing.thermal.choose` over the fleet's
+        current view), hot candidates are dropped first and its penalties added (a session
+        pinned to a warm backend stays there, for its prefix cache; never on a hot one).
         """
+        if self.thermal is not None and candidates:
+            choice = self.thermal(candidates, self._clock())
+            candidates = choice.candidates
+            if choice.penalties:
+                penalties = (
+                    choice.penalties
+                    if not penalties
+                    else {
+                        k: choice.penalties.get(k, 0.0) + penalties.get(k, 0.0)
+                        for k in {*choice.penalties, *penalties}
+                    }
+                )
         if not candidates:
             return None
         if session_key is not None:
@@ -168,20 +204,25 @@ class Router:
                         self.affinity.pin(session_key, c.id)  # refresh the TTL
                         return c
         now = self._clock()
-        best = self._least_loaded(candidates, now)
+        best = self._least_loaded(candidates, now, penalties)
         if len(candidates) > 1 and self.slow_start_s > 0:
             w = self.weight(best, now)
             if w < 1.0 and self._rng.random() >= w:
-                best = self._least_loaded([c for c in candidates if c is not best], now)
+                rest = [c for c in candidates if c is not best]
+                best = self._least_loaded(rest, now, penalties)
         if session_key is not None:
             self.affinity.pin(session_key, best.id)
         return best
 
-    def _least_loaded(self, candidates: Sequence[C], now: float) -> C:
+    def _least_loaded(
+        self, candidates: Sequence[C], now: float, penalties: Mapping[str, float] | None = None
+    ) -> C:
         if len(candidates) == 1:
             return candidates[0]
         w, stale = self.weights, self.stale_after_s
         scores = [score(c, w, now, stale) for c in candidates]
+        if penalties:
+            scores = [s + penalties.get(c.id, 0.0) for c, s in zip(candidates, scores, strict=True)]
         low = min(scores)
         ties = [c for c, s in zip(candidates, scores, strict=True) if s - low <= _EPS]
         self._rr += 1

@@ -19,6 +19,7 @@ import signal
 from gateway.sim.config import LoraAdapter, SimConfig
 from gateway.sim.engine import EngineParams
 from gateway.sim.faults import FaultConfig
+from gateway.sim.gpu import GpuConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,22 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="cut streams after N SSE events (non-stream: no answer)",
     )
     g.add_argument("--unhealthy", action="store_true", help="GET /health answers 503")
+    g.add_argument("--gpu", choices=["h100", "a100"], default="h100", help="simulated GPU model")
+    g.add_argument("--gpus", type=int, default=1, help="GPUs per server (tensor parallel)")
+    g.add_argument("--ambient", type=float, default=25.0, help="rack inlet temperature, °C")
+    g.add_argument(
+        "--r-th", type=float, default=0.075, help="GPU thermal resistance, K/W (cooling quality)"
+    )
+    g.add_argument(
+        "--cooling-failure", action="store_true", help="start with failed cooling (R_th x2.5)"
+    )
     g.add_argument("--log-level", default="info", help="uvicorn log level")
+    g.add_argument(
+        "--request-overhead",
+        type=float,
+        default=0.0,
+        help="API-server seconds per embeddings request, one at a time (default 0: off)",
+    )
 
 
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -69,6 +85,7 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         lora_adapters=loras,
         seed=args.seed,
         api_key=args.api_key,
+        request_overhead_s=args.request_overhead,
         engine=EngineParams(
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
@@ -85,6 +102,10 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
             drop_after_chunks=args.drop_after_chunks,
             unhealthy=args.unhealthy,
             seed=args.seed,
+            cooling_failure=args.cooling_failure,
+        ),
+        gpu=GpuConfig(
+            model=args.gpu, count=args.gpus, ambient_c=args.ambient, r_th_k_per_w=args.r_th
         ),
     )
 

@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.sim.engine import EngineParams
 from gateway.sim.faults import FaultConfig
+from gateway.sim.gpu import GpuConfig
 
 
 class LoraAdapter(BaseModel):
@@ -40,8 +41,16 @@ class SimConfig(BaseModel):
     seed: int = 0
     engine: EngineParams = Field(default_factory=EngineParams)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+    gpu: GpuConfig = Field(default_factory=GpuConfig, description="GPUs behind /gpu/metrics")
     api_key: str | None = None
     embedding_dim: int = Field(64, ge=1)
+    request_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="s of API-server time per /v1/embeddings request, one at a time: vLLM's "
+        "single frontend process parses, tokenizes and serialises each HTTP request (the CPU "
+        "bottleneck of small embeddings, vllm-project/vllm#11320, #22941); 0: not modelled",
+    )
     engine_label: str = Field("0", description="value of the 'engine' metric label")
     vllm_version: str = Field("0.32.0", description="reported by /version and fingerprints")
     stop_length_min: int = Field(4, ge=1, description="shortest natural (EOS) length, tokens")

@@ -347,6 +347,9 @@ class Engine:
         self._client_aborts = 0
         self._steps = 0
         self._busy = 0.0
+        # Step-time multiplier set by a GPU model (>= 1 while the GPU is thermally
+        # throttled or power capped: :func:`gateway.sim.thermal.step_time_factor`).
+        self.slowdown = 1.0
 
     # ------------------------------------------------------------------ inputs
     def submit(self, request: EngineRequest, now: float) -> None:
@@ -610,7 +613,7 @@ class Engine:
             self._step_end = None
             self._step_batch = []
             return
-        duration = p.decode_time_s(len(self._running)) + prefill_s
+        duration = (p.decode_time_s(len(self._running)) + prefill_s) * self.slowdown
         self._step_start = t
         self._step_end = t + duration
         self._step_batch = list(self._running)

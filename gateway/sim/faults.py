@@ -4,7 +4,9 @@
 ``FaultInjector`` turns it into one deterministic ``FaultDecision`` per request from a
 seeded ``random.Random``, so the same config, seed and request order give the same
 faults. Faults apply to the generation routes (``/v1/chat/completions``,
-``/v1/completions``, ``/v1/embeddings``); ``unhealthy`` applies to ``GET /health``.
+``/v1/completions``, ``/v1/embeddings``); ``unhealthy`` applies to ``GET /health``; the GPU
+faults (``cooling_failure``, ``xid_errors``, ``ecc_dbe_errors``) to the simulated GPUs behind
+``GET /gpu/metrics`` (:mod:`gateway.sim.gpu`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ class FaultConfig(BaseModel):
     )
     unhealthy: bool = Field(False, description="GET /health answers 503")
     seed: int = Field(0, description="seed of the fault dice")
+    # GPU faults (``/gpu/metrics``, :mod:`gateway.sim.gpu`): state, not dice.
+    cooling_failure: bool = Field(
+        False, description="GPU cooling failed: thermal resistance x cooling_failure_factor"
+    )
+    cooling_failure_factor: float = Field(
+        2.5, gt=0, description="R_th multiplier during a cooling failure (fan / CRAC failure)"
+    )
+    xid_errors: int = Field(
+        0, ge=0, description="Xid errors the GPU has reported; raise it to inject new ones"
+    )
+    xid_code: int = Field(79, ge=1, description="code of injected Xid errors (79: off the bus)")
+    ecc_dbe_errors: int = Field(
+        0, ge=0, description="volatile double-bit ECC errors; raise it to inject new ones"
+    )
+    fault_gpu: int = Field(0, ge=0, description="which GPU (index) the GPU faults hit")
 
     @field_validator("error_status")
     @classmethod

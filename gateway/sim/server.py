@@ -2,8 +2,9 @@
 
 Routes, bodies, headers and errors follow a real vLLM 0.32.0 (see ``protocol.py``);
 generation is paced by the pure ``Engine`` driven in real time by ``EngineRunner``.
-Beyond vLLM's API it serves ``/sim/faults`` (read, replace, patch the ``FaultConfig``)
-and ``/sim/stats`` (what this backend received), for tests and the demo.
+Beyond vLLM's API it serves ``/sim/faults`` (read, replace, patch the ``FaultConfig``),
+``/sim/stats`` (what this backend received), for tests and the demo, and ``/gpu/metrics``:
+its simulated GPUs (:mod:`gateway.sim.gpu`) under dcgm-exporter's metric names.
 
 Differences from vLLM, on purpose: ``/v1/embeddings`` is served next to generation
 (vLLM serves it only for pooling models); dev-mode routes (``/reset_prefix_cache``,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import math
 import struct
 from collections.abc import AsyncIterator
@@ -44,6 +46,7 @@ from gateway.sim.config import LoraAdapter, SimConfig
 from gateway.sim.embeddings import embedding_vector, parse_embedding
 from gateway.sim.engine import EngineEvent, EngineRequest
 from gateway.sim.faults import FaultConfig, FaultDecision, FaultInjector
+from gateway.sim.gpu import GpuTicker, SimGpus, render_dcgm
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.runtime import EngineRunner
 from gateway.sim.state import SimState
@@ -98,6 +101,9 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         fingerprint=f"vllm-{cfg.vllm_version}-{fp}",
     )
     holder["state"] = state
+    state.gpus = GpuTicker(
+        SimGpus(cfg.gpu, runner.engine, seed=cfg.seed), lambda: state.faults.config, runner.now
+    )
     lora_names = {a.name for a in cfg.lora_adapters}
     served = cfg.served_ids
 
@@ -105,10 +111,12 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.closing = asyncio.Event()
         await runner.start()
+        await state.gpus.start()
         try:
             yield
         finally:
             state.closing.set()
+            await state.gpus.stop()
             await runner.stop()
 
     app = SimFastAPI(
@@ -119,6 +127,13 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         openapi_url=None,
     )
     app.state.sim = state
+
+    async def not_unicode(request: Request, exc: Exception) -> Response:
+        # a lone UTF-16 surrogate ("\ud800") in the JSON text cannot be tokenized
+        reason = getattr(exc, "reason", str(exc))
+        return error_response(P.bad_request(f"The input is not valid Unicode text: {reason}."))
+
+    app.add_exception_handler(UnicodeEncodeError, not_unicode)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=["*"],
@@ -129,6 +144,8 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     app.add_middleware(SimMiddleware, state=state)
 
     # ------------------------------------------------------------------ helpers
+    frontend = asyncio.Lock()  # the modelled API-server frontend (request_overhead_s)
+
     def record(request: Request, body: Any) -> None:
         state.recent.append(
             {
@@ -297,6 +314,9 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         except P.SimHTTPError as err:
             return error_response(err)
         n_tokens = sum(len(t) for t in inputs)
+        if cfg.request_overhead_s:
+            async with frontend:  # one request at a time through the modelled frontend
+                await asyncio.sleep(cfg.request_overhead_s)
         await asyncio.sleep(params.prefill_time_s(n_tokens))
         data = []
         for i, toks in enumerate(inputs):
@@ -362,6 +382,12 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/gpu/metrics")
+    async def gpu_metrics() -> Response:
+        """dcgm-exporter's metrics of the simulated GPUs (:mod:`gateway.sim.gpu`)."""
+        state.gpus.tick()
+        return Response(render_dcgm(state.gpus.gpus), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------ tokenizer routes
     @app.post("/tokenize")
@@ -465,13 +491,18 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
             return error_response(P.error(400, str(exc), "BadRequestError"))
         return json_response(new.model_dump())
 
+    def stats_response() -> Response:
+        # ASCII JSON: recorded bodies may hold lone surrogates ("\ud800"), which have no
+        # UTF-8 form but a JSON escape
+        return Response(json.dumps(state.snapshot()), media_type="application/json")
+
     @app.get("/sim/stats")
     async def get_stats() -> Response:
-        return json_response(state.snapshot())
+        return stats_response()
 
     @app.delete("/sim/stats")
     async def reset_stats() -> Response:
         state.reset_stats()
-        return json_response(state.snapshot())
+        return stats_response()
 
     return app

@@ -36,6 +36,7 @@ class SimState:
     dropped_connections: int = 0
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_MAX))
     ids: itertools.count[int] = field(default_factory=itertools.count)
+    gpus: Any = None  # gateway.sim.gpu.GpuTicker, set by create_sim_app
 
     @property
     def open_requests(self) -> int:

@@ -73,12 +73,14 @@ async def stream_events(
         u["completion_tokens_details"] = None
         return _with_usage(chunk, u)
 
-    if chat:
-        for ch in choices.values():
-            yield cont(P.chat_role_chunk(rid, created, model, ch.index))
     left = len(choices)
+    first = chat  # vLLM sends the role chunks with the first engine output (first token)
     while left:
         ev = await queue.get()
+        if first:
+            first = False
+            for c in choices.values():
+                yield cont(P.chat_role_chunk(rid, created, model, c.index))
         ch = choices[ev.request_id]
         text = ""
         if ev.new_token:

@@ -183,6 +183,7 @@ class SchedulerVerdict:
 # queue), then normal (at 80%), high only when it is full (and then a low or normal
 # waiter gives its place to it).
 QUEUE_SHARE = (1.0, 0.8, 0.5)
+QUEUE_FULL = "the gateway's queue is full"
 
 
 class Scheduler:
@@ -197,14 +198,29 @@ class Scheduler:
     """
 
     def __init__(
-        self, max_in_flight: int | None, max_queued: int, rate_window_s: float = 10.0
+        self,
+        max_in_flight: int | None,
+        max_queued: int,
+        rate_window_s: float = 10.0,
+        max_wait_s: float | None = None,
+        service_alpha: float = 0.05,
+        capacity: int | None = None,
     ) -> None:
         self.max_in_flight = max_in_flight
+        # slots the fleet has, for the service rate (default: the in-flight bound; the
+        # batcher keeps its own bound and passes the fleet's capacity here)
+        self.capacity = capacity if capacity is not None else max_in_flight
         self.max_queued = max_queued
+        self.max_wait_s = max_wait_s
         self.in_flight = 0
         self.queues: tuple[deque[object], ...] = (deque(), deque(), deque())
         self._rate_window_s = rate_window_s
         self._done: deque[float] = deque()  # finish times within the window
+        self._alpha = service_alpha
+        self.service_s: float | None = None  # EWMA of the time a request holds its slot
+        # times high and normal requests got a slot within the window: the capacity they
+        # take before a lower class is served
+        self._grants: tuple[deque[float], deque[float]] = (deque(), deque())
 
     @property
     def queued(self) -> int:
@@ -215,16 +231,69 @@ class Scheduler:
         return sum(len(self.queues[p]) for p in range(prio + 1))
 
     def offer(self, prio: Prio, now: float) -> SchedulerVerdict:
+        """``run`` when a slot is free and nobody waits; ``queue`` when it may wait;
+        ``reject`` when its predicted wait (:meth:`predicted_wait`) exceeds ``max_wait_s``
+        (an honest 429 now rather than a timeout later) or its class's share of the queue
+        is full. A rejection's ``retry_after_s`` is the predicted time until a retry of the
+        same priority would be let in (not until it would be served): the predicted wait
+        over the bound, or the time for the queue to drain below this class's share."""
         if self.max_in_flight is None or (self.in_flight < self.max_in_flight and self.queued == 0):
             self.in_flight += 1
+            self._granted(prio, now)
             return SchedulerVerdict("run")
-        if self.queued >= self.max_queued * QUEUE_SHARE[prio]:
+        if self.max_wait_s is not None and self.service_rate(now) > 0:
+            predicted = self.predicted_wait(prio, now)
+            if predicted > self.max_wait_s:
+                return SchedulerVerdict(
+                    "reject",
+                    clamp_retry_after(predicted - self.max_wait_s),
+                    f"the predicted wait ({predicted:.1f} s) exceeds the queue-wait bound",
+                )
+        limit = self.max_queued * QUEUE_SHARE[prio]
+        if self.queued >= limit:
             # Over this class's share: rejected (when the whole queue is full, a more
             # urgent request may still take the place of a lower waiter: evict_lowest).
             return SchedulerVerdict(
-                "reject", self.retry_after(prio, now), "the gateway's queue is full"
+                "reject", self._until_room(prio, self.queued - limit + 1, now), QUEUE_FULL
             )
         return SchedulerVerdict("queue")
+
+    def _until_room(self, prio: Prio, excess: float, now: float) -> float:
+        """Seconds (bounded to [1, 60]) until ``excess`` more waiters have been served at
+        the capacity the more urgent classes leave to ``prio``."""
+        left = self.service_rate(now) - self.rate_above(prio, now)
+        return clamp_retry_after(excess / left if left > 0 else math.inf)
+
+    def _granted(self, prio: Prio, now: float) -> None:
+        if prio < Prio.LOW:
+            q = self._grants[prio]
+            q.append(now)
+            horizon = now - self._rate_window_s
+            while q and q[0] < horizon:
+                q.popleft()
+
+    def rate_above(self, prio: Prio, now: float) -> float:
+        """Slots per second taken by the classes served before ``prio`` (over the last
+        ``rate_window_s``)."""
+        horizon = now - self._rate_window_s
+        total = 0
+        for p in range(prio):
+            q = self._grants[p]
+            while q and q[0] < horizon:
+                q.popleft()
+            total += len(q)
+        return total / self._rate_window_s
+
+    def predicted_wait(self, prio: Prio, now: float) -> float:
+        """Seconds until a new request of ``prio`` would get a slot (unclamped; ``inf`` when
+        it would never): the waiters served before it, plus itself, over the capacity left
+        by the more urgent classes, ``(ahead + 1) / (mu - lambda_higher)`` with
+        ``lambda_higher`` the rate at which they took slots lately (the priority-queue form
+        of Little's law; Kleinrock, *Queueing Systems* vol. 2, 3.7)."""
+        left = self.service_rate(now) - self.rate_above(prio, now)
+        if left <= 0:
+            return math.inf
+        return (self.queued_ahead(prio) + 1) / left
 
     def enqueue(self, prio: Prio, waiter: object) -> None:
         self.queues[prio].append(waiter)
@@ -245,29 +314,43 @@ class Scheduler:
             pass
 
     def service_rate(self, now: float) -> float:
-        """Requests finished per second over the last ``rate_window_s``."""
+        """Requests per second the slots can finish when busy: ``capacity`` (default
+        ``max_in_flight``) over the mean time a request holds its slot (an EWMA, so idle
+        periods do not make the fleet look slow); before any request has ended, or without
+        a capacity, the requests that finished per second over the last ``rate_window_s``."""
+        if self.capacity is not None and self.service_s:
+            return self.capacity / self.service_s
         horizon = now - self._rate_window_s
         done = self._done
         while done and done[0] < horizon:
             done.popleft()
         return len(done) / self._rate_window_s
 
-    def release(self, now: float) -> object | None:
-        """One request finished: count it for the service rate and hand its slot to the next
-        waiter (returned, already counted as running), if any."""
+    def release(self, now: float, held_s: float | None = None) -> object | None:
+        """One request finished after holding its slot ``held_s`` seconds: count it for the
+        service rate and hand its slot to the next waiter (returned, already counted as
+        running), if any."""
+        if held_s is not None and held_s >= 0:
+            a = self._alpha
+            self.service_s = held_s if self.service_s is None else (
+                (1 - a) * self.service_s + a * held_s
+            )
         self._done.append(now)
         if len(self._done) > 4096:
             self.service_rate(now)
-        for q in self.queues:
+        for p, q in enumerate(self.queues):
             if q:
+                self._granted(Prio(p), now)
                 return q.popleft()  # the slot passes on: in_flight unchanged
         self.in_flight -= 1
         return None
 
     def retry_after(self, prio: Prio, now: float) -> float:
-        """Predicted wait for a new request of ``prio``: the waiters served before it, plus
-        itself, over the service rate."""
-        return retry_after_s(self.queued_ahead(prio) + 1, self.service_rate(now))
+        """Retry-After for a refused request of ``prio``: :meth:`predicted_wait` bounded to
+        [1, 60] s (60 when nothing is finishing yet)."""
+        if self.service_rate(now) <= 0:
+            return retry_after_s(self.queued_ahead(prio) + 1, 0.0)
+        return clamp_retry_after(self.predicted_wait(prio, now))
 
 
 def retry_after_s(work_ahead: float, service_rate: float) -> float:

@@ -9,8 +9,9 @@ same backend, and only for failures that say nothing about the request itself:
   a backend that died);
 * ``status``: the backend answered 5xx;
 * ``rate_limited``: the backend answered 429 (it cools down for its ``Retry-After``);
-* ``auth``: the backend refused the gateway's own key (a misconfigured backend; another
-  one may be configured right);
+* ``auth``: the backend refused the gateway's own key, and the probes found it refusing it
+  too (``config_error``: a misconfigured backend; another one may be configured right);
+  a 401/403 from a backend whose key works elsewhere is about the request: passed through;
 * ``drained``: the backend's drain deadline ended the attempt before any answer.
 
 Not retried: ``ttfb_timeout``/``idle_timeout`` (the backend may still be generating;

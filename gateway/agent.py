@@ -1,0 +1,249 @@
+"""``llm-gateway agent``: a GPU host's sidecar serving DCGM exporter names from NVML.
+
+Where NVIDIA's dcgm-exporter is not deployed, run this beside each vLLM server and point the
+backend's ``gpu_metrics_url`` at it (``http://<host>:9400/metrics``). It reads NVML through
+pynvml (the ``nvidia-ml-py`` package) at each scrape and serves, one line per GPU with
+dcgm-exporter's labels (``gpu``, ``UUID``, ``device``, ``modelName``, ``Hostname``):
+
+================================  ==========================================  ==========
+name                              NVML source                                 unit
+================================  ==========================================  ==========
+``DCGM_FI_DEV_GPU_TEMP``          ``nvmlDeviceGetTemperature`` (GPU sensor)    °C
+``DCGM_FI_DEV_POWER_USAGE``       ``nvmlDeviceGetPowerUsage``                  W (NVML mW)
+``DCGM_FI_DEV_POWER_MGMT_LIMIT``  ``nvmlDeviceGetPowerManagementLimit``        W (NVML mW)
+``DCGM_FI_DEV_SM_CLOCK``          ``nvmlDeviceGetClockInfo`` (SM)              MHz
+``DCGM_FI_DEV_XID_ERRORS``        last Xid code from NVML's Xid events (0)     code
+``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``  ``nvmlDeviceGetTotalEccErrors`` (volatile,  count
+                                  uncorrected)
+================================  ==========================================  ==========
+
+A field a GPU does not support (ECC on consumer GPUs, for instance) is left out for that GPU.
+All are exposed as gauges (prometheus-client would append ``_total`` to a counter's name,
+and the names must be dcgm-exporter's). On a host without NVIDIA GPUs (no driver, no NVML
+library, or zero devices) :func:`run_agent` raises :class:`NoGpuError` and the command exits
+with a clear message and status 4.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pynvml
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("gateway.agent")
+
+DEFAULT_PORT = 9400  # dcgm-exporter's port
+EXIT_NO_GPU = 4
+
+_HELP = {
+    "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C).",
+    "DCGM_FI_DEV_POWER_USAGE": "Power draw (in W).",
+    "DCGM_FI_DEV_POWER_MGMT_LIMIT": "Power management limit (in W).",
+    "DCGM_FI_DEV_SM_CLOCK": "SM clock frequency (in MHz).",
+    "DCGM_FI_DEV_XID_ERRORS": "Value of the last XID error encountered.",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": "Total number of double-bit volatile ECC errors.",
+}
+_LABELS = ["gpu", "UUID", "device", "modelName", "Hostname"]
+
+
+class NoGpuError(RuntimeError):
+    """NVML is unavailable or sees no GPU on this host."""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class NvmlReader:
+    """Reads every GPU of the host through NVML; :meth:`read` is one scrape.
+
+    Xid errors arrive as NVML events; each :meth:`read` drains the pending ones and keeps
+    the last code per GPU (dcgm-exporter's ``DCGM_FI_DEV_XID_ERRORS`` semantics).
+    """
+
+    def __init__(self) -> None:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as e:
+            raise NoGpuError(f"NVML is not available ({e}; no NVIDIA driver on this host?)") from e
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as e:
+            pynvml.nvmlShutdown()
+            raise NoGpuError(f"NVML cannot count GPUs ({e})") from e
+        if count == 0:
+            pynvml.nvmlShutdown()
+            raise NoGpuError("NVML sees no NVIDIA GPU on this host")
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        self.uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in self.handles]
+        self.names = [_text(pynvml.nvmlDeviceGetName(h)) for h in self.handles]
+        self.last_xid = [0] * count
+        self._lock = threading.Lock()
+        self._events: Any = None
+        try:
+            self._events = pynvml.nvmlEventSetCreate()
+            for h in self.handles:
+                pynvml.nvmlDeviceRegisterEvents(
+                    h, pynvml.nvmlEventTypeXidCriticalError, self._events
+                )
+        except pynvml.NVMLError as e:
+            log.warning("Xid events unavailable (%s): DCGM_FI_DEV_XID_ERRORS stays 0", e)
+            self._free_events()
+
+    def _free_events(self) -> None:
+        if self._events is not None:
+            try:
+                pynvml.nvmlEventSetFree(self._events)
+            except pynvml.NVMLError:
+                pass
+            self._events = None
+
+    def close(self) -> None:
+        self._free_events()
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+    def _drain_xids(self) -> None:
+        if self._events is None:
+            return
+        for _ in range(1000):  # bounded: never spin if the driver keeps answering
+            try:
+                data = pynvml.nvmlEventSetWait_v2(self._events, 0)
+            except pynvml.NVMLError_Timeout:
+                return
+            except pynvml.NVMLError as e:
+                log.warning("reading Xid events failed: %s", e)
+                return
+            try:
+                index = pynvml.nvmlDeviceGetIndex(data.device)
+            except pynvml.NVMLError:
+                continue
+            if 0 <= index < len(self.last_xid):
+                self.last_xid[index] = int(data.eventData)
+                log.warning("GPU %d: Xid %d", index, data.eventData)
+
+    @staticmethod
+    def _field(fn: Callable[[], float]) -> float | None:
+        try:
+            return float(fn())
+        except pynvml.NVMLError:  # not supported on this GPU, or a transient failure
+            return None
+
+    def read(self) -> list[dict[str, float | None]]:
+        """One reading per GPU, in index order: DCGM name -> value (None: unavailable)."""
+        with self._lock:
+            self._drain_xids()
+            out = []
+            for i, h in enumerate(self.handles):
+                f = self._field
+                power_mw = f(lambda h=h: pynvml.nvmlDeviceGetPowerUsage(h))
+                limit_mw = f(lambda h=h: pynvml.nvmlDeviceGetPowerManagementLimit(h))
+                out.append(
+                    {
+                        "DCGM_FI_DEV_GPU_TEMP": f(
+                            lambda h=h: pynvml.nvmlDeviceGetTemperature(
+                                h, pynvml.NVML_TEMPERATURE_GPU
+                            )
+                        ),
+                        "DCGM_FI_DEV_POWER_USAGE": None if power_mw is None else power_mw / 1000,
+                        "DCGM_FI_DEV_POWER_MGMT_LIMIT": (
+                            None if limit_mw is None else limit_mw / 1000
+                        ),
+                        "DCGM_FI_DEV_SM_CLOCK": f(
+                            lambda h=h: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+                        ),
+                        "DCGM_FI_DEV_XID_ERRORS": float(self.last_xid[i]),
+                        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": f(
+                            lambda h=h: pynvml.nvmlDeviceGetTotalEccErrors(
+                                h,
+                                pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                pynvml.NVML_VOLATILE_ECC,
+                            )
+                        ),
+                    }
+                )
+            return out
+
+
+class DcgmCollector(Collector):
+    """Serves :meth:`NvmlReader.read` under dcgm-exporter's names and labels."""
+
+    def __init__(self, reader: NvmlReader, hostname: str) -> None:
+        self.reader = reader
+        self.hostname = hostname
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            name: GaugeMetricFamily(name, text, labels=_LABELS) for name, text in _HELP.items()
+        }
+        for i, gpu in enumerate(self.reader.read()):
+            labels = [
+                str(i),
+                self.reader.uuids[i],
+                f"nvidia{i}",
+                self.reader.names[i],
+                self.hostname,
+            ]
+            for name, value in gpu.items():
+                if value is not None:
+                    families[name].add_metric(labels, value)
+        yield from families.values()
+
+
+def build_registry(reader: NvmlReader, hostname: str | None = None) -> CollectorRegistry:
+    """A registry holding only the DCGM families of ``reader``'s GPUs."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DcgmCollector(reader, hostname or socket.gethostname()))
+    return registry
+
+
+def start_agent(host: str, port: int) -> tuple[Any, threading.Thread, NvmlReader]:
+    """Open NVML and serve ``/metrics`` on ``host:port`` in a background thread.
+
+    Returns ``(server, thread, reader)``; stop with ``server.shutdown()`` then
+    ``reader.close()``. Raises :class:`NoGpuError` on a host without NVIDIA GPUs.
+    """
+    reader = NvmlReader()
+    try:
+        server, thread = start_http_server(port, addr=host, registry=build_registry(reader))
+    except BaseException:
+        reader.close()
+        raise
+    return server, thread, reader
+
+
+def run_agent(host: str, port: int) -> int:
+    """Serve until interrupted; the exit status (``EXIT_NO_GPU`` without GPUs)."""
+    try:
+        server, thread, reader = start_agent(host, port)
+    except NoGpuError as e:
+        print(
+            f"llm-gateway agent: {e}. It reads NVIDIA GPUs through NVML; run it on a GPU "
+            "host, or use dcgm-exporter.",
+            file=sys.stderr,
+        )
+        return EXIT_NO_GPU
+    log.info(
+        "serving DCGM metrics of %d GPU(s) on http://%s:%d/metrics",
+        len(reader.handles),
+        host,
+        server.server_address[1],
+    )
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        reader.close()
+    return 0

@@ -1,0 +1,450 @@
+"""The asyncio side of the predictive batcher and the arrival forecast.
+
+:class:`ArrivalForecasts` counts arrivals (one dict increment per request) and, once a
+second (a control loop), ticks the per-model and per-bucket Holt-Winters forecasts
+(:mod:`gateway.traffic.forecast`), exports ``gateway_forecast_*`` and hands each bucket's
+forecast and the TTFT-SLO slack to the batcher.
+
+:class:`BatchDispatcher` drives :class:`gateway.traffic.batcher.Batcher`: a request that
+passed admission waits in its bucket (:meth:`BatchDispatcher.acquire`) until a dispatch
+binds it to a backend with room; every decision is taken by the pure batcher, re-run
+(:meth:`BatchDispatcher.pump`) when a request arrives, when a backend slot frees, and on a
+timer for the earliest wait budget. With the batcher on, its buckets are the admission
+queue: the admission scheduler no longer queues (see :class:`gateway.gate.AdmissionGate`),
+and this queue applies ``admission.max_queued``, the class shares, eviction and
+``admission.max_queue_wait_s``, answering 429 with ``retry-after`` from the admission layer.
+
+A request dispatched alone gets its backend and runs through the pipeline as usual. A
+merge group (equal :func:`gateway.api.merging.merge_key`) runs here as one upstream
+request on its backend; its answer is split and each member gets its share, or, when the
+merged request fails in any way, each member is sent again alone (so one bad input cannot
+fail its neighbours).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import Response
+
+from gateway.api import merging
+from gateway.config import GatewayConfig
+from gateway.fleet.backend import Backend
+from gateway.metrics import GatewayMetrics
+from gateway.proxy.relay import CutHandle
+from gateway.proxy.upstream import UpstreamRequest
+from gateway.traffic.admission import Prio, retry_after_s
+from gateway.traffic.batcher import BUCKETS, Batcher, BucketSettings, Item, RateView
+from gateway.traffic.forecast import ArrivalCounter, ForecastBank, ForecastParams
+
+if TYPE_CHECKING:
+    from gateway.gate import AdmissionGate
+    from gateway.pipeline import Pipeline, RequestContext
+    from gateway.routing.policy import Router
+
+log = logging.getLogger("gateway.batching")
+
+_UNMERGED = object()  # a merge failed: send this member again, alone
+
+
+class _Evicted(Exception):
+    """A queued request lost its place to a more urgent one."""
+
+
+def forecast_params(cfg: GatewayConfig) -> ForecastParams:
+    f = cfg.forecast
+    return ForecastParams(
+        alpha=f.alpha,
+        beta=f.beta,
+        gamma=f.gamma,
+        phi=f.phi,
+        horizon_s=f.horizon_s,
+        season_s=f.season_s,
+        season_bins=f.season_bins,
+    )
+
+
+class ArrivalForecasts:
+    """Per-model (exported) and per-bucket (for the batcher) arrival forecasts."""
+
+    def __init__(
+        self,
+        params: ForecastParams,
+        metrics: GatewayMetrics,
+        batcher: Batcher | None = None,
+        ttft_slack: Callable[[], float | None] | None = None,
+    ) -> None:
+        self.models = ForecastBank(params)
+        self.buckets = ForecastBank(params)
+        self.metrics = metrics
+        self.batcher = batcher
+        self.ttft_slack = ttft_slack
+        self._models_now = ArrivalCounter()
+        self._buckets_now = ArrivalCounter()
+
+    def arrive(self, model: str, prio: int) -> None:
+        """Count one arriving request (hot path)."""
+        self._models_now.add(model)
+        if self.batcher is not None:
+            self._buckets_now.add(BUCKETS[prio])
+
+    def tick(self, t: float) -> None:
+        """Second ``t`` (Unix seconds, so the season follows the time of day) has ended."""
+        m = self.metrics
+        self.models.tick(t, self._models_now.take())
+        for model, hw in self.models.series.items():
+            f = hw.forecast()
+            m.forecast_rps.labels(model).set(f.rate)
+            m.forecast_interval.labels(model, "low").set(f.low)
+            m.forecast_interval.labels(model, "high").set(f.high)
+            if hw.last_error is not None:
+                m.forecast_error.labels(model).set(hw.last_error)
+        if self.batcher is None:
+            return
+        self.buckets.tick(t, self._buckets_now.take())
+        for prio, name in enumerate(BUCKETS):
+            f = self.buckets.get(name)
+            self.batcher.set_rate(prio, None if f is None else RateView(f.rate, f.low, f.high))
+        if self.ttft_slack is not None:
+            self.batcher.set_slack(self.ttft_slack())
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    ctx: RequestContext
+    fut: asyncio.Future[Any]
+    backend: Backend | None = None
+
+
+@dataclass(slots=True)
+class _Children:
+    size: Any
+    wait: Any
+    reasons: dict[str, Any] = field(default_factory=dict)
+
+
+class BatchDispatcher:
+    """One per app (built when ``batcher.enabled``). ``clock``: monotonic seconds."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        pipeline: Pipeline,
+        router: Router,
+        gate: AdmissionGate,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        b = cfg.batcher
+        self.cfg = cfg
+        self.core = Batcher(
+            [
+                BucketSettings(s.max_batch_size, s.max_wait_ms / 1000.0)
+                for s in (b.high, b.normal, b.low)
+            ],
+            cfg.admission.max_queued,
+            predictive=b.predictive,
+            slack_share=b.slack_share,
+            merge_max=b.merge_max,
+        )
+        self.merge = b.merge
+        self.pipeline = pipeline
+        self.router = router
+        self.gate = gate
+        self.metrics = metrics
+        self.clock = clock
+        self.queue_timeout_s = cfg.admission.max_queue_wait_s
+        self._per_seq = b.in_flight_per_seq
+        self._default_cap = b.default_capacity
+        self.pending: dict[str, int] = {}  # bound at dispatch, attempt not started yet
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._children = [
+            _Children(metrics.batch_size.labels(n), metrics.batch_wait.labels(n)) for n in BUCKETS
+        ]
+        for prio, name in enumerate(BUCKETS):
+            metrics.queue_depth.labels(name).set_function(
+                lambda q=self.core.queues[prio]: len(q)
+            )
+        pipeline.batching = self
+
+    # ---- the request's side ----------------------------------------------------------
+    async def acquire(self, ctx: RequestContext) -> Backend | Response | None:
+        """Wait in the request's bucket until dispatched. Returns the backend bound to it
+        (None: no backend can take the model at all, the pipeline answers that), or a final
+        answer: the request's share of a merged answer, or a 429 when the queue is full or
+        the queue timeout passed."""
+        while True:
+            got = await self._wait_once(ctx)
+            if got is _UNMERGED:
+                ctx.merge_key = None  # the merge failed: again, alone
+                continue
+            return got  # type: ignore[no-any-return]
+
+    async def _wait_once(self, ctx: RequestContext) -> Any:
+        core = self.core
+        prio = ctx.priority
+        now = self.clock()
+        if core.blocked:  # requests already wait for room: would this one wait too long?
+            wait = self._predicted_wait(prio, now)
+            if wait > self.queue_timeout_s:
+                return self._reject(
+                    ctx,
+                    f"The gateway is at capacity: the predicted wait ({wait:.1f} s) exceeds "
+                    f"admission.max_queue_wait_s ({self.queue_timeout_s:g} s).",
+                    now,
+                    max(0.0, wait - self.queue_timeout_s),  # until it would be let in
+                )
+        if not core.admits(prio):
+            evicted = core.evict_lowest(prio) if core.queued >= core.max_queued else None
+            if evicted is None:
+                return self._reject(
+                    ctx,
+                    f"The gateway's queue is full; {BUCKETS[prio]}-priority requests are shed.",
+                    now,
+                )
+            if not evicted.handle.fut.done():
+                evicted.handle.fut.set_exception(_Evicted())
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(ctx, fut)
+        item = Item(prio, ctx.model, now, ctx.merge_key, waiter)
+        core.enqueue(item)
+        self.pump()
+        if not fut.done():
+            try:
+                async with asyncio.timeout(self.queue_timeout_s):
+                    await fut
+            except TimeoutError:
+                if not _has_result(fut):
+                    core.cancel(item)
+                    return self._reject(
+                        ctx,
+                        "No capacity freed within "
+                        f"{self.queue_timeout_s:g} s (admission.max_queue_wait_s).",
+                        self.clock(),
+                    )
+            except _Evicted:
+                return self._reject(
+                    ctx,
+                    "The gateway's queue is full; this "
+                    f"{BUCKETS[prio]}-priority request gave its place to a more urgent one.",
+                    self.clock(),
+                )
+            except asyncio.CancelledError:
+                if _has_result(fut):
+                    self._give_back(fut.result())
+                else:
+                    core.cancel(item)
+                raise
+        got = fut.result()
+        if isinstance(got, Backend):
+            self._unreserve(got)  # the pipeline counts it in flight right now (no await)
+        return got
+
+    def _predicted_wait(self, prio: int, now: float) -> float:
+        """Seconds until a new request of ``prio`` would be dispatched: the requests ahead of
+        it, plus itself, over the capacity the more urgent classes leave (the admission
+        scheduler's service and arrival rates; its :meth:`predicted_wait` formula)."""
+        s = self.gate.scheduler
+        left = s.service_rate(now) - s.rate_above(Prio(prio), now)
+        if left <= 0:
+            return math.inf if s.service_rate(now) > 0 else 0.0
+        return (self.core.queued_ahead(prio) + 1) / left
+
+    def _reject(
+        self, ctx: RequestContext, message: str, now: float, wait: float | None = None
+    ) -> Response:
+        retry = (
+            wait
+            if wait is not None
+            else retry_after_s(
+                self.core.queued_ahead(ctx.priority) + 1, self.gate.scheduler.service_rate(now)
+            )
+        )
+        r = self.gate._reject(
+            "scheduler", Prio(ctx.priority), message, retry, None, ctx.request_id
+        ).response
+        r.raw_headers.extend(ctx.extra_headers)
+        return r
+
+    # ---- dispatch ------------------------------------------------------------------------
+    def slot_freed(self) -> None:
+        """A backend slot was given back (pipeline): queued requests may go now."""
+        if self.core.queued:
+            self.pump()
+
+    def pump(self) -> None:
+        """Dispatch whatever the batcher says is due, then arm the timer for the next."""
+        core = self.core
+        now = self.clock()
+        while True:
+            batches = core.dispatch(now, self._bind)
+            if not batches:
+                break
+            for batch in batches:
+                ch = self._children[batch.prio]
+                ch.size.observe(batch.size)
+                child = ch.reasons.get(batch.reason)
+                if child is None:
+                    child = ch.reasons[batch.reason] = self.metrics.batch_dispatches.labels(
+                        BUCKETS[batch.prio], batch.reason
+                    )
+                child.inc()
+                for unit in batch.units:
+                    for it in unit:
+                        ch.wait.observe(now - it.enqueued_at)
+                    backend = unit[0].handle.backend
+                    if len(unit) == 1 or backend is None:
+                        for it in unit:
+                            self._deliver(it.handle, backend)
+                    else:
+                        task = asyncio.get_running_loop().create_task(
+                            self._run_merged(unit, backend)
+                        )
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+        self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        at = self.core.next_due_at()
+        if self.core.blocked:  # a backend may become routable without any slot freeing
+            at = min(at if at is not None else math.inf, now + 0.05)
+        if at is None or at == math.inf or at >= self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, at - now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        self.pump()
+
+    def _room(self, b: Backend) -> float:
+        """Places left on ``b`` (requests; ``inf`` without a known capacity)."""
+        cap = b.capacity or self._default_cap
+        if cap is None:
+            return math.inf
+        limit = max(1, math.ceil(cap * self._per_seq))
+        return limit - b.in_flight - self.pending.get(b.id, 0)
+
+    def _bind(self, unit: list[Item]) -> int:
+        """Reserve a place on a backend with room for ``unit``: one upstream request (a
+        single request, or a merge group: one place, as the router and admission count
+        requests in flight; its k inputs are k prefill-only sequences for one engine step).
+        Returns how many requests it placed (all or none)."""
+        w: _Waiter = unit[0].handle
+        ctx = w.ctx
+        cands = self.pipeline.candidates(ctx.model, [], self.pipeline.router_clock())
+        if not cands:  # nothing can take the model at all: the pipeline answers 429/503
+            w.backend = None
+            return len(unit)
+        b = self.router.pick([c for c in cands if self._room(c) >= 1], ctx.session_key)
+        if b is None:
+            return 0
+        self.pending[b.id] = self.pending.get(b.id, 0) + 1
+        w.backend = b
+        return len(unit)
+
+    def _unreserve(self, b: Backend, n: int = 1) -> None:
+        left = self.pending.get(b.id, 0) - n
+        if left > 0:
+            self.pending[b.id] = left
+        else:
+            self.pending.pop(b.id, None)
+
+    def _give_back(self, got: Any) -> None:
+        """A dispatched request went away before using its backend."""
+        if isinstance(got, Backend):
+            self._unreserve(got)
+            asyncio.get_running_loop().call_soon(self.slot_freed)
+
+    def _deliver(self, w: _Waiter, result: Any) -> None:
+        if w.fut.done():
+            self._give_back(result)
+        else:
+            w.fut.set_result(result)
+
+    # ---- merged requests ---------------------------------------------------------------
+    async def _run_merged(self, unit: list[Item], backend: Backend) -> None:
+        """Send ``unit`` as one upstream request on ``backend`` and answer each member."""
+        live: list[_Waiter] = [it.handle for it in unit if not it.handle.fut.done()]
+        if len(live) <= 1:
+            if live:
+                self._deliver(live[0], backend)
+            else:
+                self._give_back(backend)
+            return
+        from gateway.pipeline import Opened, RequestContext  # import cycle at module level
+
+        first = live[0].ctx
+        endpoint = first.endpoint
+        parts = [w.ctx.merge_part for w in live]
+        headers = dict(first.upstream.headers)
+        headers["accept-encoding"] = "identity"  # the answer is parsed to be split
+        mctx = RequestContext(
+            endpoint=endpoint,
+            model=first.model,
+            stream=False,
+            upstream=UpstreamRequest(
+                "POST",
+                first.upstream.path,
+                headers,
+                merging.merged_body(endpoint, parts),
+                False,
+            ),
+            request_id=first.request_id,
+            cut=CutHandle(),
+            priority=first.priority,
+        )
+        answers: list[bytes] | None = None
+        self._unreserve(backend)  # the pipeline counts it in flight right now (no await)
+        try:
+            res = await self.pipeline.open(mctx, bound=backend)
+            if isinstance(res, Opened):
+                resp = self.pipeline.finish_body(mctx, res)
+                if resp.status_code == 200:
+                    answers = merging.split_answer(endpoint, bytes(resp.body), parts)
+        except merging.SplitError as e:
+            log.warning("merged %s answer could not be split (%s); retrying unmerged", endpoint, e)
+        except Exception:
+            log.exception("merged %s request failed; retrying unmerged", endpoint)
+        finally:
+            outcome = "ok" if answers is not None else "unmerged"
+            self.metrics.merged_requests.labels(endpoint, outcome).inc(len(live))
+            for i, w in enumerate(live):
+                if not w.fut.done():
+                    w.fut.set_result(
+                        _UNMERGED if answers is None else self._member(w.ctx, answers[i])
+                    )
+
+    def _member(self, ctx: RequestContext, body: bytes) -> Response:
+        r = Response(body, status_code=200)
+        r.raw_headers = [
+            (b"content-type", b"application/json"),
+            (self.cfg.server.request_id_header.encode(), ctx.request_id.encode()),
+            *ctx.extra_headers,
+            (b"content-length", str(len(body)).encode()),
+        ]
+        return r
+
+    async def close(self) -> None:
+        """Stop the timer and any merged request still running (shutdown)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _has_result(fut: asyncio.Future[Any]) -> bool:
+    return fut.done() and not fut.cancelled() and fut.exception() is None

@@ -1,0 +1,192 @@
+"""The simulated server's GPUs: configuration, a real-time tick, and DCGM-exporter metrics.
+
+:class:`SimGpus` holds one :class:`gateway.sim.thermal.GpuThermal` per GPU of the backend
+(``count`` > 1: tensor parallel, every GPU sees the same batch). :meth:`SimGpus.tick` reads
+the engine's busy time and mean batch (tokens per step) since the last tick, advances the
+thermal model to ``now``, applies the GPU faults of :class:`gateway.sim.faults.FaultConfig`
+(cooling failure, Xid, double-bit ECC) and slows the engine's steps while a GPU is
+throttled (the slowest GPU of a tensor-parallel group sets the pace).
+:func:`render_dcgm` writes the Prometheus text dcgm-exporter serves, with its metric
+names and labels (``gpu``, ``UUID``, ``device``, ``modelName``, ``Hostname``; NVIDIA
+dcgm-exporter ``etc/default-counters.csv``):
+
+* ``DCGM_FI_DEV_GPU_TEMP`` (°C, whole degrees as DCGM reports), ``DCGM_FI_DEV_POWER_USAGE``
+  (W), ``DCGM_FI_DEV_POWER_MGMT_LIMIT`` (W), ``DCGM_FI_DEV_SM_CLOCK`` (MHz) - gauges;
+* ``DCGM_FI_DEV_XID_ERRORS`` - gauge, the code of the last Xid error (0: none), as DCGM;
+* ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL`` - counter of volatile double-bit ECC errors;
+* ``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` - counter, mJ since start.
+
+:class:`GpuTicker` runs ``tick`` on the asyncio loop every ``tick_s`` (the server's lifespan
+starts and stops it). Everything but the ticker is pure: time comes in as arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.sim.engine import Engine
+from gateway.sim.faults import FaultConfig
+from gateway.sim.thermal import GPU_SPECS, Cooling, GpuThermal, step_time_factor, utilisation
+
+log = logging.getLogger(__name__)
+
+
+class GpuConfig(BaseModel):
+    """The simulated backend's GPUs and where they sit (°C, K/W, seconds)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Literal["h100", "a100"] = Field("h100", description="GPU model (datasheet constants)")
+    count: int = Field(1, ge=1, le=16, description="GPUs (tensor-parallel size)")
+    ambient_c: float = Field(25.0, ge=-20, le=60, description="rack inlet temperature, °C")
+    r_th_k_per_w: float = Field(0.075, gt=0, description="thermal resistance, K/W")
+    temp_c: float | None = Field(None, description="starting temperature (default: idle steady)")
+    thermal_mass_j_per_k: float | None = Field(
+        None, gt=0, description="override C_th, J/K (default: the GPU model's; small = fast demo)"
+    )
+    tick_s: float = Field(0.5, gt=0, le=10, description="thermal model step in real time")
+    hostname: str = Field("sim-gpu-host", description="'Hostname' label of the DCGM metrics")
+
+
+class SimGpus:
+    """The GPUs of one simulated server (see the module docstring). Not thread-safe: call
+    from the server's event loop."""
+
+    def __init__(self, cfg: GpuConfig, engine: Engine, now: float = 0.0, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        spec = GPU_SPECS[cfg.model]
+        if cfg.thermal_mass_j_per_k is not None:
+            spec = dataclasses.replace(spec, c_th_j_per_k=cfg.thermal_mass_j_per_k)
+        cooling = Cooling(cfg.ambient_c, cfg.r_th_k_per_w)
+        self.gpus = [GpuThermal(spec, cooling, now, cfg.temp_c) for _ in range(cfg.count)]
+        self.uuids = [
+            str(uuid.UUID(int=(seed * 131 + i + 1) * 0x9E3779B97F4A7C15 % 2**128))
+            for i in range(cfg.count)
+        ]
+        self._t = now
+        stats = engine.stats()
+        self._busy = stats.busy_time_s
+        self._steps = stats.steps_total
+        self._tokens = stats.generation_tokens_total
+        self._xid_seen = 0
+        self._ecc_seen = 0
+
+    def apply_faults(self, faults: FaultConfig) -> None:
+        """Bring the GPUs in line with ``faults``: cooling failure on/off, and any Xid or
+        ECC errors above those already injected (new ones count from now)."""
+        factor = faults.cooling_failure_factor if faults.cooling_failure else 1.0
+        for g in self.gpus:
+            g.set_cooling_failure(factor)
+        target = self.gpus[min(faults.fault_gpu, len(self.gpus) - 1)]
+        if faults.xid_errors > self._xid_seen:
+            target.inject_xid(faults.xid_code, faults.xid_errors - self._xid_seen)
+        self._xid_seen = faults.xid_errors
+        if faults.ecc_dbe_errors > self._ecc_seen:
+            target.inject_ecc_dbe(faults.ecc_dbe_errors - self._ecc_seen)
+        self._ecc_seen = faults.ecc_dbe_errors
+
+    def tick(self, now: float, faults: FaultConfig | None = None) -> None:
+        """Advance every GPU to ``now`` (seconds) with the utilisation the engine showed since
+        the last tick, then set the engine's step slowdown from the slowest GPU's clock."""
+        if faults is not None:
+            self.apply_faults(faults)
+        dt = now - self._t
+        stats = self.engine.stats()
+        if dt >= self.cfg.tick_s / 2:  # shorter intervals would make the busy share noisy
+            busy = min(1.0, max(0.0, (stats.busy_time_s - self._busy) / dt))
+            # Mean batch over the interval: tokens generated per engine step.
+            steps = stats.steps_total - self._steps
+            batch = (stats.generation_tokens_total - self._tokens) / steps if steps else 0.0
+            occ = batch / self.engine.params.max_num_seqs
+            self._busy = stats.busy_time_s
+            self._steps = stats.steps_total
+            self._tokens = stats.generation_tokens_total
+            self._t = now
+            for g in self.gpus:
+                g.advance(now, utilisation(busy, occ, g.spec.busy_floor))
+        slowest = min(self.gpus, key=lambda g: g.clock)
+        self.engine.slowdown = step_time_factor(slowest.clock, slowest.spec.clock_bound_share)
+
+
+_HELP: tuple[tuple[str, str, str], ...] = (
+    ("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz)."),
+    ("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C)."),
+    ("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W)."),
+    ("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Power management limit (in W)."),
+    (
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        "counter",
+        "Total energy consumption since boot (in mJ).",
+    ),
+    ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered."),
+    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "Total number of double-bit volatile ECC errors."),
+)
+
+
+def render_dcgm(gpus: SimGpus) -> str:
+    """Prometheus text exposition of ``gpus`` with dcgm-exporter's names and labels."""
+    values: dict[str, Callable[[GpuThermal], str]] = {
+        "DCGM_FI_DEV_SM_CLOCK": lambda g: f"{round(g.sm_clock_mhz)}",
+        "DCGM_FI_DEV_GPU_TEMP": lambda g: f"{round(g.temp_c)}",
+        "DCGM_FI_DEV_POWER_USAGE": lambda g: f"{g.power_w:.3f}",
+        "DCGM_FI_DEV_POWER_MGMT_LIMIT": lambda g: f"{g.power_limit_w:.1f}",
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": lambda g: f"{round(g.energy_j * 1000)}",
+        "DCGM_FI_DEV_XID_ERRORS": lambda g: f"{g.last_xid}",
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": lambda g: f"{g.ecc_dbe}",
+    }
+    lines: list[str] = []
+    host = gpus.cfg.hostname
+    for name, kind, help_text in _HELP:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for i, (g, u) in enumerate(zip(gpus.gpus, gpus.uuids, strict=True)):
+            labels = (
+                f'gpu="{i}",UUID="GPU-{u}",device="nvidia{i}",'
+                f'modelName="{g.spec.name}",Hostname="{host}"'
+            )
+            lines.append(f"{name}{{{labels}}} {values[name](g)}")
+    return "\n".join(lines) + "\n"
+
+
+class GpuTicker:
+    """Runs :meth:`SimGpus.tick` every ``cfg.tick_s`` seconds on the running loop."""
+
+    def __init__(
+        self, gpus: SimGpus, faults: Callable[[], FaultConfig], clock: Callable[[], float]
+    ) -> None:
+        self.gpus = gpus
+        self._faults = faults
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    def tick(self) -> None:
+        """One tick now (also called before serving ``/gpu/metrics``)."""
+        self.gpus.tick(self._clock(), self._faults())
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="sim-gpu-ticker")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # the GPU model must never stop the server
+                log.exception("sim: GPU tick failed")
+            await asyncio.sleep(self.gpus.cfg.tick_s)

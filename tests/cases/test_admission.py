@@ -1,0 +1,266 @@
+"""Admission control the way a client meets it: per-key limits with OpenAI's
+``x-ratelimit-*`` headers, shedding by priority under saturation, the priority queue in
+front of the in-flight bound, degraded mode. Scripted backends, the real gateway over HTTP,
+the ``openai`` SDK as the client."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.support.scripted import (
+    Conn,
+    Received,
+    completion_obj,
+    default_script,
+    models_obj,
+    wait_for,
+)
+
+BODY = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+KEY = "sk-client-1"
+
+
+def slow(seconds: float):
+    async def script(req: Received, conn: Conn) -> None:
+        if await conn.sleep(seconds):
+            await conn.send_json(200, completion_obj("ok"))
+
+    return script
+
+
+def loaded(load: dict[str, float]):
+    """Control plane reporting ``load['waiting']`` queued requests in ``/metrics``."""
+
+    async def control(req: Received, conn: Conn) -> None:
+        if req.path == "/metrics":
+            text = (
+                f'vllm:num_requests_running{{engine="0"}} 4.0\n'
+                f'vllm:num_requests_waiting{{engine="0"}} {load["waiting"]}\n'
+                f'vllm:kv_cache_usage_perc{{engine="0"}} 0.1\n'
+            )
+            await conn.send_response(200, text.encode(), content_type="text/plain")
+        elif req.path == "/v1/models":
+            await conn.send_json(200, models_obj("m1"))
+        else:
+            await default_script(req, conn)
+
+    return control
+
+
+def rejections(url: str) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for s in fam.samples:
+            if s.name == "gateway_admission_rejections_total":
+                out[(s.labels["layer"], s.labels["priority"])] = s.value
+    return out
+
+
+def assert_honest_429(r: httpx.Response) -> None:
+    assert r.status_code == 429, r.text
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    assert 1000 <= int(r.headers["retry-after-ms"]) <= 60_000
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "rate_limit_exceeded"
+
+
+# ---- entry layer ---------------------------------------------------------------------------
+
+def test_key_requests_per_minute_with_openai_ratelimit_headers(backends, gateway):
+    """A key limited to 3 requests/min: the first 3 succeed and carry
+    ``x-ratelimit-limit-requests: 3`` with the remaining count going 2, 1, 0; the 4th is a
+    429 with ``retry-after`` about 20 s (one request refills every 20 s), the same
+    headers, and the SDK raises ``RateLimitError``. Another key is not affected."""
+    a = backends()
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "rpm": 3},
+                                                 {"name": "two", "key": "sk-two", "rpm": 3}]})
+    url = gw.url + "/v1/chat/completions"
+    hdr = {"authorization": f"Bearer {KEY}"}
+    remaining = []
+    for _ in range(3):
+        r = httpx.post(url, json=BODY, headers=hdr, timeout=10)
+        assert r.status_code == 200
+        assert r.headers["x-ratelimit-limit-requests"] == "3"
+        remaining.append(r.headers["x-ratelimit-remaining-requests"])
+    assert remaining == ["2", "1", "0"]
+    r = httpx.post(url, json=BODY, headers=hdr, timeout=10)
+    assert_honest_429(r)
+    assert r.headers["retry-after"] in ("20", "21")
+    assert r.headers["x-ratelimit-remaining-requests"] == "0"
+    assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(**BODY)
+    other = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-two", max_retries=0)
+    assert other.chat.completions.create(**BODY).choices[0].message.content == "ok"
+    assert len(a.data_requests) == 4, "rejected requests never reached the backend"
+    assert rejections(gw.url)[("entry", "normal")] == 2
+
+
+def test_key_tokens_per_minute(backends, gateway):
+    """A key limited to 600 tokens/min, requests estimated at prompt/4 + max_tokens: two
+    requests of max_tokens 250 pass, the third is refused with the ``-tokens`` headers; a
+    request larger than the whole per-minute budget is refused with a clear message."""
+    a = backends()
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "tpm": 600}]})
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+    for _ in range(2):
+        raw = client.chat.completions.with_raw_response.create(**{**BODY, "max_tokens": 250})
+        assert raw.headers["x-ratelimit-limit-tokens"] == "600"
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(**{**BODY, "max_tokens": 250})
+    h = info.value.response.headers
+    assert int(h["x-ratelimit-remaining-tokens"]) < 300
+    assert "x-ratelimit-limit-requests" not in h
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(**{**BODY, "max_tokens": 5000})
+    assert "exceed" in info.value.message
+
+
+# ---- resource layer -----------------------------------------------------------------------
+
+def test_saturation_sheds_low_first_high_last(backends, gateway):
+    """The only backend reports 10 waiting requests (saturation 1.25 with waiting_full 8):
+    low priority is shed with 429 + Retry-After, normal and high pass; at 14 waiting (1.75)
+    normal is shed too; at 20 (2.5) everything is shed. Priority comes from ``x-priority``
+    or the client key's own priority."""
+    load = {"waiting": 10.0}
+    a = backends(control=loaded(load))
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "batch", "key": "sk-batch",
+                                                  "priority": "low"},
+                                                 {"name": "web", "key": KEY}]})
+    url = gw.url + "/v1/chat/completions"
+
+    def status(prio: str | None, key: str = KEY) -> int:
+        headers = {"authorization": f"Bearer {key}"}
+        if prio:
+            headers["x-priority"] = prio
+        r = httpx.post(url, json=BODY, headers=headers, timeout=10)
+        if r.status_code == 429:
+            assert_honest_429(r)
+        return r.status_code
+
+    def settle(waiting: float) -> None:
+        load["waiting"] = waiting
+        b = gw.gateway.fleet.get("a")
+        assert wait_for(lambda: b.load is not None and b.load.waiting == waiting, 5)
+
+    settle(10.0)
+    assert [status(p) for p in ("high", "normal", "low")] == [200, 200, 429]
+    assert status(None, "sk-batch") == 429, "the key's own priority is low"
+    assert status("high", "sk-batch") == 200, "the header overrides the key's priority"
+    settle(14.0)
+    assert [status(p) for p in ("high", "normal", "low")] == [200, 429, 429]
+    settle(20.0)
+    assert [status(p) for p in ("high", "normal", "low")] == [429, 429, 429]
+    settle(0.0)
+    assert [status(p) for p in ("high", "normal", "low")] == [200, 200, 200]
+    rej = rejections(gw.url)
+    assert rej[("resource", "low")] == 4 and rej[("resource", "high")] == 1
+
+
+# ---- scheduler layer ----------------------------------------------------------------------
+
+def _post_async(url: str, prio: str, out: dict[str, httpx.Response]) -> threading.Thread:
+    def run() -> None:
+        out[prio] = httpx.post(url, json={**BODY, "messages": [{"role": "user",
+                                                                "content": prio}]},
+                               headers={"x-priority": prio}, timeout=30)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_queue_serves_higher_priority_first(backends, gateway):
+    """One slot in flight (``admission.max_in_flight: 1``). While a first request holds
+    the slot (2 s), low, normal and high requests queue in
+    that order; the backend then receives them high, normal, low. Nothing is rejected."""
+    async def script(req: Received, conn: Conn) -> None:
+        first = b'"first"' in req.body  # holds the slot while the others queue up
+        if await conn.sleep(2.0 if first else 0.2):
+            await conn.send_json(200, completion_obj("ok"))
+
+    a = backends(script)
+    gw = gateway({"a": a}, admission={"max_in_flight": 1})
+    url = gw.url + "/v1/chat/completions"
+    out: dict[str, httpx.Response] = {}
+    threads = [_post_async(url, "first", out)]
+    assert wait_for(lambda: len(a.data_requests) == 1, 5)
+    for prio in ("low", "normal", "high"):
+        threads.append(_post_async(url, prio, out))
+        assert wait_for(lambda: gw.gateway.gate.scheduler.queued == len(threads) - 1, 5)
+    for t in threads:
+        t.join(30)
+    assert all(r.status_code == 200 for r in out.values())
+    order = [r.json()["messages"][0]["content"] for r in a.data_requests]
+    assert order == ["first", "high", "normal", "low"]
+
+
+def test_full_queue_sheds_low_and_times_out_with_retry_after(backends, gateway):
+    """One slot, a queue of 2 (low may fill half of it), a 1 s queue-wait bound, a backend
+    taking 2.5 s: a second low request is refused at once (its share is full); a queued
+    request that waits 1 s gets a 429 with Retry-After; the request in flight is a 200."""
+    a = backends(slow(2.5))
+    gw = gateway({"a": a}, admission={"max_in_flight": 1, "max_queued": 2,
+                                      "max_queue_wait_s": 1.0})
+    url = gw.url + "/v1/chat/completions"
+    out: dict[str, httpx.Response] = {}
+    first = _post_async(url, "normal", out)
+    assert wait_for(lambda: len(a.data_requests) == 1, 5)
+    queued = _post_async(url, "low", out)
+    assert wait_for(lambda: gw.gateway.gate.scheduler.queued == 1, 5)
+    r = httpx.post(url, json=BODY, headers={"x-priority": "low"}, timeout=10)
+    assert_honest_429(r)
+    assert "queue is full" in r.json()["error"]["message"]
+    queued.join(10)
+    assert_honest_429(out["low"])
+    assert "max_queue_wait_s" in out["low"].json()["error"]["message"]
+    first.join(10)
+    assert out["normal"].status_code == 200
+    assert len(a.data_requests) == 1
+
+
+# ---- degraded mode ------------------------------------------------------------------------
+
+def test_degraded_mode_caps_max_tokens_under_sustained_overload_then_lifts(backends, gateway):
+    """Degraded mode on, entering after 0.6 s of overload (requests queued), lifting one
+    level per 0.6 s of calm: with one slot and a slow backend, a queue builds for over a
+    second; the gateway reports ``gateway_degraded_mode`` >= 1, forwards later
+    requests with ``max_tokens`` capped at 64, refuses long low-priority prompts; once the
+    queue is gone the level steps back to 0 and requests pass unchanged."""
+    a = backends(slow(0.5))
+    gw = gateway(
+        {"a": a},
+        admission={"max_in_flight": 1},
+        degraded={"enabled": True, "enter_after_s": 0.6, "step_s": 0.6, "tick_s": 0.1,
+                  "max_tokens_cap": 64, "low_priority_max_prompt_tokens": 50},
+    )
+    url = gw.url + "/v1/chat/completions"
+    gate = gw.gateway.gate
+    out: dict[str, httpx.Response] = {}
+    threads = [_post_async(url, p, out) for p in ("n1", "n2", "n3", "n4")]
+    assert wait_for(lambda: gate.degraded.level >= 1, 5)
+    metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+    assert "gateway_degraded_mode 1.0" in metrics or "gateway_degraded_mode 2.0" in metrics
+    long_low = {**BODY, "messages": [{"role": "user", "content": "x" * 1000}]}
+    r = httpx.post(url, json=long_low, headers={"x-priority": "low"}, timeout=10)
+    assert_honest_429(r)
+    assert "degraded" in r.json()["error"]["message"]
+    capped = _post_async(url, "high", {})
+    for t in [*threads, capped]:
+        t.join(30)
+    sent = {rq.json()["messages"][0]["content"]: rq.json() for rq in a.data_requests}
+    assert sent["high"]["max_tokens"] <= 64
+    assert sent["high"]["messages"] == [{"role": "user", "content": "high"}]
+    assert wait_for(lambda: gate.degraded.level == 0, 10)
+    r = httpx.post(url, json={**BODY, "max_tokens": 200}, timeout=10)
+    assert r.status_code == 200
+    assert a.data_requests[-1].json()["max_tokens"] == 200

@@ -1,0 +1,152 @@
+"""The resilience drill (issue 4): 2 of 3 simulated backends fail under steady mixed load,
+one with bursts of 5xx, one with hangs, and the fleet must neither lose an answer nor
+multiply its load: the backends receive at most 1.2x the client requests (retry budget,
+circuit breakers, no retry of hangs) and every client request gets exactly one
+well-formed answer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from tests.lifecycle.support import admin, chat_body, stream_chat
+
+OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@dataclass
+class Answer:
+    stream: bool
+    status: int
+    problem: str | None  # None: one well-formed answer (a 200 or an OpenAI-shaped error)
+
+
+def _non_stream(c: httpx.Client, url: str, rid: str) -> Answer:
+    try:
+        r = c.post(url + "/v1/chat/completions", json=chat_body(5), headers={"x-request-id": rid})
+        body = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        return Answer(False, 0, f"{type(e).__name__}: {e}")
+    if r.status_code == 200:
+        ok = body.get("object") == "chat.completion" and len(body["choices"]) == 1
+        return Answer(False, 200, None if ok else f"bad 200 body {body}")
+    ok = set(body.get("error", {})) == OPENAI_ERROR_KEYS and r.status_code in (
+        429, 502, 503, 504)
+    return Answer(False, r.status_code, None if ok else f"{r.status_code} {r.text[:200]}")
+
+
+def test_two_of_three_failing_backends_cost_at_most_1_2x_and_lose_nothing(sims, lc_gateway):
+    """Three simulators; for ~8 s, 4 client threads alternate streaming and non-streaming
+    requests, each with its own ``x-request-id``. B answers every request with 500 in
+    bursts (0.8 s on, 0.7 s off); C hangs (accepts, never answers) for 2.5 s, twice.
+    Gateway: TTFB timeout 0.8 s (a hang becomes a 504 for the request that met it, never
+    retried), breakers opening after 5 consecutive failures for 1 s at first.
+
+    * Every request got exactly one well-formed answer: a complete 200 (stream: one
+      ``[DONE]``), or an OpenAI-shaped 429/502/503/504; most are 200s (A never fails).
+    * The three backends together received at most 1.2x the client requests (the retry
+      budget's 20%: failing backends cannot multiply load), counted from their own stats.
+    * Each request id reached a backend at most twice (one retry, never to the same one).
+    * B's and C's breakers tripped; A's never did."""
+    sim = {n: sims(n, itl_s=0.005) for n in ("A", "B", "C")}
+    gw = lc_gateway(
+        {n.lower(): s.url for n, s in sim.items()},
+        proxy={"ttfb_timeout_s": 0.8},
+        breaker={"consecutive_failures": 5, "open_base_s": 1.0, "open_max_s": 4.0},
+        health={"stall_after_s": 60},
+    )
+    url = gw.url
+    for s in sim.values():
+        httpx.delete(s.url + "/sim/stats", timeout=5)
+    answers: list[Answer] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    counter = iter(range(1_000_000))
+
+    def client(i: int) -> None:
+        stream = i % 2 == 0
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                rid = f"drill-{i}-{next(counter)}"
+                if stream:
+                    r = stream_chat(url, chat_body(5, stream=True), request_id=rid)
+                    problem = r.problem() if r.status == 200 else None
+                    if r.status != 200:
+                        a = _non_stream_error(r.status, r.body)
+                        a.stream = True
+                    else:
+                        a = Answer(True, 200, problem)
+                else:
+                    a = _non_stream(c, url, rid)
+                with lock:
+                    answers.append(a)
+                stream = not stream
+
+    def faults(name: str, **patch: object) -> None:
+        httpx.patch(sim[name].url + "/sim/faults", json=patch, timeout=5).raise_for_status()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    t0 = time.monotonic()
+    for th in threads:
+        th.start()
+
+    def at(t: float) -> None:
+        time.sleep(max(0.0, t0 + t - time.monotonic()))
+
+    schedule: list[tuple[float, str, dict[str, object]]] = []
+    for k in range(5):  # B: 5xx bursts
+        schedule += [(0.5 + 1.5 * k, "B", {"error_rate": 1.0}),
+                     (1.3 + 1.5 * k, "B", {"error_rate": 0.0})]
+    schedule += [(1.0, "C", {"hang": True}), (3.5, "C", {"hang": False}),
+                 (5.0, "C", {"hang": True}), (7.5, "C", {"hang": False})]
+    for t, name, patch in sorted(schedule, key=lambda x: x[0]):
+        at(t)
+        faults(name, **patch)
+    at(8.0)
+    stop.set()
+    for th in threads:
+        th.join(30)
+    assert not any(th.is_alive() for th in threads)
+
+    bad = [a for a in answers if a.problem is not None]
+    statuses: dict[int, int] = {}
+    for a in answers:
+        statuses[a.status] = statuses.get(a.status, 0) + 1
+    stats = {n: s.stats() for n, s in sim.items()}
+    received = sum(int(st["requests_by_path"].get("/v1/chat/completions", 0))
+                   for st in stats.values())
+    print("resilience drill:", {"requests": len(answers), "statuses": statuses,
+                                "backend_requests": received,
+                                "amplification": round(received / len(answers), 3)})
+    assert not bad, [(a.stream, a.problem) for a in bad[:5]]
+    assert len(answers) >= 60
+    assert statuses.get(200, 0) >= 0.6 * len(answers), statuses
+    assert received <= 1.2 * len(answers), (received, len(answers))
+
+    seen: dict[str, int] = {}
+    for st in stats.values():
+        for r in st["recent_requests"]:
+            rid = r["headers"].get("x-request-id", "")
+            if rid.startswith("drill-"):
+                seen[rid] = seen.get(rid, 0) + 1
+    assert seen and max(seen.values()) <= 2
+    trips = {b["id"]: b["breaker"]["trips"] for b in admin(url)}
+    history = {b: admin(url, b)["history"] for b in ("a", "b", "c")}
+    assert trips["a"] == 0 and not any(t["to"] == "unhealthy" for t in history["a"])
+    assert trips["b"] >= 1 or any(t["to"] == "unhealthy" for t in history["b"]), trips
+    assert trips["c"] >= 1 or any(t["to"] == "unhealthy" for t in history["c"]), trips
+
+
+def _non_stream_error(status: int, body: bytes) -> Answer:
+    """A streaming request answered with an error status before any event."""
+    import json
+
+    try:
+        err = json.loads(body).get("error", {})
+    except ValueError:
+        return Answer(True, status, f"{status} non-JSON body {body[:200]!r}")
+    ok = set(err) == OPENAI_ERROR_KEYS and status in (429, 502, 503, 504)
+    return Answer(True, status, None if ok else f"{status} {body[:200]!r}")
