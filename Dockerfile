@@ -15,6 +15,6 @@ COPY config ./config
 USER 10001
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
-  CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status == 200 else 1)"]
+  CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('LLM_GATEWAY_SERVER__PORT', '8000'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=2).status == 200 else 1)"]
 ENTRYPOINT ["llm-gateway"]
 CMD ["serve", "--config", "/app/config/vllm-example.yaml"]

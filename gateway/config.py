@@ -137,6 +137,23 @@ class AuthConfig(_Strict):
             return value
         return None
 
+    @model_validator(mode="after")
+    def _distinct(self) -> AuthConfig:
+        names: set[str] = set()
+        inline: dict[str, str] = {}
+        for k in self.client_keys:
+            if k.name in names:
+                raise ValueError(f"client key name {k.name!r} is used twice")
+            names.add(k.name)
+            if k.key is not None:
+                if k.key in inline:
+                    raise ValueError(
+                        f"client keys {inline[k.key]!r} and {k.name!r} have the same key: "
+                        "the limits and priority of one would silently apply"
+                    )
+                inline[k.key] = k.name
+        return self
+
 
 class RoutingWeights(_Strict):
     """Weights of the load score (lower score wins); see :mod:`gateway.routing.policy`."""
@@ -329,6 +346,12 @@ class BreakerSettings(_Strict):
         3, ge=1, description="trips in a row (no success between) that make it unhealthy"
     )
 
+    @model_validator(mode="after")
+    def _ordered(self) -> BreakerSettings:
+        if self.open_base_s > self.open_max_s:
+            raise ValueError("open_base_s must not exceed open_max_s")
+        return self
+
 
 class RetrySettings(_Strict):
     """Backoff and retry budget (see :mod:`gateway.traffic.retry`)."""
@@ -341,6 +364,15 @@ class RetrySettings(_Strict):
     default_retry_after_s: float = Field(
         1.0, gt=0, description="cooling time of a backend 429 without Retry-After"
     )
+    max_cooling_s: float = Field(
+        60.0, gt=0, description="longest a backend's Retry-After keeps it cooling"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetrySettings:
+        if self.backoff_base_s > self.backoff_max_s:
+            raise ValueError("backoff_base_s must not exceed backoff_max_s")
+        return self
 
 
 class AdmissionConfig(_Strict):
@@ -375,6 +407,16 @@ class AdmissionConfig(_Strict):
     shed_levels: tuple[float, float, float] = Field(
         (2.0, 1.5, 1.0), description="saturation at which high, normal, low are shed"
     )
+
+    @model_validator(mode="after")
+    def _low_sheds_first(self) -> AdmissionConfig:
+        high, normal, low = self.shed_levels
+        if not high >= normal >= low > 0:
+            raise ValueError(
+                "shed_levels are (high, normal, low) and must not increase (low is shed "
+                f"first): got {list(self.shed_levels)}"
+            )
+        return self
 
 
 class DegradedConfig(_Strict):
@@ -669,7 +711,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
         try:
-            loaded = yaml.safe_load(text)
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
         except yaml.YAMLError as e:
             raise ConfigError(f"invalid YAML in {path}: {e}") from e
         if loaded is None:
@@ -691,13 +733,35 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
         raise ConfigError(f"invalid {ENV_PREFIX}* environment variable: {e}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (YAML would keep the
+    last one silently: a second ``backends:`` block would drop the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def check_env_names(environ: Mapping[str, str] | None = None) -> None:
-    """Refuse ``LLM_GATEWAY_*`` variables that name no section (a typo would otherwise be
-    silently ignored). Raises :class:`ConfigError` naming the variable."""
+    """Refuse ``LLM_GATEWAY_<SECTION>__<FIELD>`` variables whose section does not exist (a
+    typo such as ``LLM_GATEWAY_SERVR__PORT`` would otherwise be silently ignored). Names
+    without ``__`` are either a whole section (``LLM_GATEWAY_BACKENDS``) or belong to other
+    tools (``LLM_GATEWAY_VLLM_VENV``, read by the test suite) and are left alone. Raises
+    :class:`ConfigError` naming the variable."""
     env = os.environ if environ is None else environ
     sections = set(GatewayConfig.model_fields)
     for name in env:
-        if not name.upper().startswith(ENV_PREFIX):
+        if not name.upper().startswith(ENV_PREFIX) or "__" not in name:
             continue
         section = name[len(ENV_PREFIX) :].split("__", 1)[0].lower()
         if section not in sections:

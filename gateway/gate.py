@@ -131,10 +131,14 @@ class AdmissionGate:
         verdict: EntryVerdict | None,
         request_id: str,
         code: str = "rate_limit_exceeded",
+        type_: str | None = None,
+        retryable: bool = True,
     ) -> Rejected:
         self.metrics.admission_rejections.labels(layer, _PRIO_NAMES[prio]).inc()
         retry_s = clamp_retry_after(retry_s)
         headers = retry_after_headers(retry_s)
+        if not retryable:  # openai-python (and Stainless SDKs) then do not retry
+            headers["x-should-retry"] = "false"
         headers[self.cfg.server.request_id_header] = request_id
         if verdict is not None:
             headers.update(ratelimit_headers(verdict))
@@ -147,7 +151,11 @@ class AdmissionGate:
         )
         return Rejected(
             Response(
-                error_body(message, "requests" if layer == "entry" else "server_overloaded", code),
+                error_body(
+                    message,
+                    type_ or ("requests" if layer == "entry" else "server_overloaded"),
+                    code,
+                ),
                 status_code=429,
                 headers=headers,
                 media_type="application/json",
@@ -178,15 +186,41 @@ class AdmissionGate:
         if limiter is not None:
             verdict = limiter.check(est_tokens, now)
             if not verdict.admitted:
+                never = math.isinf(verdict.retry_after_s)
                 raise self._reject(
                     "entry",
                     prio,
-                    f"Rate limit reached for key '{key_name}': "
-                    f"{verdict.reason}. Retry in {verdict.retry_after_s:.1f} s.",
+                    f"Rate limit reached for key '{key_name}': {verdict.reason}"
+                    + (
+                        f" ({verdict.limit_tokens}); lower max_tokens or the prompt."
+                        if never
+                        else f". Retry in {verdict.retry_after_s:.1f} s."
+                    ),
                     verdict.retry_after_s,
                     verdict,
                     request_id,
+                    type_="tokens" if "token" in verdict.reason else "requests",
+                    retryable=not never,  # it can never fit: a retry cannot help
                 )
+        try:
+            return await self._after_entry(
+                model, prio, prompt_tokens, request_id, verdict, now
+            ), verdict
+        except (Rejected, asyncio.CancelledError):
+            if limiter is not None:  # refused (or gone) later: the key's quota is given back
+                limiter.refund(est_tokens, self.clock())
+            raise
+
+    async def _after_entry(
+        self,
+        model: str,
+        prio: Prio,
+        prompt_tokens: int,
+        request_id: str,
+        verdict: EntryVerdict | None,
+        now: float,
+    ) -> Ticket:
+        """Degraded mode, resource, power and scheduler layers (see :meth:`admit`)."""
         if (
             self.degraded is not None
             and self.degraded.level > 0
@@ -217,7 +251,7 @@ class AdmissionGate:
             )
         if self.power_level is not None:
             self._check_power(model, prio, now, verdict, request_id)
-        return await self._schedule(prio, verdict, request_id), verdict
+        return await self._schedule(prio, verdict, request_id)
 
     def _check_power(
         self, model: str, prio: Prio, now: float, verdict: EntryVerdict | None, request_id: str

@@ -76,6 +76,7 @@ class Opened:
     resp: aiohttp.ClientResponse
     data: bytes
     framer: EventFramer | None
+    sent_at: float = 0.0  # time.perf_counter() when this attempt was sent upstream
 
 
 class NoCandidate(Exception):
@@ -319,6 +320,7 @@ class Pipeline:
         proxy = self.cfg.proxy
         resp: aiohttp.ClientResponse | None = None
         waiting_first_byte = True
+        sent_at = time.perf_counter()
         try:
             async with asyncio.timeout(proxy.ttfb_timeout_s) as timer:
                 resp = await self.pool.send(
@@ -328,7 +330,7 @@ class Pipeline:
                 if ctx.stream and status == 200 and resp.content_type == _EVENT_STREAM:
                     framer = EventFramer()
                     first = await self._first_events(backend, resp, framer)
-                    return Opened(backend, resp, first, framer)
+                    return Opened(backend, resp, first, framer, sent_at)
                 waiting_first_byte = False
                 body = await self._read_body(resp, timer, proxy.idle_timeout_s)
                 # 401/403: the gateway's own key is wrong only when the probes found this
@@ -353,7 +355,7 @@ class Pipeline:
                         body,
                         response_headers(resp, self.id_header),
                     )
-                return Opened(backend, resp, body, None)
+                return Opened(backend, resp, body, None, sent_at)
         except TimeoutError:
             if resp is not None:
                 resp.close()
@@ -417,6 +419,7 @@ class Pipeline:
             if not always:
                 return
             seconds = self.cfg.retry.default_retry_after_s
+        seconds = min(seconds, self.cfg.retry.max_cooling_s)
         until = self.router_clock() + seconds
         if until > backend.cooling_until:
             backend.cooling_until = until
@@ -470,7 +473,8 @@ class Pipeline:
         if f.kind == "drained":
             return error_response(
                 503,
-                f"The backend serving model '{ctx.model}' was drained and no other could "
+                f"The backend serving model '{ctx.model}' was taken out of rotation "
+                "(drained, stalled or shutting down) before answering, and no other could "
                 "take the request.",
                 SERVER_ERROR,
                 "no_backend_available",
@@ -498,12 +502,14 @@ class Pipeline:
 
     def unavailable(self, model: str, rid: str) -> Response:
         """The gateway's own answer when no backend of ``model`` can take a request now,
-        sent without contacting any: 429 when one is expected back within 60 s (its
-        cooldown or open breaker ending; ``retry-after`` is that wait rounded up), else 503
-        (unhealthy, draining, gone) with the probe-recovery estimate."""
+        sent without contacting any: 429 when one is warm but cooling after a 429/503 or
+        with an open breaker (``retry-after`` is the wait until the first is back, rounded
+        up, at most 60 s), else 503 (unhealthy, draining, gone) with the probe-recovery
+        estimate."""
         idh = self.cfg.server.request_id_header
         soon = self.availability_s(model, self.router_clock())
-        if soon is not None and soon <= MAX_RETRY_AFTER_S:
+        if soon is not None:
+            soon = min(soon, MAX_RETRY_AFTER_S)
             return error_response(
                 429,
                 f"Every backend serving model '{model}' is rate-limited or recovering; retry "
@@ -575,7 +581,11 @@ class Pipeline:
             self._count_usage(ctx.model, framer.usage())
             if outcome == StreamOutcome.OK:
                 self._count_attempt(backend, "ok")
-                backend.breaker.on_success(ttft)
+                # the backend's own TTFT (from this attempt's send): time spent in the
+                # gateway's queue or on an earlier attempt is not the backend's
+                backend.breaker.on_success(
+                    None if first_sent_at is None else first_sent_at - opened.sent_at
+                )
             elif outcome in (Cut.DRAIN_DEADLINE, Cut.SHUTDOWN, Cut.BACKEND_HUNG):
                 self._count_attempt(backend, outcome)  # ended by us, not the backend's fault
                 m.stream_errors.labels(backend.id, outcome).inc()

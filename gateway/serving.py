@@ -91,7 +91,17 @@ async def serve(
     the garbage collector's reach (``gc.freeze()``, as the CPython docs suggest for servers):
     later collections then scan only per-request objects.
     """
-    server = EmbeddedServer(uvicorn_config(app, cfg))
+    config = uvicorn_config(app, cfg)
+    # Bind first: a port in use (or a bad host) fails here, as one OSError, before the
+    # lifespan probes and warms any backend.
+    try:
+        sock = config.bind_socket()
+    except SystemExit:  # uvicorn logs the bind error and exits 1
+        raise OSError(
+            f"cannot listen on {cfg.server.host}:{cfg.server.port} (in use, or not an "
+            "address of this machine)"
+        ) from None
+    server = EmbeddedServer(config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -104,11 +114,14 @@ async def serve(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
     if task.done():
-        task.result()
+        try:
+            task.result()
+        except SystemExit as e:  # uvicorn's startup failure (logged above by uvicorn)
+            raise OSError(f"the gateway failed to start (exit status {e.code})") from None
         return
     gc.collect()
     gc.freeze()

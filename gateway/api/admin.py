@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -162,7 +163,13 @@ def _backend(gw: Gateway, backend_id: str) -> Backend:
     return b
 
 
-async def _options(request: Request) -> dict[str, Any]:
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer deadlines or rests are mistakes
+_DEADLINE = frozenset({"deadline_s"})
+
+
+async def _options(request: Request, allowed: frozenset[str]) -> dict[str, Any]:
+    """The JSON object body (empty: ``{}``); 400 for anything else or for a field not in
+    ``allowed`` (a typo such as ``deadlin_s`` must not silently mean the default)."""
     body = await request.body()
     if not body:
         return {}
@@ -172,16 +179,42 @@ async def _options(request: Request) -> dict[str, Any]:
         raise GatewayError(400, "Body must be a JSON object.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise GatewayError(400, "Body must be a JSON object.", code="invalid_json")
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise GatewayError(
+            400,
+            f"Unknown field '{unknown[0]}'; this action accepts: "
+            f"{', '.join(sorted(allowed)) or 'no fields'}.",
+            param=unknown[0],
+            code="unknown_field",
+        )
     return data
 
 
 def _number(opts: dict[str, Any], key: str, default: float) -> float:
+    """A number of seconds in [0, a week]; 400 naming ``key`` otherwise (NaN, inf, huge)."""
     value = opts.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    ok = not isinstance(value, bool) and isinstance(value, int | float)
+    if ok:
+        try:
+            ok = math.isfinite(float(value)) and 0 <= float(value) <= MAX_SECONDS
+        except OverflowError:
+            ok = False
+    if not ok:
         raise GatewayError(
-            400, f"'{key}' must be a number of seconds >= 0.", param=key, code="invalid_value"
+            400,
+            f"'{key}' must be a number of seconds between 0 and {MAX_SECONDS:g}.",
+            param=key,
+            code="invalid_value",
         )
     return float(value)
+
+
+def _flag(opts: dict[str, Any], key: str) -> bool:
+    value = opts.get(key, False)
+    if not isinstance(value, bool):
+        raise GatewayError(400, f"'{key}' must be true or false.", param=key, code="invalid_value")
+    return value
 
 
 async def drain_backend(backend_id: str, request: Request) -> Response:
@@ -189,9 +222,15 @@ async def drain_backend(backend_id: str, request: Request) -> Response:
     (default ``lifecycle.drain_deadline_s``), streams end with an error event. 202."""
     gw = _gateway(request)
     b = _backend(gw, backend_id)
-    deadline = _number(await _options(request), "deadline_s", gw.cfg.lifecycle.drain_deadline_s)
+    deadline = _number(
+        await _options(request, _DEADLINE), "deadline_s", gw.cfg.lifecycle.drain_deadline_s
+    )
     if not gw.controller.start_drain(b, deadline):
-        raise GatewayError(409, f"Backend '{backend_id}' is already drained.", code="invalid_state")
+        raise GatewayError(
+            409,
+            f"Backend '{backend_id}' is already draining or drained ({b.state.value}).",
+            code="invalid_state",
+        )
     return JSONResponse(backend_summary(gw, b), status_code=202)
 
 
@@ -200,7 +239,9 @@ async def preempt_backend(backend_id: str, request: Request) -> Response:
     ``cold`` (the instance is going away; probes bring it back if it returns). 202."""
     gw = _gateway(request)
     b = _backend(gw, backend_id)
-    deadline = _number(await _options(request), "deadline_s", gw.cfg.lifecycle.preempt_deadline_s)
+    deadline = _number(
+        await _options(request, _DEADLINE), "deadline_s", gw.cfg.lifecycle.preempt_deadline_s
+    )
     if not gw.controller.start_drain(b, deadline, preempt=True):
         raise GatewayError(
             409, f"Backend '{backend_id}' is already preempted.", code="invalid_state"
@@ -227,9 +268,9 @@ async def cooldown_backend(backend_id: str, request: Request) -> Response:
     ``min_rest_s`` lengthens the rest."""
     gw = _gateway(request)
     b = _backend(gw, backend_id)
-    opts = await _options(request)
+    opts = await _options(request, frozenset({"min_rest_s", "force"}))
     rest = _number(opts, "min_rest_s", 0.0)
-    if not gw.controller.request_cooldown(b.id, "admin", rest, force=opts.get("force") is True):
+    if not gw.controller.request_cooldown(b.id, "admin", rest, force=_flag(opts, "force")):
         raise GatewayError(
             409,
             f"Backend '{backend_id}' cannot start a cooldown now: it is "

@@ -42,4 +42,4 @@ async def metrics(request: Request) -> Response:
 def install_routes(app: FastAPI) -> None:
     """Register ``/health``, ``/ready`` and ``/metrics`` on ``app``."""
     for path, fn in (("/health", health), ("/ready", ready), ("/metrics", metrics)):
-        app.add_api_route(path, fn, methods=["GET"], include_in_schema=False)
+        app.add_api_route(path, fn, methods=["GET", "HEAD"], include_in_schema=False)

@@ -67,6 +67,10 @@ def apply_transition(backend: Backend, to: BackendState, reason: str, now: float
     check_transition(backend.state, to)
     t = Transition(at=now, from_state=backend.state, to_state=to, reason=reason)
     backend.state = to
+    if to is S.UNHEALTHY:
+        # whatever made it unhealthy (probes, warm-up, breaker, stall, GPU), it comes back
+        # only after ``recover_threshold`` passing probes from now
+        backend.consecutive_probe_successes = 0
     backend.history.append(t)
     return t
 

@@ -97,6 +97,11 @@ class TokenBucket:
         self._refill(now)
         self.tokens -= n
 
+    def give(self, n: float, now: float) -> None:
+        """Return ``n`` taken tokens (never above capacity)."""
+        self._refill(now)
+        self.tokens = min(self.capacity, self.tokens + n)
+
     def reset_in(self, now: float) -> float:
         """Seconds until the bucket is full again (OpenAI's ``x-ratelimit-reset-*``)."""
         self._refill(now)
@@ -127,6 +132,14 @@ class KeyLimiter:
         self.tpm = tpm
         self.requests = TokenBucket(rpm, 60.0, now) if rpm else None
         self.tokens = TokenBucket(tpm, 60.0, now) if tpm else None
+
+    def refund(self, tokens: int, now: float) -> None:
+        """Give back what an admitted request was charged, when a later layer refused it
+        (or its client left before it was sent): a refusal must not use up the quota."""
+        if self.requests:
+            self.requests.give(1, now)
+        if self.tokens:
+            self.tokens.give(tokens, now)
 
     def check(self, tokens: int, now: float) -> EntryVerdict:
         """Admit (and charge) one request costing ``tokens``, or say when to come back."""
@@ -261,8 +274,17 @@ class Scheduler:
     def _until_room(self, prio: Prio, excess: float, now: float) -> float:
         """Seconds (bounded to [1, 60]) until ``excess`` more waiters have been served at
         the capacity the more urgent classes leave to ``prio``."""
-        left = self.service_rate(now) - self.rate_above(prio, now)
+        rate = self.service_rate(now)
+        if rate <= 0:
+            return self._no_rate_retry()
+        left = rate - self.rate_above(prio, now)
         return clamp_retry_after(excess / left if left > 0 else math.inf)
+
+    def _no_rate_retry(self) -> float:
+        """Retry-After without a service rate: 1 s before any request has ever finished
+        (just started: nothing is known, a quick retry finds an estimate), else 60 s
+        (requests ran, none finished lately: the fleet is stuck)."""
+        return MIN_RETRY_AFTER_S if self.service_s is None else MAX_RETRY_AFTER_S
 
     def _granted(self, prio: Prio, now: float) -> None:
         if prio < Prio.LOW:
@@ -349,7 +371,7 @@ class Scheduler:
         """Retry-After for a refused request of ``prio``: :meth:`predicted_wait` bounded to
         [1, 60] s (60 when nothing is finishing yet)."""
         if self.service_rate(now) <= 0:
-            return retry_after_s(self.queued_ahead(prio) + 1, 0.0)
+            return self._no_rate_retry()
         return clamp_retry_after(self.predicted_wait(prio, now))
 
 

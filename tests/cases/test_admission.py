@@ -6,6 +6,7 @@ the ``openai`` SDK as the client."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -264,3 +265,53 @@ def test_degraded_mode_caps_max_tokens_under_sustained_overload_then_lifts(backe
     r = httpx.post(url, json={**BODY, "max_tokens": 200}, timeout=10)
     assert r.status_code == 200
     assert a.data_requests[-1].json()["max_tokens"] == 200
+
+
+def test_request_larger_than_the_token_limit_is_not_retried_by_the_sdk(backends, gateway):
+    """A request whose estimate exceeds the key's whole tokens-per-minute budget can never
+    pass: 429 with ``type: tokens``, the limit in the message (no "inf"), and
+    ``x-should-retry: false`` so the SDK (``max_retries=2``) raises at once instead of
+    sleeping twice; a request the key could pass later is still retryable. Refused
+    requests do not use up the key's quota."""
+    a = backends()
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "tpm": 300}]})
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=2)
+    t0 = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(**{**BODY, "max_tokens": 1000})
+    assert time.monotonic() - t0 < 2.0, "no retry of a request that can never fit"
+    r = info.value.response
+    assert r.headers["x-should-retry"] == "false" and "retry-after" in r.headers
+    err = r.json()["error"]
+    assert err["type"] == "tokens" and "300" in err["message"] and "inf" not in err["message"]
+    assert len(a.data_requests) == 0
+    ok = client.chat.completions.with_raw_response.create(**{**BODY, "max_tokens": 100})
+    assert int(ok.headers["x-ratelimit-remaining-tokens"]) > 150  # the refusal cost nothing
+
+
+def test_a_refused_request_does_not_use_the_keys_quota(backends, gateway):
+    """rpm 2 and one slot with no queue: while a request holds the slot, two more are
+    refused by the scheduler (429); they are given back to the key's quota, so once the
+    slot is free the key can still send."""
+    a = backends(slow(1.5))
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "rpm": 2}]},
+                 admission={"max_in_flight": 1, "max_queued": 0})
+    url = gw.url + "/v1/chat/completions"
+    hdr = {"authorization": f"Bearer {KEY}"}
+    out: dict[str, httpx.Response] = {}
+
+    def first() -> None:
+        out["first"] = httpx.post(url, json=BODY, headers=hdr, timeout=10)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert wait_for(lambda: len(a.data_requests) == 1, 5)
+    for _ in range(2):
+        r = httpx.post(url, json=BODY, headers=hdr, timeout=10)
+        assert_honest_429(r)
+        assert "queue" in r.json()["error"]["message"]
+    t.join(10)
+    assert out["first"].status_code == 200
+    r = httpx.post(url, json=BODY, headers=hdr, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ratelimit-remaining-requests"] == "0"

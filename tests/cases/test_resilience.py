@@ -208,3 +208,48 @@ def test_BUG_06_control_5xx_do_open_the_breaker(backends, gateway):
         assert httpx.post(url, json=BODY, timeout=10).json()["choices"][0]["message"][
             "content"] == "B"
     assert len(a.data_requests) == hits, "no traffic while open"
+
+
+def test_backend_retry_after_beyond_a_minute_is_capped_and_still_a_429(backends, gateway):
+    """A backend answering 429 ``Retry-After: 3600``: it cools for at most
+    ``retry.max_cooling_s`` (60 s), and while it does the gateway answers 429 "rate-limited"
+    with ``retry-after`` <= 60, never a 503 claiming the backends are unhealthy."""
+    a = backends(rate_limited("3600"))
+    gw = gateway({"a": a})
+    url = gw.url + "/v1/chat/completions"
+    for _ in range(2):
+        r = httpx.post(url, json=BODY, timeout=10)
+        assert r.status_code == 429, r.text
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        assert "rate-limited" in r.json()["error"]["message"]
+    assert len(a.data_requests) == 1
+    assert 0 < admin_backend(gw, "a")["cooling_for_s"] <= 60
+
+
+@pytest.mark.parametrize(
+    ("action", "body", "param"),
+    [
+        ("drain", b'{"deadline_s": 1e999}', "deadline_s"),
+        ("drain", b'{"deadline_s": NaN}', "deadline_s"),
+        ("drain", b'{"deadline_s": ' + b"9" * 400 + b"}", "deadline_s"),
+        ("drain", b'{"deadline_s": -1}', "deadline_s"),
+        ("drain", b'{"deadlin_s": 5}', "deadlin_s"),
+        ("preempt", b'{"deadline_s": "soon"}', "deadline_s"),
+        ("cooldown", b'{"force": "yes"}', "force"),
+        ("cooldown", b'{"min_rest_s": Infinity}', "min_rest_s"),
+    ],
+)
+def test_admin_bodies_are_checked_and_nothing_happens_on_a_400(
+    backends, gateway, action, body, param
+):
+    """Bad admin bodies (non-finite or huge numbers, a typo'd field, wrong types) get a 400
+    in OpenAI's shape naming the field, and leave the backend as it was (and the admin
+    listing working)."""
+    a = backends()
+    gw = gateway({"a": a})
+    r = httpx.post(f"{gw.url}/admin/backends/a/{action}", content=body, timeout=5)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    listing = httpx.get(gw.url + "/admin/backends", timeout=5)
+    assert listing.status_code == 200
+    assert admin_backend(gw, "a")["state"] == "warm"

@@ -225,3 +225,13 @@ def test_higher_class_traffic_lengthens_a_lower_class_wait():
         s.release(9.7, held_s=0.5)
     assert s.predicted_wait(Prio.LOW, 9.8) == math.inf
     assert s.retry_after(Prio.LOW, 9.8) == 60.0
+
+
+def test_refund_gives_back_what_a_later_refusal_charged():
+    lim = KeyLimiter(rpm=2, tpm=1000, now=0.0)
+    assert lim.check(400, 0.0).admitted
+    lim.refund(400, 0.0)  # e.g. the queue was full: the key keeps its quota
+    v = lim.check(400, 0.0)
+    assert v.admitted and v.remaining_requests == 1 and v.remaining_tokens == 600
+    lim.refund(10_000, 0.0)
+    assert lim.check(1, 0.0).remaining_tokens == 999, "never above capacity"

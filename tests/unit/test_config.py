@@ -52,6 +52,12 @@ def test_env_overrides_file(tmp_path, monkeypatch):
         ("auth: {client_keys: [{name: k}]}\n", "exactly one of 'key' or 'key_env'"),
         ("server: [1, 2\n", "invalid YAML"),
         ("- just\n- a list\n", "top level must be a mapping"),
+        ("backends: []\nbackends: [{id: a, url: 'http://h:1'}]\n", "duplicate key 'backends'"),
+        ("admission: {shed_levels: [1, 2, 3]}\n", "must not increase"),
+        ("breaker: {open_base_s: 100, open_max_s: 10}\n", "open_base_s must not exceed"),
+        ("retry: {backoff_base_s: 5, backoff_max_s: 1}\n", "backoff_base_s must not exceed"),
+        ("auth: {client_keys: [{name: a, key: k1}, {name: b, key: k1}]}\n", "same key"),
+        ("auth: {client_keys: [{name: a, key: k1}, {name: a, key: k2}]}\n", "used twice"),
     ],
 )
 def test_bad_file_names_field_and_problem(tmp_path, text, needle):
@@ -84,3 +90,14 @@ def test_demo_sim_blocks_are_valid_simulator_configs():
     for b in load_config(ROOT / "config" / "gateway.yaml").backends:
         assert b.sim is not None
         SimConfig(**b.sim)
+
+
+def test_env_typo_in_a_section_name_fails_but_other_tools_variables_pass(monkeypatch):
+    """``LLM_GATEWAY_SERVR__PORT`` (a typo) is refused, naming the variable; a variable
+    without ``__`` that is no section (``LLM_GATEWAY_VLLM_VENV``, the test suite's) is left
+    alone."""
+    monkeypatch.setenv("LLM_GATEWAY_VLLM_VENV", "/somewhere")
+    assert load_config(None).server.port == 8000
+    monkeypatch.setenv("LLM_GATEWAY_SERVR__PORT", "9100")
+    with pytest.raises(ConfigError, match="LLM_GATEWAY_SERVR__PORT"):
+        load_config(None)

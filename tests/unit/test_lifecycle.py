@@ -68,3 +68,17 @@ def test_cold_backend_stays_cold_when_failing():
     b = backend(S.COLD)
     for _ in range(5):
         assert after_probe(b, False, CFG) is None
+
+
+@pytest.mark.parametrize("reason", ["breaker_open", "warmup_failed", "engine_stalled"])
+def test_passive_unhealthy_needs_recover_threshold_probes_too(reason):
+    """A backend made unhealthy by real traffic (its /health still passing all along) comes
+    back only after ``recover_threshold`` passing probes counted from that moment, not at
+    the next one (no flapping between unhealthy and warming every probe)."""
+    b = backend(S.WARM)
+    for _ in range(5):
+        assert after_probe(b, True, CFG) is None
+    apply_transition(b, S.UNHEALTHY, reason, 0.0)
+    assert after_probe(b, True, CFG) is None
+    d = after_probe(b, True, CFG)
+    assert d is not None and d.to is S.WARMING

@@ -59,7 +59,9 @@ def test_dockerfile_references_exist_and_image_is_slim_non_root():
     exposed = {int(a) for op, a in ins if op == "EXPOSE"}
     assert cfg.server.port in exposed
     health = next(a for op, a in ins if op == "HEALTHCHECK")
-    assert f"127.0.0.1:{cfg.server.port}/health" in health
+    # the port the server listens on: the env override, else the config's
+    assert "127.0.0.1:{port}/health" in health
+    assert f"'LLM_GATEWAY_SERVER__PORT', '{cfg.server.port}'" in health
     assert "/health" in app_paths()
 
 
