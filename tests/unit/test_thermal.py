@@ -23,7 +23,11 @@ from gateway.routing.thermal import (
 )
 
 T = ThermalTier
-CFG = ThermalConfig()
+# explicit, non-zero weights (not the defaults), so each penalty term is visible
+CFG = ThermalConfig(
+    warm_penalty=8.0, unknown_penalty=8.0, power_penalty=4.0, domain_penalty=4.0,
+    predicted_weight=0.1,
+)
 
 
 def sample(
