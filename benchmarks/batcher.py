@@ -44,7 +44,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import batcher_des as des
+from procs import Procs, free_port
 
 from gateway.sim.engine import EngineParams
 
@@ -125,37 +125,7 @@ def print_matrix(m: dict[str, Any]) -> None:
 
 
 # ---- part 2: real HTTP ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Procs:
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.logdir / f"{name}.log", "wb")
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def stop(self, p: subprocess.Popen[bytes]) -> None:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if p in self.procs:
-            self.procs.remove(p)
-
-    def stop_all(self) -> None:
-        for p in list(self.procs):
-            self.stop(p)
+# free_port and Procs: benchmarks/procs.py
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

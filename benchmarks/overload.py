@@ -39,9 +39,6 @@ import math
 import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,16 +50,13 @@ import aiohttp
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procs import Procs, free_port  # noqa: E402
+
 MODEL = "sim-model"
 PRIOS = ("high", "normal", "low")
 # a chunk whose delta carries text: the first token (the role chunk's "content" is empty)
 FIRST_TOKEN = re.compile(rb'"content":\s*"[^"]')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -73,37 +67,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
 
 
-# ---- processes ---------------------------------------------------------------------------
-class Procs:
-    """Simulators and a gateway as child processes; stopped with SIGTERM, then SIGKILL."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, args: list[str]) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(
-            [sys.executable, "-c", "from gateway.cli import main; raise SystemExit(main())",
-             *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=REPO,
-        )
-        self.procs.append(p)
-        return p
-
-    def stop(self, p: subprocess.Popen[bytes]) -> None:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        self.procs.remove(p)
-
-    def stop_all(self) -> None:
-        for p in list(self.procs):
-            self.stop(p)
+# ---- processes -------------------------------------------------------------------------
+def cli(*args: str) -> list[str]:
+    """The ``llm-gateway`` command line of this interpreter."""
+    return [sys.executable, "-c", "from gateway.cli import main; raise SystemExit(main())",
+            *args]
 
 
 async def wait_http(session: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:
@@ -372,7 +340,7 @@ async def run_one(admission: bool, urls: list[str], procs: Procs, args: argparse
                   capacity: float | None) -> tuple[dict[str, Any], float]:
     port = free_port()
     path = gateway_config(urls, port, admission, args)
-    gw = procs.start(["serve", "--config", path])
+    gw = procs.start(f"gateway-{'on' if admission else 'off'}", cli("serve", "--config", path))
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
@@ -455,14 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "overload.json"))
     args = ap.parse_args(argv)
 
-    procs = Procs()
+    logdir = Path(tempfile.mkdtemp(prefix="overload-"))
+    procs = Procs(logdir, cwd=REPO)
+    print(f"logs: {logdir}")
     urls: list[str] = []
     try:
         for i in range(args.backends):
             port = free_port()
-            procs.start(["sim", "--port", str(port), "--model", MODEL, "--seed", str(i + 1),
-                         "--max-num-seqs", str(args.max_num_seqs), "--speed", str(args.speed),
-                         "--log-level", "warning"])
+            procs.start(f"sim{i}", cli(
+                "sim", "--port", str(port), "--model", MODEL, "--seed", str(i + 1),
+                "--max-num-seqs", str(args.max_num_seqs), "--speed", str(args.speed),
+                "--log-level", "warning"))
             urls.append(f"http://127.0.0.1:{port}")
 
         async def go() -> dict[str, dict[str, Any]]:

@@ -524,7 +524,8 @@ class ThermalConfig(_Strict):
     # Penalties are in load-score units (1.0 = one request queued on the backend). Light
     # by default: measured with benchmarks/thermal.py (24 h, 16 GPUs, 4 racks at 70% load),
     # heavy steering (8 for warm, 0.1 per °C) piles queues on the cool racks and costs 30%
-    # of goodput, while these settings remove thermal throttling at +6% goodput.
+    # of goodput; these defaults, against least-request: no thermal throttling (294 events),
+    # 81% fewer rack power-cap events, goodput x1.04.
     warm_penalty: float = Field(
         0.15, ge=0, description="score added to a warm backend, or one predicted to get hot"
     )
