@@ -44,6 +44,7 @@ class LoadSample:
     kv_cache_usage: float
     scraped_at: float
     in_flight_at_scrape: int
+    process_start_s: float | None = None  # ``process_start_time_seconds`` (unix s), if any
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,6 +105,8 @@ class Backend:
     busy_since: float = 0.0  # monotonic: when in-flight last went from 0 to 1
     last_answer_at: float = 0.0  # monotonic: the last answer (or first event) it gave
     stall_probe: Any = None  # the running stall probe task, if any
+    # process_start_time_seconds before a restart hook: another value means it restarted
+    restart_seen_after: float | None = None
     # GPU telemetry (set by the controller when ``gpu_metrics_url`` is configured):
     thermal: Any = None  # routing.thermal.ThermalTracker
     gpu_health: Any = None  # fleet.gpu_health.GpuHealth (Xid / ECC breaker)

@@ -311,7 +311,11 @@ class FleetController:
     # ---- load scrapes ---------------------------------------------------------------------
     async def scrape_round(self) -> None:
         await asyncio.gather(
-            *(self.scrape_one(b) for b in self.fleet if b.state is not BackendState.COLD)
+            *(
+                self.scrape_one(b)
+                for b in self.fleet
+                if b.state is not BackendState.COLD or b.hold == "restarting"
+            )
         )
 
     async def scrape_one(self, backend: Backend) -> None:
@@ -320,6 +324,15 @@ class FleetController:
                 self.client, backend, self.api_keys[backend.id], self.clock
             )
             backend.last_scrape_ok_at = self.clock()
+            started = backend.load.process_start_s
+            if (
+                backend.hold == "restarting"
+                and started is not None
+                and backend.restart_seen_after is not None
+                and started != backend.restart_seen_after
+            ):
+                log.info("backend %s: restart seen (a new server process); hold over", backend.id)
+                backend.hold = backend.hold_until = backend.restart_seen_after = None
         except (httpx.HTTPError, ValueError) as e:
             self.metrics.scrape_errors.labels(backend.id).inc()
             backend.note_error(f"scrape: {type(e).__name__}: {e}".rstrip(": "))
@@ -581,11 +594,14 @@ class FleetController:
         """Drain -> restart hook -> ``cold`` (probes then bring it through warming)."""
         if not await self.drain(backend, self.cfg.lifecycle.drain_deadline_s, f"restart_{reason}"):
             return
+        before = backend.load.process_start_s if backend.load is not None else None
         if await self.run_restart_hook(backend):
-            # Hold it out until the restart is seen (a failed probe) or the hold passes, so
-            # the old process does not take traffic in the moment before it goes away.
+            # Hold it out until the restart is seen (a failed probe, or a scrape showing a
+            # new server process) or the hold passes, so the old process does not take
+            # traffic in the moment before it goes away.
             backend.hold = "restarting"
             backend.hold_until = self.clock() + self.cfg.lifecycle.restart_hold_s
+            backend.restart_seen_after = before
         if backend.state is S.DRAINING:
             self.transition(backend, S.COLD, "restarted")
 

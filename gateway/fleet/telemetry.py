@@ -95,7 +95,24 @@ async def scrape_load(
     if parsed is None:
         raise ValueError("/metrics has no vllm: load gauges")
     waiting, running, kv = parsed
-    return LoadSample(waiting, running, kv, clock(), backend.in_flight)
+    return LoadSample(
+        waiting, running, kv, clock(), backend.in_flight, process_start(r.text)
+    )
+
+
+_PROCESS_START = "process_start_time_seconds "
+
+
+def process_start(text: str) -> float | None:
+    """``process_start_time_seconds`` (unix seconds; prometheus-client's process collector,
+    which vLLM's ``/metrics`` includes): a new value means a new server process."""
+    at = text.find("\n" + _PROCESS_START)
+    if at < 0:
+        if not text.startswith(_PROCESS_START):
+            return None
+        at = -1
+    line = text[at + 1 : text.find("\n", at + 1) if text.find("\n", at + 1) >= 0 else None]
+    return _value(line)
 
 
 # ---- GPU telemetry (DCGM exporter names) ------------------------------------------------------

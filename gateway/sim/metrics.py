@@ -131,6 +131,13 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
+        # prometheus-client's process collector on a real vLLM; here the start of this
+        # simulated server (several may share one Python process), so a restart shows
+        yield GaugeMetricFamily(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            value=self._created,
+        )
         yield self._gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",

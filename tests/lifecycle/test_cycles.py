@@ -402,3 +402,40 @@ def test_staggered_cycles_never_two_out_never_zero_warm(sims, lc_gateway, n):
                  for x in names)
     assert shorts > 0
     assert count[0] > 30
+
+
+def test_fast_restart_is_seen_from_the_new_process_not_after_the_hold(sims, lc_gateway):
+    """A restart hook (HTTP) that restarts the simulator before it returns: no probe ever
+    fails, but the next scrape shows a new ``process_start_time_seconds``, so the backend
+    leaves its restart hold at once and is warm again within seconds, not after
+    ``restart_hold_s`` (120 s by default)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    a, b = sims("A"), sims("B")
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            a.kill()
+            time.sleep(0.3)  # a restart that takes a moment
+            a.restart()
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        gw = lc_gateway({"a": a.url, "b": b.url},
+                        lifecycle={"check_interval_s": 0.1, "restart_hook": {
+                            "url": f"http://127.0.0.1:{srv.server_address[1]}/restart"}})
+        t0 = time.monotonic()
+        assert gw.gateway.cfg.lifecycle.restart_hold_s == 120
+        ctl = gw.gateway.controller
+        gw.run(ctl.long_cycle(gw.gateway.fleet.get("a"), "test"))
+        wait_state(gw.url, "a", "warm", timeout=15)
+        assert time.monotonic() - t0 < 30
+        assert ("draining", "cold", "restarted") in history(gw.url, "a")
+    finally:
+        srv.shutdown()
