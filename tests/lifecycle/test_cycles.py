@@ -414,7 +414,7 @@ def test_fast_restart_is_seen_from_the_new_process_not_after_the_hold(sims, lc_g
     a, b = sims("A"), sims("B")
 
     class Hook(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        def do_POST(self) -> None:
             a.kill()
             time.sleep(0.3)  # a restart that takes a moment
             a.restart()
