@@ -77,6 +77,9 @@ class ServerConfig(_Strict):
         gt=0,
         description="Largest accepted request body in bytes; larger bodies get 413.",
     )
+    body_idle_timeout_s: float = Field(
+        30.0, gt=0, description="a request body that stops arriving for this long: 408"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = Field(False, description="uvicorn's per-request access log line.")
     graceful_shutdown_s: float = Field(

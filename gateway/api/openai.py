@@ -71,9 +71,13 @@ class ClientGone(Exception):
     """The client disconnected while its request body was being read."""
 
 
-async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
+async def read_body(
+    receive: Receive, declared: bytes | None, limit: int, idle_timeout_s: float = 30.0
+) -> bytes:
     """The whole request body from ASGI ``receive``, refusing more than ``limit`` bytes
-    with a 413 (checked against ``content-length`` first, then while reading)."""
+    with a 413 (checked against ``content-length`` first, then while reading), and a
+    client that stops sending it for ``idle_timeout_s`` seconds with a 408 (a slow upload
+    may take as long as it likes, as long as bytes keep coming)."""
     too_big = GatewayError(
         413,
         f"Request body is larger than the gateway's limit of {limit} bytes "
@@ -85,18 +89,30 @@ async def read_body(receive: Receive, declared: bytes | None, limit: int) -> byt
         raise too_big
     parts: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            parts.append(chunk)
-        if not message.get("more_body", False):
-            break
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(idle_timeout_s) as timer:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    parts.append(chunk)
+                if not message.get("more_body", False):
+                    break
+                timer.reschedule(loop.time() + idle_timeout_s)
+    except TimeoutError:
+        raise GatewayError(
+            408,
+            f"The request body stalled: no bytes for {idle_timeout_s:g} s "
+            "(server.body_idle_timeout_s).",
+            INVALID_REQUEST,
+            "request_timeout",
+        ) from None
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -252,7 +268,9 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         return _shutting_down(rid, idh)
     try:
         key = check_client_key(gw, authorization)
-        body = await read_body(receive, declared, cfg.server.max_body_bytes)
+        body = await read_body(
+            receive, declared, cfg.server.max_body_bytes, cfg.server.body_idle_timeout_s
+        )
         payload = parse_payload(body, endpoint)
         model: str = payload["model"]
         await check_model(gw, model)

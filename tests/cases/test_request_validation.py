@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -328,3 +329,47 @@ def test_BUG_24_over_limit_is_logged_with_request_id(backends, gateway, caplog):
     _assert_413(r, LIMIT)
     logged = [rec for rec in caplog.records if "req-413-logged" in rec.getMessage()]
     assert logged, "no log record names the request id of the 413"
+
+
+def test_stalled_request_body_gets_408_not_a_hang(backends, gateway):
+    """A client that sends the headers and part of its body, then nothing: after
+    ``server.body_idle_timeout_s`` (0.5 s here) it gets a 408 in OpenAI's shape and the
+    backend never sees the request (slowloris protection); a slow but steady upload is
+    not cut."""
+    import socket as _socket
+
+    a = backends()
+    gw = gateway({"a": a}, server={"body_idle_timeout_s": 0.5})
+    host, port = gw.url.removeprefix("http://").split(":")
+    s = _socket.create_connection((host, int(port)), timeout=5)
+    try:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                  b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":")
+        t0 = time.monotonic()
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        assert time.monotonic() - t0 < 4
+    finally:
+        s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert a.data_requests == []
+
+    s = _socket.create_connection((host, int(port)), timeout=5)
+    try:  # 4 pieces, 0.3 s apart: slower in total than the idle timeout, never idle that long
+        payload = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
+        raw = payload.encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                  b"application/json\r\ncontent-length: " + str(len(raw)).encode() + b"\r\n\r\n")
+        step = len(raw) // 4 + 1
+        for i in range(0, len(raw), step):
+            s.sendall(raw[i:i + step])
+            time.sleep(0.3)
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        s.close()
