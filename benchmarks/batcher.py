@@ -203,11 +203,13 @@ async def ttft_run(
     return out
 
 
-async def embed_run(url: str, concurrency: int, seconds: float) -> tuple[int, int]:
+async def embed_run(
+    url: str, concurrency: int, seconds: float, model: str = MODEL
+) -> tuple[int, int]:
     """Closed loop: ``concurrency`` workers each send an embeddings request and, once it is
     answered (checked: 200 and one vector), the next. Returns (answered, failed)."""
     ok = bad = 0
-    body = {"model": MODEL, "input": "a short sentence about lighthouses and the sea",
+    body = {"model": model, "input": "a short sentence about lighthouses and the sea",
             "encoding_format": "float"}
 
     async def worker(session: aiohttp.ClientSession, until: float) -> None:

@@ -25,12 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from batcher import embed_run  # noqa: E402 (the same closed loop as batcher.py part b)
+
 from tests.support.vllm import (  # noqa: E402
     DEFAULT_MODEL_NAME,
     VllmServer,
@@ -39,8 +41,6 @@ from tests.support.vllm import (  # noqa: E402
     free_port,
     vllm_unavailable_reason,
 )
-
-TEXT = "a short sentence about lighthouses and the sea"
 
 
 def vllm_requests(url: str) -> float:
@@ -60,28 +60,6 @@ def upstream_attempts(url: str) -> float:
         if line.startswith("gateway_upstream_attempts_total"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-async def closed_loop(url: str, concurrency: int, seconds: float) -> tuple[int, int]:
-    ok = bad = 0
-    body = {"model": DEFAULT_MODEL_NAME, "input": TEXT, "encoding_format": "float"}
-
-    async def worker(session: aiohttp.ClientSession, until: float) -> None:
-        nonlocal ok, bad
-        while time.perf_counter() < until:
-            async with session.post(url + "/v1/embeddings", json=body) as r:
-                data = await r.read()
-                if r.status == 200 and data.count(b'"index"') == 1:
-                    ok += 1
-                else:
-                    if bad == 0:
-                        print(f"  first failure: {r.status} {data[:300]!r}", flush=True)
-                    bad += 1
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        until = time.perf_counter() + seconds
-        await asyncio.gather(*(worker(s, until) for _ in range(concurrency)))
-    return ok, bad
 
 
 def start_gateway(
@@ -136,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         for mode, merge in (("unmerged", False), ("merged", True)):
             gw, url = start_gateway(server.url, merge, tmp, args.max_num_seqs)
             try:
-                asyncio.run(closed_loop(url, args.concurrency, 3.0))  # warm-up
+                asyncio.run(embed_run(url, args.concurrency, 3.0, DEFAULT_MODEL_NAME))  # warm-up
                 before = vllm_requests(server.url)
                 a0 = upstream_attempts(url)
-                ok, bad = asyncio.run(closed_loop(url, args.concurrency, args.seconds))
+                ok, bad = asyncio.run(
+                    embed_run(url, args.concurrency, args.seconds, DEFAULT_MODEL_NAME)
+                )
                 upstream = vllm_requests(server.url) - before
                 sent = upstream_attempts(url) - a0
             finally:
