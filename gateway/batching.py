@@ -253,10 +253,9 @@ class BatchDispatcher:
         it, plus itself, over the capacity the more urgent classes leave (the admission
         scheduler's service and arrival rates; its :meth:`predicted_wait` formula)."""
         s = self.gate.scheduler
-        left = s.service_rate(now) - s.rate_above(Prio(prio), now)
-        if left <= 0:
-            return math.inf if s.service_rate(now) > 0 else 0.0
-        return (self.core.queued_ahead(prio) + 1) / left
+        if s.service_rate(now) <= 0:
+            return 0.0  # nothing known yet: no prediction to refuse on
+        return s.predicted_wait(Prio(prio), now, self.core.queued_ahead(prio))
 
     def _reject(
         self, ctx: RequestContext, message: str, now: float, wait: float | None = None

@@ -41,7 +41,7 @@ from gateway.proxy.upstream import (
 )
 from gateway.routing.policy import Router
 from gateway.traffic.admission import MAX_RETRY_AFTER_S
-from gateway.traffic.breaker import BreakerState
+from gateway.traffic.breaker import BreakerState, windowed_p99
 from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
 
 log = logging.getLogger("gateway.pipeline")
@@ -137,11 +137,7 @@ class Pipeline:
         """P99 TTFT (seconds) of the streams whose first token reached the client within
         the last ``window_s`` seconds; None with fewer than ``min_samples`` samples.
         Non-streaming answers have no first token of their own and are not counted."""
-        horizon = self.router_clock() - window_s
-        samples = sorted(t for at, t in self.ttft_window if at >= horizon)
-        if len(samples) < min_samples:
-            return None
-        return samples[min(len(samples) - 1, int(0.99 * len(samples)))]
+        return windowed_p99(self.ttft_window, self.router_clock() - window_s, min_samples)
 
     # ---- candidates -------------------------------------------------------------------
     def candidates(self, model: str, tried: list[str], now: float) -> list[Backend]:

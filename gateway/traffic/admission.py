@@ -306,16 +306,19 @@ class Scheduler:
             total += len(q)
         return total / self._rate_window_s
 
-    def predicted_wait(self, prio: Prio, now: float) -> float:
+    def predicted_wait(self, prio: Prio, now: float, ahead: int | None = None) -> float:
         """Seconds until a new request of ``prio`` would get a slot (unclamped; ``inf`` when
-        it would never): the waiters served before it, plus itself, over the capacity left
-        by the more urgent classes, ``(ahead + 1) / (mu - lambda_higher)`` with
+        it would never): the waiters served before it (``ahead``; default this scheduler's
+        own queue, the batcher passes its buckets'), plus itself, over the capacity left by
+        the more urgent classes, ``(ahead + 1) / (mu - lambda_higher)`` with
         ``lambda_higher`` the rate at which they took slots lately (the priority-queue form
         of Little's law; Kleinrock, *Queueing Systems* vol. 2, 3.7)."""
         left = self.service_rate(now) - self.rate_above(prio, now)
         if left <= 0:
             return math.inf
-        return (self.queued_ahead(prio) + 1) / left
+        if ahead is None:
+            ahead = self.queued_ahead(prio)
+        return (ahead + 1) / left
 
     def enqueue(self, prio: Prio, waiter: object) -> None:
         self.queues[prio].append(waiter)

@@ -22,9 +22,20 @@ streams; a 4xx caused by the request, a 429 and a client disconnect are never fa
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+
+
+def windowed_p99(
+    samples: Iterable[tuple[float, float]], horizon: float, min_samples: int
+) -> float | None:
+    """P99 of the values of ``(time, value)`` samples taken at ``horizon`` or later; None
+    with fewer than ``min_samples`` of them. O(n log n): for control loops, not requests."""
+    recent = sorted(v for at, v in samples if at >= horizon)
+    if len(recent) < min_samples:
+        return None
+    return recent[min(len(recent) - 1, int(0.99 * len(recent)))]
 
 
 class BreakerState(StrEnum):
@@ -174,12 +185,10 @@ class CircuitBreaker:
         slo = self.cfg.ttft_slo_s
         if slo is None or self.state is not BreakerState.CLOSED:
             return False
-        horizon = self._clock() - self.cfg.window_s
-        samples = sorted(t for at, t in self._ttfts if at >= horizon)
-        if len(samples) < self.cfg.latency_min_samples:
-            return False
-        p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
-        if p99 > self.cfg.latency_fuse_factor * slo:
+        p99 = windowed_p99(
+            self._ttfts, self._clock() - self.cfg.window_s, self.cfg.latency_min_samples
+        )
+        if p99 is not None and p99 > self.cfg.latency_fuse_factor * slo:
             self._trip("latency_fuse")
             return True
         return False
