@@ -16,8 +16,10 @@ without forecast dispatch: a bucket goes when full or when its oldest request wa
 ``predictive`` (the batcher as configured by default: forecast dispatch, SLO-slack cap).
 Both batcher modes bind requests at dispatch to a backend with room (in flight below
 ``max_num_seqs``), high priority first, and merge embeddings into one upstream request
-(one place per upstream request); requests still queued after ``queue_timeout_s`` are
-refused (a 429).
+(one place per upstream request; the gateway's embeddings merge window, which paces merged
+requests to a backend's API-server frontend, is not modelled here: the engine model has no
+frontend cost, and embeddings' throughput is measured through real HTTP by ``batcher.py``);
+requests still queued after ``queue_timeout_s`` are refused (a 429).
 
 Times are seconds, rates requests/s.
 """

@@ -19,6 +19,21 @@ merge group (equal :func:`gateway.api.merging.merge_key`) runs here as one upstr
 request on its backend; its answer is split and each member gets its share, or, when the
 merged request fails in any way, each member is sent again alone (so one bad input cannot
 fail its neighbours).
+
+Flow control counts what the engine will run: a merged completions request of k prompts
+takes k places (k sequences decoding); a merged embeddings request takes one place, and
+embeddings upstream requests also follow Nagle's algorithm (RFC 896: a small segment is
+sent at once while nothing is outstanding, else held until the answer comes back; a full
+one goes anyway) with a window: a backend with no embeddings request in flight takes the
+next group at once, whatever its size (at low load nothing waits); one with some in flight
+takes a full group (the bucket's ``max_batch_size``) or one whose oldest request has waited
+its wait budget, up to ``batcher.merge_window`` in flight; the rest wait in the gateway and
+merge, so merged requests grow with the load instead of being cut at a fixed wait.
+Embeddings only: they are prefill-only, an upstream request
+returns within one engine step, so holding the next one costs little, while each HTTP
+request costs vLLM's single API-server process a fixed CPU time (measured on its CPU build,
+``benchmarks/embed_merge_real.py --costs``: 2.3 ms for one input, 6.6 ms for eight, 18 ms
+for 32), the bottleneck of small embeddings.
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +55,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import CutHandle
 from gateway.proxy.upstream import UpstreamRequest
 from gateway.traffic.admission import Prio, retry_after_s
-from gateway.traffic.batcher import BUCKETS, Batcher, BucketSettings, Item, RateView
+from gateway.traffic.batcher import (
+    BUCKETS,
+    Batcher,
+    BucketSettings,
+    Item,
+    RateView,
+    merge_window_limit,
+)
 from gateway.traffic.forecast import ArrivalCounter, ForecastBank, ForecastParams
 
 if TYPE_CHECKING:
@@ -163,6 +185,11 @@ class BatchDispatcher:
         self._per_seq = b.in_flight_per_seq
         self._default_cap = b.default_capacity
         self.pending: dict[str, int] = {}  # bound at dispatch, attempt not started yet
+        # merge window: embeddings upstream requests in flight per backend id
+        self.merge_flight: dict[str, int] = {}
+        self._merge_window = b.merge_window
+        self._now = 0.0  # the pump's clock reading, for _bind
+        self._nagle_at = math.inf  # when a held group ripens (its wait budget ends)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._tasks: set[asyncio.Task[None]] = set()
@@ -239,7 +266,7 @@ class BatchDispatcher:
                 )
             except asyncio.CancelledError:
                 if _has_result(fut):
-                    self._give_back(fut.result())
+                    self._give_back(fut.result(), ctx)
                 else:
                     core.cancel(item)
                 raise
@@ -274,15 +301,43 @@ class BatchDispatcher:
         return r
 
     # ---- dispatch ------------------------------------------------------------------------
-    def slot_freed(self) -> None:
-        """A backend slot was given back (pipeline): queued requests may go now."""
+    def slot_freed(self, ctx: RequestContext | None = None) -> None:
+        """A backend slot was given back (pipeline; ``ctx``: the request that held it):
+        queued requests may go now."""
+        if ctx is not None and ctx.merge_slot is not None:
+            self._merge_release(ctx)
         if self.core.queued:
             self.pump()
+
+    # ---- merge window -------------------------------------------------------------------
+    @staticmethod
+    def _endpoint(key: Hashable | None) -> str | None:
+        """The endpoint of a merge key (:func:`gateway.api.merging.merge_key`), or None."""
+        return key[0] if isinstance(key, tuple) else None
+
+    def _full(self, prio: int) -> int:
+        """Size of a full merge group of bucket ``prio`` (requests)."""
+        return min(self.core.settings[prio].max_batch_size, self.core.merge_max)
+
+    def _merge_release(self, ctx: RequestContext) -> None:
+        """The upstream request counted in ``ctx.merge_slot``'s window ended (idempotent)."""
+        bid, ctx.merge_slot = ctx.merge_slot, None
+        self._merge_release_id(bid)
+
+    def _merge_release_id(self, bid: str | None) -> None:
+        if bid is None:
+            return
+        left = self.merge_flight.get(bid, 0) - 1
+        if left > 0:
+            self.merge_flight[bid] = left
+        else:
+            self.merge_flight.pop(bid, None)
 
     def pump(self) -> None:
         """Dispatch whatever the batcher says is due, then arm the timer for the next."""
         core = self.core
-        now = self.clock()
+        now = self._now = self.clock()
+        self._nagle_at = math.inf
         while True:
             batches = core.dispatch(now, self._bind)
             if not batches:
@@ -314,7 +369,7 @@ class BatchDispatcher:
     def _arm(self, now: float) -> None:
         at = self.core.next_due_at()
         if self.core.blocked:  # a backend may become routable without any slot freeing
-            at = min(at if at is not None else math.inf, now + 0.05)
+            at = min(at if at is not None else math.inf, now + 0.05, self._nagle_at)
         if at is None or at == math.inf or at >= self._timer_at:
             return
         if self._timer is not None:
@@ -336,22 +391,57 @@ class BatchDispatcher:
         return limit - b.in_flight - self.pending.get(b.id, 0)
 
     def _bind(self, unit: list[Item]) -> int:
-        """Reserve a place on a backend with room for ``unit``: one upstream request (a
-        single request, or a merge group: one place, as the router and admission count
-        requests in flight; its k inputs are k prefill-only sequences for one engine step).
-        Returns how many requests it placed (all or none)."""
+        """Reserve places on a backend with room for ``unit`` (a single request, or a merge
+        group sent as one upstream request). A merged embeddings request takes one place
+        (its k inputs are k prefill-only sequences of one engine step) and one place of
+        the backend's merge window; a merged completions request one place per prompt, and
+        only as many prompts as fit are placed. Returns how many requests it placed."""
         w: _Waiter = unit[0].handle
         ctx = w.ctx
         cands = self.pipeline.candidates(ctx.model, [], self.pipeline.router_clock())
         if not cands:  # nothing can take the model at all: the pipeline answers 429/503
             w.backend = None
             return len(unit)
-        b = self.router.pick([c for c in cands if self._room(c) >= 1], ctx.session_key)
+        endpoint = self._endpoint(unit[0].merge_key)
+        windowed = endpoint == merging.EMBEDDINGS and self._merge_window > 0
+        # Nagle: a backend with nothing of the window in flight takes any group at once;
+        # one with some in flight (below the window) a full group, or one whose oldest
+        # request has waited its wait budget
+        limit = 1
+        if windowed:
+            first = unit[0]
+            budget = self.core.wait_budget(first.prio)
+            ripe_at = first.enqueued_at + budget
+            limit = merge_window_limit(
+                len(unit),
+                self._full(first.prio),
+                self._now - first.enqueued_at,
+                budget,
+                self._merge_window,
+            )
+        flight = self.merge_flight
+        b = self.router.pick(
+            [
+                c
+                for c in cands
+                if self._room(c) >= 1 and (not windowed or flight.get(c.id, 0) < limit)
+            ],
+            ctx.session_key,
+        )
         if b is None:
+            if windowed and limit == 1:  # wake when it ripens
+                self._nagle_at = min(self._nagle_at, ripe_at)
             return 0
-        self.pending[b.id] = self.pending.get(b.id, 0) + 1
+        took = len(unit)
+        places = 1
+        if endpoint == merging.COMPLETIONS:  # a place per prompt
+            took = places = int(min(took, self._room(b)))
+        self.pending[b.id] = self.pending.get(b.id, 0) + places
         w.backend = b
-        return len(unit)
+        if windowed:  # one upstream request in b's window until its slot is released
+            flight[b.id] = flight.get(b.id, 0) + 1
+            ctx.merge_slot = b.id
+        return took
 
     def _unreserve(self, b: Backend, n: int = 1) -> None:
         left = self.pending.get(b.id, 0) - n
@@ -360,15 +450,17 @@ class BatchDispatcher:
         else:
             self.pending.pop(b.id, None)
 
-    def _give_back(self, got: Any) -> None:
+    def _give_back(self, got: Any, ctx: RequestContext | None = None) -> None:
         """A dispatched request went away before using its backend."""
+        if ctx is not None and ctx.merge_slot is not None:
+            self._merge_release(ctx)
         if isinstance(got, Backend):
             self._unreserve(got)
             asyncio.get_running_loop().call_soon(self.slot_freed)
 
     def _deliver(self, w: _Waiter, result: Any) -> None:
         if w.fut.done():
-            self._give_back(result)
+            self._give_back(result, w.ctx)
         else:
             w.fut.set_result(result)
 
@@ -376,11 +468,19 @@ class BatchDispatcher:
     async def _run_merged(self, unit: list[Item], backend: Backend) -> None:
         """Send ``unit`` as one upstream request on ``backend`` and answer each member."""
         live: list[_Waiter] = [it.handle for it in unit if not it.handle.fut.done()]
+        head = unit[0].handle.ctx
+        slot, head.merge_slot = head.merge_slot, None  # moves to whoever sends upstream
+        per_prompt = self._endpoint(unit[0].merge_key) == merging.COMPLETIONS
+        reserved = len(unit) if per_prompt else 1  # completions: a place per prompt
         if len(live) <= 1:
+            if reserved > 1:
+                self._unreserve(backend, reserved - 1)  # one request goes alone: one place
             if live:
+                live[0].ctx.merge_slot = slot
                 self._deliver(live[0], backend)
             else:
                 self._give_back(backend)
+                self._merge_release_id(slot)
             return
         from gateway.pipeline import Opened, RequestContext  # import cycle at module level
 
@@ -403,9 +503,13 @@ class BatchDispatcher:
             request_id=first.request_id,
             cut=CutHandle(),
             priority=first.priority,
+            merge_slot=slot,
+            members=len(live),
+            places=len(live) if per_prompt else 1,
         )
         answers: list[bytes] | None = None
-        self._unreserve(backend)  # the pipeline counts it in flight right now (no await)
+        # the pipeline counts it in flight right now (no await)
+        self._unreserve(backend, reserved)
         try:
             res = await self.pipeline.open(mctx, bound=backend)
             if isinstance(res, Opened):
@@ -417,6 +521,7 @@ class BatchDispatcher:
         except Exception:
             log.exception("merged %s request failed; retrying unmerged", endpoint)
         finally:
+            self._merge_release(mctx)  # (already, when the pipeline released its slot)
             outcome = "ok" if answers is not None else "unmerged"
             self.metrics.merged_requests.labels(endpoint, outcome).inc(len(live))
             for i, w in enumerate(live):

@@ -484,6 +484,13 @@ class BatcherConfig(_Strict):
     default_capacity: int | None = Field(None, ge=1)
     merge: bool = Field(True, description="merge embeddings/completions (non-streaming)")
     merge_max: int = Field(64, ge=1, description="most client requests in one merge")
+    merge_window: int = Field(
+        3,
+        ge=0,
+        description="embeddings upstream requests in flight per backend; more wait in the "
+        "gateway (flow control) and merge into the next (Nagle's algorithm, RFC 896, with a "
+        "window; see gateway.batching); 0: no window",
+    )
 
 
 class ThermalConfig(_Strict):

@@ -66,6 +66,9 @@ class RequestContext:
     priority: int = 1  # admission.Prio value: the batcher's bucket
     merge_key: Hashable | None = None  # set when the batcher may merge this request
     merge_part: Any = None  # api.merging.Part of a mergeable request
+    merge_slot: str | None = None  # backend whose merge window counts it, until released
+    members: int = 1  # client requests it carries: a merged request's members, else 1
+    places: int = 1  # in-flight places it takes: a merged completions request's prompts
 
 
 @dataclass(slots=True)
@@ -263,7 +266,8 @@ class Pipeline:
         breaker.acquire()
         if backend.in_flight == 0:
             backend.busy_since = now
-        backend.in_flight += 1
+        backend.in_flight += ctx.places
+        backend.merged_extra += ctx.members - ctx.places
         backend.active.add(ctx.cut)
         try:
             opened = await self._attempt(backend, ctx)
@@ -291,10 +295,11 @@ class Pipeline:
 
     def _release(self, backend: Backend, ctx: RequestContext) -> None:
         """Give back the backend slot this request held (the batcher may dispatch into it)."""
-        backend.in_flight -= 1
+        backend.in_flight -= ctx.places
+        backend.merged_extra -= ctx.members - ctx.places
         backend.active.discard(ctx.cut)
         if self.batching is not None:
-            self.batching.slot_freed()
+            self.batching.slot_freed(ctx)
 
     def _served(self, backend: Backend) -> None:
         """Count one request served by ``backend`` (10,000-request cycle trigger, warm-pool

@@ -96,7 +96,13 @@ async def scrape_load(
         raise ValueError("/metrics has no vllm: load gauges")
     waiting, running, kv = parsed
     return LoadSample(
-        waiting, running, kv, clock(), backend.in_flight, process_start(r.text)
+        waiting,
+        running,
+        kv,
+        clock(),
+        backend.in_flight,
+        process_start(r.text),
+        backend.merged_extra,
     )
 
 

@@ -69,18 +69,26 @@ class Candidate(Protocol):
 def estimated_load(c: Candidate, now: float, stale_after_s: float) -> tuple[float, float, float]:
     """``(waiting, running, kv_usage)`` of ``c`` now, corrected by in-flight changes.
 
-    ``now`` is monotonic seconds (same clock as ``LoadSample.scraped_at``).
+    ``now`` is monotonic seconds (same clock as ``LoadSample.scraped_at``). Counts are in
+    requests as clients sent them: the engine requests that the gateway's own merged
+    embeddings requests added at scrape time (``merged_extra_at_scrape``: vLLM runs a merge
+    of k inputs as k engine requests, queued at once by design, one prefill step, bounded by
+    ``batcher.merge_window``) are taken out of the sample, so merging never reads as
+    saturation (counting them had the gateway shed its own merged traffic with 429s,
+    ``benchmarks/embed_merge_real.py``).
     """
     s = c.load
     if s is None or now - s.scraped_at > stale_after_s:
         return 0.0, float(c.in_flight), 0.0
     delta = c.in_flight - s.in_flight_at_scrape
+    own = s.merged_extra_at_scrape
     cap = c.capacity
     if cap:
-        total = max(0.0, s.waiting + s.running + delta)
+        total = max(0.0, s.waiting + s.running - own + delta)
         running = min(total, float(cap))
         return total - running, running, s.kv_cache_usage
-    return s.waiting, max(0.0, s.running + delta), s.kv_cache_usage
+    waiting = max(0.0, s.waiting - own)
+    return waiting, max(0.0, s.running - max(0.0, own - s.waiting) + delta), s.kv_cache_usage
 
 
 def score(c: Candidate, w: RoutingWeights, now: float, stale_after_s: float) -> float:

@@ -72,6 +72,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="API-server seconds per embeddings request, one at a time (default 0: off)",
     )
+    g.add_argument(
+        "--input-overhead",
+        type=float,
+        default=0.0,
+        help="API-server seconds per input of an embeddings request, added to "
+        "--request-overhead (default 0: off)",
+    )
 
 
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -86,6 +93,7 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         api_key=args.api_key,
         request_overhead_s=args.request_overhead,
+        input_overhead_s=args.input_overhead,
         engine=EngineParams(
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,

@@ -49,7 +49,15 @@ class SimConfig(BaseModel):
         ge=0,
         description="s of API-server time per /v1/embeddings request, one at a time: vLLM's "
         "single frontend process parses, tokenizes and serialises each HTTP request (the CPU "
-        "bottleneck of small embeddings, vllm-project/vllm#11320, #22941); 0: not modelled",
+        "bottleneck of small embeddings, vllm-project/vllm#11320, #22941); 0: not modelled. "
+        "Measured on vLLM 0.32.0's CPU build: 1.08 ms (benchmarks/embed_merge_real.py --costs)",
+    )
+    input_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="s of API-server time per input of a /v1/embeddings request, added to "
+        "request_overhead_s (vLLM makes one engine request per input and serialises each "
+        "vector). Measured on vLLM 0.32.0's CPU build: 0.50 ms",
     )
     engine_label: str = Field("0", description="value of the 'engine' metric label")
     vllm_version: str = Field("0.32.0", description="reported by /version and fingerprints")

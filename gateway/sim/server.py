@@ -144,7 +144,10 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     app.add_middleware(SimMiddleware, state=state)
 
     # ------------------------------------------------------------------ helpers
-    frontend = asyncio.Lock()  # the modelled API-server frontend (request_overhead_s)
+    # The modelled API-server frontend (request_overhead_s, input_overhead_s): one process,
+    # requests served one at a time. Its timeline is computed (when it frees), so the
+    # simulator's own event-loop delays do not add to the modelled cost.
+    frontend_free_at = [0.0]  # loop time (s)
 
     def record(request: Request, body: Any) -> None:
         state.recent.append(
@@ -314,9 +317,13 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         except P.SimHTTPError as err:
             return error_response(err)
         n_tokens = sum(len(t) for t in inputs)
-        if cfg.request_overhead_s:
-            async with frontend:  # one request at a time through the modelled frontend
-                await asyncio.sleep(cfg.request_overhead_s)
+        if cfg.request_overhead_s or cfg.input_overhead_s:
+            loop = asyncio.get_running_loop()
+            start = max(loop.time(), frontend_free_at[0])
+            done = frontend_free_at[0] = (
+                start + cfg.request_overhead_s + cfg.input_overhead_s * len(inputs)
+            )
+            await asyncio.sleep(done - loop.time())
         await asyncio.sleep(params.prefill_time_s(n_tokens))
         data = []
         for i, toks in enumerate(inputs):

@@ -4,7 +4,7 @@ and the queue bound."""
 
 from __future__ import annotations
 
-from gateway.traffic.batcher import Batcher, BucketSettings, Item, RateView
+from gateway.traffic.batcher import Batcher, BucketSettings, Item, RateView, merge_window_limit
 
 HIGH, NORMAL, LOW = 0, 1, 2
 
@@ -229,3 +229,13 @@ def test_cancel_removes_a_waiting_request() -> None:
     it = add(b, NORMAL, 0.0, "a")
     assert b.cancel(it) and not b.cancel(it)
     assert b.dispatch(1.0, Binder()) == [] and b.next_due_at() is None
+
+
+def test_merge_window_limit_is_nagle_with_a_window() -> None:
+    # a small, fresh group goes only to a backend with nothing in flight
+    assert merge_window_limit(3, 16, 0.004, 0.010, 3) == 1
+    # a full one, or one whose oldest request waited its budget, may join up to the window
+    assert merge_window_limit(16, 16, 0.0, 0.010, 3) == 3
+    assert merge_window_limit(1, 16, 0.010, 0.010, 3) == 3
+    # no window: no limit
+    assert merge_window_limit(1, 16, 0.0, 0.010, 0) > 1000

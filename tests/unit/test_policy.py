@@ -71,6 +71,31 @@ def test_correction_turns_excess_into_queue_when_capacity_known():
     assert (waiting, running) == (4.0, 16.0)
 
 
+def test_own_merged_embeddings_are_not_read_as_a_queue():
+    """2 merged embeddings requests of 16 inputs each were in flight at the scrape: vLLM
+    counted 32 engine requests (16 running, 16 waiting) for what clients sent as 32
+    requests carried by 2 upstream ones; the gateway reads no queue (it once shed its own
+    merged traffic as saturated)."""
+    s = LoadSample(16.0, 16.0, 0.1, 100.0, 2, None, 30)
+    for cap in (16, None):
+        b = B("b", capacity=cap, in_flight=2, load=s)
+        waiting, running, _ = estimated_load(b, 100.0, 5.0)
+        assert waiting == 0.0
+        assert running == 2.0
+    # what others sent to the same backend still counts: 5 more engine requests are 5 more
+    # requests (a merged request counts as one)
+    s = LoadSample(21.0, 16.0, 0.1, 100.0, 2, None, 30)
+    for cap in (16, None):
+        b = B("b", capacity=cap, in_flight=2, load=s)
+        assert estimated_load(b, 100.0, 5.0)[:2] == (0.0, 7.0)
+    # and a real queue beyond the capacity is still a queue
+    s = LoadSample(40.0, 16.0, 0.1, 100.0, 2, None, 30)
+    assert estimated_load(B("b", capacity=16, in_flight=2, load=s), 100.0, 5.0)[:2] == (
+        10.0,
+        16.0,
+    )
+
+
 def test_stale_sample_falls_back_to_in_flight():
     b = B("b", in_flight=3, load=sample(waiting=50, at=0.0))
     assert estimated_load(b, 100.0, 5.0) == (0.0, 3.0, 0.0)

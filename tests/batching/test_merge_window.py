@@ -1,0 +1,138 @@
+"""The embeddings merge window (Nagle's algorithm with a window, see gateway.batching) in
+the real gateway, with the predictive batcher's defaults: at low load each request goes
+upstream alone and at once; under load a backend never has more than ``merge_window``
+embeddings requests in flight, the rest merge, every client gets its own vector, and
+nothing stays counted once the load is gone. Also: a merged completions request takes one
+place per prompt (flow control counts sequences), so it never exceeds the backend's
+capacity."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+
+from tests.batching.conftest import MODEL
+from tests.batching.test_flow import samples
+from tests.batching.test_merging import concurrently, direct, normalised, upstream_count
+
+PREDICTIVE = {"batcher": {"enabled": True}}
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def test_low_load_embeddings_go_alone_and_at_once(sim, batching_gateway) -> None:
+    s = sim(request_overhead_s=0.005)
+    gw = batching_gateway([("a", s.url, 16)], **PREDICTIVE)
+    client = sdk(gw.url)
+    before = upstream_count(s, "/v1/embeddings")
+    for i in range(6):
+        r = client.embeddings.create(model=MODEL, input=f"one at a time {i}")
+        assert len(r.data) == 1
+    assert upstream_count(s, "/v1/embeddings") - before == 6  # nothing held to merge
+    wait = samples(gw.url, "gateway_batch_wait_seconds_sum")[(("bucket", "normal"),)]
+    # held for the wait budget (10 ms) they would have waited >= 60 ms in all
+    assert wait < 0.03
+
+
+def test_under_load_the_window_bounds_upstream_and_the_rest_merge(sim, batching_gateway) -> None:
+    # a serial API-server frontend of 20 ms per request + 1 ms per input: one backend
+    # takes about 50 unmerged requests/s
+    s = sim(request_overhead_s=0.02, input_overhead_s=0.001)
+    gw = batching_gateway([("a", s.url, 256)], **PREDICTIVE)
+    window = gw.cfg.batcher.merge_window
+    client = sdk(gw.url)
+    before = upstream_count(s, "/v1/embeddings")
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:  # the gateway's own count of embeddings in flight to the backend
+        b = gw.gateway.fleet.backends[0]
+        while not stop.is_set():
+            peak[0] = max(peak[0], b.in_flight)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    texts = [f"text {i}" for i in range(24 * 5)]
+
+    def worker(w: int) -> list[tuple[str, list[float]]]:
+        out = []
+        for j in range(5):
+            text = texts[w * 5 + j]
+            r = client.embeddings.create(model=MODEL, input=text, encoding_format="float")
+            assert [d.index for d in r.data] == [0]
+            out.append((text, r.data[0].embedding))
+        return out
+
+    try:
+        got = [pair for chunk in concurrently(worker, 24) for pair in chunk]
+    finally:
+        stop.set()
+        watcher.join()
+    upstream = upstream_count(s, "/v1/embeddings") - before
+    assert len(got) == 120
+    assert peak[0] <= window  # never more than the window upstream at once
+    assert upstream <= 120 / 3  # most requests rode in a merged one
+    # each client got its own text's vector (spot check against the backend alone)
+    for text, vec in got[::17]:
+        alone = direct(s, "/v1/embeddings", {"model": MODEL, "input": text,
+                                              "encoding_format": "float"}).json()
+        assert alone["data"][0]["embedding"] == vec
+    # nothing left counted: the window and the merged-sequence correction are back at 0
+    disp = gw.gateway.batching
+    assert disp is not None
+    deadline = time.monotonic() + 5
+    while disp.merge_flight or gw.gateway.fleet.backends[0].in_flight:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert gw.gateway.fleet.backends[0].merged_extra == 0
+    assert not disp.pending
+
+
+def test_merged_completions_take_a_place_per_prompt(sim, batching_gateway) -> None:
+    s = sim(max_num_seqs=4)
+    cfg: dict[str, Any] = {
+        "batcher": {"enabled": True, "predictive": False,
+                    "normal": {"max_batch_size": 8, "max_wait_ms": 1500}},
+    }
+    gw = batching_gateway([("a", s.url, 4)], **cfg)  # 4 places
+    client = sdk(gw.url)
+    prompts = [[[21 + i] * 3] for i in range(8)]
+    params = {"max_tokens": 20, "temperature": 0.0}
+    before = upstream_count(s, "/v1/completions")
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            st = httpx.get(s.url + "/sim/stats").json()["engine"]
+            peak[0] = max(peak[0], st["running"] + st["waiting"])
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+
+    def call(i: int) -> bytes:
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompts[i], extra_body={"ignore_eos": True}, **params
+        )
+        return raw.http_response.content
+
+    try:
+        bodies = concurrently(call, 8)
+    finally:
+        stop.set()
+        watcher.join()
+    upstream = upstream_count(s, "/v1/completions") - before
+    assert 2 <= upstream < 8  # merged, but at most 4 prompts at a time
+    assert peak[0] <= 4  # the backend never held more sequences than its capacity
+    for i, body in enumerate(bodies):
+        alone = direct(s, "/v1/completions", {"model": MODEL, "prompt": prompts[i],
+                                               "ignore_eos": True, **params})
+        assert normalised(body) == normalised(alone.content)
