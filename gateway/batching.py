@@ -20,25 +20,31 @@ request on its backend; its answer is split and each member gets its share, or, 
 merged request fails in any way, each member is sent again alone (so one bad input cannot
 fail its neighbours).
 
-Flow control counts what the engine will run: a merged completions request of k prompts
-takes k places (k sequences decoding); a merged embeddings request takes one place, and
-embeddings upstream requests also follow Nagle's algorithm (RFC 896: a small segment is
-sent at once while nothing is outstanding, else held until the answer comes back; a full
-one goes anyway) with a window: a backend with no embeddings request in flight takes the
-next group at once, whatever its size (at low load nothing waits); one with some in flight
-takes a full group (the bucket's ``max_batch_size``) or one whose oldest request has waited
-its wait budget, up to ``batcher.merge_window`` in flight; the rest wait in the gateway and
-merge, so merged requests grow with the load instead of being cut at a fixed wait.
-Embeddings only: they are prefill-only, an upstream request
-returns within one engine step, so holding the next one costs little, while each HTTP
-request costs vLLM's single API-server process a fixed CPU time (measured on its CPU build,
-``benchmarks/embed_merge_real.py --costs``: 2.3 ms for one input, 6.6 ms for eight, 18 ms
-for 32), the bottleneck of small embeddings.
+Flow control counts what the engine will run, in sequences: a request of k prompts (times
+``n``) takes k places, merged or not; an embeddings request takes one (its inputs are
+prefill-only sequences of one engine step). Embeddings upstream requests also follow
+Nagle's algorithm (RFC 896: a small segment is sent at once while nothing is outstanding,
+else held until the answer comes back; a full one goes anyway) with a window, per backend
+and merge key (requests that cannot merge never wait for one another): a backend with no
+embeddings request of the key in flight takes the next group at once, whatever its size (at
+low load nothing waits); one with some in flight takes a full group (the bucket's
+``max_batch_size``) or one whose oldest request has waited its wait budget, up to
+``batcher.merge_window`` in flight; the rest wait in the gateway and merge, so merged
+requests grow with the load instead of being cut at a fixed wait. Embeddings only: they
+are prefill-only, an upstream request returns within one engine step, so holding the next
+one costs little, while each HTTP request costs vLLM's single API-server process a fixed
+CPU time (measured on its CPU build, ``benchmarks/embed_merge_real.py --costs``: about
+1.1 ms per request plus 0.5 ms per input), the bottleneck of small embeddings.
+
+Once dispatched into a merged request, a member is out of the queue (the queue timeout no
+longer applies to it); when every member's client has gone, the merged request is cancelled
+(and with it the generation on the backend).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -142,6 +148,16 @@ class _Waiter:
     ctx: RequestContext
     fut: asyncio.Future[Any]
     backend: Backend | None = None
+    deadline: asyncio.Timeout | None = None  # the queue timeout, while it is queued
+    riding: bool = False  # dispatched in a merged request: out of the queue
+
+    def dispatched(self) -> None:
+        """Its queue wait is over (it rides in a merged request): no queue timeout now;
+        the merged request's own timeouts apply."""
+        self.riding = True
+        if self.deadline is not None and not self.fut.done():
+            with contextlib.suppress(RuntimeError):  # it expired meanwhile
+                self.deadline.reschedule(None)
 
 
 @dataclass(slots=True)
@@ -185,8 +201,8 @@ class BatchDispatcher:
         self._per_seq = b.in_flight_per_seq
         self._default_cap = b.default_capacity
         self.pending: dict[str, int] = {}  # bound at dispatch, attempt not started yet
-        # merge window: embeddings upstream requests in flight per backend id
-        self.merge_flight: dict[str, int] = {}
+        # merge window: embeddings upstream requests in flight per (backend id, merge key)
+        self.merge_flight: dict[Hashable, int] = {}
         self._merge_window = b.merge_window
         self._now = 0.0  # the pump's clock reading, for _bind
         self._nagle_at = math.inf  # when a held group ripens (its wait budget ends)
@@ -246,7 +262,9 @@ class BatchDispatcher:
         self.pump()
         if not fut.done():
             try:
-                async with asyncio.timeout(self.queue_timeout_s):
+                # (dispatched already, by the pump above, into a merged request: no timeout)
+                limit = None if waiter.riding else self.queue_timeout_s
+                async with asyncio.timeout(limit) as waiter.deadline:
                     await fut
             except TimeoutError:
                 if not _has_result(fut):
@@ -272,7 +290,8 @@ class BatchDispatcher:
                 raise
         got = fut.result()
         if isinstance(got, Backend):
-            self._unreserve(got)  # the pipeline counts it in flight right now (no await)
+            # the pipeline counts it in flight right now (no await)
+            self._unreserve(got, ctx.places)
         return got
 
     def _predicted_wait(self, prio: int, now: float) -> float:
@@ -321,17 +340,17 @@ class BatchDispatcher:
 
     def _merge_release(self, ctx: RequestContext) -> None:
         """The upstream request counted in ``ctx.merge_slot``'s window ended (idempotent)."""
-        bid, ctx.merge_slot = ctx.merge_slot, None
-        self._merge_release_id(bid)
+        slot, ctx.merge_slot = ctx.merge_slot, None
+        self._merge_release_slot(slot)
 
-    def _merge_release_id(self, bid: str | None) -> None:
-        if bid is None:
+    def _merge_release_slot(self, slot: Hashable | None) -> None:
+        if slot is None:
             return
-        left = self.merge_flight.get(bid, 0) - 1
+        left = self.merge_flight.get(slot, 0) - 1
         if left > 0:
-            self.merge_flight[bid] = left
+            self.merge_flight[slot] = left
         else:
-            self.merge_flight.pop(bid, None)
+            self.merge_flight.pop(slot, None)
 
     def pump(self) -> None:
         """Dispatch whatever the batcher says is due, then arm the timer for the next."""
@@ -359,6 +378,8 @@ class BatchDispatcher:
                         for it in unit:
                             self._deliver(it.handle, backend)
                     else:
+                        for it in unit:
+                            it.handle.dispatched()
                         task = asyncio.get_running_loop().create_task(
                             self._run_merged(unit, backend)
                         )
@@ -382,32 +403,44 @@ class BatchDispatcher:
         self._timer_at = math.inf
         self.pump()
 
-    def _room(self, b: Backend) -> float:
-        """Places left on ``b`` (requests; ``inf`` without a known capacity)."""
+    def _limit(self, b: Backend) -> float:
+        """Places on ``b`` (sequences; ``inf`` without a known capacity)."""
         cap = b.capacity or self._default_cap
         if cap is None:
             return math.inf
-        limit = max(1, math.ceil(cap * self._per_seq))
-        return limit - b.in_flight - self.pending.get(b.id, 0)
+        return max(1, math.ceil(cap * self._per_seq))
+
+    def _room(self, b: Backend) -> float:
+        """Places left on ``b`` (sequences; ``inf`` without a known capacity)."""
+        return self._limit(b) - b.in_flight - self.pending.get(b.id, 0)
+
+    def _fits(self, b: Backend, need: int) -> bool:
+        """Whether ``need`` places fit on ``b`` (an idle backend takes even a request larger
+        than its capacity: it would never fit otherwise)."""
+        room = self._room(b)
+        return room >= need or (room >= 1 and room >= self._limit(b))
 
     def _bind(self, unit: list[Item]) -> int:
         """Reserve places on a backend with room for ``unit`` (a single request, or a merge
-        group sent as one upstream request). A merged embeddings request takes one place
-        (its k inputs are k prefill-only sequences of one engine step) and one place of
-        the backend's merge window; a merged completions request one place per prompt, and
-        only as many prompts as fit are placed. Returns how many requests it placed."""
+        group sent as one upstream request): a request takes its ``places`` (sequences it
+        decodes: prompts x n), an embeddings request one, merged or not (its inputs are
+        prefill-only sequences of one engine step), and embeddings also take a place in
+        the backend's merge window of their merge key. A completions merge group is placed
+        as far as its members' prompts fit. Returns how many requests it placed."""
         w: _Waiter = unit[0].handle
         ctx = w.ctx
         cands = self.pipeline.candidates(ctx.model, [], self.pipeline.router_clock())
         if not cands:  # nothing can take the model at all: the pipeline answers 429/503
             w.backend = None
             return len(unit)
-        endpoint = self._endpoint(unit[0].merge_key)
+        key = unit[0].merge_key
+        endpoint = self._endpoint(key)
         windowed = endpoint == merging.EMBEDDINGS and self._merge_window > 0
-        # Nagle: a backend with nothing of the window in flight takes any group at once;
-        # one with some in flight (below the window) a full group, or one whose oldest
-        # request has waited its wait budget
+        # Nagle: a backend with nothing of this key's window in flight takes any group at
+        # once; one with some in flight (below the window) a full group, or one whose
+        # oldest request has waited its wait budget
         limit = 1
+        ripe_at = math.inf
         if windowed:
             first = unit[0]
             budget = self.core.wait_budget(first.prio)
@@ -420,11 +453,12 @@ class BatchDispatcher:
                 self._merge_window,
             )
         flight = self.merge_flight
+        need = 1 if endpoint == merging.EMBEDDINGS else ctx.places
         b = self.router.pick(
             [
                 c
                 for c in cands
-                if self._room(c) >= 1 and (not windowed or flight.get(c.id, 0) < limit)
+                if self._fits(c, need) and (not windowed or flight.get((c.id, key), 0) < limit)
             ],
             ctx.session_key,
         )
@@ -432,15 +466,22 @@ class BatchDispatcher:
             if windowed and limit == 1:  # wake when it ripens
                 self._nagle_at = min(self._nagle_at, ripe_at)
             return 0
-        took = len(unit)
-        places = 1
-        if endpoint == merging.COMPLETIONS:  # a place per prompt
-            took = places = int(min(took, self._room(b)))
+        took, places = len(unit), 1
+        if endpoint != merging.EMBEDDINGS:
+            room = max(self._room(b), need)  # an idle backend takes the first one anyway
+            took = places = 0
+            for it in unit:
+                p = it.handle.ctx.places
+                if took and places + p > room:
+                    break
+                took += 1
+                places += p
         self.pending[b.id] = self.pending.get(b.id, 0) + places
         w.backend = b
         if windowed:  # one upstream request in b's window until its slot is released
-            flight[b.id] = flight.get(b.id, 0) + 1
-            ctx.merge_slot = b.id
+            slot = (b.id, key)
+            flight[slot] = flight.get(slot, 0) + 1
+            ctx.merge_slot = slot
         return took
 
     def _unreserve(self, b: Backend, n: int = 1) -> None:
@@ -450,12 +491,15 @@ class BatchDispatcher:
         else:
             self.pending.pop(b.id, None)
 
-    def _give_back(self, got: Any, ctx: RequestContext | None = None) -> None:
-        """A dispatched request went away before using its backend."""
-        if ctx is not None and ctx.merge_slot is not None:
-            self._merge_release(ctx)
+    def _give_back(self, got: Any, ctx: RequestContext | None = None, places: int = 1) -> None:
+        """A dispatched request went away before using its backend (``places``: what was
+        reserved for it; its request's own places when ``ctx`` is given)."""
+        if ctx is not None:
+            places = ctx.places
+            if ctx.merge_slot is not None:
+                self._merge_release(ctx)
         if isinstance(got, Backend):
-            self._unreserve(got)
+            self._unreserve(got, places)
             asyncio.get_running_loop().call_soon(self.slot_freed)
 
     def _deliver(self, w: _Waiter, result: Any) -> None:
@@ -466,21 +510,22 @@ class BatchDispatcher:
 
     # ---- merged requests ---------------------------------------------------------------
     async def _run_merged(self, unit: list[Item], backend: Backend) -> None:
-        """Send ``unit`` as one upstream request on ``backend`` and answer each member."""
+        """Send ``unit`` as one upstream request on ``backend`` and answer each member; when
+        every member has gone (clients disconnected), the upstream request is cancelled."""
         live: list[_Waiter] = [it.handle for it in unit if not it.handle.fut.done()]
         head = unit[0].handle.ctx
         slot, head.merge_slot = head.merge_slot, None  # moves to whoever sends upstream
-        per_prompt = self._endpoint(unit[0].merge_key) == merging.COMPLETIONS
-        reserved = len(unit) if per_prompt else 1  # completions: a place per prompt
+        embeddings = self._endpoint(unit[0].merge_key) == merging.EMBEDDINGS
+        reserved = 1 if embeddings else sum(it.handle.ctx.places for it in unit)
         if len(live) <= 1:
-            if reserved > 1:
-                self._unreserve(backend, reserved - 1)  # one request goes alone: one place
             if live:
-                live[0].ctx.merge_slot = slot
+                alone = live[0].ctx
+                self._unreserve(backend, reserved - (1 if embeddings else alone.places))
+                alone.merge_slot = slot
                 self._deliver(live[0], backend)
             else:
-                self._give_back(backend)
-                self._merge_release_id(slot)
+                self._give_back(backend, places=reserved)
+                self._merge_release_slot(slot)
             return
         from gateway.pipeline import Opened, RequestContext  # import cycle at module level
 
@@ -504,10 +549,23 @@ class BatchDispatcher:
             cut=CutHandle(),
             priority=first.priority,
             merge_slot=slot,
-            members=len(live),
-            places=len(live) if per_prompt else 1,
+            places=1 if embeddings else sum(w.ctx.places for w in live),
+            pooled_extra=sum(w.ctx.pooled_extra + 1 for w in live) - 1 if embeddings else 0,
         )
+        # every member gone (their clients hung up): stop the upstream request too
+        me = asyncio.current_task()
+        waiting = [len(live)]
+
+        def gone(f: asyncio.Future[Any]) -> None:
+            if f.cancelled():
+                waiting[0] -= 1
+                if waiting[0] == 0 and me is not None:
+                    me.cancel()
+
+        for w in live:
+            w.fut.add_done_callback(gone)
         answers: list[bytes] | None = None
+        outcome = "unmerged"
         # the pipeline counts it in flight right now (no await)
         self._unreserve(backend, reserved)
         try:
@@ -516,13 +574,16 @@ class BatchDispatcher:
                 resp = self.pipeline.finish_body(mctx, res)
                 if resp.status_code == 200:
                     answers = merging.split_answer(endpoint, bytes(resp.body), parts)
+                    outcome = "ok"
         except merging.SplitError as e:
             log.warning("merged %s answer could not be split (%s); retrying unmerged", endpoint, e)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         except Exception:
             log.exception("merged %s request failed; retrying unmerged", endpoint)
         finally:
             self._merge_release(mctx)  # (already, when the pipeline released its slot)
-            outcome = "ok" if answers is not None else "unmerged"
             self.metrics.merged_requests.labels(endpoint, outcome).inc(len(live))
             for i, w in enumerate(live):
                 if not w.fut.done():

@@ -374,8 +374,9 @@ class GatewayMetrics:
         )
         self.merged_requests = Counter(
             "gateway_merged_requests",
-            "Client requests answered through a merged upstream request, by endpoint and "
-            "outcome (ok, or unmerged: the merge failed and each was retried alone)",
+            "Client requests sent in a merged upstream request, by endpoint and outcome (ok; "
+            "unmerged: the merge failed and each was retried alone; cancelled: every member's "
+            "client hung up, so the upstream request was cancelled)",
             ["endpoint", "outcome"],
             registry=r,
         )

@@ -66,9 +66,11 @@ class RequestContext:
     priority: int = 1  # admission.Prio value: the batcher's bucket
     merge_key: Hashable | None = None  # set when the batcher may merge this request
     merge_part: Any = None  # api.merging.Part of a mergeable request
-    merge_slot: str | None = None  # backend whose merge window counts it, until released
-    members: int = 1  # client requests it carries: a merged request's members, else 1
-    places: int = 1  # in-flight places it takes: a merged completions request's prompts
+    merge_slot: Hashable | None = None  # its place in a merge window, until released
+    # In-flight places it takes (sequences decoding: prompts x n; 1 for embeddings), and
+    # the extra prefill-only engine requests of an embeddings request (inputs - 1).
+    places: int = 1
+    pooled_extra: int = 0
 
 
 @dataclass(slots=True)
@@ -267,7 +269,7 @@ class Pipeline:
         if backend.in_flight == 0:
             backend.busy_since = now
         backend.in_flight += ctx.places
-        backend.merged_extra += ctx.members - ctx.places
+        backend.pooled_extra += ctx.pooled_extra
         backend.active.add(ctx.cut)
         try:
             opened = await self._attempt(backend, ctx)
@@ -296,7 +298,7 @@ class Pipeline:
     def _release(self, backend: Backend, ctx: RequestContext) -> None:
         """Give back the backend slot this request held (the batcher may dispatch into it)."""
         backend.in_flight -= ctx.places
-        backend.merged_extra -= ctx.members - ctx.places
+        backend.pooled_extra -= ctx.pooled_extra
         backend.active.discard(ctx.cut)
         if self.batching is not None:
             self.batching.slot_freed(ctx)

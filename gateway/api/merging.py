@@ -85,6 +85,24 @@ def merge_key(endpoint: str, payload: dict[str, Any]) -> Hashable | None:
         return None
 
 
+MAX_SEQUENCES = 1 << 16
+
+
+def engine_requests(endpoint: str, payload: dict[str, Any]) -> int:
+    """Engine requests (sequences) vLLM makes of one request: embeddings, one per input;
+    completions, one per prompt times ``n``; chat, ``n``. 1 for shapes it would refuse
+    (its 400 comes back quickly); at most :data:`MAX_SEQUENCES`."""
+    n = payload.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    field = _FIELD.get(endpoint)
+    k = 1
+    if field is not None:
+        shaped = _inputs(payload.get(field))
+        if shaped is not None:
+            k = len(shaped[1])
+    return min(MAX_SEQUENCES, k if endpoint == EMBEDDINGS else k * n)
+
+
 def part_of(endpoint: str, payload: dict[str, Any]) -> Part:
     """The member ``payload`` as a :class:`Part` (call only when :func:`merge_key` gave a
     key)."""

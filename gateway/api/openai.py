@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
-from gateway.api.merging import merge_key, part_of
+from gateway.api.merging import EMBEDDINGS, engine_requests, merge_key, part_of
 from gateway.config import ClientKey
 from gateway.fleet.backend import BackendState
 from gateway.fleet.probes import fetch_models
@@ -339,6 +339,12 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         else [],
         priority=prio,
     )
+    seqs = engine_requests(endpoint, payload)
+    if seqs > 1:
+        if endpoint == EMBEDDINGS:
+            ctx.pooled_extra = seqs - 1
+        else:
+            ctx.places = seqs
     if gw.batching is not None and gw.batching.merge and not stream:
         mkey = merge_key(endpoint, payload)
         if mkey is not None:

@@ -37,7 +37,7 @@ class LoadSample:
     or the older ``vllm:gpu_cache_usage_perc``), ``scraped_at`` is a monotonic time in
     seconds, and ``in_flight_at_scrape`` is the gateway's own in-flight count for this backend
     at that moment (the router corrects the sample by the change since);
-    ``merged_extra_at_scrape`` is :attr:`Backend.merged_extra` at that moment.
+    ``pooled_extra_at_scrape`` is :attr:`Backend.pooled_extra` at that moment.
     """
 
     waiting: float
@@ -46,7 +46,7 @@ class LoadSample:
     scraped_at: float
     in_flight_at_scrape: int
     process_start_s: float | None = None  # ``process_start_time_seconds`` (unix s), if any
-    merged_extra_at_scrape: int = 0
+    pooled_extra_at_scrape: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,11 +84,11 @@ class Backend:
     consecutive_probe_successes: int = 0
     config_error: str | None = None  # e.g. backend answered 401 to our own key
     requests_served: int = 0
-    # Client requests beyond one carried by the gateway's own merged embeddings requests
-    # in flight here (a merge of k members: k - 1; vLLM runs them as k engine requests of
-    # one prefill step), see routing.policy.estimated_load. (A merged completions request
-    # counts k in ``in_flight`` instead: k sequences decoding.)
-    merged_extra: int = 0
+    # Engine requests beyond one of the embeddings requests in flight here (one of k
+    # inputs: k - 1; vLLM runs them as k engine requests of one prefill step, whether a
+    # client sent the list or the batcher merged it), see routing.policy.estimated_load.
+    # (Completions with k prompts count k in ``in_flight`` instead: k sequences decoding.)
+    pooled_extra: int = 0
     history: deque[Transition] = field(default_factory=lambda: deque(maxlen=20))
     # Cut handles of the requests open on this backend (drain deadlines end them).
     active: set[Any] = field(default_factory=set)

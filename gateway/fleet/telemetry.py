@@ -102,7 +102,7 @@ async def scrape_load(
         clock(),
         backend.in_flight,
         process_start(r.text),
-        backend.merged_extra,
+        backend.pooled_extra,
     )
 
 

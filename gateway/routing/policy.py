@@ -70,18 +70,18 @@ def estimated_load(c: Candidate, now: float, stale_after_s: float) -> tuple[floa
     """``(waiting, running, kv_usage)`` of ``c`` now, corrected by in-flight changes.
 
     ``now`` is monotonic seconds (same clock as ``LoadSample.scraped_at``). Counts are in
-    requests as clients sent them: the engine requests that the gateway's own merged
-    embeddings requests added at scrape time (``merged_extra_at_scrape``: vLLM runs a merge
-    of k inputs as k engine requests, queued at once by design, one prefill step, bounded by
-    ``batcher.merge_window``) are taken out of the sample, so merging never reads as
-    saturation (counting them had the gateway shed its own merged traffic with 429s,
+    the gateway's places: the extra engine requests of the embeddings requests in flight at
+    scrape time (``pooled_extra_at_scrape``: vLLM runs an embeddings request of k inputs,
+    a client's list or the batcher's merge, as k engine requests queued at once, one
+    prefill step) are taken out of the sample, so a list of inputs never reads as saturation
+    (counting them had the gateway shed its own merged traffic with 429s,
     ``benchmarks/embed_merge_real.py``).
     """
     s = c.load
     if s is None or now - s.scraped_at > stale_after_s:
         return 0.0, float(c.in_flight), 0.0
     delta = c.in_flight - s.in_flight_at_scrape
-    own = s.merged_extra_at_scrape
+    own = s.pooled_extra_at_scrape
     cap = c.capacity
     if cap:
         total = max(0.0, s.waiting + s.running - own + delta)

@@ -104,7 +104,8 @@ class Batcher:
     """Queues and dispatch decisions of the predictive (or fixed-wait) batcher.
 
     ``predictive`` False gives the fixed-wait batcher: only ``full`` and ``timeout``.
-    ``merge_max``: most requests in one merge group.
+    ``merge_max``: most requests in one merge group. ``scan_limit``: most requests of a
+    bucket looked at per dispatch when those at its head cannot be placed.
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class Batcher:
         predictive: bool = True,
         slack_share: float = 0.5,
         merge_max: int = 64,
+        scan_limit: int = 256,
     ) -> None:
         if len(buckets) != len(BUCKETS):
             raise ValueError("one BucketSettings per bucket (high, normal, low)")
@@ -122,6 +124,7 @@ class Batcher:
         self.predictive = predictive
         self.slack_share = slack_share
         self.merge_max = max(1, merge_max)
+        self.scan_limit = max(1, scan_limit)
         self.queues: tuple[deque[Item], ...] = tuple(deque() for _ in BUCKETS)
         self.rates: list[RateView | None] = [None] * len(BUCKETS)
         self.ttft_slack_s: float | None = None
@@ -225,20 +228,34 @@ class Batcher:
         reasons = [self._held[p] or self.due(p, now) for p in range(len(BUCKETS))]
         lowest_due = max((p for p, r in enumerate(reasons) if r is not None), default=-1)
         out: list[Batch] = []
+        refused: set[tuple[str, Hashable | None]] = set()  # (model, merge key) not placed
         for p in range(lowest_due + 1):
             q = self.queues[p]
             if not q:
                 continue
             reason = reasons[p] or "priority"
             batch = Batch(p, reason)
-            window = [q.popleft() for _ in range(min(len(q), self.settings[p].max_batch_size))]
+            size = self.settings[p].max_batch_size
             kept: list[Item] = []
-            for unit in self._units(window):
-                took = bind(unit)
-                if took > 0:
-                    batch.units.append(unit[:took])
-                if took < len(unit):
-                    kept.extend(unit[took:])
+            placed = scanned = 0
+            # Requests that cannot be placed (their backends are full) must not hide those
+            # behind them that can (another model, another backend): past a refused head,
+            # the scan goes on, up to scan_limit requests; a (model, merge key) refused once
+            # is not offered again in this dispatch (what comes later would wait behind it).
+            while q and placed < size and scanned < self.scan_limit:
+                window = [q.popleft() for _ in range(min(len(q), size - placed))]
+                scanned += len(window)
+                for unit in self._units(window):
+                    tag = (unit[0].model, unit[0].merge_key)
+                    took = 0 if tag in refused else bind(unit)
+                    if took > 0:
+                        batch.units.append(unit[:took])
+                        placed += took
+                    if took < len(unit):
+                        kept.extend(unit[took:])
+                        refused.add(tag)
+                if not kept:
+                    break  # all placed: what is left is judged afresh
             if kept:
                 kept.sort(key=lambda it: it.enqueued_at)
                 q.extendleft(reversed(kept))

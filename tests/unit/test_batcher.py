@@ -239,3 +239,37 @@ def test_merge_window_limit_is_nagle_with_a_window() -> None:
     assert merge_window_limit(1, 16, 0.010, 0.010, 3) == 3
     # no window: no limit
     assert merge_window_limit(1, 16, 0.0, 0.010, 0) > 1000
+
+
+def test_requests_that_cannot_be_placed_do_not_hide_those_that_can() -> None:
+    """Model a's backends are full: its 10 queued requests stay, in order, and are offered
+    to bind once; model b's request behind them goes now (no head-of-line blocking)."""
+    b = make()
+    for i in range(10):
+        b.enqueue(Item(NORMAL, "a", 0.0, None, f"a{i}"))
+    b.enqueue(Item(NORMAL, "b", 0.001, None, "b0"))
+    offered: list[str] = []
+
+    def bind(unit: list[Item]) -> int:
+        offered.append(unit[0].handle)
+        return 0 if unit[0].model == "a" else len(unit)
+
+    batches = b.dispatch(1.0, bind)
+    assert [[it.handle for u in x.units for it in u] for x in batches] == [["b0"]]
+    assert offered == ["a0", "b0"]  # a1..a9 not offered again after a0 was refused
+    assert [it.handle for it in b.queues[NORMAL]] == [f"a{i}" for i in range(10)]
+    assert b.blocked
+
+
+def test_the_scan_past_a_refused_head_is_bounded() -> None:
+    b = Batcher(
+        [BucketSettings(4, 0.002), BucketSettings(8, 0.010), BucketSettings(16, 0.050)],
+        100,
+        scan_limit=16,
+    )
+    for i in range(20):
+        b.enqueue(Item(NORMAL, "a", 0.0, None, f"a{i}"))
+    b.enqueue(Item(NORMAL, "b", 0.0, None, "b0"))
+    batches = b.dispatch(1.0, lambda u: 0 if u[0].model == "a" else len(u))
+    assert batches == []  # b0 is beyond the 16 looked at
+    assert len(b.queues[NORMAL]) == 21 and b.queues[NORMAL][-1].handle == "b0"
