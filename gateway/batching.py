@@ -329,11 +329,6 @@ class BatchDispatcher:
             self.pump()
 
     # ---- merge window -------------------------------------------------------------------
-    @staticmethod
-    def _endpoint(key: Hashable | None) -> str | None:
-        """The endpoint of a merge key (:func:`gateway.api.merging.merge_key`), or None."""
-        return key[0] if isinstance(key, tuple) else None
-
     def _full(self, prio: int) -> int:
         """Size of a full merge group of bucket ``prio`` (requests)."""
         return min(self.core.settings[prio].max_batch_size, self.core.merge_max)
@@ -434,7 +429,7 @@ class BatchDispatcher:
             w.backend = None
             return len(unit)
         key = unit[0].merge_key
-        endpoint = self._endpoint(key)
+        endpoint = merging.key_endpoint(key)
         windowed = endpoint == merging.EMBEDDINGS and self._merge_window > 0
         # Nagle: a backend with nothing of this key's window in flight takes any group at
         # once; one with some in flight (below the window) a full group, or one whose
@@ -515,7 +510,7 @@ class BatchDispatcher:
         live: list[_Waiter] = [it.handle for it in unit if not it.handle.fut.done()]
         head = unit[0].handle.ctx
         slot, head.merge_slot = head.merge_slot, None  # moves to whoever sends upstream
-        embeddings = self._endpoint(unit[0].merge_key) == merging.EMBEDDINGS
+        embeddings = merging.key_endpoint(unit[0].merge_key) == merging.EMBEDDINGS
         reserved = 1 if embeddings else sum(it.handle.ctx.places for it in unit)
         if len(live) <= 1:
             if live:

@@ -85,6 +85,11 @@ def merge_key(endpoint: str, payload: dict[str, Any]) -> Hashable | None:
         return None
 
 
+def key_endpoint(key: Hashable | None) -> str | None:
+    """The endpoint a :func:`merge_key` key belongs to, or None (no key)."""
+    return key[0] if isinstance(key, tuple) else None
+
+
 MAX_SEQUENCES = 1 << 16
 
 

@@ -22,8 +22,11 @@ Dispatch binds each request to a backend at that moment through the caller's ``b
 callback, which reserves a place on a backend that still has room (flow control) and
 answers how many requests of the unit it placed (0 when no backend has room; a caller
 may also place only the first few): the others stay at the head of their queue, in order,
-until a place frees (the caller pumps again) or their queue timeout ends them. Requests
-that may be merged into one upstream request (same ``merge_key``) are bound as one unit.
+until a place frees (the caller pumps again) or their queue timeout ends them; they do not
+hide the requests behind them that can be placed (another model, another backend): the
+dispatch looks past them, up to ``scan_limit`` requests, offering each (model, merge key)
+once. Requests that may be merged into one upstream request (same ``merge_key``) are bound
+as one unit.
 
 Queue bound: at most ``max_queued`` requests wait in all buckets together; each class may
 fill only its share of it (:data:`gateway.traffic.admission.QUEUE_SHARE`), and when the
