@@ -560,6 +560,7 @@ class BatchDispatcher:
         for w in live:
             w.fut.add_done_callback(gone)
         answers: list[bytes] | None = None
+        shared: list[tuple[bytes, bytes]] = []  # the backend's answer headers, for each
         outcome = "unmerged"
         # the pipeline counts it in flight right now (no await)
         self._unreserve(backend, reserved)
@@ -570,6 +571,8 @@ class BatchDispatcher:
                 if resp.status_code == 200:
                     answers = merging.split_answer(endpoint, bytes(resp.body), parts)
                     outcome = "ok"
+                    own = {b"content-length", self.cfg.server.request_id_header.encode()}
+                    shared = [(k, v) for k, v in resp.raw_headers if k.lower() not in own]
         except merging.SplitError as e:
             log.warning("merged %s answer could not be split (%s); retrying unmerged", endpoint, e)
         except asyncio.CancelledError:
@@ -583,13 +586,19 @@ class BatchDispatcher:
             for i, w in enumerate(live):
                 if not w.fut.done():
                     w.fut.set_result(
-                        _UNMERGED if answers is None else self._member(w.ctx, answers[i])
+                        _UNMERGED
+                        if answers is None
+                        else self._member(w.ctx, answers[i], shared)
                     )
 
-    def _member(self, ctx: RequestContext, body: bytes) -> Response:
+    def _member(
+        self, ctx: RequestContext, body: bytes, shared: list[tuple[bytes, bytes]]
+    ) -> Response:
+        """A member's answer: its share of the body, the backend's headers (as an unmerged
+        answer would carry them), its own request id and rate-limit headers."""
         r = Response(body, status_code=200)
         r.raw_headers = [
-            (b"content-type", b"application/json"),
+            *shared,
             (self.cfg.server.request_id_header.encode(), ctx.request_id.encode()),
             *ctx.extra_headers,
             (b"content-length", str(len(body)).encode()),

@@ -239,3 +239,31 @@ def test_embeddings_that_cannot_merge_are_not_held_by_the_window(
     # 12 at once, each alone upstream: about one 0.3 s answer, not 12 of them in a row
     # (3.6 s when the window held them one at a time)
     assert time.monotonic() - t0 < 1.8
+
+
+def test_merged_members_keep_the_backend_headers(sim, batching_gateway) -> None:
+    """A member's answer carries the headers an answer sent alone through the gateway does
+    (the backend's, as the gateway forwards them), with its own request id."""
+    s = sim()
+    cfg: dict[str, Any] = {
+        "batcher": {"enabled": True, "predictive": False,
+                    "normal": {"max_batch_size": 4, "max_wait_ms": 1500}},
+    }
+    gw = batching_gateway([("a", s.url, 16)], **cfg)
+    before = upstream_count(s, "/v1/embeddings")
+
+    def call(i: int) -> httpx.Response:
+        return httpx.post(gw.url + "/v1/embeddings", json={"model": MODEL, "input": f"h {i}"},
+                          headers={"x-request-id": f"member-{i}"}, timeout=30)
+
+    merged = concurrently(call, 4)
+    assert upstream_count(s, "/v1/embeddings") - before == 1
+    alone = call(9)  # alone in its batch (after the 1.5 s wait): sent unmerged
+    assert upstream_count(s, "/v1/embeddings") - before == 2
+    expected = {k.lower() for k in alone.headers}
+    assert {"content-type", "vary"} <= expected  # the simulator's, as vLLM's FastAPI
+    for i, r in enumerate(merged):
+        assert r.status_code == 200
+        assert expected <= {k.lower() for k in r.headers}
+        assert r.headers["x-request-id"] == f"member-{i}"
+        assert int(r.headers["content-length"]) == len(r.content)
