@@ -13,11 +13,12 @@ Only bodies that the API lets us merge without changing any answer get a merge k
 Chat and streams are never merged. The split answer keeps the backend's key order and
 compact encoding (vLLM writes JSON with pydantic's compact ``model_dump_json``), so each
 member's body is byte for byte what it would have got alone, except for ``id`` /
-``created`` (one request's) and ``usage``, which is apportioned: prompt tokens in
-proportion to each member's input size (exact for token-id inputs; for text, the bytes of
-the text, ~4 per token), completion tokens as ``max_tokens`` for choices that finished by
-``length`` and the rest in proportion to the choice text's length. Apportioning uses the
-largest-remainder method, so the members' counts add up to the merged request's exactly.
+``created`` (one request's) and ``usage``, which is apportioned: prompt tokens one per
+input, the rest in proportion to each member's input size beyond that (exact for token-id
+inputs; for text, the bytes of the text, ~4 per token), completion tokens as
+``max_tokens`` for choices that finished by ``length`` and the rest in proportion to the
+choice text's length. Apportioning uses the largest-remainder method, so the members'
+counts add up to the merged request's exactly.
 """
 
 from __future__ import annotations
@@ -183,9 +184,7 @@ def split_answer(endpoint: str, body: bytes, parts: Sequence[Part]) -> list[byte
     prompt_shares: list[int] | None = None
     completion_shares: list[int] | None = None
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        prompt_shares = apportion(
-            usage["prompt_tokens"], [sum(_size(x) for x in p.inputs) for p in parts]
-        )
+        prompt_shares = _prompt_shares(usage["prompt_tokens"], parts)
         if endpoint == COMPLETIONS and isinstance(usage.get("completion_tokens"), int):
             completion_shares = _completion_shares(usage["completion_tokens"], by_index, parts)
     out: list[bytes] = []
@@ -208,6 +207,17 @@ def split_answer(endpoint: str, body: bytes, parts: Sequence[Part]) -> list[byte
             )
         out.append(_dumps(member).encode())
     return out
+
+
+def _prompt_shares(total: int, parts: Sequence[Part]) -> list[int]:
+    """Prompt tokens per member: every input has at least one token, the rest in proportion
+    to each input's size beyond its first token (exact for token-id inputs; text by bytes,
+    so a short text merged with a long one is never given 0)."""
+    floors = [len(p.inputs) for p in parts]
+    if total < sum(floors):  # not one token per input: plain proportions
+        return apportion(total, [sum(_size(x) for x in p.inputs) for p in parts])
+    weights = [sum(max(0.0, _size(x) - 1) for x in p.inputs) for p in parts]
+    return [f + s for f, s in zip(floors, apportion(total - sum(floors), weights), strict=True)]
 
 
 def _completion_shares(
