@@ -8,8 +8,10 @@ capacity."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -24,6 +26,33 @@ PREDICTIVE = {"batcher": {"enabled": True}}
 
 def sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+@contextlib.contextmanager
+def peak_of(read: Callable[[], int], period_s: float) -> Iterator[list[int]]:
+    """Samples ``read()`` every ``period_s`` in a thread while the block runs; yields a
+    one-item list that holds the highest value seen."""
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], read())
+            time.sleep(period_s)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def engine_sequences(sim_url: str) -> int:
+    """Sequences the simulated engine holds now (running + waiting)."""
+    st = httpx.get(sim_url + "/sim/stats").json()["engine"]
+    return int(st["running"] + st["waiting"])
 
 
 def test_low_load_embeddings_go_alone_and_at_once(sim, batching_gateway) -> None:
@@ -48,17 +77,6 @@ def test_under_load_the_window_bounds_upstream_and_the_rest_merge(sim, batching_
     window = gw.cfg.batcher.merge_window
     client = sdk(gw.url)
     before = upstream_count(s, "/v1/embeddings")
-    peak = [0]
-    stop = threading.Event()
-
-    def watch() -> None:  # the gateway's own count of embeddings in flight to the backend
-        b = gw.gateway.fleet.backends[0]
-        while not stop.is_set():
-            peak[0] = max(peak[0], b.in_flight)
-            time.sleep(0.0005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     texts = [f"text {i}" for i in range(24 * 5)]
 
     def worker(w: int) -> list[tuple[str, list[float]]]:
@@ -70,11 +88,9 @@ def test_under_load_the_window_bounds_upstream_and_the_rest_merge(sim, batching_
             out.append((text, r.data[0].embedding))
         return out
 
-    try:
+    backend = gw.gateway.fleet.backends[0]  # the gateway's own count of what is upstream
+    with peak_of(lambda: backend.in_flight, 0.0005) as peak:
         got = [pair for chunk in concurrently(worker, 24) for pair in chunk]
-    finally:
-        stop.set()
-        watcher.join()
     upstream = upstream_count(s, "/v1/embeddings") - before
     assert len(got) == 120
     assert peak[0] <= window  # never more than the window upstream at once
@@ -106,17 +122,6 @@ def test_merged_completions_take_a_place_per_prompt(sim, batching_gateway) -> No
     prompts = [[[21 + i] * 3] for i in range(8)]
     params = {"max_tokens": 20, "temperature": 0.0}
     before = upstream_count(s, "/v1/completions")
-    peak = [0]
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            st = httpx.get(s.url + "/sim/stats").json()["engine"]
-            peak[0] = max(peak[0], st["running"] + st["waiting"])
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
 
     def call(i: int) -> bytes:
         raw = client.completions.with_raw_response.create(
@@ -124,11 +129,8 @@ def test_merged_completions_take_a_place_per_prompt(sim, batching_gateway) -> No
         )
         return raw.http_response.content
 
-    try:
+    with peak_of(lambda: engine_sequences(s.url), 0.005) as peak:
         bodies = concurrently(call, 8)
-    finally:
-        stop.set()
-        watcher.join()
     upstream = upstream_count(s, "/v1/completions") - before
     assert 2 <= upstream < 8  # merged, but at most 4 prompts at a time
     assert peak[0] <= 4  # the backend never held more sequences than its capacity
@@ -200,25 +202,11 @@ def test_list_prompts_take_a_place_each(sim, batching_gateway) -> None:
     }
     gw = batching_gateway([("a", s.url, 4)], **cfg)
     client = sdk(gw.url)
-    peak = [0]
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            st = httpx.get(s.url + "/sim/stats").json()["engine"]
-            peak[0] = max(peak[0], st["running"] + st["waiting"])
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
+    with peak_of(lambda: engine_sequences(s.url), 0.005) as peak:
         outs = concurrently(
             lambda i: len(client.completions.create(
                 model=MODEL, prompt=[[30 + i] * 3, [40 + i] * 3], max_tokens=15,
                 extra_body={"ignore_eos": True}).choices), 6)
-    finally:
-        stop.set()
-        watcher.join()
     assert outs == [2] * 6
     assert peak[0] <= 4  # 12 prompts, never more than the backend's 4 sequences at once
 
