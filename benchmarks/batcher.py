@@ -64,6 +64,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import batcher_des as des
+from loadgen import cpu_seconds
 from procs import Procs, free_port
 
 from gateway.sim.engine import EngineParams
@@ -250,15 +251,9 @@ async def embed_run(
     return ok, bad
 
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of process ``pid`` (s), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    fields = data[data.rfind(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+def cpu_by_group(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each group of processes (name -> PIDs)."""
+    return {k: sum(cpu_seconds(x) for x in v) for k, v in pids.items()}
 
 
 def sim_requests(ports: list[int], path: str) -> int:
@@ -279,9 +274,9 @@ def embeddings_cell(
         asyncio.run(embed_run(url, 64, 2.0))
         before = sim_requests(ports, "/v1/embeddings")
         pids = {"gateway": [g.pid], "sims": [x.pid for x in sims], "client": [os.getpid()]}
-        cpu0 = {k: sum(cpu_s(x) for x in v) for k, v in pids.items()}
+        cpu0 = cpu_by_group(pids)
         ok, bad = asyncio.run(embed_run(url, 64, seconds))
-        cpu1 = {k: sum(cpu_s(x) for x in v) for k, v in pids.items()}
+        cpu1 = cpu_by_group(pids)
         upstream = sim_requests(ports, "/v1/embeddings") - before
         metrics = httpx.get(url + "/metrics").text
     finally:

@@ -32,7 +32,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from batcher import cpu_s, embed_run  # noqa: E402 (the same closed loop as batcher.py part b)
+from batcher import cpu_by_group, embed_run  # noqa: E402 (the same closed loop as batcher.py part b)
 
 from tests.support.vllm import (  # noqa: E402
     DEFAULT_MODEL_NAME,
@@ -94,11 +94,11 @@ def measure_costs(server: VllmServer, seconds: float) -> dict[str, Any]:
     per: dict[int, dict[str, float]] = {}
     for k in (1, 32):
         asyncio.run(embed_run(server.url, 8, 2.0, DEFAULT_MODEL_NAME, inputs=k))  # warm-up
-        cpu0 = {n: sum(cpu_s(p) for p in v) for n, v in pids.items()}
+        cpu0 = cpu_by_group(pids)
         t0 = time.perf_counter()
         ok, bad = asyncio.run(embed_run(server.url, 8, seconds, DEFAULT_MODEL_NAME, inputs=k))
         wall = time.perf_counter() - t0
-        cpu1 = {n: sum(cpu_s(p) for p in v) for n, v in pids.items()}
+        cpu1 = cpu_by_group(pids)
         per[k] = {n: 1000 * (cpu1[n] - cpu0[n]) / max(1, ok) for n in pids}
         print(f"vLLM direct, {k:2d} input(s) per request: {ok / wall:7.1f} requests/s "
               f"({ok * k / wall:7.1f} inputs/s, {bad} failed); CPU ms per request: "
@@ -195,12 +195,12 @@ def main(argv: list[str] | None = None) -> int:
                 before = vllm_requests(server.url)
                 a0 = upstream_attempts(url)
                 pids = process_groups(server, gw, os.getpid())
-                cpu0 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
+                cpu0 = cpu_by_group(pids)
                 failures: dict[str, Any] = {}
                 ok, bad = asyncio.run(
                     embed_run(url, args.concurrency, args.seconds, DEFAULT_MODEL_NAME, failures)
                 )
-                cpu1 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
+                cpu1 = cpu_by_group(pids)
                 upstream = vllm_requests(server.url) - before
                 sent = upstream_attempts(url) - a0
             finally:
