@@ -236,7 +236,7 @@ class BatchDispatcher:
         prio = ctx.priority
         now = self.clock()
         if core.blocked:  # requests already wait for room: would this one wait too long?
-            wait = self._predicted_wait(prio, now)
+            wait = self._predicted_wait(prio, ctx.model, now)
             if wait > self.queue_timeout_s:
                 return self._reject(
                     ctx,
@@ -294,14 +294,19 @@ class BatchDispatcher:
             self._unreserve(got, ctx.places)
         return got
 
-    def _predicted_wait(self, prio: int, now: float) -> float:
-        """Seconds until a new request of ``prio`` would be dispatched: the requests ahead of
-        it, plus itself, over the capacity the more urgent classes leave (the admission
-        scheduler's service and arrival rates; its :meth:`predicted_wait` formula)."""
+    def _predicted_wait(self, prio: int, model: str, now: float) -> float:
+        """Seconds until a new request of ``prio`` for ``model`` would be dispatched: the
+        requests of its model ahead of it, plus itself, over the capacity the more urgent
+        classes leave (the admission scheduler's service and arrival rates; its
+        :meth:`predicted_wait` formula). Another model's queue does not count: the dispatch
+        looks past it (a request for an idle model was refused behind a full one)."""
         s = self.gate.scheduler
         if s.service_rate(now) <= 0:
             return 0.0  # nothing known yet: no prediction to refuse on
-        return s.predicted_wait(Prio(prio), now, self.core.queued_ahead(prio))
+        ahead = self.core.queued_ahead(prio, model)
+        if ahead == 0:
+            return 0.0  # nothing of its model waits: it goes as soon as a backend has room
+        return s.predicted_wait(Prio(prio), now, ahead)
 
     def _reject(
         self, ctx: RequestContext, message: str, now: float, wait: float | None = None
@@ -310,7 +315,8 @@ class BatchDispatcher:
             wait
             if wait is not None
             else retry_after_s(
-                self.core.queued_ahead(ctx.priority) + 1, self.gate.scheduler.service_rate(now)
+                self.core.queued_ahead(ctx.priority, ctx.model) + 1,
+                self.gate.scheduler.service_rate(now),
             )
         )
         r = self.gate._reject(

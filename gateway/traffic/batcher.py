@@ -147,9 +147,12 @@ class Batcher:
     def queued(self) -> int:
         return sum(len(q) for q in self.queues)
 
-    def queued_ahead(self, prio: int) -> int:
-        """Requests that would be dispatched before a new request of ``prio``."""
-        return sum(len(self.queues[p]) for p in range(prio + 1))
+    def queued_ahead(self, prio: int, model: str | None = None) -> int:
+        """Requests that would be dispatched before a new request of ``prio`` (of ``model``
+        only, when given: the others go to other backends and do not hold it back)."""
+        if model is None:
+            return sum(len(self.queues[p]) for p in range(prio + 1))
+        return sum(1 for p in range(prio + 1) for it in self.queues[p] if it.model == model)
 
     def admits(self, prio: int) -> bool:
         """Whether a new request of ``prio`` fits within its class's share of the queue."""

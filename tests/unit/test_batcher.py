@@ -273,3 +273,15 @@ def test_the_scan_past_a_refused_head_is_bounded() -> None:
     batches = b.dispatch(1.0, lambda u: 0 if u[0].model == "a" else len(u))
     assert batches == []  # b0 is beyond the 16 looked at
     assert len(b.queues[NORMAL]) == 21 and b.queues[NORMAL][-1].handle == "b0"
+
+
+def test_queued_ahead_of_one_model() -> None:
+    b = make()
+    for i in range(5):
+        b.enqueue(Item(NORMAL, "a", 0.0, None, f"a{i}"))
+    b.enqueue(Item(HIGH, "b", 0.0, None, "b0"))
+    b.enqueue(Item(LOW, "b", 0.0, None, "b1"))
+    assert b.queued_ahead(NORMAL) == 6
+    assert b.queued_ahead(NORMAL, "b") == 1  # b1 (low) is behind; model a is not counted
+    assert b.queued_ahead(LOW, "b") == 2
+    assert b.queued_ahead(NORMAL, "c") == 0
