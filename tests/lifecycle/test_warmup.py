@@ -5,7 +5,6 @@ traffic that ramps up over ``slow_start_s`` instead of all at once."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 import openai
@@ -13,20 +12,25 @@ import openai
 from tests.lifecycle.support import admin, history, metric, metric_samples, sdk_kwargs, wait_state
 from tests.support.scripted import Conn, Received, completion_obj
 
+ANSWER_S = 0.3  # the scripted backend's answer time for a warm-up completion
+
 
 def test_warmup_batches_1_2_4_8_before_warm(backends, lc_gateway):
     """Warm-up on (``warmup_batch_shapes`` [1, 2, 4, 8], ``warmup_max_tokens`` 8). The
     backend (scripted: it records arrival times and how many requests it holds at once, and
-    answers each after 0.15 s) receives 15 warm-up completions in four waves of 1, 2, 4 and 8
+    answers each after ``ANSWER_S``) receives 15 warm-up completions in four waves of 1, 2, 4 and 8
     concurrent requests, each wave after the previous one answered, all of them before its
     ``warming -> warm`` transition; no client request reaches it before it is warm. The cold
     start is observed in ``gateway_cold_start_seconds``."""
     seen: list[tuple[float, str, dict]] = []  # (wall time, path, body)
+    answered: dict[int, float] = {}  # index in seen -> wall time just before its answer
 
     async def script(req: Received, conn: Conn) -> None:
         seen.append((time.time(), req.path, req.json() if req.body else {}))
+        i = len(seen) - 1
         if req.path == "/v1/completions":
-            await asyncio.sleep(0.15)
+            await asyncio.sleep(ANSWER_S)
+            answered[i] = time.time()
             await conn.send_json(200, {
                 "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m1",
                 "choices": [{"index": 0, "text": " pong", "logprobs": None,
@@ -43,22 +47,23 @@ def test_warmup_batches_1_2_4_8_before_warm(backends, lc_gateway):
 
     warm_at = next(t["at"] for t in admin(url, "a")["history"] if t["to"] == "warm")
     assert history(url, "a") == [("cold", "warming", "probe_ok"), ("warming", "warm", "ready")]
-    warmups = [(t, b) for t, p, b in seen if p == "/v1/completions"]
+    warmups = [(i, t, b) for i, (t, p, b) in enumerate(seen) if p == "/v1/completions"]
     assert len(warmups) == 15
     assert all(b["prompt"] == "ping" and b["max_tokens"] == 8 and b["temperature"] == 0
-               for _, b in warmups), warmups[:2]
-    waves: list[list[float]] = []
-    for t, _ in warmups:
-        if waves and t - waves[-1][-1] < 0.08:
-            waves[-1].append(t)
+               for _, _, b in warmups), warmups[:2]
+    # A wave starts with a request that arrived after every earlier one was answered; the
+    # rest of a wave arrived while an earlier one was still open (timing-free grouping: a
+    # slow machine spreads a wave's arrivals, never across an answer).
+    waves: list[list[int]] = []
+    for i, t, _ in warmups:
+        if waves and t < max(answered[j] for w in waves for j in w):
+            waves[-1].append(i)
         else:
-            waves.append([t])
-    assert [len(w) for w in waves] == [1, 2, 4, 8], [[round(t - waves[0][0], 3) for t in w]
-                                                      for w in waves]
-    for prev, nxt in itertools.pairwise(waves):
-        assert nxt[0] - prev[-1] >= 0.14  # the next wave waited for the previous answers
+            waves.append([i])
+    assert [len(w) for w in waves] == [1, 2, 4, 8], [
+        [round(seen[j][0] - seen[waves[0][0]][0], 3) for j in w] for w in waves]
     assert a.max_open == 8
-    assert warmups[-1][0] + 0.14 <= warm_at  # the last wave was answered before warm
+    assert max(answered[i] for i, _, _ in warmups) <= warm_at  # all answered before warm
     chats = [t for t, p, _ in seen if p == "/v1/chat/completions"]
     assert chats and min(chats) > warm_at
     m = metric_samples(url)

@@ -352,7 +352,8 @@ def test_disconnect_aborts_request(http: httpx.Client) -> None:
         assert metric(http.get("/metrics").text, "vllm:num_requests_running") == 1
     t0 = time.monotonic()
     while metric(http.get("/metrics").text, "vllm:num_requests_running") != 0:
-        assert time.monotonic() - t0 < 0.5, "running did not drop within 0.5 s"
+        # 3000 tokens take tens of seconds; 3 s leaves room for a loaded machine
+        assert time.monotonic() - t0 < 3.0, "running did not drop within 3 s"
         time.sleep(0.01)
     stats = http.get("/sim/stats").json()
     assert stats["aborted"] == before + 1 and stats["open_requests"] == 0
@@ -364,7 +365,7 @@ def test_non_stream_disconnect_aborts(http: httpx.Client) -> None:
         httpx.post(str(http.base_url) + "/v1/completions", json=body, timeout=0.3)
     t0 = time.monotonic()
     while metric(http.get("/metrics").text, "vllm:num_requests_running") != 0:
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 3.0, "running did not drop within 3 s"
         time.sleep(0.01)
 
 
