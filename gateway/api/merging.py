@@ -8,7 +8,12 @@ Only bodies that the API lets us merge without changing any answer get a merge k
   ``user``, any vLLM extra field), inputs all text or all token ids;
 * completions: not streaming, one choice per prompt (``n`` and ``best_of`` absent or 1),
   every other field equal (so every sampling parameter, seed included), prompts all text
-  or all token ids.
+  or all token ids;
+* and, for both, the same query string and the same forwarded headers (a tenant or routing
+  header the gateway does not know reaches the backend as the client sent it), except the
+  ones that name one request, one client process or a JSON encoding, not what to compute
+  (:data:`PER_REQUEST_HEADERS`, ``x-stainless-*``): the merged request carries the first
+  member's.
 
 Chat and streams are never merged. The split answer keeps the backend's key order and
 compact encoding (vLLM writes JSON with pydantic's compact ``model_dump_json``), so each
@@ -66,8 +71,38 @@ def _inputs(value: Any) -> tuple[str, list[Any]] | None:
     return None
 
 
-def merge_key(endpoint: str, payload: dict[str, Any]) -> Hashable | None:
-    """The key under which ``payload`` may merge with others, or None (never merged)."""
+# Headers that identify one request, one trace or one client process, or how JSON is
+# encoded, not what to compute: members that differ only in these still merge (W3C Trace
+# Context; the SDK's user agent).
+PER_REQUEST_HEADERS = frozenset(
+    {
+        "x-request-id",
+        "traceparent",
+        "tracestate",
+        "user-agent",
+        "accept",
+        "accept-encoding",
+        "content-type",
+    }
+)
+
+
+def route_key(path: str, headers: dict[str, str], request_id_header: str) -> str:
+    """The part of a merge key that comes from the request line and headers: the path with
+    its query and every forwarded header but :data:`PER_REQUEST_HEADERS`, the gateway's
+    request-id header and the OpenAI SDK's ``x-stainless-*`` (retry count, timeout,
+    platform). Requests whose route keys differ are never merged, so no member loses a
+    header it sent."""
+    skip = PER_REQUEST_HEADERS | {request_id_header.lower()}
+    kept = sorted(
+        (k, v) for k, v in headers.items() if k not in skip and not k.startswith("x-stainless-")
+    )
+    return _canon([path, kept])
+
+
+def merge_key(endpoint: str, payload: dict[str, Any], route: str = "") -> Hashable | None:
+    """The key under which ``payload`` may merge with others, or None (never merged).
+    ``route``: :func:`route_key` of the request (path, query, headers)."""
     field = _FIELD.get(endpoint)
     if field is None or payload.get("stream") is True:
         return None
@@ -81,7 +116,7 @@ def merge_key(endpoint: str, payload: dict[str, Any]) -> Hashable | None:
         return None
     rest = {k: v for k, v in payload.items() if k != field}
     try:
-        return (endpoint, shaped[0], _canon(rest))
+        return (endpoint, shaped[0], _canon(rest), route)
     except (TypeError, ValueError):
         return None
 

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
-from gateway.api.merging import EMBEDDINGS, engine_requests, merge_key, part_of
+from gateway.api.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.config import ClientKey
 from gateway.fleet.backend import BackendState
 from gateway.fleet.probes import fetch_models
@@ -346,7 +346,8 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         else:
             ctx.places = seqs
     if gw.batching is not None and gw.batching.merge and not stream:
-        mkey = merge_key(endpoint, payload)
+        up = ctx.upstream
+        mkey = merge_key(endpoint, payload, route_key(up.path, up.headers, idh))
         if mkey is not None:
             ctx.merge_key, ctx.merge_part = mkey, part_of(endpoint, payload)
     try:

@@ -153,6 +153,7 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         state.recent.append(
             {
                 "path": request.url.path,
+                "query": request.url.query,
                 "method": request.method,
                 "headers": dict(request.headers),
                 "body": body,

@@ -137,6 +137,47 @@ def test_different_sampling_params_are_not_merged(sim, batching_gateway) -> None
     assert upstream_count(s, "/v1/completions") - before == N
 
 
+def test_members_with_different_headers_or_query_are_not_merged(sim, batching_gateway) -> None:
+    """Eight concurrent embeddings: tenant ``red`` or ``blue`` (a header the gateway does not
+    know), each with its own W3C ``traceparent``, and two of the red ones with a query
+    string. Only requests with equal headers and query merge (trace context aside), so each
+    upstream request carries the tenant and query its every input was sent with."""
+    s = sim()
+    gw = batching_gateway([("a", s.url, 16)], **MERGING)
+    client = sdk(gw.url)
+    before = len(httpx.get(s.url + "/sim/stats").json()["recent_requests"])
+
+    def call(i: int) -> None:
+        tenant = "red" if i % 2 else "blue"
+        query = {"tag": "q"} if i in (1, 3) else None
+        client.embeddings.create(
+            model=MODEL,
+            input=f"{tenant} {i}",
+            extra_headers={"x-tenant": tenant,
+                           "traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"},
+            extra_query=query,
+        )
+
+    concurrently(call)
+    recent = httpx.get(s.url + "/sim/stats").json()["recent_requests"][before:]
+    sent = [r for r in recent if r["path"] == "/v1/embeddings"]
+    assert len(sent) < N  # requests with equal headers still merged
+    seen_inputs: list[str] = []
+    for r in sent:
+        inputs = r["body"]["input"]
+        inputs = [inputs] if isinstance(inputs, str) else inputs
+        seen_inputs += inputs
+        tenant = r["headers"]["x-tenant"]
+        assert all(x.startswith(tenant + " ") for x in inputs), (tenant, inputs)
+        assert "traceparent" in r["headers"]
+    assert sorted(seen_inputs) == sorted(f"{'red' if i % 2 else 'blue'} {i}" for i in range(N))
+    with_query = {"red 1", "red 3"}
+    for r in sent:
+        inputs = r["body"]["input"]
+        inputs = {inputs} if isinstance(inputs, str) else set(inputs)
+        assert inputs <= with_query if r["query"] == "tag=q" else not inputs & with_query, r
+
+
 def test_failed_merge_is_retried_unmerged(sim, batching_gateway) -> None:
     """One input over the model's length fails the merged request (400): every member is
     sent again alone, so only the bad one fails."""
