@@ -86,6 +86,14 @@ class ServerConfig(_Strict):
         30.0, ge=0, description="On SIGTERM, seconds in-flight requests get to finish."
     )
     request_id_header: str = "x-request-id"
+    keep_alive_s: float = Field(
+        75.0,
+        gt=0,
+        description="seconds an idle client connection stays open: longer than a load "
+        "balancer's idle timeout (AWS ALB 60 s) and a client pool's keep-alive (httpx 5 s), "
+        "so the other side closes first and never reuses a connection as the gateway drops "
+        "it (the race behind intermittent 502s and connection errors)",
+    )
 
 
 class ClientKey(_Strict):

@@ -38,6 +38,7 @@ from gateway.traffic.admission import (
     Prio,
     Saturation,
     Scheduler,
+    as_count,
     clamp_retry_after,
     pool_saturation,
     ratelimit_duration,
@@ -46,6 +47,8 @@ from gateway.traffic.admission import (
 )
 
 log = logging.getLogger("gateway.admission")
+
+LIMITER_SWEEP_MIN = 1024  # limiters kept before full (idle) ones are dropped
 
 _PRIO_NAMES = {Prio.HIGH: "high", Prio.NORMAL: "normal", Prio.LOW: "low"}
 
@@ -98,7 +101,8 @@ class AdmissionGate:
         self.scheduler = Scheduler(
             max_in_flight, a.max_queued, max_wait_s=a.max_queue_wait_s, capacity=capacity
         )
-        self.limiters: dict[str, KeyLimiter] = {}
+        self.limiters: dict[str, KeyLimiter] = {}  # client key name or IP -> its buckets
+        self._sweep_at = LIMITER_SWEEP_MIN
         d = cfg.degraded
         self.degraded = DegradedMode(d.enter_after_s, d.step_s) if d.enabled else None
         # Power layer: draw / budget of the roomiest power domain among a model's routable
@@ -119,7 +123,13 @@ class AdmissionGate:
             return None
         lim = self.limiters.get(name)
         if lim is None:
-            lim = self.limiters[name] = KeyLimiter(rpm, tpm, self.clock())
+            now = self.clock()
+            if len(self.limiters) >= self._sweep_at:
+                # drop the limiters that are full again (exactly like new ones); amortised:
+                # the next sweep waits until the table has doubled
+                self.limiters = {n: x for n, x in self.limiters.items() if not x.full(now)}
+                self._sweep_at = max(LIMITER_SWEEP_MIN, 2 * len(self.limiters))
+            lim = self.limiters[name] = KeyLimiter(rpm, tpm, now)
         return lim
 
     def _reject(
@@ -410,7 +420,7 @@ def cap_max_tokens(payload: dict[str, object], cap: int) -> bytes | None:
         if v is None and field == "max_tokens" and "max_completion_tokens" not in payload:
             payload[field] = cap
             changed = True
-        elif isinstance(v, int) and v > cap:
-            payload[field] = cap
+        elif (c := as_count(v)) is not None and c > cap:
+            payload[field] = cap  # also "3000": vLLM would read it as 3000
             changed = True
     return json.dumps(payload).encode() if changed else None

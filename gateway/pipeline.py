@@ -32,7 +32,7 @@ from gateway.fleet.controller import FleetController
 from gateway.gate import AdmissionGate, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import ClientWatch, Cut, CutHandle, RelayResponse, StreamOutcome
-from gateway.proxy.sse import DONE_TERMINATED, EventFramer, extract_usage
+from gateway.proxy.sse import DONE_TERMINATED, EventFramer, extract_usage, has_event
 from gateway.proxy.upstream import (
     UpstreamFailure,
     UpstreamPool,
@@ -402,8 +402,11 @@ class Pipeline:
     async def _first_events(
         backend: Backend, resp: aiohttp.ClientResponse, framer: EventFramer
     ) -> bytes:
-        """Read until at least one complete event is in (under the caller's TTFB timer)."""
+        """Read until at least one complete event with a field is in (comments alone, such
+        as ``: ping``, do not commit the stream: a failure after them may still be retried),
+        under the caller's TTFB timer."""
         content = resp.content
+        got: list[bytes] = []
         while True:
             chunk = await content.readany()
             if not chunk:
@@ -412,7 +415,9 @@ class Pipeline:
                 )
             out = framer.feed(chunk)
             if out:
-                return out
+                got.append(out)
+                if has_event(out):
+                    return out if len(got) == 1 else b"".join(got)
 
     def _cool(self, backend: Backend, retry_after: str | None, always: bool) -> None:
         """Honour a backend's ``Retry-After``: no request goes to it before then. A 429

@@ -48,7 +48,7 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
         server_header=False,
         lifespan="on",
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=5,
+        timeout_keep_alive=s.keep_alive_s,
     )
 
 

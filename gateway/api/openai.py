@@ -29,7 +29,7 @@ from gateway.gate import Rejected, cap_max_tokens, ratelimit_headers
 from gateway.pipeline import Opened, RequestContext
 from gateway.proxy.relay import ClientWatch, Cut, CutHandle
 from gateway.proxy.upstream import UpstreamRequest, forward_headers
-from gateway.traffic.admission import estimate_tokens
+from gateway.traffic.admission import completion_budget, estimate_tokens
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -59,10 +59,12 @@ def new_request_id() -> str:
 
 
 def sane_request_id(value: bytes | None) -> str:
-    """The client's request id if sane (<= 200 printable chars), else a new one."""
+    """The client's request id if sane (1-200 printable ASCII characters, what RFC 9110
+    field values should be, so it reads the same in every header, log and codec), else a
+    new one."""
     if value:
         rid = value.decode("latin-1")
-        if len(rid) <= 200 and rid.isprintable():
+        if len(rid) <= 200 and rid.isascii() and rid.isprintable():
             return rid
     return new_request_id()
 
@@ -114,6 +116,28 @@ async def read_body(
             "request_timeout",
         ) from None
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+# Bodies larger than this (bytes) are parsed in a worker thread: json.loads of tens of
+# megabytes takes a large part of a second, during which no other request would move.
+PARSE_OFF_LOOP_BYTES = 1 << 20
+
+
+def check_content_encoding(value: bytes | None) -> None:
+    """415 for a compressed request body (``Content-Encoding`` other than ``identity``):
+    the gateway reads the JSON to route it, and vLLM does not accept compressed bodies
+    either (RFC 9110 section 15.5.16)."""
+    if value is None:
+        return
+    coding = value.decode("latin-1").strip().lower()
+    if coding in ("", "identity"):
+        return
+    raise GatewayError(
+        415,
+        f"Request bodies with Content-Encoding '{coding}' are not supported; send "
+        "uncompressed JSON.",
+        code="unsupported_content_encoding",
+    )
 
 
 def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
@@ -250,12 +274,14 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     started = time.perf_counter()
     # one pass over the headers for what the gateway reads
     id_key, session_key_name, priority_key = gw.header_keys
-    authorization = declared = rid_value = session = prio_value = None
+    authorization = declared = rid_value = session = prio_value = encoding = None
     for k, v in scope["headers"]:
         if k == b"authorization":
             authorization = v
         elif k == b"content-length":
             declared = v
+        elif k == b"content-encoding":
+            encoding = v
         elif k == id_key:
             rid_value = v
         elif k == session_key_name:
@@ -268,10 +294,14 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         return _shutting_down(rid, idh)
     try:
         key = check_client_key(gw, authorization)
+        check_content_encoding(encoding)
         body = await read_body(
             receive, declared, cfg.server.max_body_bytes, cfg.server.body_idle_timeout_s
         )
-        payload = parse_payload(body, endpoint)
+        if len(body) > PARSE_OFF_LOOP_BYTES:  # seconds of parsing: not on the event loop
+            payload = await asyncio.to_thread(parse_payload, body, endpoint)
+        else:
+            payload = parse_payload(body, endpoint)
         model: str = payload["model"]
         await check_model(gw, model)
     except GatewayError as e:
@@ -292,11 +322,8 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     if gw.forecasts is not None:
         gw.forecasts.arrive(model, prio)
     if gate.enabled:
-        max_tokens = payload.get("max_tokens", payload.get("max_completion_tokens"))
         est = estimate_tokens(
-            len(body),
-            max_tokens if isinstance(max_tokens, int) else None,
-            cfg.admission.default_max_tokens,
+            len(body), completion_budget(payload), cfg.admission.default_max_tokens
         )
         client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
         try:

@@ -25,6 +25,8 @@ from starlette.responses import Response
 
 from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, responses_error_event
 
+AFTER_DONE_S = 2.0  # s: how long the body's end is awaited after ``[DONE]``
+
 log = logging.getLogger("gateway.proxy")
 
 Receive = Callable[[], Any]
@@ -200,6 +202,10 @@ class RelayResponse(Response):
             loop = asyncio.get_running_loop()
             content = resp.content
             idle = self.idle_timeout_s
+
+            def complete() -> bool:
+                return self.ends_with_done and framer.saw_done
+
             code: str | None = None
             message = ""
             try:
@@ -219,24 +225,28 @@ class RelayResponse(Response):
                             )
                         if not chunk:
                             break
-                        timer.reschedule(loop.time() + idle)
+                        # after [DONE] only the body's end is awaited, briefly
+                        wait = min(idle, AFTER_DONE_S) if complete() else idle
+                        timer.reschedule(loop.time() + wait)
                 if self.ends_with_done and not framer.saw_done:
                     code = "upstream_incomplete"
                     message = (
                         "The backend ended the stream without [DONE]; the answer is incomplete."
                     )
             except TimeoutError:
-                code = "upstream_idle_timeout"
-                message = (
-                    f"The backend sent nothing for {idle:g} s (idle_timeout_s); the stream was "
-                    "closed and the answer is incomplete."
-                )
+                if not complete():
+                    code = "upstream_idle_timeout"
+                    message = (
+                        f"The backend sent nothing for {idle:g} s (idle_timeout_s); the stream "
+                        "was closed and the answer is incomplete."
+                    )
             except (aiohttp.ClientError, ConnectionError) as e:
-                code = "upstream_disconnected"
-                message = (
-                    f"The backend connection broke mid-stream ({type(e).__name__}); the answer "
-                    "is incomplete."
-                )
+                if not complete():  # a break after [DONE] loses nothing
+                    code = "upstream_disconnected"
+                    message = (
+                        f"The backend connection broke mid-stream ({type(e).__name__}); the "
+                        "answer is incomplete."
+                    )
             if code is None:
                 finish(StreamOutcome.OK)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -17,6 +17,9 @@ import json
 import re
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# the end marker as any SSE writer may frame it: ``data:`` then an optional space (the
+# spec strips one), ``[DONE]``, on a line of its own, anywhere in a released block
+_DONE_RE = re.compile(rb"(?m)^data: ?\[DONE\][ \t]*$")
 
 _PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -26,16 +29,18 @@ class EventFramer:
     """Cuts a byte stream into complete SSE events and normalises line endings to LF.
 
     ``feed(chunk)`` returns the bytes of the events completed by ``chunk`` (possibly
-    ``b""``); ``pending`` is the incomplete tail; ``last`` is the last released block
-    (used to find the ``[DONE]`` marker and the usage chunk without parsing every event).
+    ``b""``); ``pending`` is the incomplete tail. Each released block is searched (a
+    substring test first, so ordinary token events cost almost nothing) for the ``[DONE]``
+    marker (``done``: seen at any point, however it was framed, whatever follows it) and
+    for a usage object (the last one seen is kept), without parsing every event.
     """
 
-    __slots__ = ("_buf", "last", "prev")
+    __slots__ = ("_buf", "_usage", "done")
 
     def __init__(self) -> None:
         self._buf = b""
-        self.last = b""
-        self.prev = b""
+        self._usage: tuple[int, int] | None = None
+        self.done = False
 
     @property
     def pending(self) -> bytes:
@@ -57,7 +62,12 @@ class EventFramer:
             out, self._buf = data, hold
         else:
             out, self._buf = data[:end], data[end:] + hold
-        self.prev, self.last = self.last, out
+        if b"[DONE]" in out and _DONE_RE.search(out):
+            self.done = True
+        if b'"usage"' in out:
+            usage = extract_usage(out)
+            if usage is not None:
+                self._usage = usage
         return out
 
     def finish(self) -> bytes:
@@ -69,12 +79,18 @@ class EventFramer:
 
     @property
     def saw_done(self) -> bool:
-        """True when the last released event is ``data: [DONE]``."""
-        return self.last.endswith(DONE_EVENT)
+        """True once a released block held a ``data: [DONE]`` line (``data:[DONE]`` too)."""
+        return self.done
 
     def usage(self) -> tuple[int, int] | None:
         """``(prompt_tokens, completion_tokens)`` from the last usage seen, if any."""
-        return extract_usage(self.prev + self.last)
+        return self._usage
+
+
+def has_event(block: bytes) -> bool:
+    """True when ``block`` (complete events, LF line endings) holds a field line, not only
+    comments (``: ping``) and blank lines: what commits a stream to its backend."""
+    return any(line and not line.startswith(b":") for line in block.split(b"\n"))
 
 
 def extract_usage(body: bytes) -> tuple[int, int] | None:

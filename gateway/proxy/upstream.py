@@ -84,6 +84,16 @@ class UpstreamRequest:
     stream: bool
 
 
+def header_value(raw: bytes) -> str:
+    """A request header's value as the ``str`` aiohttp re-encodes to the same bytes: UTF-8
+    (aiohttp writes header values as UTF-8, so a latin-1 decode would double-encode ``é``);
+    bytes that are not UTF-8 fall back to latin-1."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+
 def forward_headers(
     raw: list[tuple[bytes, bytes]],
     request_id_header: str,
@@ -106,7 +116,7 @@ def forward_headers(
             continue
         if name in _DROP_REQUEST:
             continue
-        value = v.decode("latin-1")
+        value = header_value(v)
         prev = out.get(name)
         out[name] = value if prev is None else f"{prev}, {value}"
     for name in extra_drop:
@@ -122,10 +132,10 @@ def response_headers(
 ) -> list[tuple[bytes, bytes]]:
     """Backend response headers to pass to the client: hop-by-hop, length, and ``own`` (the
     request-id header, which the gateway sets itself) dropped."""
-    extra_drop: set[str] = {own}
+    extra_drop: set[str] = {own.lower()}
     conn = resp.headers.get("connection")
     if conn:
-        extra_drop = {t.strip().lower() for t in conn.split(",")}
+        extra_drop |= {t.strip().lower() for t in conn.split(",")}
     out = []
     for k, v in resp.raw_headers:
         name = k.decode("latin-1").lower()

@@ -60,8 +60,47 @@ def clamp_retry_after(seconds: float) -> float:
 
 def estimate_tokens(body_bytes: int, max_tokens: int | None, default_max_tokens: int) -> int:
     """Tokens a request may cost: prompt estimated at 4 bytes per token (the usual rule of
-    thumb for English BPE vocabularies) plus the completion budget."""
-    return body_bytes // 4 + (max_tokens if max_tokens is not None else default_max_tokens)
+    thumb for English BPE vocabularies) plus the completion budget (never negative)."""
+    budget = max_tokens if max_tokens is not None else default_max_tokens
+    return body_bytes // 4 + max(0, budget)
+
+
+MAX_COUNT = 1 << 31
+
+
+def as_count(value: object) -> int | None:
+    """``value`` read as vLLM's pydantic (lax mode) reads an integer field: an int, an
+    integral float (``3000.0``) or a numeric string (``"3000"``); None otherwise (bools
+    too). Clamped to [0, 2**31]: a negative budget is refused by vLLM, never a credit."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float | str):
+        try:
+            f = float(value)
+        except ValueError:
+            return None
+        if not math.isfinite(f) or not f.is_integer():
+            return None
+        n = int(f)
+    else:
+        return None
+    return min(MAX_COUNT, max(0, n))
+
+
+def completion_budget(payload: dict[str, object]) -> int | None:
+    """The most completion tokens a request body may make (tokens), or None when it sets
+    no budget: the larger of ``max_tokens`` and ``max_completion_tokens`` (vLLM's chat
+    endpoint prefers the second, its completions endpoint reads the first), times the
+    choices ``n`` (each choice has its own budget). Read as vLLM reads them
+    (:func:`as_count`), so ``"3000"`` counts as 3000."""
+    fields = ("max_tokens", "max_completion_tokens")
+    budgets = [c for c in (as_count(payload.get(f)) for f in fields) if c is not None]
+    if not budgets:
+        return None
+    n = as_count(payload.get("n"))
+    return max(budgets) * max(1, n if n is not None else 1)
 
 
 # ---- entry layer ---------------------------------------------------------------------------
@@ -132,6 +171,11 @@ class KeyLimiter:
         self.tpm = tpm
         self.requests = TokenBucket(rpm, 60.0, now) if rpm else None
         self.tokens = TokenBucket(tpm, 60.0, now) if tpm else None
+
+    def full(self, now: float) -> bool:
+        """True when every bucket is full again: this limiter is then the same as a new
+        one, so it may be dropped (a client seen once does not hold memory forever)."""
+        return all(b is None or b.reset_in(now) <= 0.0 for b in (self.requests, self.tokens))
 
     def refund(self, tokens: int, now: float) -> None:
         """Give back what an admitted request was charged, when a later layer refused it

@@ -289,6 +289,27 @@ def test_request_larger_than_the_token_limit_is_not_retried_by_the_sdk(backends,
     assert int(ok.headers["x-ratelimit-remaining-tokens"]) > 150  # the refusal cost nothing
 
 
+@pytest.mark.parametrize(
+    "budget",
+    [{"max_tokens": "1000"}, {"max_tokens": 1, "max_completion_tokens": 1000},
+     {"max_tokens": -5000, "max_completion_tokens": 1000}, {"max_tokens": 100, "n": 10}],
+    ids=["string", "max_completion_tokens", "negative-plus-other", "n-choices"],
+)
+def test_token_limit_counts_every_way_to_ask_for_tokens(backends, gateway, budget):
+    """Each body asks vLLM for 1000 completion tokens, over the key's 300 per minute: each
+    is refused before reaching the backend, and a negative ``max_tokens`` never raises the
+    key's remaining tokens above its limit."""
+    a = backends()
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "tpm": 300}]})
+    h = {"authorization": f"Bearer {KEY}"}
+    url = gw.url + "/v1/chat/completions"
+    r = httpx.post(url, json={**BODY, **budget}, headers=h, timeout=10)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "tokens", r.text
+    assert not a.data_requests
+    r = httpx.post(url, json={**BODY, "max_tokens": -5000}, headers=h, timeout=10)
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 300
+
+
 def test_a_refused_request_does_not_use_the_keys_quota(backends, gateway):
     """rpm 2 and one slot with no queue: while a request holds the slot, two more are
     refused by the scheduler (429); they are given back to the key's quota, so once the

@@ -15,7 +15,9 @@ from gateway.traffic.admission import (
     Saturation,
     Scheduler,
     TokenBucket,
+    as_count,
     clamp_retry_after,
+    completion_budget,
     estimate_tokens,
     pool_saturation,
     ratelimit_duration,
@@ -66,6 +68,32 @@ def test_rejected_check_charges_nothing():
 def test_estimate_tokens():
     assert estimate_tokens(400, 50, 256) == 150
     assert estimate_tokens(400, None, 256) == 356
+
+
+def test_completion_budget_reads_fields_as_vllm_does():
+    """vLLM's pydantic reads ``"3000"`` and ``3000.0`` as 3000, and its chat endpoint
+    prefers ``max_completion_tokens``: the budget is the larger field, times ``n``, never
+    negative (a negative estimate would credit the token bucket)."""
+    assert completion_budget({}) is None
+    assert completion_budget({"max_tokens": "3000"}) == 3000
+    assert completion_budget({"max_tokens": 3000.0}) == 3000
+    assert completion_budget({"max_tokens": 1, "max_completion_tokens": 3000}) == 3000
+    assert completion_budget({"max_tokens": -5000, "max_completion_tokens": 3000}) == 3000
+    assert completion_budget({"max_tokens": -5000}) == 0
+    assert completion_budget({"max_tokens": 100, "n": 4}) == 400
+    assert completion_budget({"max_tokens": 100, "n": "2"}) == 200
+    assert completion_budget({"max_tokens": True}) is None
+    assert completion_budget({"max_tokens": "many"}) is None
+    assert as_count(2.5) is None and as_count(float("nan")) is None and as_count([1]) is None
+    assert estimate_tokens(400, 0, 256) == 100 and estimate_tokens(400, -50, 256) == 100
+
+
+def test_full_limiter_is_like_a_new_one():
+    lim = KeyLimiter(60, 600, 0.0)
+    assert lim.full(0.0)
+    assert lim.check(100, 0.0).admitted and not lim.full(0.0)
+    assert not lim.full(5.0)  # 100 of 600 tokens back after 10 s
+    assert lim.full(10.0)
 
 
 def test_ratelimit_duration_format():
@@ -235,3 +263,28 @@ def test_refund_gives_back_what_a_later_refusal_charged():
     assert v.admitted and v.remaining_requests == 1 and v.remaining_tokens == 600
     lim.refund(10_000, 0.0)
     assert lim.check(1, 0.0).remaining_tokens == 999, "never above capacity"
+
+
+def test_gate_forgets_clients_whose_limits_are_full_again():
+    """Per-client limiters (``default_rpm``, keyed by client IP without keys) are dropped
+    once their buckets are full again, so a stream of one-off clients cannot grow the
+    table without bound; a client still being limited keeps its limiter."""
+    from gateway.config import load_config
+    from gateway.fleet.backend import Fleet
+    from gateway.gate import LIMITER_SWEEP_MIN, AdmissionGate
+    from gateway.metrics import GatewayMetrics
+
+    now = [0.0]
+    cfg = load_config(None, admission={"default_rpm": 60})
+    gate = AdmissionGate(cfg, Fleet(cfg.backends), GatewayMetrics(), clock=lambda: now[0])
+    busy = gate._limiter("busy", None)
+    assert busy is not None
+    for _ in range(60):
+        busy.check(1, now[0])  # used up: a minute to refill
+    for i in range(10 * LIMITER_SWEEP_MIN):
+        now[0] += 0.001
+        lim = gate._limiter(f"10.0.{i // 256}.{i % 256}", None)
+        assert lim is not None
+        lim.check(1, now[0])  # one request each: full again a second later
+    assert len(gate.limiters) <= 2 * LIMITER_SWEEP_MIN + 1
+    assert gate.limiters.get("busy") is busy

@@ -101,3 +101,16 @@ def test_env_typo_in_a_section_name_fails_but_other_tools_variables_pass(monkeyp
     monkeypatch.setenv("LLM_GATEWAY_SERVR__PORT", "9100")
     with pytest.raises(ConfigError, match="LLM_GATEWAY_SERVR__PORT"):
         load_config(None)
+
+
+def test_client_keep_alive_outlasts_load_balancers_and_client_pools():
+    """uvicorn's own default (5 s) equals httpx's pool keep-alive, so a client could reuse
+    a connection just as the gateway closed it; the gateway keeps idle connections longer
+    than an AWS ALB (60 s), and the setting reaches uvicorn."""
+    from gateway.serving import uvicorn_config
+
+    cfg = load_config(None)
+    assert cfg.server.keep_alive_s > 60
+    assert uvicorn_config(object(), cfg).timeout_keep_alive == cfg.server.keep_alive_s
+    cfg = load_config(None, server={"keep_alive_s": 7})
+    assert uvicorn_config(object(), cfg).timeout_keep_alive == 7

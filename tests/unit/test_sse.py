@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, extract_usage
+from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, extract_usage, has_event
 
 
 def feed_all(chunks: list[bytes]) -> tuple[bytes, EventFramer]:
@@ -70,3 +70,30 @@ def test_error_event_shape():
         "error": {"message": "boom", "type": "server_error", "param": None,
                   "code": "upstream_disconnected"}
     }
+
+
+def test_done_marker_however_framed_and_whatever_follows():
+    """``data:[DONE]`` (no space: the SSE spec strips at most one), an extra blank line, a
+    comment or more data after it: the stream finished (a relay that missed these appended
+    an error event and counted the backend as failing)."""
+    tok = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    for tail in (b"data:[DONE]\n\n", b"data: [DONE]\n\n\n", b"data: [DONE]\n\n: bye\n\n",
+                 b"data: [DONE]\n\ndata: {}\n\n", b"data: [DONE] \r\n\r\n"):
+        _, f = feed_all([tok, tail])
+        assert f.saw_done, tail
+    for not_done in (b'data: {"text":"[DONE]"}\n\n', b"data: [DONE]x\n\n", b": [DONE]\n\n"):
+        _, f = feed_all([tok, not_done])
+        assert not f.saw_done, not_done
+
+
+def test_usage_kept_when_events_follow_it():
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    _, f = feed_all([usage, DONE_EVENT, b": keep-alive\n\n", b'data: {"choices":[]}\n\n'])
+    assert f.usage() == (3, 4)
+
+
+def test_comments_alone_are_not_an_event():
+    assert not has_event(b": ping\n\n")
+    assert not has_event(b"\n\n: a\n: b\n\n")
+    assert has_event(b": ping\n\ndata: {}\n\n")
+    assert has_event(b"event: error\n\n")
