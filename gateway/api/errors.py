@@ -1,8 +1,9 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
 
 Status codes follow OpenAI's API: 400 bad request, 401 bad key, 404 unknown model or
-route, 405 wrong method, 413 body too large, 429 rate limited (with ``retry-after``),
-502 backend failure, 503 nothing can serve now (with ``retry-after``), 504 backend timeout.
+route, 405 wrong method, 413 body too large, 415 compressed body, 429 rate limited (with
+``retry-after``), 502 backend failure, 503 nothing can serve now (with ``retry-after``),
+504 backend timeout.
 A client mistake is never answered with a 5xx: SDKs retry 5xx, which turns bad input into a
 retry storm (cases BUG-07 in ../shared/cases).
 """
