@@ -150,6 +150,7 @@ class _Waiter:
     backend: Backend | None = None
     deadline: asyncio.Timeout | None = None  # the queue timeout, while it is queued
     riding: bool = False  # dispatched in a merged request: out of the queue
+    reserved: str | None = None  # the backend kept for it to drain (it needs several places)
 
     def dispatched(self) -> None:
         """Its queue wait is over (it rides in a merged request): no queue timeout now;
@@ -203,6 +204,12 @@ class BatchDispatcher:
         self.pending: dict[str, int] = {}  # bound at dispatch, attempt not started yet
         # merge window: embeddings upstream requests in flight per (backend id, merge key)
         self.merge_flight: dict[Hashable, int] = {}
+        # backend id -> the request it is kept for: a request that needs several places
+        # (prompts x n) and found none with room for its wait budget; nothing of its
+        # priority or lower is bound there until it is placed or gone, so the backend
+        # drains to fit it (EASY backfilling's reservation, Lifka 1995). Without it, the
+        # single-place requests behind it took every freed place and it starved.
+        self.kept_for: dict[str, _Waiter] = {}
         self._merge_window = b.merge_window
         self._now = 0.0  # the pump's clock reading, for _bind
         self._nagle_at = math.inf  # when a held group ripens (its wait budget ends)
@@ -455,10 +462,12 @@ class BatchDispatcher:
             )
         flight = self.merge_flight
         need = 1 if endpoint == merging.EMBEDDINGS else ctx.places
+        prio = unit[0].prio
+        open_ = [c for c in cands if self._open_to(c, w, prio)]
         b = self.router.pick(
             [
                 c
-                for c in cands
+                for c in open_
                 if self._fits(c, need) and (not windowed or flight.get((c.id, key), 0) < limit)
             ],
             ctx.session_key,
@@ -466,7 +475,13 @@ class BatchDispatcher:
         if b is None:
             if windowed and limit == 1:  # wake when it ripens
                 self._nagle_at = min(self._nagle_at, ripe_at)
+            if need > 1:
+                self._keep_backend(unit[0], open_)
             return 0
+        if w.reserved is not None:  # placed: its kept backend is free again
+            if self.kept_for.get(w.reserved) is w:
+                del self.kept_for[w.reserved]
+            w.reserved = None
         took, places = len(unit), 1
         if endpoint != merging.EMBEDDINGS:
             room = max(self._room(b), need)  # an idle backend takes the first one anyway
@@ -484,6 +499,32 @@ class BatchDispatcher:
             flight[slot] = flight.get(slot, 0) + 1
             ctx.merge_slot = slot
         return took
+
+    def _open_to(self, b: Backend, w: _Waiter, prio: int) -> bool:
+        """Whether ``b`` may take ``w``'s request (of bucket ``prio``): it is not kept for
+        another queued request of the same or a more urgent bucket."""
+        kept = self.kept_for.get(b.id)
+        if kept is None or kept is w:
+            return True
+        if kept.fut.done() or kept.riding:  # placed, timed out, evicted or gone
+            del self.kept_for[b.id]
+            kept.reserved = None
+            return True
+        return prio < kept.ctx.priority
+
+    def _keep_backend(self, head: Item, cands: list[Backend]) -> None:
+        """``head`` needs several places and none of ``cands`` has them: once it has waited
+        its wait budget, keep the candidate with the most room for it (one per request)."""
+        w: _Waiter = head.handle
+        if w.reserved is not None or self._now - head.enqueued_at < self.core.wait_budget(
+            head.prio
+        ):
+            return
+        free = [c for c in cands if c.id not in self.kept_for]
+        if free:
+            b = max(free, key=self._room)
+            self.kept_for[b.id] = w
+            w.reserved = b.id
 
     def _unreserve(self, b: Backend, n: int = 1) -> None:
         left = self.pending.get(b.id, 0) - n
@@ -532,27 +573,10 @@ class BatchDispatcher:
 
         first = live[0].ctx
         endpoint = first.endpoint
-        parts = [w.ctx.merge_part for w in live]
-        headers = dict(first.upstream.headers)
-        headers["accept-encoding"] = "identity"  # the answer is parsed to be split
-        mctx = RequestContext(
-            endpoint=endpoint,
-            model=first.model,
-            stream=False,
-            upstream=UpstreamRequest(
-                "POST",
-                first.upstream.path,
-                headers,
-                merging.merged_body(endpoint, parts),
-                False,
-            ),
-            request_id=first.request_id,
-            cut=CutHandle(),
-            priority=first.priority,
-            merge_slot=slot,
-            places=1 if embeddings else sum(w.ctx.places for w in live),
-            pooled_extra=sum(w.ctx.pooled_extra + 1 for w in live) - 1 if embeddings else 0,
-        )
+        answers: list[bytes] | None = None
+        shared: list[tuple[bytes, bytes]] = []  # the backend's answer headers, for each
+        outcome = "unmerged"
+        mctx: RequestContext | None = None
         # every member gone (their clients hung up): stop the upstream request too
         me = asyncio.current_task()
         waiting = [len(live)]
@@ -563,14 +587,37 @@ class BatchDispatcher:
                 if waiting[0] == 0 and me is not None:
                     me.cancel()
 
-        for w in live:
-            w.fut.add_done_callback(gone)
-        answers: list[bytes] | None = None
-        shared: list[tuple[bytes, bytes]] = []  # the backend's answer headers, for each
-        outcome = "unmerged"
-        # the pipeline counts it in flight right now (no await)
-        self._unreserve(backend, reserved)
         try:
+            # Whatever fails from here on (building the merged body too), every member is
+            # answered: its share, or sent again alone; the reservation and the window's
+            # slot are given back.
+            parts = [w.ctx.merge_part for w in live]
+            headers = dict(first.upstream.headers)
+            headers["accept-encoding"] = "identity"  # the answer is parsed to be split
+            mctx = RequestContext(
+                endpoint=endpoint,
+                model=first.model,
+                stream=False,
+                upstream=UpstreamRequest(
+                    "POST",
+                    first.upstream.path,
+                    headers,
+                    merging.merged_body(endpoint, parts),
+                    False,
+                ),
+                request_id=first.request_id,
+                cut=CutHandle(),
+                priority=first.priority,
+                merge_slot=slot,
+                places=1 if embeddings else sum(w.ctx.places for w in live),
+                pooled_extra=sum(w.ctx.pooled_extra + 1 for w in live) - 1 if embeddings else 0,
+            )
+            slot = None  # now mctx's
+            for w in live:
+                w.fut.add_done_callback(gone)
+            # the pipeline counts it in flight right now (no await)
+            self._unreserve(backend, reserved)
+            reserved = 0
             res = await self.pipeline.open(mctx, bound=backend)
             if isinstance(res, Opened):
                 resp = self.pipeline.finish_body(mctx, res)
@@ -587,7 +634,11 @@ class BatchDispatcher:
         except Exception:
             log.exception("merged %s request failed; retrying unmerged", endpoint)
         finally:
-            self._merge_release(mctx)  # (already, when the pipeline released its slot)
+            if reserved:  # never sent: the backend's reservation goes back
+                self._give_back(backend, places=reserved)
+            self._merge_release_slot(slot)
+            if mctx is not None:
+                self._merge_release(mctx)  # (already, when the pipeline released its slot)
             self.metrics.merged_requests.labels(endpoint, outcome).inc(len(live))
             for i, w in enumerate(live):
                 if not w.fut.done():

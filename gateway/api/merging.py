@@ -33,6 +33,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.traffic.admission import as_count
+
 EMBEDDINGS = "/v1/embeddings"
 COMPLETIONS = "/v1/completions"
 _FIELD = {EMBEDDINGS: "input", COMPLETIONS: "prompt"}
@@ -114,11 +116,24 @@ def merge_key(endpoint: str, payload: dict[str, Any], route: str = "") -> Hashab
     shaped = _inputs(payload.get(field))
     if shaped is None:
         return None
+    if shaped[0] == "text" and not all(_encodable(x) for x in shaped[1]):
+        return None  # a lone surrogate ("\ud800", legal JSON): alone, it fails alone
     rest = {k: v for k, v in payload.items() if k != field}
     try:
         return (endpoint, shaped[0], _canon(rest), route)
     except (TypeError, ValueError):
         return None
+
+
+def _encodable(text: str) -> bool:
+    """True when ``text`` is valid Unicode text (UTF-8 encodable: no lone surrogates)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def key_endpoint(key: Hashable | None) -> str | None:
@@ -185,10 +200,16 @@ def _size(x: Any) -> float:
     return float(len(x)) if isinstance(x, list) else float(len(x.encode()))
 
 
-def _usage(usage: Any, prompt: int, completion: int | None) -> dict[str, Any]:
-    """A copy of ``usage`` (key order kept) with this member's counts."""
+def _usage(
+    usage: Any, prompt: int, completion: int | None, cached: int | None = None
+) -> dict[str, Any]:
+    """A copy of ``usage`` (key order kept) with this member's counts; ``cached``: its
+    share of ``prompt_tokens_details.cached_tokens`` (vLLM's
+    ``--enable-prompt-tokens-details``), which would otherwise exceed its own prompt."""
     out = dict(usage)
     out["prompt_tokens"] = prompt
+    if cached is not None:
+        out["prompt_tokens_details"] = {**usage["prompt_tokens_details"], "cached_tokens": cached}
     if completion is not None and "completion_tokens" in out:
         out["completion_tokens"] = completion
     if "total_tokens" in out:
@@ -218,10 +239,16 @@ def split_answer(endpoint: str, body: bytes, parts: Sequence[Part]) -> list[byte
     usage = answer.get("usage")
     prompt_shares: list[int] | None = None
     completion_shares: list[int] | None = None
+    cached_shares: list[int] | None = None
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         prompt_shares = _prompt_shares(usage["prompt_tokens"], parts)
         if endpoint == COMPLETIONS and isinstance(usage.get("completion_tokens"), int):
             completion_shares = _completion_shares(usage["completion_tokens"], by_index, parts)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            cached_shares = apportion(
+                min(details["cached_tokens"], usage["prompt_tokens"]), prompt_shares
+            )
     out: list[bytes] = []
     offset = 0
     for m, c in enumerate(counts):
@@ -238,30 +265,57 @@ def split_answer(endpoint: str, body: bytes, parts: Sequence[Part]) -> list[byte
         member[key] = mine
         if prompt_shares is not None:
             member["usage"] = _usage(
-                usage, prompt_shares[m], None if completion_shares is None else completion_shares[m]
+                usage,
+                prompt_shares[m],
+                None if completion_shares is None else completion_shares[m],
+                None if cached_shares is None else cached_shares[m],
             )
         out.append(_dumps(member).encode())
     return out
 
 
+BYTES_PER_TOKEN = 4.0  # English text with BPE vocabularies (OpenAI's tokenizer guide)
+
+
 def _prompt_shares(total: int, parts: Sequence[Part]) -> list[int]:
-    """Prompt tokens per member: every input has at least one token, the rest in proportion
-    to each input's size beyond its first token (exact for token-id inputs; text by bytes,
-    so a short text merged with a long one is never given 0)."""
-    floors = [len(p.inputs) for p in parts]
-    if total < sum(floors):  # not one token per input: plain proportions
-        return apportion(total, [sum(_size(x) for x in p.inputs) for p in parts])
-    weights = [sum(max(0.0, _size(x) - 1) for x in p.inputs) for p in parts]
-    return [f + s for f, s in zip(floors, apportion(total - sum(floors), weights), strict=True)]
+    """Prompt tokens per member, adding up to ``total``: each input costs a fixed number of
+    tokens (the special tokens a tokenizer adds to every input: BOS, or CLS and SEP) plus
+    its size. Token-id inputs are their own size, so the fixed part is what is left over
+    per input (exact when ids are sent as is); text is ``BYTES_PER_TOKEN`` bytes per token,
+    the fixed part again what the total leaves per input, at least 1 token and at most an
+    equal share. So a one-character input merged with a long text costs its few tokens,
+    not a share of the long text's (it was billed ~20x before)."""
+    inputs = [x for p in parts for x in p.inputs]
+    k = len(inputs)
+    sizes = [_size(x) for x in inputs]
+    tokens = isinstance(inputs[0], list)
+    per_token = 1.0 if tokens else BYTES_PER_TOKEN
+    scaled = sum(sizes) / per_token
+    lo = 1.0 if total >= k and not tokens else 0.0
+    fixed = min(max((total - scaled) / k, lo), total / k)
+    rest = total - fixed * k
+    size_sum = sum(sizes)
+    weights: list[float] = []
+    i = 0
+    for p in parts:
+        w = 0.0
+        for _ in p.inputs:
+            w += fixed + (rest * sizes[i] / size_sum if size_sum > 0 else rest / k)
+            i += 1
+        weights.append(w)
+    return apportion(total, weights)
 
 
 def _completion_shares(
     total: int, by_index: dict[int, dict[str, Any]], parts: Sequence[Part]
 ) -> list[int]:
     """Completion tokens per member: ``max_tokens`` for each choice that stopped by
-    ``length`` (exact), the rest by the text length of the other choices."""
-    max_tokens = parts[0].payload.get("max_tokens")
-    max_tokens = max_tokens if isinstance(max_tokens, int) else 16  # vLLM's default
+    ``length`` (exact), the rest by the text length of the other choices (without the
+    prompt that ``echo`` puts in front of it)."""
+    payload = parts[0].payload
+    max_tokens = as_count(payload.get("max_tokens"))
+    max_tokens = max_tokens if max_tokens is not None else 16  # vLLM's default
+    echo = payload.get("echo") is True
     fixed = [0] * len(parts)
     weights = [0.0] * len(parts)
     offset = 0
@@ -272,7 +326,11 @@ def _completion_shares(
                 fixed[m] += max_tokens
             else:
                 text = ch.get("text")
-                weights[m] += len(text) if isinstance(text, str) else 0
+                n = len(text) if isinstance(text, str) else 0
+                prompt = p.inputs[j]
+                if echo and isinstance(prompt, str):
+                    n = max(0, n - len(prompt))
+                weights[m] += n
         offset += len(p.inputs)
     rest = total - sum(fixed)
     if rest < 0:  # clipped by max_model_len: fall back to text lengths for everything

@@ -396,10 +396,11 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             return Response(status_code=499)
         metrics.count_request(endpoint, model, 503)
         return _shutting_down(rid, idh)
-    if not isinstance(opened, Opened):
+    if not isinstance(opened, Opened):  # a merged request's share, or a final refusal
         watch.stop()
         gate.release(ticket)
         metrics.count_request(endpoint, model, opened.status_code)
+        metrics.observe_duration(endpoint, time.perf_counter() - started)
         return opened
     if opened.framer is not None:
         return gw.pipeline.relay(ctx, opened, watch)

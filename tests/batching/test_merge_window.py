@@ -255,3 +255,46 @@ def test_merged_members_keep_the_backend_headers(sim, batching_gateway) -> None:
         assert expected <= {k.lower() for k in r.headers}
         assert r.headers["x-request-id"] == f"member-{i}"
         assert int(r.headers["content-length"]) == len(r.content)
+
+
+def test_a_request_needing_many_places_is_not_starved_by_small_ones(
+    sim, batching_gateway
+) -> None:
+    """One backend of 8 places, kept full by 16 closed-loop chat clients (one place each).
+    A completions request of 9 prompts needs the whole backend (more than its capacity:
+    only an idle backend takes it). Once it has waited its wait budget, the backend is
+    kept for it: the small requests stop taking the places that free, it drains, and the
+    big request is served, long before the queue timeout (it got 429 "No capacity freed
+    within 10 s" when every freed place went to the small requests behind it)."""
+    s = sim(max_num_seqs=8)
+    gw = batching_gateway([("a", s.url, 8)], **PREDICTIVE)
+    client = sdk(gw.url)
+    stop = threading.Event()
+    served = [0]
+
+    def chat() -> None:
+        c = sdk(gw.url)
+        while not stop.is_set():
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                      max_tokens=20, extra_body={"ignore_eos": True})
+            served[0] += 1
+
+    threads = [threading.Thread(target=chat, daemon=True) for _ in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)  # the backend is full, the queue never empty
+        t0 = time.monotonic()
+        r = client.completions.create(model=MODEL, prompt=[[50 + i] * 3 for i in range(9)],
+                                      max_tokens=5, extra_body={"ignore_eos": True})
+        took = time.monotonic() - t0
+        assert len(r.choices) == 9
+        assert took < 5.0, took  # the queue timeout is 10 s
+        time.sleep(0.5)
+        before = served[0]
+        time.sleep(1.0)
+        assert served[0] > before  # the small requests flow again afterwards
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)

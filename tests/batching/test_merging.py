@@ -17,6 +17,7 @@ import openai
 
 from gateway.sim import SimServerThread
 from tests.batching.conftest import MODEL
+from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread
 
 N = 8
@@ -79,6 +80,10 @@ def test_embeddings_merged_and_split_exactly(sim, batching_gateway) -> None:
         assert normalised(body) == normalised(alone.content)
     merged_total = httpx.get(gw.url + "/metrics").text
     assert 'gateway_merged_requests_total{endpoint="/v1/embeddings",outcome="ok"}' in merged_total
+    # every member's duration is observed, merged or not (dashboards missed the merged ones)
+    assert f'gateway_request_duration_seconds_count{{endpoint="/v1/embeddings"}} {N}.0' in (
+        merged_total
+    )
 
 
 def test_text_embeddings_base64_split(sim, batching_gateway) -> None:
@@ -176,6 +181,57 @@ def test_members_with_different_headers_or_query_are_not_merged(sim, batching_ga
         inputs = r["body"]["input"]
         inputs = {inputs} if isinstance(inputs, str) else set(inputs)
         assert inputs <= with_query if r["query"] == "tag=q" else not inputs & with_query, r
+
+
+def batcher_is_empty(gw: GatewayThread) -> bool:
+    """Nothing reserved, in a merge window or queued in the gateway's batcher."""
+    b = gw.gateway.batching
+    assert b is not None
+    return not b.pending and not b.merge_flight and b.core.queued == 0
+
+
+def test_a_lone_surrogate_fails_alone_and_its_neighbours_answer(sim, batching_gateway) -> None:
+    """``"\\ud800"`` is legal JSON but not text: one such input among seven good ones. It
+    is never merged (its merged body could not even be written as UTF-8, which left every
+    member of its merge waiting forever and the batcher's reservations held), so it gets
+    the backend's own answer alone and the seven get theirs."""
+    s = sim()
+    gw = batching_gateway([("a", s.url, 16)], **MERGING)
+    bad = b'{"model":"%s","input":"bad \\ud800 x"}' % MODEL.encode()
+    alone = httpx.post(s.url + "/v1/embeddings", content=bad,
+                       headers={"content-type": "application/json"}, timeout=10)
+
+    def call(i: int) -> httpx.Response:
+        body = bad if i == 0 else json.dumps({"model": MODEL, "input": f"good {i}"}).encode()
+        return httpx.post(gw.url + "/v1/embeddings", content=body,
+                          headers={"content-type": "application/json"}, timeout=20)
+
+    got = concurrently(call)
+    assert got[0].status_code == alone.status_code
+    assert [r.status_code for r in got[1:]] == [200] * (N - 1)
+    assert wait_for(lambda: batcher_is_empty(gw))
+
+
+def test_a_merge_that_cannot_be_built_answers_every_member(
+    sim, batching_gateway, monkeypatch
+) -> None:
+    """Whatever fails while the merged request is built, each member is sent alone and
+    answered, and the batcher's reservations are given back (fault injected into the
+    merged body writer; the gateway runs in this process)."""
+    from gateway.api import merging
+
+    def broken(endpoint: str, parts: Any) -> bytes:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(merging, "merged_body", broken)
+    s = sim()
+    gw = batching_gateway([("a", s.url, 16)], **MERGING)
+    client = sdk(gw.url)
+    before = upstream_count(s, "/v1/embeddings")
+    got = concurrently(lambda i: client.embeddings.create(model=MODEL, input=f"x {i}"))
+    assert all(len(r.data) == 1 for r in got)
+    assert upstream_count(s, "/v1/embeddings") - before == N  # each alone
+    assert wait_for(lambda: batcher_is_empty(gw))
 
 
 def test_failed_merge_is_retried_unmerged(sim, batching_gateway) -> None:

@@ -29,3 +29,33 @@ def test_a_short_text_beside_a_long_one_gets_a_token() -> None:
     parts = [Part({}, ["a"]), Part({}, ["x" * 11_000])]
     got = shares(parts, 2751)
     assert got[0] >= 1 and sum(got) == 2751
+
+
+def test_per_input_special_tokens_stay_with_their_inputs() -> None:
+    """The review's case: 200 one-character inputs (2 tokens each alone: BOS + 1) merged
+    with one sentence (9 tokens alone). Billed by bytes only, the sentence got 204 tokens;
+    it must get about its own 9, and the 200 inputs about their 400."""
+    parts = [Part({}, ["s"] * 200), Part({}, ["The quick brown fox jumps over the dog."])]
+    a, b = shares(parts, 409)
+    assert a + b == 409
+    assert 395 <= a <= 404 and 5 <= b <= 14, (a, b)
+
+
+def test_token_inputs_with_a_fixed_cost_per_input() -> None:
+    """Token-id inputs to a model that adds CLS and SEP: 2 more per input, still exact."""
+    parts = [Part({}, [[1]]), Part({}, [[1, 2, 3], [4, 5]]), Part({}, [[9] * 7])]
+    assert shares(parts, 13 + 2 * 4) == [3, 9, 9]
+
+
+def test_cached_tokens_are_shared_like_the_prompt() -> None:
+    """vLLM's ``prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``)
+    is split like the prompt tokens: no member is told more of its prompt was cached than
+    its prompt, and the shares add up."""
+    parts = [Part({}, [[1, 2]]), Part({}, [[3] * 8])]
+    body = json.loads(answer(2, 10))
+    body["usage"]["prompt_tokens_details"] = {"cached_tokens": 8}
+    out = [json.loads(b)["usage"] for b in split_answer(EMBEDDINGS, json.dumps(body).encode(),
+                                                        parts)]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in out]
+    assert sum(cached) == 8
+    assert all(c <= u["prompt_tokens"] for c, u in zip(cached, out, strict=True))
