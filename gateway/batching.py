@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import Response
 
 from gateway.api import merging
+from gateway.api.errors import shutting_down_response
 from gateway.config import GatewayConfig
 from gateway.fleet.backend import Backend
 from gateway.metrics import GatewayMetrics
@@ -83,6 +84,10 @@ _UNMERGED = object()  # a merge failed: send this member again, alone
 
 class _Evicted(Exception):
     """A queued request lost its place to a more urgent one."""
+
+
+class _ShuttingDown(Exception):
+    """The gateway is shutting down: a queued request is answered 503 at once."""
 
 
 def forecast_params(cfg: GatewayConfig) -> ForecastParams:
@@ -210,6 +215,7 @@ class BatchDispatcher:
         # drains to fit it (EASY backfilling's reservation, Lifka 1995). Without it, the
         # single-place requests behind it took every freed place and it starved.
         self.kept_for: dict[str, _Waiter] = {}
+        self.shut = False  # shutting down: nothing more is queued or dispatched
         self._merge_window = b.merge_window
         self._now = 0.0  # the pump's clock reading, for _bind
         self._nagle_at = math.inf  # when a held group ripens (its wait budget ends)
@@ -242,6 +248,8 @@ class BatchDispatcher:
         core = self.core
         prio = ctx.priority
         now = self.clock()
+        if self.shut:  # (a merged request's member, sent back to be sent alone)
+            return self._shutting_down(ctx)
         if core.blocked:  # requests already wait for room: would this one wait too long?
             wait = self._predicted_wait(prio, ctx.model, now)
             if wait > self.queue_timeout_s:
@@ -282,6 +290,8 @@ class BatchDispatcher:
                         f"{self.queue_timeout_s:g} s (admission.max_queue_wait_s).",
                         self.clock(),
                     )
+            except _ShuttingDown:
+                return self._shutting_down(ctx)
             except _Evicted:
                 return self._reject(
                     ctx,
@@ -300,6 +310,23 @@ class BatchDispatcher:
             # the pipeline counts it in flight right now (no await)
             self._unreserve(got, ctx.places)
         return got
+
+    def shed_queued(self) -> int:
+        """Shutdown: nothing more is dispatched; every queued request gets 503
+        ``gateway_shutting_down`` now (never sent, so another instance can take it), and so
+        does a merged request's member that would be sent again alone. Returns how many."""
+        self.shut = True
+        items = self.core.take_all()
+        for it in items:
+            fut = it.handle.fut
+            if not fut.done():
+                fut.set_exception(_ShuttingDown())
+        return len(items)
+
+    def _shutting_down(self, ctx: RequestContext) -> Response:
+        r = shutting_down_response(ctx.request_id, self.cfg.server.request_id_header)
+        r.raw_headers.extend(ctx.extra_headers)
+        return r
 
     def _predicted_wait(self, prio: int, model: str, now: float) -> float:
         """Seconds until a new request of ``prio`` for ``model`` would be dispatched: the

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
-from gateway.api.errors import error_body, retry_after_headers
+from gateway.api.errors import error_body, retry_after_headers, shutting_down_response
 from gateway.config import ClientKey, GatewayConfig
 from gateway.fleet.backend import Backend, BackendState, Fleet
 from gateway.metrics import GatewayMetrics
@@ -340,6 +340,10 @@ class AdmissionGate:
                 verdict,
                 request_id,
             ) from None
+        except _ShuttingDown:
+            raise Rejected(
+                shutting_down_response(request_id, self.cfg.server.request_id_header)
+            ) from None
         except _Evicted:
             raise self._reject(
                 "scheduler",
@@ -359,6 +363,16 @@ class AdmissionGate:
         granted = self.clock()
         self.metrics.queue_wait.labels(_PRIO_NAMES[prio]).observe(granted - started)
         return Ticket(prio, granted)
+
+    def shed_queued(self) -> int:
+        """Shutdown: every request waiting in the queue gets 503 ``gateway_shutting_down``
+        now (it was never sent, so another instance can take it). Returns how many."""
+        waiters = self.scheduler.take_all()
+        for w in waiters:
+            assert isinstance(w, asyncio.Future)
+            if not w.done():
+                w.set_exception(_ShuttingDown())
+        return len(waiters)
 
     def release(self, ticket: Ticket | None) -> None:
         """The request holding ``ticket`` ended: its slot goes to the next waiter."""
@@ -395,6 +409,10 @@ class AdmissionGate:
 
 class _Evicted(Exception):
     """A queued waiter lost its place to a more urgent request."""
+
+
+class _ShuttingDown(Exception):
+    """The gateway is shutting down: a queued waiter is answered 503 at once."""
 
 
 def ratelimit_headers(v: EntryVerdict) -> dict[str, str]:

@@ -130,6 +130,7 @@ class Pipeline:
         self.id_header = cfg.server.request_id_header.lower()
         r = cfg.retry
         self.retry = RetryPolicy(r.backoff_base_s, r.backoff_max_s)
+        self.shutting_down = False  # the shutdown's grace period is over: no new attempt
         self.budget = RetryBudget(
             r.budget_ratio, r.budget_window_s, r.budget_min_per_s, controller.clock
         )
@@ -220,6 +221,8 @@ class Pipeline:
         if not self._may_retry(last, len(tried), max_attempts):
             return self._give_up(ctx, last)
         await self.retry.pause()
+        if self.shutting_down:  # the grace period ended during the pause
+            return self._give_up(ctx, last)
 
         def may_retry(e: BaseException) -> bool:
             return isinstance(e, UpstreamFailure) and self._may_retry(e, len(tried), max_attempts)
@@ -240,7 +243,7 @@ class Pipeline:
         return self._give_up(ctx, last)
 
     def _may_retry(self, f: UpstreamFailure, attempts: int, max_attempts: int) -> bool:
-        if not should_retry(f.kind, attempts, max_attempts):
+        if self.shutting_down or not should_retry(f.kind, attempts, max_attempts):
             return False
         if self.budget.try_spend():
             return True

@@ -53,20 +53,42 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
 
 
 def in_flight(gw: Gateway) -> int:
+    """Requests the gateway still owes an answer beyond its queues: sent to a backend."""
     return sum(b.in_flight for b in gw.fleet.backends)
 
 
+def queued(gw: Gateway) -> int:
+    """Requests waiting in the admission queue or the batcher's buckets."""
+    n = gw.gate.scheduler.queued
+    if gw.batching is not None:
+        n += gw.batching.core.queued
+    return n
+
+
 async def graceful_shutdown(gw: Gateway, grace_s: float, poll_s: float = 0.05) -> None:
-    """Stop taking requests, let in-flight ones finish within ``grace_s`` seconds, then end
-    the rest (streams get an error event and ``[DONE]``)."""
+    """Stop taking requests, let in-flight and queued ones finish within ``grace_s``
+    seconds, then end the rest: no new attempt starts (no retry), queued requests get 503
+    ``gateway_shutting_down`` (never sent, so another instance can take them), and streams
+    get an error event and ``[DONE]``. Every request is answered before uvicorn's own
+    shutdown timeout, so none gets its bare 500."""
     gw.shutting_down = True
-    left = in_flight(gw)
-    log.warning("shutting down: /ready is 503; %d request(s) in flight get %g s", left, grace_s)
+    log.warning(
+        "shutting down: /ready is 503; %d request(s) in flight and %d queued get %g s",
+        in_flight(gw),
+        queued(gw),
+        grace_s,
+    )
     deadline = time.monotonic() + grace_s
-    while in_flight(gw) > 0 and time.monotonic() < deadline:
+    while (in_flight(gw) > 0 or queued(gw) > 0) and time.monotonic() < deadline:
         await asyncio.sleep(poll_s)
-    if in_flight(gw) > 0:
-        log.warning("grace period over: ending %d request(s)", in_flight(gw))
+    gw.pipeline.shutting_down = True
+    shed = gw.gate.shed_queued() + (gw.batching.shed_queued() if gw.batching else 0)
+    if shed or in_flight(gw) > 0:
+        log.warning(
+            "grace period over: %d queued request(s) refused, ending %d in flight",
+            shed,
+            in_flight(gw),
+        )
         for b in gw.fleet.backends:
             for handle in list(b.active):
                 handle.cut(Cut.SHUTDOWN)

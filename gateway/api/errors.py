@@ -159,3 +159,18 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+def shutting_down_response(request_id: str | None, id_header: str = "x-request-id") -> Response:
+    """503 ``gateway_shutting_down`` with ``retry-after`` 1 s: the answer to a request that
+    arrives, or still waits in a queue, once the gateway is shutting down (a load balancer
+    or the SDK sends it to another instance)."""
+    return error_response(
+        503,
+        "The gateway is shutting down; retry on another instance.",
+        SERVER_ERROR,
+        "gateway_shutting_down",
+        retry_after_s=1,
+        request_id=request_id,
+        id_header=id_header,
+    )

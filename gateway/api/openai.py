@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, GatewayError, error_response
+from gateway.api.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    GatewayError,
+    error_response,
+    shutting_down_response,
+)
 from gateway.api.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.config import ClientKey
 from gateway.fleet.backend import BackendState
@@ -250,15 +256,7 @@ def log_refusal(e: GatewayError, endpoint: str, request_id: str) -> None:
 
 
 def _shutting_down(rid: str, idh: str) -> Response:
-    return error_response(
-        503,
-        "The gateway is shutting down; retry on another instance.",
-        SERVER_ERROR,
-        "gateway_shutting_down",
-        retry_after_s=1,
-        request_id=rid,
-        id_header=idh,
-    )
+    return shutting_down_response(rid, idh)
 
 
 async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Response:
@@ -330,7 +328,7 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             ticket, verdict = await gate.admit(model, client, key, prio, est, len(body) // 4, rid)
         except Rejected as r:
             watch.stop()
-            metrics.count_request(endpoint, model, 429)
+            metrics.count_request(endpoint, model, r.response.status_code)
             return r.response
         except asyncio.CancelledError:
             watch.stop()

@@ -375,6 +375,13 @@ class Scheduler:
                 return self.queues[p].pop()
         return None
 
+    def take_all(self) -> list[object]:
+        """Remove and return every queued waiter, most urgent first (shutdown)."""
+        out = [w for q in self.queues for w in q]
+        for q in self.queues:
+            q.clear()
+        return out
+
     def cancel(self, prio: Prio, waiter: object) -> None:
         """A waiter gave up (timeout, client gone)."""
         try:

@@ -172,6 +172,14 @@ class Batcher:
                 return item
         return None
 
+    def take_all(self) -> list[Item]:
+        """Remove and return every queued request, most urgent first (shutdown)."""
+        out = [it for q in self.queues for it in q]
+        for p, q in enumerate(self.queues):
+            q.clear()
+            self._held[p] = None
+        return out
+
     def cancel(self, item: Item) -> bool:
         """Take a request out (timed out, client gone); False if it was not queued."""
         q = self.queues[item.prio]

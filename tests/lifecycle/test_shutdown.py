@@ -37,7 +37,8 @@ def free_port() -> int:
 class GatewayProcess:
     """``llm-gateway serve -c <tmp yaml>`` as a subprocess; its log goes to a file."""
 
-    def __init__(self, tmp: Path, backend_url: str, grace_s: float) -> None:
+    def __init__(self, tmp: Path, backend_url: str, grace_s: float,
+                 extra: dict[str, Any] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg: dict[str, Any] = {
@@ -50,6 +51,11 @@ class GatewayProcess:
             "calibration": {"enabled": False},
             "backends": [{"id": "a", "url": backend_url}],
         }
+        for section, fields in (extra or {}).items():
+            if section == "backends":
+                cfg["backends"][0].update(fields)
+            else:
+                cfg[section] = {**cfg.get(section, {}), **fields}
         path = tmp / "gateway.yaml"
         path.write_text(yaml.safe_dump(cfg))
         self.log = tmp / "gateway.log"
@@ -80,8 +86,8 @@ class GatewayProcess:
 def gateway_process(tmp_path: Path) -> Iterator[Any]:
     made: list[GatewayProcess] = []
 
-    def make(backend_url: str, grace_s: float) -> GatewayProcess:
-        g = GatewayProcess(tmp_path, backend_url, grace_s)
+    def make(backend_url: str, grace_s: float, **extra: Any) -> GatewayProcess:
+        g = GatewayProcess(tmp_path, backend_url, grace_s, extra)
         made.append(g)
         g.wait_ready()
         return g
@@ -156,3 +162,53 @@ def test_BUG_21_sigterm_grace_expiry_ends_streams_with_error_event(sims, gateway
     rc = gw.proc.wait(timeout=10)
     assert rc == 0, gw.log.read_text()[-2000:]
     assert time.monotonic() - t_sig < 6.0
+
+
+@pytest.mark.parametrize("queue", ["admission", "batcher"])
+def test_sigterm_answers_queued_requests_in_openai_shape(sims, gateway_process, queue):
+    """A hung backend holds 2 requests; 8 more wait in the gateway's queue (the admission
+    scheduler's ``max_in_flight`` 2, or the batcher's flow control with ``max_num_seqs``
+    2). SIGTERM with ``graceful_shutdown_s`` 1: at the end of the grace period the queued
+    ones get 503 ``gateway_shutting_down`` (never sent, another instance may take them) and
+    the two in flight are ended with the same answer; every client gets one OpenAI-shaped
+    answer (uvicorn's plain-text 500 went to the queued ones once, long after the grace
+    period), and the process exits 0."""
+    a = sims("A")
+    if queue == "admission":
+        extra: dict[str, Any] = {"admission": {"max_in_flight": 2, "max_queue_wait_s": 60}}
+    else:
+        extra = {"batcher": {"enabled": True}, "backends": {"max_num_seqs": 2},
+                 "admission": {"max_queue_wait_s": 60}}
+    gw = gateway_process(a.url, 1.0, **extra)
+    httpx.patch(a.url + "/sim/faults", json={"hang": True}).raise_for_status()
+    answers: list[httpx.Response | Exception] = []
+
+    def call() -> None:
+        try:
+            answers.append(httpx.post(gw.url + "/v1/chat/completions",
+                                      json=chat_body(4), timeout=30))
+        except httpx.HTTPError as e:
+            answers.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(10)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while a.stats()["open_requests"] < 2:  # two reached the backend and hang there
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.5)  # the other 8 are queued in the gateway
+    os.kill(gw.proc.pid, signal.SIGTERM)
+    t_sig = time.monotonic()
+    for t in threads:
+        t.join(20)
+    took = time.monotonic() - t_sig
+    assert len(answers) == 10
+    for r in answers:
+        assert isinstance(r, httpx.Response), r
+        assert r.status_code == 503, (r.status_code, r.text[:200])
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == "gateway_shutting_down" and "retry-after" in r.headers
+    assert took < 5.0, took  # grace 1 s, then at once
+    assert gw.proc.wait(timeout=10) == 0, gw.log.read_text()[-2000:]
