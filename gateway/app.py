@@ -6,11 +6,12 @@ lifespan and hangs off ``app.state.gateway``; nothing lives in module globals.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -46,6 +47,10 @@ class Gateway:
     client_keys: dict[str, ClientKey]
     admin_key: str | None
     shutting_down: bool = False
+    # requests still receiving their body (their tasks), and whether the shutdown's grace
+    # period ended for them (then they are answered 503 without the rest of the body)
+    uploading: set[asyncio.Task[Any]] = field(default_factory=set)
+    uploads_cut: bool = False
     forecasts: ArrivalForecasts | None = None  # arrival counts and forecasts (cfg.forecast)
     batching: BatchDispatcher | None = None  # the predictive batcher (cfg.batcher)
 

@@ -433,9 +433,9 @@ def cap_max_tokens(payload: dict[str, object], cap: int) -> bytes | None:
     """The body re-serialised with ``max_tokens``/``max_completion_tokens`` capped, or None
     when the request already asks for no more than ``cap``."""
     changed = False
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = payload.get(field)
-        if v is None and field == "max_tokens" and "max_completion_tokens" not in payload:
+        if v is None and field == "max_tokens" and payload.get("max_completion_tokens") is None:
             payload[field] = cap
             changed = True
         elif (c := as_count(v)) is not None and c > cap:

@@ -131,6 +131,7 @@ class Pipeline:
         r = cfg.retry
         self.retry = RetryPolicy(r.backoff_base_s, r.backoff_max_s)
         self.shutting_down = False  # the shutdown's grace period is over: no new attempt
+        self.retrying = 0  # requests between two attempts (backoff) or on a retry
         self.budget = RetryBudget(
             r.budget_ratio, r.budget_window_s, r.budget_min_per_s, controller.clock
         )
@@ -220,6 +221,16 @@ class Pipeline:
             return self._give_up(ctx, None)
         if not self._may_retry(last, len(tried), max_attempts):
             return self._give_up(ctx, last)
+        self.retrying += 1  # between attempts: a shutdown's grace period waits for it
+        try:
+            return await self._retry(ctx, tried, last, max_attempts)
+        finally:
+            self.retrying -= 1
+
+    async def _retry(
+        self, ctx: RequestContext, tried: list[str], last: UpstreamFailure, max_attempts: int
+    ) -> Opened | Response:
+        """The attempts after the first failed one (backoff first)."""
         await self.retry.pause()
         if self.shutting_down:  # the grace period ended during the pause
             return self._give_up(ctx, last)

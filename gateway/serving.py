@@ -58,8 +58,10 @@ def in_flight(gw: Gateway) -> int:
 
 
 def queued(gw: Gateway) -> int:
-    """Requests waiting in the admission queue or the batcher's buckets."""
-    n = gw.gate.scheduler.queued
+    """Requests the gateway owes an answer that hold no backend now: waiting in the
+    admission queue or the batcher's buckets, between two attempts, or still receiving
+    their body."""
+    n = gw.gate.scheduler.queued + gw.pipeline.retrying + len(gw.uploading)
     if gw.batching is not None:
         n += gw.batching.core.queued
     return n
@@ -68,9 +70,10 @@ def queued(gw: Gateway) -> int:
 async def graceful_shutdown(gw: Gateway, grace_s: float, poll_s: float = 0.05) -> None:
     """Stop taking requests, let in-flight and queued ones finish within ``grace_s``
     seconds, then end the rest: no new attempt starts (no retry), queued requests get 503
-    ``gateway_shutting_down`` (never sent, so another instance can take them), and streams
-    get an error event and ``[DONE]``. Every request is answered before uvicorn's own
-    shutdown timeout, so none gets its bare 500."""
+    ``gateway_shutting_down`` (never sent, so another instance can take them), as do
+    requests still uploading their body, and streams get an error event and ``[DONE]``.
+    Every request is answered before uvicorn's own shutdown timeout, so none gets its bare
+    500."""
     gw.shutting_down = True
     log.warning(
         "shutting down: /ready is 503; %d request(s) in flight and %d queued get %g s",
@@ -83,6 +86,10 @@ async def graceful_shutdown(gw: Gateway, grace_s: float, poll_s: float = 0.05) -
         await asyncio.sleep(poll_s)
     gw.pipeline.shutting_down = True
     shed = gw.gate.shed_queued() + (gw.batching.shed_queued() if gw.batching else 0)
+    gw.uploads_cut = True
+    for task in list(gw.uploading):
+        task.cancel()  # answered 503 without the rest of its body
+        shed += 1
     if shed or in_flight(gw) > 0:
         log.warning(
             "grace period over: %d queued request(s) refused, ending %d in flight",

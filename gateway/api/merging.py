@@ -148,8 +148,8 @@ def engine_requests(endpoint: str, payload: dict[str, Any]) -> int:
     """Engine requests (sequences) vLLM makes of one request: embeddings, one per input;
     completions, one per prompt times ``n``; chat, ``n``. 1 for shapes it would refuse
     (its 400 comes back quickly); at most :data:`MAX_SEQUENCES`."""
-    n = payload.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    n = as_count(payload.get("n"))  # "8" is 8 to vLLM's pydantic
+    n = n if n is not None and n > 1 else 1
     field = _FIELD.get(endpoint)
     k = 1
     if field is not None:

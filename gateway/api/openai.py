@@ -124,9 +124,28 @@ async def read_body(
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-# Bodies larger than this (bytes) are parsed in a worker thread: json.loads of tens of
-# megabytes takes a large part of a second, during which no other request would move.
-PARSE_OFF_LOOP_BYTES = 1 << 20
+class _UploadCut(Exception):
+    """The shutdown's grace period ended while the request's body was still arriving."""
+
+
+async def _read_body(gw: Gateway, receive: Receive, declared: bytes | None) -> bytes:
+    """:func:`read_body` with the request counted in ``gw.uploading``: a shutdown waits
+    for it during its grace period, then cancels it (:class:`_UploadCut`, answered 503
+    ``gateway_shutting_down`` without the rest of the body, rather than uvicorn's bare 500
+    when its own shutdown timeout cancels the request)."""
+    task = asyncio.current_task()
+    assert task is not None
+    gw.uploading.add(task)
+    try:
+        return await read_body(
+            receive, declared, gw.cfg.server.max_body_bytes, gw.cfg.server.body_idle_timeout_s
+        )
+    except asyncio.CancelledError:
+        if gw.uploads_cut and task.uncancel() == 0:
+            raise _UploadCut from None
+        raise
+    finally:
+        gw.uploading.discard(task)
 
 
 def check_content_encoding(value: bytes | None) -> None:
@@ -293,13 +312,8 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     try:
         key = check_client_key(gw, authorization)
         check_content_encoding(encoding)
-        body = await read_body(
-            receive, declared, cfg.server.max_body_bytes, cfg.server.body_idle_timeout_s
-        )
-        if len(body) > PARSE_OFF_LOOP_BYTES:  # seconds of parsing: not on the event loop
-            payload = await asyncio.to_thread(parse_payload, body, endpoint)
-        else:
-            payload = parse_payload(body, endpoint)
+        body = await _read_body(gw, receive, declared)
+        payload = parse_payload(body, endpoint)
         model: str = payload["model"]
         await check_model(gw, model)
     except GatewayError as e:
@@ -310,6 +324,9 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         metrics.client_disconnects.labels(endpoint).inc()
         metrics.count_request(endpoint, "", 499)
         return Response(status_code=499)
+    except _UploadCut:
+        metrics.count_request(endpoint, "", 503)
+        return _shutting_down(rid, idh)
     stream = payload.get("stream") is True
     cut = CutHandle()
     watch = ClientWatch(receive, cut)
@@ -321,7 +338,10 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         gw.forecasts.arrive(model, prio)
     if gate.enabled:
         est = estimate_tokens(
-            len(body), completion_budget(payload), cfg.admission.default_max_tokens
+            len(body),
+            completion_budget(payload),
+            cfg.admission.default_max_tokens,
+            0 if endpoint == EMBEDDINGS else engine_requests(endpoint, payload),
         )
         client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
         try:

@@ -71,11 +71,17 @@ class EventFramer:
         return out
 
     def finish(self) -> bytes:
-        """At end of stream: a held trailing CR ends its line; return what completes."""
-        if self._buf.endswith(b"\r"):
-            buf, self._buf = self._buf[:-1] + b"\n", b""
-            return self.feed(buf)
-        return b""
+        """At end of stream: the held tail is the last event, cut short of its blank line
+        (``data: [DONE]\\n`` or ``data: [DONE]`` then the body ends): it is released with
+        its line endings completed, as an SSE client (the OpenAI SDK's) reads it at end of
+        input. Returns those bytes (``b""`` when nothing was held)."""
+        buf, self._buf = self._buf, b""
+        if buf.endswith(b"\r"):
+            buf = buf[:-1] + b"\n"
+        if not buf.strip(b"\r\n"):
+            return b""
+        buf = buf.rstrip(b"\r\n") + b"\n\n"
+        return self.feed(buf)
 
     @property
     def saw_done(self) -> bool:
@@ -88,9 +94,11 @@ class EventFramer:
 
 
 def has_event(block: bytes) -> bool:
-    """True when ``block`` (complete events, LF line endings) holds a field line, not only
-    comments (``: ping``) and blank lines: what commits a stream to its backend."""
-    return any(line and not line.startswith(b":") for line in block.split(b"\n"))
+    """True when ``block`` (complete events, LF line endings) holds a ``data`` line: an
+    event a client dispatches, which commits the stream to its backend. Comments
+    (``: ping``) and events of fields without data (``retry:``, ``id:``, a bare ``event:``)
+    are not dispatched (the SSE spec), so a failure after them may still be retried."""
+    return any(line.startswith(b"data") for line in block.split(b"\n"))
 
 
 def extract_usage(body: bytes) -> tuple[int, int] | None:

@@ -58,11 +58,15 @@ def clamp_retry_after(seconds: float) -> float:
     return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, seconds))
 
 
-def estimate_tokens(body_bytes: int, max_tokens: int | None, default_max_tokens: int) -> int:
+def estimate_tokens(
+    body_bytes: int, max_tokens: int | None, default_max_tokens: int, sequences: int = 1
+) -> int:
     """Tokens a request may cost: prompt estimated at 4 bytes per token (the usual rule of
-    thumb for English BPE vocabularies) plus the completion budget (never negative)."""
+    thumb for English BPE vocabularies) plus the completion budget (``max_tokens``, or the
+    default when it sets none; never negative) of each of its ``sequences`` (prompts x
+    ``n``; 0 for embeddings, which generate nothing)."""
     budget = max_tokens if max_tokens is not None else default_max_tokens
-    return body_bytes // 4 + max(0, budget)
+    return body_bytes // 4 + sequences * max(0, budget)
 
 
 MAX_COUNT = 1 << 31
@@ -90,17 +94,14 @@ def as_count(value: object) -> int | None:
 
 
 def completion_budget(payload: dict[str, object]) -> int | None:
-    """The most completion tokens a request body may make (tokens), or None when it sets
-    no budget: the larger of ``max_tokens`` and ``max_completion_tokens`` (vLLM's chat
-    endpoint prefers the second, its completions endpoint reads the first), times the
-    choices ``n`` (each choice has its own budget). Read as vLLM reads them
-    (:func:`as_count`), so ``"3000"`` counts as 3000."""
-    fields = ("max_tokens", "max_completion_tokens")
+    """The most completion tokens one sequence of a request body may make (tokens), or
+    None when it sets no budget: the largest of ``max_tokens``, ``max_completion_tokens``
+    (vLLM's chat endpoint prefers it, its completions endpoint reads ``max_tokens``) and
+    ``max_output_tokens`` (the Responses API). Read as vLLM reads them (:func:`as_count`),
+    so ``"3000"`` counts as 3000. Multiply by the sequences (prompts x ``n``)."""
+    fields = ("max_tokens", "max_completion_tokens", "max_output_tokens")
     budgets = [c for c in (as_count(payload.get(f)) for f in fields) if c is not None]
-    if not budgets:
-        return None
-    n = as_count(payload.get("n"))
-    return max(budgets) * max(1, n if n is not None else 1)
+    return max(budgets) if budgets else None
 
 
 # ---- entry layer ---------------------------------------------------------------------------

@@ -292,13 +292,16 @@ def test_request_larger_than_the_token_limit_is_not_retried_by_the_sdk(backends,
 @pytest.mark.parametrize(
     "budget",
     [{"max_tokens": "1000"}, {"max_tokens": 1, "max_completion_tokens": 1000},
-     {"max_tokens": -5000, "max_completion_tokens": 1000}, {"max_tokens": 100, "n": 10}],
-    ids=["string", "max_completion_tokens", "negative-plus-other", "n-choices"],
+     {"max_tokens": -5000, "max_completion_tokens": 1000}, {"max_tokens": 100, "n": 10},
+     {"max_tokens": 100, "n": "10"}, {"max_tokens": None, "n": 8}],
+    ids=["string", "max_completion_tokens", "negative-plus-other", "n-choices", "n-string",
+         "n-without-max-tokens"],
 )
 def test_token_limit_counts_every_way_to_ask_for_tokens(backends, gateway, budget):
-    """Each body asks vLLM for 1000 completion tokens, over the key's 300 per minute: each
-    is refused before reaching the backend, and a negative ``max_tokens`` never raises the
-    key's remaining tokens above its limit."""
+    """Each body asks vLLM for 1000 completion tokens or more (``n`` 8 without a budget:
+    8 x the 256 default), over the key's 300 per minute: each is refused before reaching
+    the backend, and a negative ``max_tokens`` never raises the key's remaining tokens
+    above its limit."""
     a = backends()
     gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "tpm": 300}]})
     h = {"authorization": f"Bearer {KEY}"}
@@ -308,6 +311,16 @@ def test_token_limit_counts_every_way_to_ask_for_tokens(backends, gateway, budge
     assert not a.data_requests
     r = httpx.post(url, json={**BODY, "max_tokens": -5000}, headers=h, timeout=10)
     assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 300
+
+
+def test_token_limit_counts_every_prompt_of_a_completions_request(backends, gateway):
+    """8 prompts x ``max_tokens`` 100 is 800 completion tokens: over 300 per minute."""
+    a = backends()
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "tpm": 300}]})
+    r = httpx.post(gw.url + "/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                   json={"model": "m1", "prompt": ["p"] * 8, "max_tokens": 100}, timeout=10)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "tokens", r.text
+    assert not a.data_requests
 
 
 def test_a_refused_request_does_not_use_the_keys_quota(backends, gateway):

@@ -54,6 +54,8 @@ class GatewayProcess:
         for section, fields in (extra or {}).items():
             if section == "backends":
                 cfg["backends"][0].update(fields)
+            elif section == "more_backends":
+                cfg["backends"] += fields
             else:
                 cfg[section] = {**cfg.get(section, {}), **fields}
         path = tmp / "gateway.yaml"
@@ -211,4 +213,62 @@ def test_sigterm_answers_queued_requests_in_openai_shape(sims, gateway_process, 
         assert set(err) == {"message", "type", "param", "code"}
         assert err["code"] == "gateway_shutting_down" and "retry-after" in r.headers
     assert took < 5.0, took  # grace 1 s, then at once
+    assert gw.proc.wait(timeout=10) == 0, gw.log.read_text()[-2000:]
+
+
+def test_sigterm_lets_a_request_in_retry_backoff_finish(sims, gateway_process):
+    """A answers every request with 500, B answers; backoff before a retry up to 3 s.
+    SIGTERM while requests wait in that backoff (``graceful_shutdown_s`` 10): they are
+    still owed an answer, so the grace period waits for them, and their retries on B
+    answer 200 (they got A's 500 at once when only backend-held requests were counted)."""
+    a, b = sims("A"), sims("B")
+    gw = gateway_process(a.url, 10.0, retry={"backoff_base_s": 3.0, "backoff_max_s": 3.0},
+                         more_backends=[{"id": "b", "url": b.url}])
+    httpx.patch(a.url + "/sim/faults", json={"error_rate": 1.0}).raise_for_status()
+    answers: list[int] = []
+
+    def call() -> None:
+        answers.append(httpx.post(gw.url + "/v1/chat/completions", json=chat_body(4),
+                                  timeout=30).status_code)
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while a.stats()["requests_by_path"].get("/v1/chat/completions", 0) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)
+    os.kill(gw.proc.pid, signal.SIGTERM)
+    for t in threads:
+        t.join(20)
+    assert answers == [200] * 6, answers
+    assert gw.proc.wait(timeout=10) == 0, gw.log.read_text()[-2000:]
+
+
+def test_sigterm_answers_a_request_still_uploading_its_body(sims, gateway_process):
+    """A client sends the headers and 10 of 1000 body bytes, then nothing. SIGTERM with
+    ``graceful_shutdown_s`` 1: when the grace period ends it gets 503
+    ``gateway_shutting_down`` in OpenAI shape (it got uvicorn's plain-text 500 when
+    uvicorn's own timeout cancelled it), and the process exits 0."""
+    a = sims("A")
+    gw = gateway_process(a.url, 1.0)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                  b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+                  b'{"model": ')
+        time.sleep(0.3)
+        os.kill(gw.proc.pid, signal.SIGTERM)
+        t_sig = time.monotonic()
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    took = time.monotonic() - t_sig
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), data[:300]
+    assert b"gateway_shutting_down" in body and b'"param"' in body, body[:300]
+    assert took < 4.0, took
     assert gw.proc.wait(timeout=10) == 0, gw.log.read_text()[-2000:]

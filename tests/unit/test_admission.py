@@ -80,12 +80,15 @@ def test_completion_budget_reads_fields_as_vllm_does():
     assert completion_budget({"max_tokens": 1, "max_completion_tokens": 3000}) == 3000
     assert completion_budget({"max_tokens": -5000, "max_completion_tokens": 3000}) == 3000
     assert completion_budget({"max_tokens": -5000}) == 0
-    assert completion_budget({"max_tokens": 100, "n": 4}) == 400
-    assert completion_budget({"max_tokens": 100, "n": "2"}) == 200
+    assert completion_budget({"max_output_tokens": 700}) == 700  # the Responses API
+    assert completion_budget({"max_tokens": 100, "n": 4}) == 100  # per sequence
     assert completion_budget({"max_tokens": True}) is None
     assert completion_budget({"max_tokens": "many"}) is None
     assert as_count(2.5) is None and as_count(float("nan")) is None and as_count([1]) is None
     assert estimate_tokens(400, 0, 256) == 100 and estimate_tokens(400, -50, 256) == 100
+    assert estimate_tokens(400, 500, 256, sequences=8) == 100 + 4000  # 8 prompts
+    assert estimate_tokens(400, None, 256, sequences=8) == 100 + 8 * 256  # n 8, no budget
+    assert estimate_tokens(400, None, 256, sequences=0) == 100  # embeddings generate nothing
 
 
 def test_full_limiter_is_like_a_new_one():

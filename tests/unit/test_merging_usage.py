@@ -59,3 +59,15 @@ def test_cached_tokens_are_shared_like_the_prompt() -> None:
     cached = [u["prompt_tokens_details"]["cached_tokens"] for u in out]
     assert sum(cached) == 8
     assert all(c <= u["prompt_tokens"] for c, u in zip(cached, out, strict=True))
+
+
+def test_engine_requests_read_n_as_vllm_does() -> None:
+    """Sequences a request makes: prompts x ``n`` (``"8"`` is 8 to vLLM's pydantic, so it
+    takes 8 places in the batcher's flow control, not 1)."""
+    from gateway.api.merging import COMPLETIONS, engine_requests
+
+    assert engine_requests("/v1/chat/completions", {"n": "8"}) == 8
+    assert engine_requests("/v1/chat/completions", {"n": 8.0}) == 8
+    assert engine_requests(COMPLETIONS, {"prompt": ["a", "b", "c"], "n": "2"}) == 6
+    assert engine_requests(EMBEDDINGS, {"input": ["a", "b"], "n": 5}) == 2
+    assert engine_requests("/v1/chat/completions", {"n": "many"}) == 1

@@ -96,4 +96,16 @@ def test_comments_alone_are_not_an_event():
     assert not has_event(b": ping\n\n")
     assert not has_event(b"\n\n: a\n: b\n\n")
     assert has_event(b": ping\n\ndata: {}\n\n")
-    assert has_event(b"event: error\n\n")
+    assert has_event(b"event: error\ndata: {}\n\n")
+    assert not has_event(b"retry: 100\n\nid: 7\n\nevent: ping\n\n")
+
+
+def test_last_event_cut_short_of_its_blank_line_is_released_at_the_end():
+    """``data: [DONE]\\n`` or ``data: [DONE]`` then end of body: the OpenAI SDK reads that as
+    the end; the framer releases it, completed, and sees the marker."""
+    for tail in (b"data: [DONE]\n", b"data: [DONE]", b"data: [DONE]\r"):
+        f = EventFramer()
+        out = f.feed(b'data: {"a":1}\n\n' + tail) + f.finish()
+        assert out == b'data: {"a":1}\n\ndata: [DONE]\n\n' and f.saw_done, tail
+    f = EventFramer()
+    assert f.feed(b"data: {}\n\n\n") == b"data: {}\n\n\n" and f.finish() == b""
