@@ -174,7 +174,10 @@ def merged_body(endpoint: str, parts: Sequence[Part]) -> bytes:
     first = parts[0].payload
     joined = [x for p in parts for x in p.inputs]
     body = {k: (joined if k == field else v) for k, v in first.items()}
-    return _dumps(body).encode()
+    try:
+        return _dumps(body).encode()
+    except UnicodeEncodeError:  # a lone surrogate in a shared field: as a JSON escape
+        return _canon(body).encode()
 
 
 def apportion(total: int, weights: Sequence[float]) -> list[int]:
