@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         write_plot(results, args.plot)
         console.print(f"wrote {args.plot}")
-    return 0
+    return 0 if all(checks.values()) else 1  # a failed must-hold fails the command
 
 
 if __name__ == "__main__":

@@ -114,6 +114,8 @@ class ClientKey(_Strict):
     def _one_source(self) -> ClientKey:
         if (self.key is None) == (self.key_env is None):
             raise ValueError("give exactly one of 'key' or 'key_env'")
+        if self.key is not None and not self.key.strip():
+            raise ValueError("'key' is empty: every client would pass with an empty bearer")
         return self
 
     def resolve(self) -> str:
@@ -150,6 +152,11 @@ class AuthConfig(_Strict):
 
     @model_validator(mode="after")
     def _distinct(self) -> AuthConfig:
+        if self.admin_key is not None and not self.admin_key.strip():
+            raise ValueError(
+                "admin_key is empty (an unset ${VAR} in compose?): /admin would accept an "
+                "empty bearer; leave admin_key out to run without one"
+            )
         names: set[str] = set()
         inline: dict[str, str] = {}
         for k in self.client_keys:
@@ -253,11 +260,24 @@ class CycleConfig(_Strict):
     every_s: float = Field(..., ge=0)
 
 
+class ShortCycleConfig(CycleConfig):
+    """The short cycle: an application probe (a tiny completion) every ``every_s``."""
+
+    every_s: float = Field(300.0, ge=0)
+
+
+class LongCycleConfig(CycleConfig):
+    """The long cycle: drain, then the restart hook, every ``every_s``."""
+
+    every_s: float = Field(4 * 3600.0, ge=0)
+
+
 class MediumCycleConfig(CycleConfig):
     """Drain -> ``POST /reset_prefix_cache`` -> rest ``cooldown_s`` (probes only; optional
     vLLM ``/sleep`` then ``/wake_up``) -> calibration -> slow-start return. Due every
     ``every_s`` seconds or every ``every_requests`` requests served, whichever comes first."""
 
+    every_s: float = Field(1800.0, ge=0)
     every_requests: int = Field(10_000, ge=0, description="0 disables the request trigger")
     cooldown_s: float = Field(300.0, ge=0)
     sleep: bool = Field(False, description="put vLLM to sleep (level 1) while resting")
@@ -306,9 +326,10 @@ class LifecycleConfig(_Strict):
     )
     max_unavailable: int | None = Field(None, ge=1)
     check_interval_s: float = Field(1.0, gt=0, description="how often cycles are evaluated")
-    short: CycleConfig = Field(default_factory=lambda: CycleConfig(every_s=300.0))
-    medium: MediumCycleConfig = Field(default_factory=lambda: MediumCycleConfig(every_s=1800.0))
-    long: CycleConfig = Field(default_factory=lambda: CycleConfig(every_s=4 * 3600.0))
+    # each cycle has its own defaults, so one field of it can be set alone
+    short: ShortCycleConfig = Field(default_factory=ShortCycleConfig)
+    medium: MediumCycleConfig = Field(default_factory=MediumCycleConfig)
+    long: LongCycleConfig = Field(default_factory=LongCycleConfig)
     restart_hook: RestartHook | None = None
     app_probe_max_tokens: int = Field(1, ge=1)
 
@@ -626,6 +647,26 @@ class BackendConfig(_Strict):
     def _no_path(cls, v: AnyHttpUrl) -> AnyHttpUrl:
         if v.path not in (None, "", "/"):
             raise ValueError("give the server root (scheme://host:port), not a path like /v1")
+        return v
+
+    @field_validator("sim")
+    @classmethod
+    def _sim_block(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A ``sim`` block must be a valid :class:`gateway.sim.config.SimConfig` (checked
+        here, so ``check-config`` names a typo instead of ``demo`` failing later)."""
+        if v is None:
+            return v
+        from pydantic import ValidationError
+
+        from gateway.sim.config import SimConfig  # the simulator only when a block is given
+
+        try:
+            SimConfig(**v)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"sim.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+            )
+            raise ValueError(problems) from None
         return v
 
     @property

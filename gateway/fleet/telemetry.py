@@ -51,7 +51,8 @@ def parse_vllm_load(text: str) -> tuple[float, float, float] | None:
     """``(waiting, running, kv_cache_usage)`` from a vLLM Prometheus exposition.
 
     Returns None when the text has none of the gauges (not a vLLM server). Missing
-    individual gauges count as 0.
+    individual gauges count as 0; negative or NaN values (a broken exporter) count as 0
+    (request counts and a usage fraction are never negative), KV cache usage at most 1.
     """
     waiting = running = 0.0
     kv = 0.0
@@ -74,7 +75,13 @@ def parse_vllm_load(text: str) -> tuple[float, float, float] | None:
             if v is not None:
                 kv = max(kv, v)
                 found = True
-    return (waiting, running, kv) if found else None
+    if not found:
+        return None
+
+    def sane(x: float) -> float:
+        return x if x > 0.0 else 0.0  # (NaN > 0 is False)
+
+    return sane(waiting), sane(running), min(1.0, sane(kv))
 
 
 async def scrape_load(

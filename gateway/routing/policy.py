@@ -76,19 +76,25 @@ def estimated_load(c: Candidate, now: float, stale_after_s: float) -> tuple[floa
     prefill step) are taken out of the sample, so a list of inputs never reads as saturation
     (counting them had the gateway shed its own merged traffic with 429s,
     ``benchmarks/embed_merge_real.py``).
+
+    Never less than the gateway's own requests in flight there (``in_flight``): a backend
+    that holds them without reporting them (hung, or a broken ``/metrics``) still counts
+    them (it took every request while it reported none).
     """
     s = c.load
+    mine = float(c.in_flight)
     if s is None or now - s.scraped_at > stale_after_s:
-        return 0.0, float(c.in_flight), 0.0
+        return 0.0, mine, 0.0
     delta = c.in_flight - s.in_flight_at_scrape
     own = s.pooled_extra_at_scrape
     cap = c.capacity
     if cap:
-        total = max(0.0, s.waiting + s.running - own + delta)
+        total = max(mine, s.waiting + s.running - own + delta)
         running = min(total, float(cap))
         return total - running, running, s.kv_cache_usage
     waiting = max(0.0, s.waiting - own)
-    return waiting, max(0.0, s.running - max(0.0, own - s.waiting) + delta), s.kv_cache_usage
+    running = max(0.0, s.running - max(0.0, own - s.waiting) + delta)
+    return waiting, max(running, mine - waiting), s.kv_cache_usage
 
 
 def score(c: Candidate, w: RoutingWeights, now: float, stale_after_s: float) -> float:

@@ -58,6 +58,9 @@ def test_env_overrides_file(tmp_path, monkeypatch):
         ("retry: {backoff_base_s: 5, backoff_max_s: 1}\n", "backoff_base_s must not exceed"),
         ("auth: {client_keys: [{name: a, key: k1}, {name: b, key: k1}]}\n", "same key"),
         ("auth: {client_keys: [{name: a, key: k1}, {name: a, key: k2}]}\n", "used twice"),
+        ("auth: {admin_key: ''}\n", "admin_key is empty"),
+        ("auth: {client_keys: [{name: a, key: ' '}]}\n", "'key' is empty"),
+        ("backends: [{id: a, url: 'http://h:1', sim: {modle: x}}]\n", "sim.modle"),
     ],
 )
 def test_bad_file_names_field_and_problem(tmp_path, text, needle):
@@ -114,3 +117,17 @@ def test_client_keep_alive_outlasts_load_balancers_and_client_pools():
     assert uvicorn_config(object(), cfg).timeout_keep_alive == cfg.server.keep_alive_s
     cfg = load_config(None, server={"keep_alive_s": 7})
     assert uvicorn_config(object(), cfg).timeout_keep_alive == 7
+
+
+def test_one_field_of_a_cycle_can_be_set_alone(tmp_path, monkeypatch):
+    """``lifecycle.medium.cooldown_s`` alone (file or env) keeps the cycle's other
+    defaults (it failed with "every_s: Field required")."""
+    f = tmp_path / "g.yaml"
+    f.write_text("lifecycle: {medium: {cooldown_s: 60}, long: {every_s: 0}}\n")
+    cfg = load_config(f)
+    assert cfg.lifecycle.medium.cooldown_s == 60 and cfg.lifecycle.medium.every_s == 1800
+    assert cfg.lifecycle.short.every_s == 300 and cfg.lifecycle.long.every_s == 0
+    monkeypatch.setenv("LLM_GATEWAY_LIFECYCLE__SHORT__EVERY_S", "30")
+    f.write_text("{}\n")
+    cfg = load_config(f)
+    assert cfg.lifecycle.short.every_s == 30 and cfg.lifecycle.medium.every_s == 1800

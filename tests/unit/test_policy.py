@@ -96,6 +96,22 @@ def test_own_merged_embeddings_are_not_read_as_a_queue():
     )
 
 
+def test_a_backend_never_reads_below_what_the_gateway_has_in_flight_there():
+    """A hung backend (or a broken exporter) reports no requests while it holds 6 of the
+    gateway's: it still counts 6, so an idle backend beside it wins (a hung backend took
+    every request, and one reporting -1000 waiting took 92 of 96)."""
+    from gateway.fleet.telemetry import parse_vllm_load
+
+    for cap in (16, None):
+        hung = B("hung", capacity=cap, in_flight=6, load=LoadSample(0.0, 0.0, 0.0, 100.0, 6))
+        assert sum(estimated_load(hung, 100.0, 5.0)[:2]) == 6.0
+        idle = B("idle", capacity=cap, in_flight=0, load=LoadSample(0.0, 0.0, 0.0, 100.0, 0))
+        w = RoutingWeights()
+        assert score(idle, w, 100.0, 5.0) < score(hung, w, 100.0, 5.0)
+    assert parse_vllm_load("vllm:num_requests_waiting -1000\nvllm:num_requests_running NaN\n"
+                           "vllm:kv_cache_usage_perc 7\n") == (0.0, 0.0, 1.0)
+
+
 def test_stale_sample_falls_back_to_in_flight():
     b = B("b", in_flight=3, load=sample(waiting=50, at=0.0))
     assert estimated_load(b, 100.0, 5.0) == (0.0, 3.0, 0.0)
