@@ -108,11 +108,14 @@ def test_load_spreads_and_metrics_scrape_shows_in_admin(fleet, client):
 
     def one(i: int) -> int:
         r = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=64,
+            model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=TOKENS,
             extra_body={"ignore_eos": True},
         )
         return r.usage.completion_tokens
 
+    # long enough generations that several 0.2 s scrapes see them running, on a fast
+    # machine too (64 tokens each once finished between two scrapes)
+    TOKENS = 192
     seen_running = 0.0
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(16)]
@@ -121,7 +124,7 @@ def test_load_spreads_and_metrics_scrape_shows_in_admin(fleet, client):
             seen_running = max([seen_running] + [
                 (b["load"] or {}).get("running", 0) for b in admin])
             time.sleep(0.05)
-        assert all(f.result() == 64 for f in futures)
+        assert all(f.result() == TOKENS for f in futures)
     admin = httpx.get(gw.url + "/admin/backends").json()["backends"]
     assert {b["id"]: b["state"] for b in admin} == {"vllm-a": "warm", "vllm-b": "warm"}
     assert all(b["requests_served"] > 0 for b in admin)  # both took traffic
