@@ -24,6 +24,7 @@ from tests.support.scripted import (
     chunk_obj,
     completion_obj,
     default_script,
+    read_json_answer,
 )
 from tests.support.servers import GatewayThread, gateway_config
 
@@ -346,12 +347,7 @@ def test_stalled_request_body_gets_408_not_a_hang(backends, gateway):
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
                   b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":")
         t0 = time.monotonic()
-        data = b""
-        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            data += chunk
+        data = read_json_answer(s, 4096)
         assert time.monotonic() - t0 < 4
     finally:
         s.close()

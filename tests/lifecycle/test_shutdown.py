@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.lifecycle.support import Background, chat_body, sdk_kwargs, stream_chat
+from tests.support.scripted import read_json_answer
 
 CLI = Path(sys.executable).with_name("llm-gateway")
 
@@ -260,12 +261,7 @@ def test_sigterm_answers_a_request_still_uploading_its_body(sims, gateway_proces
         time.sleep(0.3)
         os.kill(gw.proc.pid, signal.SIGTERM)
         t_sig = time.monotonic()
-        data = b""
-        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        data = read_json_answer(s)
     took = time.monotonic() - t_sig
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503"), data[:300]

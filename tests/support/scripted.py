@@ -339,6 +339,18 @@ def error_obj(message: str, code: int, type_: str = "BadRequestError") -> dict[s
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 
 
+def read_json_answer(sock: Any, bufsize: int = 65536) -> bytes:
+    """Raw bytes of one HTTP answer with a JSON body read from ``sock`` (a socket the test
+    wrote a request to): until the head is in and the body ends with ``}``, or EOF."""
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+        chunk = sock.recv(bufsize)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:
     """Poll ``pred`` until true or ``timeout`` seconds; returns the last value."""
     deadline = time.monotonic() + timeout
@@ -351,5 +363,5 @@ def wait_for(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0
 
 __all__ = [
     "Conn", "Received", "ScriptedBackend", "chunk_obj", "completion_obj", "default_script",
-    "error_obj", "models_obj", "wait_for",
+    "error_obj", "models_obj", "read_json_answer", "wait_for",
 ]
