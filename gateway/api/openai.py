@@ -274,10 +274,6 @@ def log_refusal(e: GatewayError, endpoint: str, request_id: str) -> None:
     )
 
 
-def _shutting_down(rid: str, idh: str) -> Response:
-    return shutting_down_response(rid, idh)
-
-
 async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Response:
     """Forward one model request (stream or not) through the pipeline; the answer to send.
 
@@ -308,7 +304,7 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     rid = sane_request_id(rid_value)
     if gw.shutting_down:
         metrics.count_request(endpoint, "", 503)
-        return _shutting_down(rid, idh)
+        return shutting_down_response(rid, idh)
     try:
         key = check_client_key(gw, authorization)
         check_content_encoding(encoding)
@@ -326,7 +322,7 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         return Response(status_code=499)
     except _UploadCut:
         metrics.count_request(endpoint, "", 503)
-        return _shutting_down(rid, idh)
+        return shutting_down_response(rid, idh)
     stream = payload.get("stream") is True
     cut = CutHandle()
     watch = ClientWatch(receive, cut)
@@ -336,12 +332,13 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     prio = gate.priority(prio_value, key)
     if gw.forecasts is not None:
         gw.forecasts.arrive(model, prio)
+    seqs = engine_requests(endpoint, payload)  # prompts x n (embeddings: inputs)
     if gate.enabled:
         est = estimate_tokens(
             len(body),
             completion_budget(payload),
             cfg.admission.default_max_tokens,
-            0 if endpoint == EMBEDDINGS else engine_requests(endpoint, payload),
+            0 if endpoint == EMBEDDINGS else seqs,
         )
         client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
         try:
@@ -384,7 +381,6 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         else [],
         priority=prio,
     )
-    seqs = engine_requests(endpoint, payload)
     if seqs > 1:
         if endpoint == EMBEDDINGS:
             ctx.pooled_extra = seqs - 1
@@ -413,7 +409,7 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             metrics.count_request(endpoint, model, 499)
             return Response(status_code=499)
         metrics.count_request(endpoint, model, 503)
-        return _shutting_down(rid, idh)
+        return shutting_down_response(rid, idh)
     if not isinstance(opened, Opened):  # a merged request's share, or a final refusal
         watch.stop()
         gate.release(ticket)

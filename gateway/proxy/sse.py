@@ -31,16 +31,16 @@ class EventFramer:
     ``feed(chunk)`` returns the bytes of the events completed by ``chunk`` (possibly
     ``b""``); ``pending`` is the incomplete tail. Each released block is searched (a
     substring test first, so ordinary token events cost almost nothing) for the ``[DONE]``
-    marker (``done``: seen at any point, however it was framed, whatever follows it) and
+    marker (:attr:`saw_done`: seen at any point, however it was framed, whatever follows it) and
     for a usage object (the last one seen is kept), without parsing every event.
     """
 
-    __slots__ = ("_buf", "_usage", "done")
+    __slots__ = ("_buf", "_done", "_usage")
 
     def __init__(self) -> None:
         self._buf = b""
         self._usage: tuple[int, int] | None = None
-        self.done = False
+        self._done = False
 
     @property
     def pending(self) -> bytes:
@@ -63,7 +63,7 @@ class EventFramer:
         else:
             out, self._buf = data[:end], data[end:] + hold
         if b"[DONE]" in out and _DONE_RE.search(out):
-            self.done = True
+            self._done = True
         if b'"usage"' in out:
             usage = extract_usage(out)
             if usage is not None:
@@ -86,7 +86,7 @@ class EventFramer:
     @property
     def saw_done(self) -> bool:
         """True once a released block held a ``data: [DONE]`` line (``data:[DONE]`` too)."""
-        return self.done
+        return self._done
 
     def usage(self) -> tuple[int, int] | None:
         """``(prompt_tokens, completion_tokens)`` from the last usage seen, if any."""
