@@ -282,8 +282,7 @@ class Pipeline:
         breaker.acquire()
         if backend.in_flight == 0:
             backend.busy_since = now
-        backend.in_flight += ctx.places
-        backend.pooled_extra += ctx.pooled_extra
+        backend.take(ctx.places, ctx.pooled_extra)
         backend.active.add(ctx.cut)
         try:
             opened = await self._attempt(backend, ctx)
@@ -311,8 +310,7 @@ class Pipeline:
 
     def _release(self, backend: Backend, ctx: RequestContext) -> None:
         """Give back the backend slot this request held (the batcher may dispatch into it)."""
-        backend.in_flight -= ctx.places
-        backend.pooled_extra -= ctx.pooled_extra
+        backend.give_back(ctx.places, ctx.pooled_extra)
         backend.active.discard(ctx.cut)
         if self.batching is not None:
             self.batching.slot_freed(ctx)

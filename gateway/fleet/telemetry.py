@@ -90,11 +90,14 @@ async def scrape_load(
     """GET ``/metrics`` of ``backend`` and return its load.
 
     The sample is stamped when the answer arrives (``clock``: monotonic seconds) with the
-    gateway's in-flight count for the backend at that moment, the closest match to the
-    instant vLLM rendered its gauges. Raises ``httpx.HTTPError`` on transport errors and
-    ``ValueError`` when the answer is not a vLLM exposition.
+    gateway's highest in-flight count for the backend between sending and answer
+    (:meth:`Backend.open_scrape_window`): vLLM rendered its gauges somewhere in that window,
+    and a request of the gateway's that ended in it must not read as load still there.
+    Raises ``httpx.HTTPError`` on transport errors and ``ValueError`` when the answer is not
+    a vLLM exposition.
     """
     headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    backend.open_scrape_window()
     r = await client.get(f"{backend.base_url}/metrics", headers=headers)
     if r.status_code != 200:
         raise ValueError(f"/metrics answered {r.status_code}")
@@ -107,9 +110,9 @@ async def scrape_load(
         running,
         kv,
         clock(),
-        backend.in_flight,
+        backend.in_flight_peak,
         process_start(r.text),
-        backend.pooled_extra,
+        backend.pooled_extra_peak,
     )
 
 

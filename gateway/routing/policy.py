@@ -5,7 +5,9 @@ gateway's own in-flight count since that scrape::
 
     total     = waiting + running + (in_flight_now - in_flight_at_scrape)   (>= 0)
     running'  = min(total, capacity)        waiting' = total - running'   (capacity known)
-    running'  = running + delta             waiting' = waiting            (capacity unknown)
+    running'  = running + delta             waiting' = waiting   (capacity unknown, delta >= 0)
+    waiting'  = max(0, waiting + delta)     running' = the rest  (capacity unknown, delta < 0:
+                                                                  the queue moves up first)
     score     = w_waiting * waiting' + w_running * running' / capacity + w_kv * kv_usage
                 + w_failures * consecutive failures on the backend's breaker
 
@@ -93,7 +95,14 @@ def estimated_load(c: Candidate, now: float, stale_after_s: float) -> tuple[floa
         running = min(total, float(cap))
         return total - running, running, s.kv_cache_usage
     waiting = max(0.0, s.waiting - own)
-    running = max(0.0, s.running - max(0.0, own - s.waiting) + delta)
+    running = max(0.0, s.running - max(0.0, own - s.waiting))
+    if delta >= 0:
+        running += delta
+    else:  # departures: the queue moves up first (vLLM admits waiting requests FCFS)
+        left = -delta
+        moved = min(waiting, left)
+        waiting -= moved
+        running = max(0.0, running - (left - moved))
     return waiting, max(running, mine - waiting), s.kv_cache_usage
 
 

@@ -151,3 +151,24 @@ def test_affinity_ttl_and_bound():
     assert t.get("x") is None
     t.pin("1", "a"), t.pin("2", "b"), t.pin("3", "c")
     assert len(t) == 2 and t.get("1") is None and t.get("3") == "c"
+
+
+def test_requests_that_left_since_the_scrape_leave_its_queue_first():
+    """Capacity unknown: a request of the gateway's that was queued when vLLM rendered its
+    gauges and has finished since is gone from the queue too (the queue moves up as running
+    requests end). It read as a queue of 1 until the next scrape, which outweighed a power
+    cap's penalty and sent requests to the capped backend beside an idle one (CI)."""
+    idle_now = B("b", capacity=None, in_flight=0, load=sample(waiting=1, in_flight=1))
+    assert estimated_load(idle_now, 100.0, 5.0)[:2] == (0.0, 0.0)
+    # 4 queued behind 8 running; 3 of the gateway's ended since: 1 queued, 8 running
+    full = B("f", capacity=None, in_flight=9, load=sample(waiting=4, running=8, in_flight=12))
+    assert estimated_load(full, 100.0, 5.0)[:2] == (1.0, 8.0)
+    # more left than were queued: the rest leave the running batch
+    drained = B("d", capacity=None, in_flight=2, load=sample(waiting=2, running=8, in_flight=8))
+    assert estimated_load(drained, 100.0, 5.0)[:2] == (0.0, 4.0)
+    # arrivals are still counted as running (capacity unknown)
+    grown = B("g", capacity=None, in_flight=5, load=sample(waiting=1, running=2, in_flight=3))
+    assert estimated_load(grown, 100.0, 5.0)[:2] == (1.0, 4.0)
+    w = RoutingWeights()
+    assert score(idle_now, w, 100.0, 5.0) == score(B("z", capacity=None, load=sample()), w,
+                                                   100.0, 5.0)

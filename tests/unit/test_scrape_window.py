@@ -1,0 +1,83 @@
+"""The load sample is stamped with the gateway's in-flight count of the instant vLLM
+rendered its gauges, as well as the gateway can know it: the highest count between sending
+the scrape and reading the answer (real ``scrape_load`` over an httpx transport that runs
+the gateway's bookkeeping while the answer is on its way)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+
+from gateway.config import BackendConfig, RoutingWeights
+from gateway.fleet.backend import Backend
+from gateway.fleet.telemetry import scrape_load
+from gateway.routing.policy import estimated_load, score
+
+METRICS = (
+    "vllm:num_requests_waiting{model_name=\"m1\"} 1\n"
+    "vllm:num_requests_running{model_name=\"m1\"} 0\n"
+    "vllm:kv_cache_usage_perc{model_name=\"m1\"} 0.0\n"
+)
+
+
+def scrape(backend: Backend, meanwhile: Callable[[Backend], None]) -> float:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        meanwhile(backend)  # vLLM has rendered; the gateway's requests move on
+        return httpx.Response(200, text=METRICS)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            backend.load = await scrape_load(client, backend, None, lambda: 100.0)
+
+    asyncio.run(go())
+    return score(backend, RoutingWeights(), 100.0, 5.0)
+
+
+def make() -> Backend:
+    return Backend(BackendConfig(id="b", url="http://b.invalid:8000"))
+
+
+def test_a_request_that_ended_while_the_scrape_answer_travelled_is_not_load() -> None:
+    b = make()
+    b.take(1, 0)  # queued on vLLM when it renders "waiting 1"
+
+    def ends(x: Backend) -> None:
+        x.give_back(1, 0)
+
+    assert scrape(b, ends) == 0.0
+    assert b.load is not None and b.load.in_flight_at_scrape == 1
+    assert estimated_load(b, 100.0, 5.0) == (0.0, 0.0, 0.0)
+
+
+def test_a_request_sent_while_the_scrape_answer_travelled_still_counts() -> None:
+    b = make()
+    b.take(1, 0)
+
+    def another(x: Backend) -> None:
+        x.take(1, 0)
+
+    scrape(b, another)
+    waiting, running, _ = estimated_load(b, 100.0, 5.0)
+    assert waiting + running == 2.0  # never below the gateway's own in flight
+
+
+def test_pooled_embeddings_that_ended_meanwhile_are_not_load() -> None:
+    b = make()
+    b.take(1, 7)  # one merged request of 8 inputs: vLLM counts 8 engine requests
+
+    def ends(x: Backend) -> None:
+        x.give_back(1, 7)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        ends(b)
+        return httpx.Response(200, text=METRICS.replace("waiting{model_name=\"m1\"} 1",
+                                                        "waiting{model_name=\"m1\"} 8"))
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            b.load = await scrape_load(client, b, None, lambda: 100.0)
+
+    asyncio.run(go())
+    assert estimated_load(b, 100.0, 5.0)[:2] == (0.0, 0.0)
