@@ -132,7 +132,9 @@ def test_BUG_21_drain_lets_streams_finish_and_sends_new_work_elsewhere(sims, lc_
     assert [x for x in samples if x[3] and x[2] != 0] == [], "drained with requests in flight"
     assert any(n == 3 and not d for _, _, n, d in samples), samples[:5]
     first_drained = next(t for t, _, _, d in samples if d)
-    assert first_drained >= max(r.ended for r in old_results) - 0.1
+    # (the gateway frees the place before the client thread reads the stream's end: a
+    # thread starved of the GIL may note it late; "drained only at in-flight 0" is above)
+    assert first_drained >= max(r.ended for r in old_results) - 0.5
     assert history(url, "a")[-1] == ("warm", "draining", "admin_drain")
     m = metric_samples(url)
     assert metric(m, "gateway_backend_transitions_total", backend="a", **{
@@ -197,8 +199,9 @@ def test_BUG_21_drain_deadline_ends_streams_with_an_error_event(sims, lc_gateway
     calls = [lambda i=i: stream_chat(url, body, f"cut-{i}") for i in range(2)]
     running = pin_on_a(url, [*calls, sdk_stream, non_stream], 4)
     time.sleep(0.5)
+    asked_at = time.monotonic()  # the deadline runs from when the gateway took the drain,
     assert post_admin(url, "a", "drain", {"deadline_s": 1.0}).status_code == 202
-    drain_at = time.monotonic()
+    drain_at = time.monotonic()  # somewhere between these two
     assert admin(url, "a")["in_flight"] == 4  # all four still running on A
     raw: list[StreamResult] = [running[0].result(), running[1].result()]
     sdk_chunks, sdk_error = running[2].result()
@@ -210,7 +213,8 @@ def test_BUG_21_drain_deadline_ends_streams_with_an_error_event(sims, lc_gateway
         assert len(r.errors) == 1 and r.errors[0]["code"] == "drain_deadline", r.events[-3:]
         assert r.events[-2:] == [r.events[-2], "[DONE]"] and "error" in r.chunks[-1]
         assert 0 < len(r.content) and r.finish_reason is None  # partial, not "complete"
-        assert 0.9 <= r.ended - drain_at <= 3.0, r.ended - drain_at
+        assert 0.9 <= r.ended - asked_at and r.ended - drain_at <= 3.0, (
+            r.ended - asked_at, r.ended - drain_at)
     assert isinstance(sdk_error, openai.APIError), sdk_error
     assert "drained" in str(sdk_error).lower()
     assert len(sdk_chunks) > 2  # it had received tokens before the error
