@@ -149,17 +149,25 @@ def test_a_merged_request_slower_than_the_queue_timeout_still_answers(
     completed)."""
     s = sim()
     httpx.patch(s.url + "/sim/faults", json={"added_latency_s": 1.5})
+    # the 4 requests go out together (a barrier) and fill the batch; the wait budget only
+    # has to cover a slow thread start, and stays below the queue timeout, which stays
+    # below the upstream latency
     cfg: dict[str, Any] = {
         "batcher": {"enabled": True, "predictive": False,
-                    "normal": {"max_batch_size": 4, "max_wait_ms": 300}},
-        "admission": {"max_queue_wait_s": 1.0},
+                    "normal": {"max_batch_size": 4, "max_wait_ms": 800}},
+        "admission": {"max_queue_wait_s": 1.2},
     }
     gw = batching_gateway([("a", s.url, 16)], **cfg)
     client = sdk(gw.url)
+    embeddings = client.embeddings  # (the SDK's lazy resource, before the barrier)
     before = upstream_count(s, "/v1/embeddings")
-    got = concurrently(
-        lambda i: client.embeddings.create(model=MODEL, input=f"slow {i}").data[0].index, 4
-    )
+    start = threading.Barrier(4, timeout=10)
+
+    def call(i: int) -> int:
+        start.wait()
+        return embeddings.create(model=MODEL, input=f"slow {i}").data[0].index
+
+    got = concurrently(call, 4)
     assert got == [0, 0, 0, 0]
     assert upstream_count(s, "/v1/embeddings") - before == 1  # they did ride together
 
@@ -168,18 +176,23 @@ def test_a_merged_request_is_cancelled_when_every_client_hangs_up(
     sim, batching_gateway
 ) -> None:
     s = sim(itl_s=0.01)
+    # the 4 requests go out together (a barrier) and fill the batch, so they ride one
+    # merged request; the wait budget only has to cover a slow thread start
     cfg: dict[str, Any] = {
         "batcher": {"enabled": True, "predictive": False,
-                    "normal": {"max_batch_size": 4, "max_wait_ms": 300}},
+                    "normal": {"max_batch_size": 4, "max_wait_ms": 800}},
     }
     gw = batching_gateway([("a", s.url, 16)], **cfg)
     impatient = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0,
                               timeout=1.0)
+    completions = impatient.completions  # (the SDK's lazy resource, before the barrier)
+    start = threading.Barrier(4, timeout=10)
 
     def call(i: int) -> str:
+        start.wait()
         try:
-            impatient.completions.create(model=MODEL, prompt="go on", max_tokens=1000,
-                                         extra_body={"ignore_eos": True})  # about 10 s
+            completions.create(model=MODEL, prompt="go on", max_tokens=1000,
+                               extra_body={"ignore_eos": True})  # about 10 s
         except openai.APITimeoutError:
             return "gave up"
         return "answered"

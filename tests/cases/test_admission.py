@@ -5,6 +5,7 @@ the ``openai`` SDK as the client."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -85,15 +86,27 @@ def test_key_requests_per_minute_with_openai_ratelimit_headers(backends, gateway
     url = gw.url + "/v1/chat/completions"
     hdr = {"authorization": f"Bearer {KEY}"}
     remaining = []
+    sent, answered = [], []
     for _ in range(3):
+        sent.append(time.monotonic())
         r = httpx.post(url, json=BODY, headers=hdr, timeout=10)
+        answered.append(time.monotonic())
         assert r.status_code == 200
         assert r.headers["x-ratelimit-limit-requests"] == "3"
         remaining.append(r.headers["x-ratelimit-remaining-requests"])
     assert remaining == ["2", "1", "0"]
+    fourth_sent = time.monotonic()
     r = httpx.post(url, json=BODY, headers=hdr, timeout=10)
+    fourth_answered = time.monotonic()
     assert_honest_429(r)
-    assert r.headers["retry-after"] in ("20", "21")
+    # The bucket (full at the first request) refills one request per 20 s, so the wait is
+    # 20 s minus the time between the gateway admitting request 1 and refusing request 4,
+    # which lies between these client-side bounds (seconds on a slow machine, ms otherwise).
+    longest, shortest = fourth_answered - sent[0], fourth_sent - answered[0]
+    wait_ms = int(r.headers["retry-after-ms"])
+    assert (20 - longest) * 1000 <= wait_ms <= (20 - shortest) * 1000 + 1, (wait_ms, longest)
+    retry_after = int(r.headers["retry-after"])
+    assert math.ceil(20 - longest) <= retry_after <= math.ceil(20 - shortest), retry_after
     assert r.headers["x-ratelimit-remaining-requests"] == "0"
     assert r.headers["x-ratelimit-reset-requests"].endswith("s")
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
@@ -206,24 +219,40 @@ def test_queue_serves_higher_priority_first(backends, gateway):
 
 
 def test_full_queue_sheds_low_and_times_out_with_retry_after(backends, gateway):
-    """One slot, a queue of 2 (low may fill half of it), a 1 s queue-wait bound, a backend
-    taking 2.5 s: a second low request is refused at once (its share is full); a queued
-    request that waits 1 s gets a 429 with Retry-After; the request in flight is a 200."""
-    a = backends(slow(2.5))
+    """One slot, a queue of 2 (low may fill half of it), a 2.5 s queue-wait bound, a
+    backend that holds the first request until the test lets it go (after the queued
+    request's timeout): a second low request is refused at once (its share is full); a
+    queued request that waits 2.5 s gets a 429 with Retry-After; the request in flight is
+    a 200."""
+    release = threading.Event()
+
+    async def held(req: Received, conn: Conn) -> None:
+        deadline = time.monotonic() + 20  # (never hangs the test)
+        while not release.is_set() and time.monotonic() < deadline:
+            if not await conn.sleep(0.02):
+                return
+        await conn.send_json(200, completion_obj("ok"))
+
+    a = backends(held)
     gw = gateway({"a": a}, admission={"max_in_flight": 1, "max_queued": 2,
-                                      "max_queue_wait_s": 1.0})
+                                      "max_queue_wait_s": 2.5})
     url = gw.url + "/v1/chat/completions"
     out: dict[str, httpx.Response] = {}
     first = _post_async(url, "normal", out)
-    assert wait_for(lambda: len(a.data_requests) == 1, 5)
-    queued = _post_async(url, "low", out)
-    assert wait_for(lambda: gw.gateway.gate.scheduler.queued == 1, 5)
-    r = httpx.post(url, json=BODY, headers={"x-priority": "low"}, timeout=10)
-    assert_honest_429(r)
-    assert "queue is full" in r.json()["error"]["message"]
-    queued.join(10)
-    assert_honest_429(out["low"])
-    assert "max_queue_wait_s" in out["low"].json()["error"]["message"]
+    try:
+        assert wait_for(lambda: len(a.data_requests) == 1, 5)
+        queued_at = time.monotonic()
+        queued = _post_async(url, "low", out)
+        assert wait_for(lambda: gw.gateway.gate.scheduler.queued == 1, 5)
+        r = httpx.post(url, json=BODY, headers={"x-priority": "low"}, timeout=10)
+        assert_honest_429(r)
+        assert "queue is full" in r.json()["error"]["message"]
+        queued.join(10)
+        assert time.monotonic() - queued_at >= 2.5  # it waited its whole bound
+        assert_honest_429(out["low"])
+        assert "max_queue_wait_s" in out["low"].json()["error"]["message"]
+    finally:
+        release.set()
     first.join(10)
     assert out["normal"].status_code == 200
     assert len(a.data_requests) == 1

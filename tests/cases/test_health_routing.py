@@ -68,15 +68,19 @@ def test_BUG_19_dead_backend_stops_getting_traffic(backends, gateway):
     ~10 req/s from two client threads (kill A at 2 s, restart at 6 s), with the test
     config's 0.2 s probe interval. Every client request is a 200 (requests that meet the dead
     A fail over to B, nothing had been sent to the client); A is marked unhealthy within the
-    documented detection time (``fail_threshold`` probes, HealthConfig) and gets 0 attempts
-    from then until it is back; after the restart it is warm again within the documented
-    recovery (``recover_threshold`` probes + model discovery) and serves traffic; ``/metrics``
-    showed A warm, then unhealthy, then warm again. No gateway restart."""
+    documented detection time (``fail_threshold`` probes, HealthConfig; plus scheduling
+    slack) and no request picks it from then until it is back; after the restart it is warm
+    again within the documented recovery (``recover_threshold`` probes + model discovery;
+    plus slack) and serves traffic; ``/metrics`` showed A warm, then unhealthy, then warm
+    again. No gateway restart."""
     a, b = backends(named("A", 0.02)), backends(named("B", 0.02))
     gw = gateway({"a": a, "b": b})
     h = gw.cfg.health
-    detect_s = h.fail_threshold * h.interval_s + h.interval_s + 0.5  # documented + one tick
-    recover_s = h.recover_threshold * h.interval_s + h.interval_s + 1.0
+    # documented + one tick, plus slack for a loaded machine (probe rounds and the event loop
+    # run late there); both stay well under the 4 s that A is down, then back
+    detect_s = h.fail_threshold * h.interval_s + h.interval_s + 1.5
+    recover_s = h.recover_threshold * h.interval_s + h.interval_s + 2.0
+    clients = 2  # load threads, one request in flight each
     results: list[tuple[float, int, str]] = []
     samples: list[tuple[float, str | None, float]] = []
     stop = threading.Event()
@@ -96,7 +100,7 @@ def test_BUG_19_dead_backend_stops_getting_traffic(backends, gateway):
             samples.append((time.monotonic(), state_of(s, "a"), attempts_on(s, "a")))
             time.sleep(0.05)
 
-    threads = [threading.Thread(target=f) for f in (load, load, monitor)]
+    threads = [threading.Thread(target=f) for f in (*[load] * clients, monitor)]
     for t in threads:
         t.start()
     try:
@@ -115,7 +119,7 @@ def test_BUG_19_dead_backend_stops_getting_traffic(backends, gateway):
 
     bad = [(round(t - killed_at, 2), s) for t, s, _ in results if s != 200]
     assert not bad, f"client errors while B was healthy: {bad}"
-    assert len(results) >= 80
+    assert len(results) >= 50  # ~100 on an idle machine (2 clients x 5 req/s x 10 s)
     history = [(t.at, t.from_state.value, t.to_state.value)
                for t in gw.gateway.fleet.get("a").history]
     down = [at for at, _, to in history if to == "unhealthy" and at >= killed_wall]
@@ -131,13 +135,21 @@ def test_BUG_19_dead_backend_stops_getting_traffic(backends, gateway):
     back_up = next(i for i in range(first_down, len(states)) if states[i] == "warm")
     assert "warm" in states[:first_down]
     down_window = samples[first_down:back_up]
-    assert len({att for _, _, att in down_window}) == 1, "attempts on A while it was unhealthy"
+    # A request that picked A just before the probe marked it unhealthy is counted when its
+    # attempt fails, possibly after the first "unhealthy" sample: at most one such request
+    # per client (each has one in flight and tries a backend once). A router that kept
+    # sending to the dead A would add ~5 attempts per second of the window.
+    down_attempts = [att for _, _, att in down_window]
+    assert max(down_attempts) - down_attempts[0] <= clients, (
+        "attempts on A while it was unhealthy", down_attempts)
     # Requests sent between detection and the restart were all served by B.
     detected_at = samples[first_down][0]
-    assert {who for t, _, who in results if detected_at < t < restarted_at} == {"B"}
-    # A serves again after the restart.
+    during = {who for t, _, who in results if detected_at < t < restarted_at}
+    assert during == {"B"}, during
+    # A serves again after the restart, once it is warm.
     assert len(a.data_requests) > 0 and len(a.requests) > a_seen_before_restart
-    assert "A" in {who for t, _, who in results if t > restarted_at + recover_s}
+    warm_again_at = restarted_at + (back[0] - restarted_wall)
+    assert "A" in {who for t, _, who in results if t > warm_again_at}
 
 
 # ---- BUG-20 --------------------------------------------------------------------------------

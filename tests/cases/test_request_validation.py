@@ -334,13 +334,13 @@ def test_BUG_24_over_limit_is_logged_with_request_id(backends, gateway, caplog):
 
 def test_stalled_request_body_gets_408_not_a_hang(backends, gateway):
     """A client that sends the headers and part of its body, then nothing: after
-    ``server.body_idle_timeout_s`` (0.5 s here) it gets a 408 in OpenAI's shape and the
+    ``server.body_idle_timeout_s`` (1 s here) it gets a 408 in OpenAI's shape and the
     backend never sees the request (slowloris protection); a slow but steady upload is
     not cut."""
     import socket as _socket
 
     a = backends()
-    gw = gateway({"a": a}, server={"body_idle_timeout_s": 0.5})
+    gw = gateway({"a": a}, server={"body_idle_timeout_s": 1.0})
     host, port = gw.url.removeprefix("http://").split(":")
     s = _socket.create_connection((host, int(port)), timeout=5)
     try:
@@ -357,15 +357,21 @@ def test_stalled_request_body_gets_408_not_a_hang(backends, gateway):
     assert a.data_requests == []
 
     s = _socket.create_connection((host, int(port)), timeout=5)
-    try:  # 4 pieces, 0.3 s apart: slower in total than the idle timeout, never idle that long
+    try:  # 6 pieces, 0.3 s apart (1.5 s from the first to the last): slower in total than
+        # the idle timeout, each gap under a third of it
         payload = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
         raw = payload.encode()
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                   b"application/json\r\ncontent-length: " + str(len(raw)).encode() + b"\r\n\r\n")
-        step = len(raw) // 4 + 1
-        for i in range(0, len(raw), step):
-            s.sendall(raw[i:i + step])
-            time.sleep(0.3)
+        step = -(-len(raw) // 6)
+        pieces = [raw[i:i + step] for i in range(0, len(raw), step)]
+        assert len(pieces) == 6
+        started = time.monotonic()
+        for i, piece in enumerate(pieces):
+            if i:
+                time.sleep(0.3)
+            s.sendall(piece)
+        assert time.monotonic() - started > 1.0  # the upload outlasted the idle timeout
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
     finally:
         s.close()

@@ -36,6 +36,14 @@ def busy_control(waiting: int = 50):
     return control
 
 
+def wait_busy(gw, backend_id: str = "b", waiting: int = 50) -> None:
+    """Wait until the gateway's load sample of ``backend_id`` shows the queue
+    :func:`busy_control` reports: before its first scrape the router knows nothing of it and
+    may pick it (round-robin tie-break)."""
+    b = gw.gateway.fleet.get(backend_id)
+    assert wait_for(lambda: b.load is not None and b.load.waiting == waiting, 5), b.load
+
+
 def events_of(raw: bytes) -> list[bytes]:
     """Payloads of ``data:`` events, asserting strict LF framing."""
     assert b"\r" not in raw
@@ -70,6 +78,7 @@ def test_BUG_09_upstream_dies_mid_stream(backends, gateway, ending):
     a = backends(dies)
     b = backends(control=busy_control())
     gw = gateway({"a": a, "b": b})
+    wait_busy(gw)
     status, raw = stream_raw(gw.url, {**BODY, "stream": True})
     assert status == 200
     events = events_of(raw)
@@ -114,6 +123,7 @@ def test_BUG_10_late_failure_never_retried(backends, gateway):
     a = backends(a_script)
     b = backends(b_script, control=busy_control())
     gw = gateway({"a": a, "b": b})
+    wait_busy(gw)
     status, raw = stream_raw(gw.url, {**BODY, "stream": True})
     assert status == 200
     events = events_of(raw)
@@ -147,6 +157,7 @@ def test_BUG_10_early_failure_fails_over(backends, gateway, how):
     b = backends(b_script, control=busy_control())
     # slow probes: A must still look routable when its port is closed
     gw = gateway({"a": a, "b": b}, health={"interval_s": 5.0})
+    wait_busy(gw)
     if how == "refused":
         a.stop()
     status, raw = stream_raw(gw.url, {**BODY, "stream": True})
