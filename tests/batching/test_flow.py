@@ -36,12 +36,19 @@ def engine(sim_url: str) -> dict[str, Any]:
     return httpx.get(sim_url + "/sim/stats").json()["engine"]  # type: ignore[no-any-return]
 
 
+HOLD_TOKENS = 500
+"""The holder stream's length: 500 tokens of 10 ms, about 5 s, ample time (on a slow or
+loaded machine too) for the requests under test to reach the gateway's queue before the
+holder gives its backend place back."""
+
+
 def long_stream(url: str, done: list[str]) -> threading.Thread:
-    """A streaming request holding its backend for about 1.5 s (150 tokens of 10 ms)."""
+    """A streaming request holding its backend for about 5 s (``HOLD_TOKENS`` tokens of
+    10 ms)."""
 
     def run() -> None:
         stream = sdk(url).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=150,
+            model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=HOLD_TOKENS,
             stream=True, extra_body={"ignore_eos": True})
         for _ in stream:
             pass
@@ -56,6 +63,14 @@ def wait_running(sim_url: str, n: int) -> None:
     deadline = time.monotonic() + 10
     while engine(sim_url)["running"] < n:
         assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def wait_queued(url: str, bucket: str) -> None:
+    """Wait until a request waits in the gateway's queue for ``bucket``."""
+    deadline = time.monotonic() + 10
+    while samples(url, "gateway_queue_depth").get((("bucket", bucket),), 0) < 1:
+        assert time.monotonic() < deadline, f"no {bucket} request queued"
         time.sleep(0.01)
 
 
@@ -77,18 +92,19 @@ def test_flow_control_and_priority_order(sim, batching_gateway) -> None:
     wait_running(s.url, 1)
 
     def short(prio: str) -> None:
-        sdk(gw.url, prio).completions.create(model=MODEL, prompt=prio, max_tokens=1)
+        # 20 tokens (about 0.2 s on the backend): each answer ends well after the one served
+        # before it, so the order of ``done`` is the order the backend served them in, not
+        # the order the client threads happened to run in.
+        sdk(gw.url, prio).completions.create(model=MODEL, prompt=prio, max_tokens=20,
+                                             extra_body={"ignore_eos": True})
         done.append(prio)
 
     low = threading.Thread(target=short, args=("low",))
     low.start()
-    time.sleep(0.2)  # low waits first ...
+    wait_queued(gw.url, "low")  # low waits first ...
     high = threading.Thread(target=short, args=("high",))
     high.start()
-    deadline = time.monotonic() + 5
-    while samples(gw.url, "gateway_queue_depth").get((("bucket", "high"),), 0) < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_queued(gw.url, "high")
     st = engine(s.url)
     assert (st["running"], st["waiting"]) == (1, 0)  # nothing piled on the backend
     assert samples(gw.url, "gateway_queue_depth")[(("bucket", "low"),)] == 1
