@@ -13,6 +13,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.batching.conftest import MODEL
+from tests.support.scripted import wait_for
 
 PREDICTIVE = {"batcher": {"enabled": True}}
 
@@ -68,10 +69,10 @@ def wait_running(sim_url: str, n: int) -> None:
 
 def wait_queued(url: str, bucket: str) -> None:
     """Wait until a request waits in the gateway's queue for ``bucket``."""
-    deadline = time.monotonic() + 10
-    while samples(url, "gateway_queue_depth").get((("bucket", bucket),), 0) < 1:
-        assert time.monotonic() < deadline, f"no {bucket} request queued"
-        time.sleep(0.01)
+    def queued() -> bool:
+        return samples(url, "gateway_queue_depth").get((("bucket", bucket),), 0) >= 1
+
+    assert wait_for(queued, timeout=10, interval=0.01), f"no {bucket} request queued"
 
 
 def test_low_load_requests_are_dispatched_at_once(sim, batching_gateway) -> None:

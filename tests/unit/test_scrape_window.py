@@ -22,10 +22,14 @@ METRICS = (
 )
 
 
-def scrape(backend: Backend, meanwhile: Callable[[Backend], None]) -> float:
+def scrape(backend: Backend, meanwhile: Callable[[Backend], None],
+           metrics: str = METRICS) -> float:
+    """Scrape ``backend`` through real :func:`scrape_load`; ``meanwhile`` runs after vLLM
+    rendered ``metrics`` and before the answer is read. Returns its score then."""
+
     async def handler(request: httpx.Request) -> httpx.Response:
         meanwhile(backend)  # vLLM has rendered; the gateway's requests move on
-        return httpx.Response(200, text=METRICS)
+        return httpx.Response(200, text=metrics)
 
     async def go() -> None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
@@ -70,14 +74,6 @@ def test_pooled_embeddings_that_ended_meanwhile_are_not_load() -> None:
     def ends(x: Backend) -> None:
         x.give_back(1, 7)
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        ends(b)
-        return httpx.Response(200, text=METRICS.replace("waiting{model_name=\"m1\"} 1",
-                                                        "waiting{model_name=\"m1\"} 8"))
-
-    async def go() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            b.load = await scrape_load(client, b, None, lambda: 100.0)
-
-    asyncio.run(go())
+    scrape(b, ends, METRICS.replace('waiting{model_name="m1"} 1', 'waiting{model_name="m1"} 8'))
+    assert b.load is not None and b.load.waiting == 8
     assert estimated_load(b, 100.0, 5.0)[:2] == (0.0, 0.0)
