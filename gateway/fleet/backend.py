@@ -89,10 +89,9 @@ class Backend:
     # client sent the list or the batcher merged it), see routing.policy.estimated_load.
     # (Completions with k prompts count k in ``in_flight`` instead: k sequences decoding.)
     pooled_extra: int = 0
-    # Highest in_flight / pooled_extra since the scrape now under way was sent (see
-    # open_scrape_window).
-    in_flight_peak: int = 0
-    pooled_extra_peak: int = 0
+    # (in_flight, pooled_extra) when the gateway's engine requests here (their sum) were
+    # highest since the scrape now under way was sent (see open_scrape_window).
+    scrape_peak: tuple[int, int] = (0, 0)
     history: deque[Transition] = field(default_factory=lambda: deque(maxlen=20))
     # Cut handles of the requests open on this backend (drain deadlines end them).
     active: set[Any] = field(default_factory=set)
@@ -132,10 +131,8 @@ class Backend:
         ``pooled_extra`` engine requests beyond one of an embeddings list."""
         self.in_flight += places
         self.pooled_extra += pooled_extra
-        if self.in_flight > self.in_flight_peak:
-            self.in_flight_peak = self.in_flight
-        if self.pooled_extra > self.pooled_extra_peak:
-            self.pooled_extra_peak = self.pooled_extra
+        if self.in_flight + self.pooled_extra > sum(self.scrape_peak):
+            self.scrape_peak = (self.in_flight, self.pooled_extra)
 
     def give_back(self, places: int, pooled_extra: int) -> None:
         """Undo :meth:`take` when the request ends here."""
@@ -144,14 +141,17 @@ class Backend:
 
     def open_scrape_window(self) -> None:
         """Mark the sending of a ``/metrics`` scrape. vLLM renders its gauges at some
-        instant before the answer arrives; a request that ended meanwhile may still be in
-        them. The sample is therefore stamped with the highest in-flight count since this
-        mark (:attr:`in_flight_peak`), never with a lower one, so the gateway's own finished
-        requests never read as load that is still there (with the count on arrival, one
-        request queued at render time and finished before the answer read as a queue of 1
-        until the next scrape, and steered traffic away from an idle backend)."""
-        self.in_flight_peak = self.in_flight
-        self.pooled_extra_peak = self.pooled_extra
+        instant before its answer's headers are read; a request that ended meanwhile may
+        still be in them. The sample is therefore stamped with :attr:`scrape_peak`, the
+        gateway's counts when its engine requests here were highest since this mark, never
+        with lower ones, so its own finished requests never read as load that is still
+        there (with the count on arrival, one request queued at render time and finished
+        before the answer read as a queue of 1 until the next scrape, and steered traffic
+        away from an idle backend). The price: a request that ended after the mark but
+        before the render is taken off the sample once too often (the load reads lower,
+        never below the gateway's own in flight), so the window is kept as short as the
+        HTTP exchange allows (:func:`gateway.fleet.telemetry.scrape_load`)."""
+        self.scrape_peak = (self.in_flight, self.pooled_extra)
 
     @property
     def base_url(self) -> str:

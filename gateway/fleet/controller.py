@@ -321,7 +321,11 @@ class FleetController:
     async def scrape_one(self, backend: Backend) -> None:
         try:
             backend.load = await scrape_load(
-                self.client, backend, self.api_keys[backend.id], self.clock
+                self.client,
+                backend,
+                self.api_keys[backend.id],
+                self.clock,
+                self.cfg.telemetry.scrape_timeout_s,
             )
             backend.last_scrape_ok_at = self.clock()
             started = backend.load.process_start_s

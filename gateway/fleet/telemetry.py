@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import httpx
 
@@ -85,34 +86,51 @@ def parse_vllm_load(text: str) -> tuple[float, float, float] | None:
 
 
 async def scrape_load(
-    client: httpx.AsyncClient, backend: Backend, api_key: str | None, clock: Callable[[], float]
+    client: httpx.AsyncClient,
+    backend: Backend,
+    api_key: str | None,
+    clock: Callable[[], float],
+    timeout_s: float | None = None,
 ) -> LoadSample:
     """GET ``/metrics`` of ``backend`` and return its load.
 
-    The sample is stamped when the answer arrives (``clock``: monotonic seconds) with the
-    gateway's highest in-flight count for the backend between sending and answer
-    (:meth:`Backend.open_scrape_window`): vLLM rendered its gauges somewhere in that window,
-    and a request of the gateway's that ended in it must not read as load still there.
-    Raises ``httpx.HTTPError`` on transport errors and ``ValueError`` when the answer is not
-    a vLLM exposition.
+    The sample is stamped (``clock``: monotonic seconds) with the gateway's in-flight counts
+    for the backend at their highest in the window where vLLM rendered its gauges
+    (:meth:`Backend.open_scrape_window`): from sending the request's headers to reading the
+    answer's headers (httpx ``trace`` events; prometheus-client renders the whole body
+    before its headers go out), so the time waiting for a pooled connection, connecting and
+    reading the body, when vLLM cannot be rendering, is left out. A transport without
+    those events (a mock) widens it to the whole call. ``timeout_s``: the whole scrape's
+    time limit in seconds (``telemetry.scrape_timeout_s``; None: the client's own).
+    Raises ``httpx.HTTPError`` on transport errors and timeouts and ``ValueError`` when
+    the answer is not a vLLM exposition.
     """
     headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    stamp: tuple[int, int] | None = None
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        nonlocal stamp
+        if event.endswith("send_request_headers.started"):
+            backend.open_scrape_window()
+        elif event.endswith("receive_response_headers.complete"):
+            stamp = backend.scrape_peak
+
     backend.open_scrape_window()
-    r = await client.get(f"{backend.base_url}/metrics", headers=headers)
+    r = await client.get(
+        f"{backend.base_url}/metrics",
+        headers=headers,
+        extensions={"trace": trace},
+        timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT,
+    )
     if r.status_code != 200:
         raise ValueError(f"/metrics answered {r.status_code}")
     parsed = parse_vllm_load(r.text)
     if parsed is None:
         raise ValueError("/metrics has no vllm: load gauges")
     waiting, running, kv = parsed
+    in_flight, pooled_extra = stamp if stamp is not None else backend.scrape_peak
     return LoadSample(
-        waiting,
-        running,
-        kv,
-        clock(),
-        backend.in_flight_peak,
-        process_start(r.text),
-        backend.pooled_extra_peak,
+        waiting, running, kv, clock(), in_flight, process_start(r.text), pooled_extra
     )
 
 
