@@ -103,6 +103,7 @@ def build_gateway(cfg: GatewayConfig) -> Gateway:
         forecasts = ArrivalForecasts(
             forecast_params(cfg), metrics, batching.core if batching else None, slack
         )
+        controller.forecast_rps = forecasts.rate_rps  # before a cycle takes a backend out
     return Gateway(
         cfg=cfg,
         fleet=fleet,
@@ -154,6 +155,7 @@ class GatewayApp:
             and scope["method"] == "POST"
         ):
             scope["app"] = self.app
+            started = time.perf_counter()
             try:
                 response = await openai_api.model_response(self.app.state.gateway, scope, receive)
             except Exception as e:
@@ -164,6 +166,9 @@ class GatewayApp:
                     SERVER_ERROR,
                     "internal_error",
                 )
+                gw = getattr(self.app.state, "gateway", None)
+                if gw is not None:  # counted and timed like every answered request
+                    openai_api.answered(gw.metrics, scope["path"], "", 500, started)
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

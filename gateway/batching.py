@@ -121,6 +121,12 @@ class ArrivalForecasts:
         self._models_now = ArrivalCounter()
         self._buckets_now = ArrivalCounter()
 
+    def rate_rps(self, model: str) -> float | None:
+        """The forecast mean arrival rate of ``model`` over the next horizon (requests/s),
+        or None before its first second was counted."""
+        f = self.models.get(model)
+        return None if f is None else f.rate
+
     def arrive(self, model: str, prio: int) -> None:
         """Count one arriving request (hot path)."""
         self._models_now.add(model)

@@ -214,8 +214,20 @@ class HealthConfig(_Strict):
     """Active probes (``GET /health``).
 
     Defaults: a backend is ``unhealthy`` after 3 failed probes in a row (so within about
-    ``3 * interval_s`` of dying); it returns after 2 passing probes. Passive outlier
-    detection from real traffic is the circuit breaker's job (``breaker:``).
+    ``3 * interval_s`` of dying); it returns after 2 passing probes. Probes go out on a fixed
+    tick (every ``interval_s``, one outstanding per backend), so a backend that does not
+    answer does not delay the others'. Passive outlier detection from real traffic is the
+    circuit breaker's job (``breaker:``).
+
+    A backend that stops answering without refusing connections (hung: a stopped process,
+    a wedged host) is judged by its silence (:mod:`gateway.fleet.liveness`): once it owes
+    an answer to a probe or a ``/metrics`` scrape and nothing at all came back from it for
+    ``suspect_after_s`` (1 s), new requests go to another backend when one can take them;
+    after ``hung_after_s`` (2 s; twice that when no other backend was heard from meanwhile)
+    it is ``unhealthy`` (reason ``backend_hung``) and its requests whose first byte has not
+    reached the client are re-sent elsewhere (streams already started are left alone).
+    Slow generation never counts: requests waiting for their first token owe nothing while
+    the backend answers its probes and scrapes.
     """
 
     interval_s: float = Field(1.0, gt=0)
@@ -226,6 +238,18 @@ class HealthConfig(_Strict):
     stall_probe_timeout_s: float = Field(30.0, gt=0)
     fail_threshold: int = Field(3, ge=1)
     recover_threshold: int = Field(2, ge=1)
+    suspect_after_s: float = Field(
+        1.0,
+        ge=0,
+        description="silent this long while owing a probe/scrape answer: new requests go "
+        "elsewhere when another backend can take them (0: off)",
+    )
+    hung_after_s: float = Field(
+        2.0,
+        ge=0,
+        description="silent this long (twice that with no other backend heard meanwhile): "
+        "unhealthy (backend_hung), requests without a first byte re-sent (0: off)",
+    )
 
 
 class ProxyConfig(_Strict):
@@ -273,13 +297,19 @@ class LongCycleConfig(CycleConfig):
 
 
 class MediumCycleConfig(CycleConfig):
-    """Drain -> ``POST /reset_prefix_cache`` -> rest ``cooldown_s`` (probes only; optional
-    vLLM ``/sleep`` then ``/wake_up``) -> calibration -> slow-start return. Due every
-    ``every_s`` seconds or every ``every_requests`` requests served, whichever comes first."""
+    """Drain -> ``POST /reset_prefix_cache`` -> rest (probes only; optional vLLM ``/sleep``
+    then ``/wake_up``) -> calibration -> slow-start return. Due every ``every_s`` seconds or
+    every ``every_requests`` requests served, whichever comes first, and started only when
+    the other backends can carry the load (``lifecycle.carry_utilization``).
+
+    The rest is as long as the GPU needs and no longer: with GPU telemetry
+    (``gpu_metrics_url``) it ends once the GPU reads below ``thermal.resume_c`` (at most
+    ``thermal.max_cooldown_s``); without telemetry (or when it is stale) it is
+    ``cooldown_s``, short by default (10 s: a quiet period for the prefix-cache reset)."""
 
     every_s: float = Field(1800.0, ge=0)
     every_requests: int = Field(10_000, ge=0, description="0 disables the request trigger")
-    cooldown_s: float = Field(300.0, ge=0)
+    cooldown_s: float = Field(10.0, ge=0, description="rest without GPU telemetry, seconds")
     sleep: bool = Field(False, description="put vLLM to sleep (level 1) while resting")
 
 
@@ -325,6 +355,19 @@ class LifecycleConfig(_Strict):
         120.0, gt=0, description="after a restart hook, out until a probe fails, or this"
     )
     max_unavailable: int | None = Field(None, ge=1)
+    carry_utilization: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="a cycle takes a backend out only while the others' learned service "
+        "rate carries the demand (measured and forecast) at no more than this utilization",
+    )
+    max_defer_s: float = Field(
+        3600.0,
+        gt=0,
+        description="a cycle deferred this long (the others never could carry the load) is "
+        "skipped until its next period, counted",
+    )
     check_interval_s: float = Field(1.0, gt=0, description="how often cycles are evaluated")
     # each cycle has its own defaults, so one field of it can be set alone
     short: ShortCycleConfig = Field(default_factory=ShortCycleConfig)
@@ -416,8 +459,14 @@ class AdmissionConfig(_Strict):
     high-priority request takes the next free sequence slot: measured with
     ``benchmarks/overload.py`` at 3x capacity, high-priority P99 TTFT 0.9 s at 1.0 against
     2.4 s at 2.0, for about 2% less throughput; raise it for throughput-bound fleets.
-    Saturation thresholds are levels of the least-loaded backend's load (1.0 = its queue
-    holds ``waiting_full`` requests or its KV cache is at ``kv_full``).
+
+    The resource layer sheds by the queue wait a new request would meet on the model's
+    least-loaded backend, predicted from that backend's scraped queue and its concurrency
+    and service rate learned from its own ``/metrics`` (:mod:`gateway.traffic.capacity`):
+    ``shed_levels`` are that wait in multiples of ``slo.ttft_s`` at which high, normal and
+    low priority are shed (defaults 4, 2, 1: with the 2 s SLO, low is refused when it would
+    wait 2 s before its prefill starts, normal at 4 s, high at 8 s). A queue inside vLLM that
+    drains in time sheds nothing.
     """
 
     enabled: bool = True
@@ -434,10 +483,16 @@ class AdmissionConfig(_Strict):
         description="bound on a request's wait for a slot: refused at once (429) when its "
         "predicted wait exceeds it, and refused when it has waited that long",
     )
-    waiting_full: float = Field(8.0, gt=0)
-    kv_full: float = Field(0.95, gt=0, le=1)
+    waiting_full: float | None = Field(
+        None, gt=0, description="deprecated, ignored: the resource layer sheds by predicted wait"
+    )
+    kv_full: float | None = Field(
+        None, gt=0, le=1, description="deprecated, ignored (see shed_levels)"
+    )
     shed_levels: tuple[float, float, float] = Field(
-        (2.0, 1.5, 1.0), description="saturation at which high, normal, low are shed"
+        (4.0, 2.0, 1.0),
+        description="predicted queue wait, in multiples of slo.ttft_s, at which high, normal "
+        "and low priority are shed",
     )
 
     @model_validator(mode="after")

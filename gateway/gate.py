@@ -2,7 +2,8 @@
 
 For each request, in order: the **entry** layer (the client key's requests/min and
 tokens/min buckets), degraded mode's refusal of long low-priority prompts, the **resource**
-layer (the model's backends saturated: shed by priority), the **power** layer (every power
+layer (the queue wait a new request would meet on the model's least-loaded backend, over
+the TTFT SLO: shed by priority), the **power** layer (every power
 domain that could serve the model over budget: shed by priority, :meth:`_check_power`),
 then the **scheduler** layer (a
 slot among ``max_in_flight``, or a wait in the priority queue, at most
@@ -40,10 +41,11 @@ from gateway.traffic.admission import (
     Scheduler,
     as_count,
     clamp_retry_after,
-    pool_saturation,
+    pool_wait,
     ratelimit_duration,
-    retry_after_s,
     shed,
+    shed_retry_after,
+    wait_level,
 )
 
 log = logging.getLogger("gateway.admission")
@@ -247,15 +249,20 @@ class AdmissionGate:
                 verdict,
                 request_id,
             )
-        saturation, waiting = self.saturation(model, now)
-        if shed(prio, saturation, self.cfg.admission.shed_levels):
+        saturation, wait_s = self.saturation(model, now)
+        a = self.cfg.admission
+        if shed(prio, saturation, a.shed_levels):
+            slo = self.cfg.slo.ttft_s
+            bound = a.shed_levels[prio] * slo
             raise self._reject(
                 "resource",
                 prio,
-                f"The backends serving '{model}' are saturated "
-                f"(load {saturation.level:.2f}); {_PRIO_NAMES[prio]}-priority requests are "
-                "shed first.",
-                retry_after_s(waiting + 1, self.scheduler.service_rate(now)),
+                f"The backends serving '{model}' are overloaded: a new request would wait "
+                f"about {wait_s:.1f} s in their queues before it starts, over the "
+                f"{bound:g} s ({a.shed_levels[prio]:g} x the {slo:g} s TTFT SLO) allowed to "
+                f"{_PRIO_NAMES[prio]}-priority requests (low priority is shed first, high "
+                "last).",
+                shed_retry_after(wait_s, a.shed_levels[prio], slo),
                 verdict,
                 request_id,
             )
@@ -287,18 +294,19 @@ class AdmissionGate:
                 request_id,
             )
 
-    def saturation(self, model: str, now: float):  # type: ignore[no-untyped-def]
-        """Saturation of the routable backends of ``model`` and their total queue."""
-        a = self.cfg.admission
+    def saturation(self, model: str, now: float) -> tuple[Saturation, float]:
+        """Saturation of the routable backends of ``model`` (:func:`wait_level`) and the
+        predicted queue wait (seconds) on the least-loaded of them. Each backend's wait
+        comes from its scraped queue, corrected by the gateway's in-flight changes since
+        (:func:`gateway.routing.policy.estimated_load`), over its learned service rate."""
         stale = self.cfg.telemetry.stale_after_s
-        loads = []
-        total_waiting = 0.0
+        waits = []
         for b in self.fleet.backends:
             if b.state is BackendState.WARM and model in b.models:
-                waiting, _running, kv = estimated_load(b, now, stale)
-                loads.append((waiting, kv))
-                total_waiting += waiting
-        return pool_saturation(loads, a.waiting_full, a.kv_full), total_waiting
+                waiting, running, _kv = estimated_load(b, now, stale)
+                waits.append(b.service.predicted_wait(waiting, running))
+        wait_s = pool_wait(waits)
+        return wait_level(wait_s, self.cfg.slo.ttft_s), wait_s
 
     async def _schedule(self, prio: Prio, verdict: EntryVerdict | None, request_id: str) -> Ticket:
         sched = self.scheduler

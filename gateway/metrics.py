@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -84,6 +85,12 @@ class FleetCollector(Collector):
             "Seconds since the last good /metrics scrape",
             labels=["backend"],
         )
+        silence = GaugeMetricFamily(
+            "gateway_backend_silence_seconds",
+            "Seconds the backend has owed a probe/scrape answer with nothing heard from it "
+            "(the hung watchdog; 0 when it owes nothing)",
+            labels=["backend"],
+        )
         now = self._clock()
         for b in self._fleet:
             for s in BackendState:
@@ -95,6 +102,7 @@ class FleetCollector(Collector):
                 kv.add_metric([b.id], b.load.kv_cache_usage)
             if b.last_scrape_ok_at is not None:
                 age.add_metric([b.id], now - b.last_scrape_ok_at)
+            silence.add_metric([b.id], b.liveness.silence_s)
             if b.breaker is not None:
                 current = b.breaker.current().value
                 for st in ("closed", "open", "half_open"):
@@ -107,7 +115,7 @@ class FleetCollector(Collector):
         ratio.add_metric(
             [], m.warm_pool_hits / m.warm_pool_requests if m.warm_pool_requests else 1.0
         )
-        yield from (state, in_flight, waiting, running, kv, age, breaker, ratio)
+        yield from (state, in_flight, waiting, running, kv, age, silence, breaker, ratio)
 
 
 class ThermalCollector(Collector):
@@ -192,16 +200,20 @@ class GatewayMetrics:
         )
         self.request_duration = Histogram(
             "gateway_request_duration_seconds",
-            "Client request duration, from body read to last byte sent",
-            ["endpoint"],
+            "Client request duration, request received -> answer complete (a stream's last "
+            "event; a non-streaming answer ready to send), every answered request, by endpoint "
+            "and model (empty when the request was refused before its model was known)",
+            ["endpoint", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "gateway_time_to_first_byte_seconds",
-            "Streaming requests: request received -> first event sent to the client (TTFT "
-            "as the client sees it)",
-            ["endpoint"],
+            "Request received -> first byte of the answer sent to the client: a stream's "
+            "first event (TTFT as the client sees it), a non-streaming answer once ready "
+            "(its whole body), a refusal once decided; every answered request, by endpoint "
+            "and model (not counted: clients that hung up before any byte)",
+            ["endpoint", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -249,6 +261,13 @@ class GatewayMetrics:
             ["backend", "from", "to", "reason"],
             registry=r,
         )
+        self.liveness_events = Counter(
+            "gateway_backend_liveness_events",
+            "Hung watchdog: suspected (silent: new requests go elsewhere), cleared (heard "
+            "from again), hung (made unhealthy: backend_hung)",
+            ["backend", "event"],
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "gateway_scrape_errors",
             "Failed scrapes of a backend's /metrics",
@@ -285,10 +304,39 @@ class GatewayMetrics:
             ["backend", "cycle"],
             registry=r,
         )
+        self.cycle_deferrals = Counter(
+            "gateway_maintenance_deferrals",
+            "Due maintenance cycles held back because the other backends could not carry "
+            "the load (outcome deferred), and those skipped to their next period after "
+            "lifecycle.max_defer_s (outcome skipped)",
+            ["backend", "cycle", "outcome"],
+            registry=r,
+        )
+        self.cycle_deferred = Gauge(
+            "gateway_maintenance_deferred",
+            "1 while a due maintenance cycle of the backend is deferred",
+            ["backend"],
+            registry=r,
+        )
+        self.cycle_deferral_seconds = Histogram(
+            "gateway_maintenance_deferral_seconds",
+            "How long a deferred maintenance cycle waited for a quiet moment",
+            buckets=(1, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600),
+            registry=r,
+        )
         self.drain_seconds = Histogram(
             "gateway_drain_seconds",
             "Drain start -> nothing in flight (or deadline)",
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.probe_unserved = Counter(
+            "gateway_probe_unserved",
+            "Warm-ups, application probes and calibrations that found the backend serving "
+            "none of /v1/completions, /v1/chat/completions, /v1/embeddings for the model "
+            "(each a 4xx): passed without a health verdict, by check "
+            "(warmup/app_probe/calibration)",
+            ["backend", "check"],
             registry=r,
         )
         self.probe_ttft = Gauge(
@@ -431,7 +479,8 @@ class GatewayMetrics:
         self.warm_pool_requests = 0
         self.warm_pool_hits = 0
         self._req_children: dict[tuple[str, str, int], Counter] = {}
-        self._duration_children: dict[str, Histogram] = {}
+        # (endpoint, model) -> (TTFB child, duration child) of the two latency histograms
+        self._latency_children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def attach_fleet(self, fleet: Fleet) -> None:
         """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
@@ -441,12 +490,25 @@ class GatewayMetrics:
         """Export the GPU and power-domain gauges of the thermal view ``view()`` returns."""
         self.registry.register(ThermalCollector(view, clock))
 
-    def observe_duration(self, endpoint: str, seconds: float) -> None:
-        """Observe one request's duration (cached label child)."""
-        child = self._duration_children.get(endpoint)
-        if child is None:
-            child = self._duration_children[endpoint] = self.request_duration.labels(endpoint)
-        child.observe(seconds)
+    def observe_latency(
+        self, endpoint: str, model: str, first_byte_s: float | None, total_s: float
+    ) -> None:
+        """Observe one answered request in both latency histograms (cached label children,
+        one dict lookup): ``first_byte_s`` (seconds from the request's arrival to its
+        answer's first byte reaching the client; None when none did, e.g. the client hung
+        up first) in ``gateway_time_to_first_byte_seconds``, ``total_s`` (seconds to the
+        answer's end) in ``gateway_request_duration_seconds``. ``model`` is the request's
+        model, or "" when it was refused before the model was known."""
+        key = (endpoint, model)
+        children = self._latency_children.get(key)
+        if children is None:
+            children = self._latency_children[key] = (
+                self.ttft.labels(endpoint, model),
+                self.request_duration.labels(endpoint, model),
+            )
+        if first_byte_s is not None:
+            children[0].observe(first_byte_s)
+        children[1].observe(total_s)
 
     def count_request(self, endpoint: str, model: str, status: int) -> None:
         """Count one answered client request (cached label child: ~0.3 us)."""

@@ -34,6 +34,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import ClientWatch, Cut, CutHandle, RelayResponse, StreamOutcome
 from gateway.proxy.sse import DONE_TERMINATED, EventFramer, extract_usage, has_event
 from gateway.proxy.upstream import (
+    FailureKind,
     UpstreamFailure,
     UpstreamPool,
     UpstreamRequest,
@@ -150,9 +151,12 @@ class Pipeline:
     def candidates(self, model: str, tried: list[str], now: float) -> list[Backend]:
         """Backends that may take a request for ``model`` now and that this request has
         not tried: warm, serving it, not cooling after a 429, breaker not open (or a free
-        half-open slot). Standby backends only when no primary qualifies."""
+        half-open slot). Standby backends only when no primary qualifies; backends
+        suspected of hanging (silent on their probes and scrapes,
+        :mod:`gateway.fleet.liveness`) only when nothing else does."""
         primaries: list[Backend] = []
         standbys: list[Backend] = []
+        suspects: list[Backend] | None = None
         for b in self.fleet.backends:
             if (
                 b.state is not BackendState.WARM
@@ -162,8 +166,13 @@ class Pipeline:
                 or not b.breaker.can_take()
             ):
                 continue
+            if b.suspected:
+                suspects = [b] if suspects is None else [*suspects, b]
+                continue
             (standbys if b.is_standby else primaries).append(b)
-        return primaries or standbys
+        if primaries or standbys or suspects is None:
+            return primaries or standbys
+        return [b for b in suspects if not b.is_standby] or suspects
 
     def availability_s(self, model: str, now: float) -> float | None:
         """Seconds until some backend of ``model`` can take a request again (a 429 cooldown
@@ -256,6 +265,11 @@ class Pipeline:
     def _may_retry(self, f: UpstreamFailure, attempts: int, max_attempts: int) -> bool:
         if self.shutting_down or not should_retry(f.kind, attempts, max_attempts):
             return False
+        if f.kind == "backend_hung":
+            # counted, never refused: it replaces an attempt the gateway cancelled on a
+            # backend doing no work (gateway.traffic.retry, "hung backend")
+            self.budget.spend()
+            return True
         if self.budget.try_spend():
             return True
         self.metrics.retry_budget_exhausted.inc()
@@ -284,11 +298,15 @@ class Pipeline:
             backend.busy_since = now
         backend.take(ctx.places, ctx.pooled_extra)
         backend.active.add(ctx.cut)
+        backend.awaiting[ctx.cut] = ctx.model  # a hung backend's watchdog may re-send it
         try:
             opened = await self._attempt(backend, ctx)
             backend.last_answer_at = self.router_clock()
+            backend.liveness.heard(backend.last_answer_at)
             return opened
         except UpstreamFailure as f:
+            if f.status is not None:  # it answered, with an error: alive
+                backend.liveness.heard(self.router_clock())
             self._release(backend, ctx)
             self._record_failure(f, ctx)
             raise
@@ -299,14 +317,21 @@ class Pipeline:
                 raise
             # The gateway ended this attempt (its backend's drain deadline, or the backend
             # hung) before any byte reached the client: safe to send elsewhere.
-            ctx.cut.absorb()
+            reason = ctx.cut.absorb()
             ctx.cut.rearm()
+            if reason == Cut.BACKEND_HUNG:
+                self._count_attempt(backend, "backend_hung")
+                raise UpstreamFailure(
+                    backend, "backend_hung", "backend hung before answering"
+                ) from None
             self._count_attempt(backend, "drained")
             raise UpstreamFailure(backend, "drained", "backend left before answering") from None
         except BaseException:
             self._release(backend, ctx)
             breaker.on_neutral()
             raise
+        finally:
+            backend.awaiting.pop(ctx.cut, None)
 
     def _release(self, backend: Backend, ctx: RequestContext) -> None:
         """Give back the backend slot this request held (the batcher may dispatch into it)."""
@@ -357,7 +382,7 @@ class Pipeline:
                     or status >= 500
                     or (status in (401, 403) and backend.config_error is not None)
                 ):
-                    kind = (
+                    kind: FailureKind = (
                         "rate_limited" if status == 429 else "status" if status >= 500 else "auth"
                     )
                     if status in (429, 503):
@@ -452,7 +477,7 @@ class Pipeline:
         backend.note_error(f"{ctx.endpoint}: {f.message}")
         if f.kind == "auth":
             self.controller._config_error(backend, f.message, f.status)
-        if f.kind in ("rate_limited", "drained", "auth"):
+        if f.kind in ("rate_limited", "drained", "auth", "backend_hung"):
             backend.breaker.on_neutral()  # busy or ours to end: not a health signal
         else:
             self._breaker_failure(backend)
@@ -490,11 +515,11 @@ class Pipeline:
                 request_id=rid,
                 id_header=idh,
             )
-        if f.kind == "drained":
+        if f.kind in ("drained", "backend_hung"):
             return error_response(
                 503,
                 f"The backend serving model '{ctx.model}' was taken out of rotation "
-                "(drained, stalled or shutting down) before answering, and no other could "
+                "(drained, hung, stalled or shutting down) before answering, and no other could "
                 "take the request.",
                 SERVER_ERROR,
                 "no_backend_available",
@@ -553,7 +578,9 @@ class Pipeline:
 
     # ---- completion -----------------------------------------------------------------------
     def finish_body(self, ctx: RequestContext, opened: Opened) -> Response:
-        """The non-streaming answer for the client; releases the backend slot."""
+        """The non-streaming answer for the client; releases the backend slot. Counts the
+        attempt, not the client request: the caller observes the request's status and
+        latency (a merged request's members are observed each, by their own callers)."""
         backend, resp, body = opened.backend, opened.resp, opened.data
         self._release(backend, ctx)
         self._served(backend)
@@ -588,9 +615,8 @@ class Pipeline:
             m = self.metrics
             ttft = None if first_sent_at is None else first_sent_at - ctx.started
             if ttft is not None:
-                m.ttft.labels(ctx.endpoint).observe(ttft)
                 self.ttft_window.append((self.router_clock(), ttft))
-            m.observe_duration(ctx.endpoint, time.perf_counter() - ctx.started)
+            m.observe_latency(ctx.endpoint, ctx.model, ttft, time.perf_counter() - ctx.started)
             if outcome == StreamOutcome.CLIENT_GONE:
                 m.client_disconnects.labels(ctx.endpoint).inc()
                 m.count_request(ctx.endpoint, ctx.model, 499)

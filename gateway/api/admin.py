@@ -61,6 +61,16 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         "drained": b.drained,
         "hold": b.hold,
         "maintenance": b.maintenance,
+        "deferred": None
+        if b.deferred is None
+        else {"cycle": b.deferred[0], "for_s": round(now - b.deferred[1], 1),
+              "reason": b.deferred[2]},
+        "capacity": {
+            "concurrency": _r(b.service.concurrency),
+            "service_rate_rps": _r(b.service.service_rate, 2),
+            "completion_rate_rps": _r(b.service.completion_rate, 2),
+            "service_time_s": _r(b.service.service_s, 3),
+        },
         "drain_deadline_in_s": (
             None if b.drain_deadline is None else round(b.drain_deadline - now, 3)
         ),
@@ -68,6 +78,14 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         "calibration_score": b.calibration_score,
         "probe_ttft_s": b.probe_ttft_s,
         "consecutive_probe_failures": b.consecutive_probe_failures,
+        # the hung watchdog (gateway.fleet.liveness): alive / suspect / hung, and the silence
+        # so far (seconds owing a probe or scrape answer with nothing heard)
+        "liveness": {
+            "verdict": b.liveness.verdict.value,
+            "suspected": b.suspected,
+            "silence_s": round(b.liveness.silence_s, 3),
+            "owed": b.liveness.owed,
+        },
         "breaker": {
             "state": b.breaker.current().value,
             "consecutive_failures": b.breaker.consecutive,

@@ -39,6 +39,7 @@ from gateway.traffic.admission import completion_budget, estimate_tokens
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.api")
 
@@ -274,6 +275,19 @@ def log_refusal(e: GatewayError, endpoint: str, request_id: str) -> None:
     )
 
 
+def answered(
+    metrics: GatewayMetrics, endpoint: str, model: str, status: int, started: float
+) -> None:
+    """Record one client request answered without a stream: its ``status`` in
+    ``gateway_requests_total`` and its latency since ``started`` (``time.perf_counter()``
+    seconds at arrival) in both latency histograms, the answer being ready now (its first
+    byte and its end go out together). A 499 (the client hung up: no byte reached it) has a
+    duration but no time to first byte. ``model`` is "" when not known yet."""
+    metrics.count_request(endpoint, model, status)
+    elapsed = time.perf_counter() - started
+    metrics.observe_latency(endpoint, model, None if status == 499 else elapsed, elapsed)
+
+
 async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Response:
     """Forward one model request (stream or not) through the pipeline; the answer to send.
 
@@ -303,7 +317,7 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             prio_value = v
     rid = sane_request_id(rid_value)
     if gw.shutting_down:
-        metrics.count_request(endpoint, "", 503)
+        answered(metrics, endpoint, "", 503, started)
         return shutting_down_response(rid, idh)
     try:
         key = check_client_key(gw, authorization)
@@ -313,15 +327,15 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         model: str = payload["model"]
         await check_model(gw, model)
     except GatewayError as e:
-        metrics.count_request(endpoint, "", e.status)
+        answered(metrics, endpoint, "", e.status, started)
         log_refusal(e, endpoint, rid)
         return e.response(rid, idh)
     except ClientGone:
         metrics.client_disconnects.labels(endpoint).inc()
-        metrics.count_request(endpoint, "", 499)
+        answered(metrics, endpoint, "", 499, started)
         return Response(status_code=499)
     except _UploadCut:
-        metrics.count_request(endpoint, "", 503)
+        answered(metrics, endpoint, "", 503, started)
         return shutting_down_response(rid, idh)
     stream = payload.get("stream") is True
     cut = CutHandle()
@@ -345,7 +359,7 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             ticket, verdict = await gate.admit(model, client, key, prio, est, len(body) // 4, rid)
         except Rejected as r:
             watch.stop()
-            metrics.count_request(endpoint, model, r.response.status_code)
+            answered(metrics, endpoint, model, r.response.status_code, started)
             return r.response
         except asyncio.CancelledError:
             watch.stop()
@@ -353,7 +367,7 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
                 raise
             cut.absorb()
             metrics.client_disconnects.labels(endpoint).inc()
-            metrics.count_request(endpoint, model, 499)
+            answered(metrics, endpoint, model, 499, started)
             return Response(status_code=499)
         cap = gate.max_tokens_cap()
         if cap is not None:
@@ -396,7 +410,7 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     except GatewayError as e:
         watch.stop()
         gate.release(ticket)
-        metrics.count_request(endpoint, model, e.status)
+        answered(metrics, endpoint, model, e.status, started)
         log_refusal(e, endpoint, rid)
         return e.response(rid, idh)
     except asyncio.CancelledError:
@@ -406,23 +420,21 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             raise
         if ctx.cut.absorb() == Cut.CLIENT_GONE:
             metrics.client_disconnects.labels(endpoint).inc()
-            metrics.count_request(endpoint, model, 499)
+            answered(metrics, endpoint, model, 499, started)
             return Response(status_code=499)
-        metrics.count_request(endpoint, model, 503)
+        answered(metrics, endpoint, model, 503, started)
         return shutting_down_response(rid, idh)
     if not isinstance(opened, Opened):  # a merged request's share, or a final refusal
         watch.stop()
         gate.release(ticket)
-        metrics.count_request(endpoint, model, opened.status_code)
-        metrics.observe_duration(endpoint, time.perf_counter() - started)
+        answered(metrics, endpoint, model, opened.status_code, started)
         return opened
-    if opened.framer is not None:
+    if opened.framer is not None:  # the stream's end observes it (Pipeline.relay)
         return gw.pipeline.relay(ctx, opened, watch)
     watch.stop()
     response = gw.pipeline.finish_body(ctx, opened)
     gate.release(ticket)
-    metrics.count_request(endpoint, model, response.status_code)
-    metrics.observe_duration(endpoint, time.perf_counter() - started)
+    answered(metrics, endpoint, model, response.status_code, started)
     return response
 
 

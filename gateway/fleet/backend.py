@@ -15,6 +15,8 @@ from enum import StrEnum
 from typing import Any
 
 from gateway.config import BackendConfig, BackendRole
+from gateway.fleet.liveness import Liveness
+from gateway.traffic.capacity import ServiceModel
 
 
 class BackendState(StrEnum):
@@ -47,6 +49,10 @@ class LoadSample:
     in_flight_at_scrape: int
     process_start_s: float | None = None  # ``process_start_time_seconds`` (unix s), if any
     pooled_extra_at_scrape: int = 0
+    # ``vllm:request_success_total`` summed over finish reasons (None: not exported), and
+    # ``kv_cache_max_concurrency`` of ``vllm:cache_config_info`` (None: not exported)
+    finished_total: float | None = None
+    kv_max_concurrency: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,6 +101,14 @@ class Backend:
     history: deque[Transition] = field(default_factory=lambda: deque(maxlen=20))
     # Cut handles of the requests open on this backend (drain deadlines end them).
     active: set[Any] = field(default_factory=set)
+    # Cut handles of the requests waiting here for their answer's start (nothing of it has
+    # reached the client: safe to re-send elsewhere), with each one's model.
+    awaiting: dict[Any, str] = field(default_factory=dict)
+    # What it owes the control plane and when it was last heard from (the hung watchdog,
+    # gateway.fleet.liveness); ``suspected``: silent long enough that new requests go
+    # elsewhere when another backend can take them.
+    liveness: Liveness = field(default_factory=Liveness)
+    suspected: bool = False
     # Lifecycle bookkeeping (monotonic seconds unless said otherwise).
     first_seen: float | None = None  # when the gateway first knew it (cold start timer)
     warm_since: float | None = None  # start of the slow-start ramp
@@ -107,6 +121,8 @@ class Backend:
     maintenance: str | None = None  # the cycle running now (short/medium/long/drain/...)
     cycles: Any = None  # lifecycle.CycleClock, set by the controller
     calibration_baseline: dict[str, object] | None = None
+    # the engine endpoint its own baseline was taken on (answers are compared on it alone)
+    calibration_endpoint: str | None = None
     calibration_score: float | None = None
     needs_calibration: bool = False  # drifted: must pass calibration before warm again
     probe_ttft_s: float | None = None  # last application probe's time to first token
@@ -121,6 +137,15 @@ class Backend:
     thermal: Any = None  # routing.thermal.ThermalTracker
     gpu_health: Any = None  # fleet.gpu_health.GpuHealth (Xid / ECC breaker)
     gpu_error: str | None = None  # last GPU telemetry scrape error (None: last one worked)
+    # Concurrency and service rate learned from the scrapes (written by the controller's
+    # scrape loop only; admission and the lifecycle read it)
+    service: ServiceModel = field(init=False)
+    # A due maintenance cycle held back because the others could not carry the load:
+    # (cycle kind, monotonic time it was first deferred, why); None when not deferred
+    deferred: tuple[str, float, str] | None = None
+
+    def __post_init__(self) -> None:
+        self.service = ServiceModel(self.config.max_num_seqs)
 
     @property
     def id(self) -> str:

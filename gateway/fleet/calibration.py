@@ -2,7 +2,9 @@
 
 After each cooldown the gateway sends fixed prompts at temperature 0 with a fixed seed and
 compares the answers with the backend's baseline (its first answers once warm, or a
-baseline file). Two figures: the exact-match rate, and the mean token-overlap similarity
+baseline file), on the engine endpoint the backend serves for the model (completions, else
+chat with the prompt as a user message, else embeddings; the baseline's endpoint when it
+has one). Two figures: the exact-match rate, and the mean token-overlap similarity
 (F1 of the whitespace-token multisets, the unigram overlap behind ROUGE-1; 1.0 for
 identical answers). For embedding models the answers are vectors and the similarity is the
 mean cosine. A score below the threshold (default 0.95) means drift: a corrupted weight
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
+
+from gateway.fleet.backend import Backend
+from gateway.fleet.probes import ProbeEndpoints, engine_answer, engine_request
 
 
 def token_overlap(a: str, b: str) -> float:
@@ -75,54 +79,72 @@ def compare(baseline: Mapping[str, object], answers: Mapping[str, object]) -> Ca
     return CalibrationResult(exact / n, total / n, sum(1 for p in baseline if p in answers))
 
 
-def _field(r: httpx.Response, get: Callable[[Any], object]) -> object:
-    """One field of a JSON answer; ``ValueError`` when the answer is not shaped as expected."""
-    try:
-        return get(r.json())
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise ValueError(f"unexpected calibration answer ({type(e).__name__}: {e})") from None
+@dataclass(frozen=True, slots=True)
+class Answers:
+    """A backend's calibration answers (prompt -> text, or prompt -> vector) and the
+    engine ``endpoint`` that gave them (a baseline is compared only with answers of the
+    same endpoint). ``unserved``: the backend answered, but none of the endpoints tried
+    serves the model (every one a "not this endpoint" 4xx, ``detail`` says which): no
+    answers, and no verdict to draw from them."""
+
+    endpoint: str | None
+    answers: dict[str, object]
+    unserved: bool = False
+    detail: str = ""
 
 
 async def collect_answers(
     client: httpx.AsyncClient,
-    base_url: str,
+    backend: Backend,
     model: str,
     prompts: Sequence[str],
     max_tokens: int,
     seed: int,
     api_key: str | None,
-) -> dict[str, object]:
-    """Ask every prompt once (completions, temperature 0, fixed seed); prompt -> answer.
+    endpoints: ProbeEndpoints | None = None,
+    only: str | None = None,
+) -> Answers:
+    """Ask every prompt once (temperature 0, fixed ``seed``, ``max_tokens``) on the engine
+    endpoint the backend serves for ``model``: completions (the prompt; answer
+    ``choices[0].text``), else chat (the prompt as one user message; answer
+    ``choices[0].message.content``), else embeddings (answer: the vector), the one
+    remembered in ``endpoints`` first (:func:`gateway.fleet.probes.engine_request`); with
+    ``only``, that endpoint alone (the baseline's). The first prompt picks the endpoint,
+    the others use it.
 
-    A model that does not generate (4xx on ``/v1/completions``) is asked for embeddings
-    instead: prompt -> vector. Raises ``httpx.HTTPError`` on transport errors and
-    ``ValueError`` when the backend answers neither.
+    Returns :class:`Answers` (``unserved`` when no endpoint tried serves the model).
+    Raises ``httpx.HTTPError`` on transport errors and timeouts, ``ValueError`` on any
+    other failed answer (5xx, 401/403/429, a body not shaped as the endpoint's).
     """
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    if endpoints is None:
+        endpoints = ProbeEndpoints()
     out: dict[str, object] = {}
+    used: str | None = only
     for prompt in prompts:
-        r = await client.post(
-            f"{base_url}/v1/completions",
-            json={
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "seed": seed,
-            },
-            headers=headers,
+        reply = await engine_request(
+            client,
+            backend,
+            model,
+            api_key,
+            prompt,
+            max_tokens,
+            endpoints,
+            seed=seed,
+            order=None if used is None else (used,),
         )
-        if r.status_code == 200:
-            out[prompt] = _field(r, lambda d: d["choices"][0]["text"])
-            continue
-        if 400 <= r.status_code < 500:
-            e = await client.post(
-                f"{base_url}/v1/embeddings",
-                json={"model": model, "input": prompt},
-                headers=headers,
+        if reply.unserved:
+            return Answers(None, {}, True, reply.detail)
+        r = reply.response
+        assert r is not None and reply.endpoint is not None
+        if r.status_code != 200:
+            raise ValueError(
+                f"calibration prompt answered {r.status_code} on {reply.endpoint}: "
+                f"{r.text[:200]}"
             )
-            if e.status_code == 200:
-                out[prompt] = _field(e, lambda d: d["data"][0]["embedding"])
-                continue
-        raise ValueError(f"calibration prompt answered {r.status_code}: {r.text[:200]}")
-    return out
+        used = reply.endpoint
+        try:
+            data = r.json()
+        except ValueError as e:
+            raise ValueError(f"unexpected calibration answer (not JSON: {e})") from None
+        out[prompt] = engine_answer(used, data)
+    return Answers(used, out)

@@ -1,8 +1,11 @@
 """The fleet's control loops and lifecycle procedures.
 
-Loops: health probes, load scrapes, model discovery, and the lifecycle loop that starts
-maintenance cycles when due. Procedures: warm-up, drain (with its deadline), the short /
-medium / long cycles, calibration, the restart hook, spot preemption.
+Loops: health probes (on a fixed tick, one outstanding per backend), load scrapes, model
+discovery, the hung watchdog (:mod:`gateway.fleet.liveness`: every control-plane request
+tells a backend's :class:`~gateway.fleet.liveness.Liveness` what it owes and when it was
+heard from) and the lifecycle loop that starts maintenance cycles when due. Procedures:
+warm-up, drain (with its deadline), the short / medium / long cycles, calibration, the
+restart hook, spot preemption.
 
 I/O lives here; every decision comes from the pure rules of
 :mod:`gateway.fleet.lifecycle`. Each loop survives its own exceptions (logged, counted in
@@ -25,16 +28,24 @@ from pathlib import Path
 import httpx
 
 from gateway.config import ConfigError, GatewayConfig
-from gateway.fleet import lifecycle
+from gateway.fleet import lifecycle, liveness
 from gateway.fleet.backend import Backend, BackendState, Fleet
-from gateway.fleet.calibration import collect_answers, compare
+from gateway.fleet.calibration import Answers, collect_answers, compare
 from gateway.fleet.gpu_monitor import GpuMonitor
 from gateway.fleet.lifecycle import CycleKind
-from gateway.fleet.probes import app_probe, fetch_models, probe_health, warm_up
+from gateway.fleet.probes import (
+    ENGINE_ENDPOINTS,
+    ProbeEndpoints,
+    app_probe,
+    fetch_models,
+    probe_health,
+    warm_up,
+)
 from gateway.fleet.telemetry import scrape_load
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import Cut
 from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
+from gateway.traffic.capacity import EngineSample
 
 S = BackendState
 
@@ -81,11 +92,19 @@ class FleetController:
         self._warming: dict[str, asyncio.Task[None]] = {}
         self._maintenance: dict[str, asyncio.Task[None]] = {}
         self._work_client: httpx.AsyncClient | None = None
+        self._probing: dict[str, asyncio.Task[None]] = {}  # the outstanding probe of each
+        h = cfg.health
+        self.liveness_rule = liveness.LivenessRule(h.suspect_after_s, h.hung_after_s)
         self._last_models_refresh = float("-inf")
         self._models_lock = asyncio.Lock()
         self.baselines = _load_baselines(cfg.calibration.baseline_file)
+        # per (backend, model): the engine endpoint warm-up, probes and calibration use
+        self.probe_endpoints = ProbeEndpoints()
         self.longest_drain_s = 0.0  # seconds, since start (reported by drills)
         self._starting = False
+        # requests/s forecast for a model over the next horizon (the arrival forecaster's
+        # mean), read before a cycle takes a backend out; None: no forecaster
+        self.forecast_rps: Callable[[str], float | None] | None = None
         now = clock()
         for b in fleet:
             b.first_seen = now
@@ -105,14 +124,28 @@ class FleetController:
         """
         h = self.cfg.health
         lc = self.cfg.lifecycle
+        # Both clients tell the hung watchdog what came back from each backend; requests of
+        # the control client (probes, scrapes, model lists: quick answers) are also owed.
+        # A hung backend holds up to ~5 of its connections (a probe, a scrape, model lists)
+        # until they time out: room for that, so the others' probes never queue behind it.
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(h.timeout_s),
-            limits=httpx.Limits(max_connections=max(16, 4 * len(self.fleet))),
+            transport=LivenessTransport(
+                self.fleet,
+                self.clock,
+                owes=True,
+                limits=httpx.Limits(max_connections=max(16, 8 * len(self.fleet))),
+            ),
         )
         # Warm-up, application probes and calibration generate tokens: a longer timeout.
         self._work_client = httpx.AsyncClient(
             timeout=httpx.Timeout(lc.warmup_timeout_s, connect=h.timeout_s),
-            limits=httpx.Limits(max_connections=max(16, 16 * len(self.fleet))),
+            transport=LivenessTransport(
+                self.fleet,
+                self.clock,
+                owes=False,
+                limits=httpx.Limits(max_connections=max(16, 16 * len(self.fleet))),
+            ),
         )
         now = self.clock()
         for i, b in enumerate(self.fleet):
@@ -128,7 +161,10 @@ class FleetController:
             self._starting = False
         t = self.cfg.telemetry
         self._tasks += [
-            asyncio.create_task(self._loop("probe", h.interval_s, self.probe_round)),
+            asyncio.create_task(self._loop("probe", h.interval_s, self.probe_tick)),
+            asyncio.create_task(
+                self._loop("liveness", liveness.CHECK_INTERVAL_S, self.liveness_round)
+            ),
             asyncio.create_task(self._loop("scrape", t.scrape_interval_s, self.scrape_round)),
             asyncio.create_task(self._loop("models", t.models_refresh_s, self.models_round)),
             asyncio.create_task(self._loop("lifecycle", lc.check_interval_s, self.lifecycle_round)),
@@ -139,10 +175,11 @@ class FleetController:
     async def stop(self) -> None:
         tasks = self._tasks + list(self._warming.values()) + list(self._maintenance.values())
         tasks += [b.stall_probe for b in self.fleet if b.stall_probe is not None]
+        tasks += list(self._probing.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks, self._warming, self._maintenance = [], {}, {}
+        self._tasks, self._warming, self._maintenance, self._probing = [], {}, {}, {}
         for client in (self._client, self._work_client):
             if client is not None:
                 await client.aclose()
@@ -243,7 +280,13 @@ class FleetController:
         key = self.api_keys[backend.id]
         model = backend.models[0]
         err = await warm_up(
-            self.work_client, backend, model, key, lc.warmup_batch_shapes, lc.warmup_max_tokens
+            self.work_client,
+            backend,
+            model,
+            key,
+            lc.warmup_batch_shapes,
+            lc.warmup_max_tokens,
+            self.probe_endpoints,
         )
         if backend.state is not S.WARMING:
             return
@@ -251,6 +294,9 @@ class FleetController:
             backend.note_error(err)
             self.transition(backend, S.UNHEALTHY, "warmup_failed")
             return
+        unserved = self.probe_endpoints.unserved_detail(backend.id, model)
+        if lc.warmup_batch_shapes and unserved is not None:
+            self._unserved(backend, model, "warmup", unserved)  # passes: no verdict
         if backend.needs_calibration:
             # It drifted before: probes passing is not enough, its answers must match again.
             if not await self.calibrate(backend):
@@ -260,9 +306,15 @@ class FleetController:
             baseline = self.baselines.get(model)
             if baseline is None:
                 try:
-                    baseline = await self._answers(backend, model)
+                    got = await self._answers(backend, model)
                 except (httpx.HTTPError, ValueError) as e:
                     backend.note_error(f"calibration baseline: {e}")
+                else:
+                    if got.unserved:
+                        self._unserved(backend, model, "calibration", got.detail)
+                    else:
+                        baseline = got.answers
+                        backend.calibration_endpoint = got.endpoint
             backend.calibration_baseline = baseline
         if backend.state is S.WARMING:
             self.transition(backend, S.WARM, "ready")
@@ -281,7 +333,116 @@ class FleetController:
         backend.config_error = detail
 
     async def probe_round(self) -> None:
+        """Probe every backend once and wait for all the answers (the start-up round)."""
         await asyncio.gather(*(self.probe_one(b) for b in self.fleet))
+
+    async def probe_tick(self) -> None:
+        """The probe loop's body: start a probe of every backend whose previous one has
+        ended, without waiting for them. The tick is fixed (``health.interval_s``) whatever
+        a probe is doing: a backend that does not answer keeps one probe outstanding (its
+        silence is the hung watchdog's to judge, :meth:`liveness_round`) and never delays
+        the others' probes."""
+        loop = asyncio.get_running_loop()
+        for b in self.fleet:
+            task = self._probing.get(b.id)
+            if task is None or task.done():
+                self._probing[b.id] = loop.create_task(self._probe_task(b))
+
+    async def _probe_task(self, backend: Backend) -> None:
+        try:
+            await self.probe_one(backend)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.metrics.loop_errors.labels("probe").inc()
+            log.exception("probe of backend %s failed; continuing", backend.id)
+
+    # ---- hung watchdog ----------------------------------------------------------------------
+    async def liveness_round(self) -> None:
+        """Judge every backend's silence (:mod:`gateway.fleet.liveness`), every
+        ``liveness.CHECK_INTERVAL_S`` (0.1 s).
+
+        A serving backend (warm, warming, draining, cooldown) that is *suspected* is
+        skipped by the router while another backend can take its requests; one judged
+        *hung* goes ``unhealthy`` (``backend_hung``), and its requests still waiting for an
+        answer's start (nothing reached their client) are cut so that the pipeline re-sends
+        them (:meth:`on_hung`). Streams already started there are left as they are."""
+        rule = self.liveness_rule
+        now = self.clock()
+        backends = self.fleet.backends
+        # the latest and second-latest "heard" times: each backend's peers' latest
+        first = second = float("-inf")
+        first_id = ""
+        for b in backends:
+            t = b.liveness.heard_at
+            if t > first:
+                first, second, first_id = t, first, b.id
+            elif t > second:
+                second = t
+        for b in backends:
+            peers = second if b.id == first_id else first
+            verdict = b.liveness.check(now, peers, rule)
+            serving = b.state in (S.WARM, S.WARMING, S.DRAINING, S.COOLDOWN)
+            suspected = serving and verdict is not liveness.Verdict.ALIVE
+            if suspected != b.suspected:
+                b.suspected = suspected
+                event = "suspected" if suspected else "cleared"
+                self.metrics.liveness_events.labels(b.id, event).inc()
+                if suspected:
+                    log.warning(
+                        "backend %s: suspected hung: owes %d control answer(s) and nothing "
+                        "came back for %.1f s; new requests go elsewhere",
+                        b.id,
+                        b.liveness.owed,
+                        b.liveness.silence_s,
+                    )
+                else:
+                    log.info("backend %s: no longer suspected (answering)", b.id)
+            if serving and verdict is liveness.Verdict.HUNG:
+                self.on_hung(b)
+
+    def on_hung(self, backend: Backend) -> None:
+        """``backend`` is hung: ``unhealthy`` (reason ``backend_hung``, counted in
+        ``gateway_backend_liveness_events_total{event="hung"}`` and the transitions), and
+        each request waiting on it for an answer's start is cut (``Cut.BACKEND_HUNG``) when
+        another backend can take its model, so the pipeline re-sends it there; one that
+        no other backend can take keeps waiting (the backend may come back). Probes bring
+        it back as from any ``unhealthy``."""
+        lv = backend.liveness
+        now = self.clock()
+        waiting = list(backend.awaiting.items())
+        movable = [h for h, model in waiting if self._other_can_take(backend, model, now)]
+        self.metrics.liveness_events.labels(backend.id, "hung").inc()
+        peers = "another backend answered meanwhile" if lv.peer_heard else "no other did"
+        detail = (
+            f"hung: owed {lv.owed} control answer(s) and nothing came back for "
+            f"{lv.silence_s:.1f} s ({peers})"
+        )
+        backend.note_error(detail)
+        log.warning(
+            "backend %s: %s; re-sending %d of %d request(s) waiting for a first byte",
+            backend.id,
+            detail,
+            len(movable),
+            len(waiting),
+        )
+        self.transition(backend, S.UNHEALTHY, "backend_hung")
+        backend.suspected = False
+        for handle in movable:
+            handle.cut(Cut.BACKEND_HUNG)
+
+    def _other_can_take(self, backend: Backend, model: str, now: float) -> bool:
+        """Whether a backend other than ``backend`` may take a request for ``model`` now
+        (warm, serving it, not suspected, not cooling, breaker letting requests through)."""
+        return any(
+            o is not backend
+            and o.state is S.WARM
+            and model in o.models
+            and not o.suspected
+            and o.cooling_until <= now
+            and o.breaker.can_take()
+            for o in self.fleet
+        )
 
     async def probe_one(self, backend: Backend) -> None:
         res = await probe_health(self.client, backend, self.api_keys[backend.id])
@@ -328,6 +489,16 @@ class FleetController:
                 self.cfg.telemetry.scrape_timeout_s,
             )
             backend.last_scrape_ok_at = self.clock()
+            load = backend.load
+            backend.service.observe(
+                EngineSample(
+                    load.scraped_at,
+                    load.waiting,
+                    load.running,
+                    load.finished_total,
+                    load.kv_max_concurrency,
+                )
+            )
             started = backend.load.process_start_s
             if (
                 backend.hold == "restarting"
@@ -425,20 +596,78 @@ class FleetController:
             kind = lifecycle.due_cycle(b.cycles, now, b.requests_served, lc)
             if kind is None:
                 continue
-            if kind is not CycleKind.SHORT and not lifecycle.may_take_out(
-                b, self.fleet.backends, lc
-            ):
-                continue  # staggered: it stays due and starts when allowed
+            if kind is not CycleKind.SHORT:
+                if not lifecycle.may_take_out(b, self.fleet.backends, lc):
+                    continue  # staggered: it stays due and starts when allowed
+                why = lifecycle.can_carry_without(
+                    b, self.fleet.backends, self.demand(), lc.carry_utilization,
+                    self.cfg.slo.ttft_s,
+                )
+                if why is not None:
+                    self._defer(b, kind, why, now)
+                    continue  # deferred: it stays due and starts at the next quiet moment
+            self._end_deferral(b, now)
             lifecycle.cycle_started(b.cycles, kind, now, b.requests_served, lc)
             self.metrics.cycles.labels(b.id, kind.value).inc()
             if kind is CycleKind.SHORT:
                 self._run(b, "short", self.short_cycle(b))
             elif kind is CycleKind.MEDIUM:
                 self.transition(b, S.DRAINING, "cooldown_scheduled")
-                self._run(b, "medium", self.medium_cycle(b, "scheduled"))
+                self._run(
+                    b,
+                    "medium",
+                    self.medium_cycle(b, "scheduled", rest_done=self.gpu.scheduled_rest_done(b)),
+                )
             else:
                 self.transition(b, S.DRAINING, "restart_scheduled")
                 self._run(b, "long", self.long_cycle(b, "scheduled"))
+
+    def demand(self) -> dict[str, float]:
+        """Requests per second each model must be served at now and over the forecast
+        horizon: the larger of the completion rate its backends report (summed) and the
+        arrival forecast's mean (:attr:`forecast_rps`, when there is one)."""
+        out: dict[str, float] = {}
+        for b in self.fleet:
+            for m in b.models:
+                out[m] = out.get(m, 0.0) + b.service.completion_rate
+        if self.forecast_rps is not None:
+            for m in out:
+                f = self.forecast_rps(m)
+                if f is not None and f > out[m]:
+                    out[m] = f
+        return out
+
+    def _defer(self, b: Backend, kind: CycleKind, why: str, now: float) -> None:
+        """Hold a due cycle back (the others cannot carry the load); after
+        ``lifecycle.max_defer_s`` it is skipped until its next period."""
+        lc = self.cfg.lifecycle
+        if b.deferred is None or b.deferred[0] != kind.value:
+            b.deferred = (kind.value, now, why)
+            self.metrics.cycle_deferrals.labels(b.id, kind.value, "deferred").inc()
+            self.metrics.cycle_deferred.labels(b.id).set(1)
+            log.info("backend %s: %s cycle deferred: %s", b.id, kind.value, why)
+            return
+        since = b.deferred[1]
+        b.deferred = (kind.value, since, why)
+        if now - since >= lc.max_defer_s:
+            log.warning(
+                "backend %s: %s cycle skipped after %.0f s deferred (%s); next one in a period",
+                b.id, kind.value, now - since, why,
+            )
+            self.metrics.cycle_deferrals.labels(b.id, kind.value, "skipped").inc()
+            lifecycle.cycle_started(b.cycles, kind, now, b.requests_served, lc)
+            b.deferred = None
+            self.metrics.cycle_deferred.labels(b.id).set(0)
+
+    def _end_deferral(self, b: Backend, now: float) -> None:
+        if b.deferred is not None:
+            log.info(
+                "backend %s: %s cycle starts after %.0f s deferred",
+                b.id, b.deferred[0], now - b.deferred[1],
+            )
+            self.metrics.cycle_deferral_seconds.observe(now - b.deferred[1])
+            b.deferred = None
+            self.metrics.cycle_deferred.labels(b.id).set(0)
 
     async def stall_probe(self, backend: Backend) -> None:
         """Requests are in flight but nothing came back for ``health.stall_after_s``: ask for
@@ -455,7 +684,10 @@ class FleetController:
             backend.models[0],
             self.api_keys[backend.id],
             timeout_s=h.stall_probe_timeout_s,
+            endpoints=self.probe_endpoints,
         )
+        if res.unserved:  # it answered (a 4xx on every endpoint): alive, no verdict
+            self._unserved(backend, backend.models[0], "app_probe", res.detail)
         if res.ok:
             backend.last_answer_at = self.clock()  # alive: look again after another stall
             return
@@ -481,7 +713,11 @@ class FleetController:
             backend.models[0],
             self.api_keys[backend.id],
             self.cfg.lifecycle.app_probe_max_tokens,
+            endpoints=self.probe_endpoints,
         )
+        if res.unserved:  # it answered (a 4xx on every endpoint): alive, no verdict
+            self._unserved(backend, backend.models[0], "app_probe", res.detail)
+            return
         if res.ok:
             backend.probe_ttft_s = res.ttft_s
             if res.ttft_s is not None:
@@ -679,17 +915,37 @@ class FleetController:
         return True
 
     # ---- calibration and hooks ---------------------------------------------------------------
-    async def _answers(self, backend: Backend, model: str) -> dict[str, object]:
+    async def _answers(self, backend: Backend, model: str, only: str | None = None) -> Answers:
+        """The calibration prompts' answers from ``backend`` for ``model``, on the engine
+        endpoint it serves (``only``: that endpoint alone). Raises ``httpx.HTTPError`` and
+        ``ValueError`` (see :func:`gateway.fleet.calibration.collect_answers`)."""
         c = self.cfg.calibration
         return await collect_answers(
             self.work_client,
-            backend.base_url,
+            backend,
             model,
             c.prompts,
             c.max_tokens,
             c.seed,
             self.api_keys[backend.id],
+            self.probe_endpoints,
+            only,
         )
+
+    def _unserved(self, backend: Backend, model: str, check: str, detail: str) -> None:
+        """``check`` (warmup / app_probe / calibration) found ``backend`` answering but
+        serving none of the engine endpoints for ``model``: not a health verdict, the check
+        passes. Counted in ``gateway_probe_unserved_total``; noted in the backend's last
+        error and logged once (until an endpoint answers again)."""
+        self.metrics.probe_unserved.labels(backend.id, check).inc()
+        if self.probe_endpoints.report(backend.id, model) is None:
+            return
+        message = (
+            f"{check}: serves none of {', '.join(ENGINE_ENDPOINTS)} for model {model} "
+            f"({detail}); warm-up and probes pass without a verdict, calibration is skipped"
+        )
+        backend.note_error(message)
+        log.warning("backend %s: %s", backend.id, message)
 
     async def calibrate(self, backend: Backend) -> bool:
         """Compare the backend's answers with its baseline; False (and ``unhealthy``,
@@ -698,16 +954,36 @@ class FleetController:
         if not c.enabled or not backend.models:
             return True
         model = backend.models[0]
-        baseline = backend.calibration_baseline or self.baselines.get(model)
+        own = backend.calibration_baseline
+        baseline = own or self.baselines.get(model)
+        only = backend.calibration_endpoint if own else None  # compared on its endpoint
         try:
-            answers = await self._answers(backend, model)
+            got = await self._answers(backend, model, only)
+            if got.unserved and only is not None:
+                # the baseline's endpoint is no longer served: no comparison is possible; a
+                # new baseline on the endpoint served now
+                log.warning(
+                    "backend %s: calibration baseline endpoint %s is no longer served (%s); "
+                    "taking a new baseline",
+                    backend.id,
+                    only,
+                    got.detail,
+                )
+                backend.calibration_baseline = backend.calibration_endpoint = None
+                baseline = self.baselines.get(model)
+                got = await self._answers(backend, model)
         except (httpx.HTTPError, ValueError) as e:
             backend.note_error(f"calibration: {e}")
             if backend.state is S.COOLDOWN:
                 self.transition(backend, S.UNHEALTHY, "calibration_failed")
             return False
+        if got.unserved:  # skipped: no drift verdict without answers
+            self._unserved(backend, model, "calibration", got.detail)
+            return True
+        answers = got.answers
         if baseline is None:
             backend.calibration_baseline = answers
+            backend.calibration_endpoint = got.endpoint
             return True
         result = compare(baseline, answers)
         backend.calibration_score = result.similarity
@@ -827,3 +1103,64 @@ def _load_baselines(path: str | None) -> dict[str, dict[str, object]]:
             f"calibration.baseline_file {path}: expected {{model: {{prompt: answer}}}}"
         )
     return data
+
+
+class LivenessTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that reports each request to a backend of ``fleet`` to that
+    backend's :class:`~gateway.fleet.liveness.Liveness`: an answer (response headers, any
+    status) is *heard*; with ``owes`` (the control-plane client) the request is also owed
+    until then, and a timeout leaves it owed (``unanswered``), while a refused or reset
+    connection, a wait for a pooled connection or a cancellation owe nothing (``dropped``).
+    Requests to other URLs (a restart hook) pass through untouched. ``clock``: monotonic
+    seconds. Errors are re-raised unchanged."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        clock: Callable[[], float],
+        owes: bool,
+        limits: httpx.Limits,
+    ) -> None:
+        self._inner = httpx.AsyncHTTPTransport(limits=limits)
+        self._clock = clock
+        self._owes = owes
+        # longest base URL first, so a backend under a path prefix wins over its host
+        self._bases = sorted(
+            ((b.base_url.rstrip("/"), b) for b in fleet), key=lambda x: len(x[0]), reverse=True
+        )
+
+    def backend_of(self, url: str) -> Backend | None:
+        """The backend whose base URL ``url`` is under, or None."""
+        for base, b in self._bases:
+            if url.startswith(base) and (len(url) == len(base) or url[len(base)] in "/?#"):
+                return b
+        return None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        backend = self.backend_of(str(request.url))
+        if backend is None:
+            return await self._inner.handle_async_request(request)
+        lv = backend.liveness
+        token = lv.sent(self._clock()) if self._owes else None
+        try:
+            response = await self._inner.handle_async_request(request)
+        except httpx.PoolTimeout:
+            if token is not None:
+                lv.dropped(token)
+            raise
+        except httpx.TimeoutException:
+            if token is not None:
+                lv.unanswered(token)
+            raise
+        except BaseException:
+            if token is not None:
+                lv.dropped(token)
+            raise
+        if token is not None:
+            lv.answered(token, self._clock())
+        else:
+            lv.heard(self._clock())
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()

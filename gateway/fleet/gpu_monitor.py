@@ -162,6 +162,29 @@ class GpuMonitor:
 
         return done
 
+    def scheduled_rest_done(self, backend: Backend) -> Callable[[float], bool] | None:
+        """The end condition of a *scheduled* medium cycle's rest on ``backend`` (argument:
+        seconds rested), or None without GPU telemetry (then the fixed
+        ``lifecycle.medium.cooldown_s`` applies): the rest lasts as long as the GPU needs and
+        no longer, so it ends at the first fresh reading below ``resume_c`` (at once when the
+        GPU is already cool), at ``max_cooldown_s`` at most; while telemetry is stale, after
+        ``lifecycle.medium.cooldown_s`` as without it."""
+        tracker = backend.thermal
+        if tracker is None or not self.cfg.enabled:
+            return None
+        c = self.controller
+        fallback_s = c.cfg.lifecycle.medium.cooldown_s
+
+        def done(rested_s: float) -> bool:
+            if rested_s >= self.cfg.max_cooldown_s:
+                return True
+            if not tracker.fresh(c.clock()):
+                return rested_s >= fallback_s
+            s = tracker.latest
+            return s is not None and s.temp_c is not None and s.temp_c < self.cfg.resume_c
+
+        return done
+
     # ---- GPU health breaker -------------------------------------------------------------------
     def gpu_fault(self, backend: Backend, reason: str, xid_last: tuple[int, ...]) -> None:
         """New Xid burst or ECC DBE: ``unhealthy`` now, then the restart hook."""

@@ -16,7 +16,9 @@ Maintenance cycles (seed 000), all periods configurable (:class:`LifecycleConfig
 :func:`initial_cycle_clock` spreads first due times over the period so backends do not
 all come due together, and :func:`may_take_out` keeps at most ``max_unavailable`` backends
 of a model out of rotation and never its last warm one (Kubernetes' ``maxUnavailable``
-with the percentage rounded down, at least 1).
+with the percentage rounded down, at least 1). A scheduled cycle that takes a backend out
+also waits until the others can carry the load (:func:`can_carry_without`): maintenance
+never costs capacity the load needs; it is deferred to the next quiet moment instead.
 
 Every change goes through :func:`apply_transition`, which rejects illegal moves with
 :class:`IllegalTransition` and appends to the backend's history. Health decisions
@@ -29,7 +31,7 @@ checking uses the same unhealthy/healthy threshold pair).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -221,3 +223,68 @@ def may_take_out(backend: Backend, fleet: Sequence[Backend], cfg: LifecycleConfi
         if warm_others == 0 or out + 1 > max_unavailable(len(peers), cfg):
             return False
     return True
+
+
+# ---- capacity before maintenance -----------------------------------------------------------
+QUIET_RPS = 0.05  # below this a model's demand is idle (one request every 20 s)
+
+
+def can_carry_without(
+    backend: Backend,
+    fleet: Sequence[Backend],
+    demand_rps: Mapping[str, float],
+    target_utilization: float,
+    slo_ttft_s: float,
+) -> str | None:
+    """Whether the other warm backends can carry the load if ``backend`` leaves rotation
+    for a maintenance cycle: None when they can, else why not (shown to operators).
+
+    For every model ``backend`` serves, the demand (requests/s: ``demand_rps[model]``, the
+    larger of the measured completion rate and the arrival forecast, or the completion
+    rate of the model's backends when absent) must fit in ``target_utilization`` of the
+    others' capacity (:attr:`gateway.traffic.capacity.ServiceModel.capacity_rps`: their
+    learned service time at their concurrency, or at vLLM's own bound while they were
+    never saturated; an unknown one counts as the mean of the model's known ones), and the
+    requests in
+    flight on the model's backends now (running + waiting) must start within
+    ``slo_ttft_s`` on the others. ``target_utilization`` 0.8: an M/M/c queue at that load
+    keeps waits short next to the service time (Erlang C; Kleinrock vol. 1, 3.5). A model
+    whose demand is quiet (under :data:`QUIET_RPS`) with nothing in flight always passes.
+    """
+    for model in backend.models:
+        peers = [b for b in fleet if model in b.models]
+        others = [b for b in peers if b is not backend and b.state is S.WARM]
+        demand = demand_rps.get(model)
+        if demand is None:
+            demand = sum(b.service.completion_rate for b in peers)
+        in_system = sum(_in_system(b) for b in peers)
+        if demand < QUIET_RPS and in_system == 0:
+            continue
+        known = [r for b in peers if (r := b.service.capacity_rps) is not None]
+        if not others:
+            return f"no other warm backend serves {model}"
+        if not known:
+            return f"the capacity of the other backends of {model} is not known yet"
+        mean = sum(known) / len(known)
+        cap = sum(r if (r := b.service.capacity_rps) is not None else mean for b in others)
+        if demand > target_utilization * cap:
+            return (
+                f"{model}: {demand:.1f} req/s would load the other backends to "
+                f"{demand / cap:.0%} of their {cap:.1f} req/s (at most "
+                f"{target_utilization:.0%})"
+            )
+        slots = sum(b.service.ceiling for b in others)
+        ahead = in_system + 1 - slots
+        if ahead > 0 and ahead / cap > slo_ttft_s:
+            return (
+                f"{model}: the {in_system:.0f} requests in flight would wait "
+                f"{ahead / cap:.1f} s on the other backends (TTFT SLO {slo_ttft_s:g} s)"
+            )
+    return None
+
+
+def _in_system(b: Backend) -> float:
+    """Requests running or queued on ``b``: its last scrape, never below the gateway's own
+    requests in flight there."""
+    scraped = 0.0 if b.load is None else b.load.waiting + b.load.running
+    return max(float(b.in_flight), scraped)

@@ -41,7 +41,15 @@ _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
 FailureKind = Literal[
-    "connect", "ttfb_timeout", "idle_timeout", "disconnected", "status", "auth", "drained"
+    "connect",
+    "ttfb_timeout",
+    "idle_timeout",
+    "disconnected",
+    "status",
+    "rate_limited",
+    "auth",
+    "drained",
+    "backend_hung",
 ]
 
 
@@ -51,7 +59,9 @@ class UpstreamFailure(Exception):
     ``kind``: ``connect`` (refused, reset before the request was taken, DNS), ``ttfb_timeout``,
     ``idle_timeout``, ``disconnected`` (the backend closed or broke the response),
     ``status`` (a 5xx answer), ``auth`` (the backend refused the gateway's own key),
-    ``drained`` (the backend's drain deadline ended the attempt; not its fault).
+    ``drained`` (the backend's drain deadline ended the attempt; not its fault),
+    ``backend_hung`` (the gateway judged the backend hung and ended the attempt before any
+    answer).
     ``body``/``status``/``headers`` keep a backend's error answer so it can be passed on.
     """
 

@@ -8,8 +8,10 @@ Three layers, each with its own rejection reason and metric
    ``x-ratelimit-*`` limits work;
 2. **scheduler** (global): a bound on requests in flight, a bounded priority queue in front
    of it, and a bound on the time a request may wait there;
-3. **resource** (fleet): saturation read from the backends' scraped queue depth and KV-cache
-   use; under saturation ``low`` priority is shed first, then ``normal``; ``high`` last.
+3. **resource** (fleet): the queue wait a new request would meet on the least-loaded
+   backend, predicted from its scraped queue and its learned concurrency and service rate
+   (:mod:`gateway.traffic.capacity`), against the TTFT SLO: ``low`` priority is shed
+   first, then ``normal``; ``high`` last. A non-empty vLLM queue alone sheds nothing.
 
 Every rejection carries a ``retry-after`` from :func:`retry_after_s`: the predicted time until
 capacity frees (queued work over the recent service rate), bounded to [1, 60] s.
@@ -441,23 +443,36 @@ def retry_after_s(work_ahead: float, service_rate: float) -> float:
 # ---- resource layer ----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Saturation:
-    """How full the fleet serving one model is, 0 (idle) to 1+ (over).
-
-    The level is the least-loaded backend's: ``max(waiting / waiting_full, kv / kv_full)``;
-    when even the best backend is saturated, the whole pool is.
-    """
+    """How overloaded the fleet serving one model is: the predicted queue wait of a new
+    request in units of the TTFT SLO (0: it would start at once; 1: it would wait a whole
+    SLO before its prefill starts), or for the power layer the draw over the budget."""
 
     level: float
 
 
-def pool_saturation(
-    loads: Iterable[tuple[float, float]], waiting_full: float, kv_full: float
-) -> Saturation:
-    """``loads``: (waiting requests, KV-cache usage 0-1) of each routable backend."""
+def pool_wait(waits: Iterable[float]) -> float:
+    """The least predicted queue wait (seconds) among a model's routable backends, 0 with
+    none: the router sends a request to the least-loaded one, so that is the wait it meets.
+    Each wait comes from :meth:`gateway.traffic.capacity.ServiceModel.predicted_wait`."""
     best = math.inf
-    for waiting, kv in loads:
-        best = min(best, max(waiting / waiting_full, kv / kv_full))
-    return Saturation(0.0 if best == math.inf else best)
+    for w in waits:
+        best = min(best, w)
+    return 0.0 if best == math.inf else best
+
+
+def wait_level(wait_s: float, slo_ttft_s: float) -> Saturation:
+    """The resource layer's saturation: predicted queue wait ``wait_s`` over the TTFT SLO
+    ``slo_ttft_s`` (both seconds). A backend's own queue is not an overload; a wait that
+    makes the request miss its SLO by a margin is (``admission.shed_levels``)."""
+    return Saturation(wait_s / slo_ttft_s if slo_ttft_s > 0 else math.inf)
+
+
+def shed_retry_after(wait_s: float, level: float, slo_ttft_s: float) -> float:
+    """Retry-After (seconds, bounded to [1, 60]) of a request shed at predicted wait
+    ``wait_s`` by a class shed from ``level`` x ``slo_ttft_s``: the queue drains one second
+    of wait per second, so a retry after the excess would be let in (arrivals meanwhile
+    aside)."""
+    return clamp_retry_after(wait_s - level * slo_ttft_s)
 
 
 def shed(prio: Prio, saturation: Saturation, thresholds: tuple[float, float, float]) -> bool:

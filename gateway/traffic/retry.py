@@ -12,7 +12,10 @@ same backend, and only for failures that say nothing about the request itself:
 * ``auth``: the backend refused the gateway's own key, and the probes found it refusing it
   too (``config_error``: a misconfigured backend; another one may be configured right);
   a 401/403 from a backend whose key works elsewhere is about the request: passed through;
-* ``drained``: the backend's drain deadline ended the attempt before any answer.
+* ``drained``: the backend's drain deadline ended the attempt before any answer;
+* ``backend_hung``: the gateway judged the backend hung (silent on its probes and scrapes,
+  :mod:`gateway.fleet.liveness`, or a failed stall probe) and ended the attempt before any
+  answer.
 
 Not retried: ``ttfb_timeout``/``idle_timeout`` (the backend may still be generating;
 re-sending doubles load at the worst moment) and every 4xx caused by the request (cases
@@ -30,6 +33,28 @@ minimum rate of retries per second; Envoy's ``retry_budget`` is the same idea ov
 requests): retries may be at most ``ratio`` of the requests seen in the last ``window_s``
 seconds, or ``min_per_s`` per second of the window when that is larger, so that a failing
 fleet cannot multiply its own load while a quiet one can still fail over.
+
+A re-send off a **hung** backend (``backend_hung``) is counted in the budget (it spends a
+retry, so ordinary retries that follow have that much less room, and it shows in
+``gateway_retries_total{reason="backend_hung"}``) but is never refused by it
+(:meth:`RetryBudget.spend`). The budget exists so that retries cannot multiply the fleet's
+load; such a re-send does not add load: the gateway itself cancelled the stuck attempt
+(its connection closed, so vLLM aborts it when it runs again) on a backend that was doing
+no work, and the request moves rather than doubles. It is bounded all the same: at most one
+re-send per request per hung backend (``proxy.max_attempts``, never twice to the same
+backend), and the backend is ``unhealthy`` from the detection on (probes and warm-up must
+bring it back), so each hang re-sends the requests waiting on it once. Whether they would
+have fit anyway: at 20 requests/s over two backends, with suspicion after about 1 s (new
+requests avoid the silent backend) and detection after about 2.5 s, the requests stuck on
+it are at most those sent to it in its first second of silence plus those it had not
+started answering: about 10-15 streams, within the budget's 40 (20% of 200 requests in
+10 s); fewer in practice, since the least-loaded router already prefers the other backend
+once a few requests sit unanswered on the stopped one (measured with two real vLLM CPU
+servers, one stopped for 15 s under 20 requests/s: 2 re-sends, detection after 2.25 s). But
+non-streaming generations (nothing is sent before the whole answer) at high concurrency
+can leave more stuck than the budget holds (32 clients with 10-s answers: ~16 stuck,
+budget 10), and refusing those would turn a backend's hang into client errors although no
+byte of their answers was ever sent.
 """
 
 from __future__ import annotations
@@ -42,7 +67,7 @@ from collections.abc import Callable
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 RETRYABLE_KINDS = frozenset(
-    {"connect", "disconnected", "status", "rate_limited", "auth", "drained"}
+    {"connect", "disconnected", "status", "rate_limited", "auth", "drained", "backend_hung"}
 )
 
 
@@ -95,6 +120,11 @@ class RetryBudget:
             return False
         bucket[2] += 1
         return True
+
+    def spend(self) -> None:
+        """Count one retry that is made whatever the budget says (a re-send off a hung
+        backend, see the module docstring): it takes from the room of later retries."""
+        self._bucket()[2] += 1
 
 
 class RetryPolicy:

@@ -81,9 +81,9 @@ def test_embeddings_merged_and_split_exactly(sim, batching_gateway) -> None:
     merged_total = httpx.get(gw.url + "/metrics").text
     assert 'gateway_merged_requests_total{endpoint="/v1/embeddings",outcome="ok"}' in merged_total
     # every member's duration is observed, merged or not (dashboards missed the merged ones)
-    assert f'gateway_request_duration_seconds_count{{endpoint="/v1/embeddings"}} {N}.0' in (
-        merged_total
-    )
+    series = f'{{endpoint="/v1/embeddings",model="{MODEL}"}} {N}.0'
+    assert f"gateway_request_duration_seconds_count{series}" in merged_total
+    assert f"gateway_time_to_first_byte_seconds_count{series}" in merged_total
 
 
 def test_text_embeddings_base64_split(sim, batching_gateway) -> None:

@@ -35,14 +35,20 @@ def slow(seconds: float):
 
 
 def loaded(load: dict[str, float]):
-    """Control plane reporting ``load['waiting']`` queued requests in ``/metrics``."""
+    """Control plane of a vLLM running 4 requests with ``load['waiting']`` queued, finishing
+    ``load['rate']`` requests per second (``vllm:request_success_total`` grows with time):
+    the gateway learns concurrency 4 and a service rate of ``rate`` requests/s from it."""
+    t0 = time.monotonic()
 
     async def control(req: Received, conn: Conn) -> None:
         if req.path == "/metrics":
+            finished = load.get("rate", 2.0) * (time.monotonic() - t0)
             text = (
                 f'vllm:num_requests_running{{engine="0"}} 4.0\n'
                 f'vllm:num_requests_waiting{{engine="0"}} {load["waiting"]}\n'
                 f'vllm:kv_cache_usage_perc{{engine="0"}} 0.1\n'
+                f'vllm:request_success_total{{engine="0",finished_reason="length"}} '
+                f"{finished}\n"
             )
             await conn.send_response(200, text.encode(), content_type="text/plain")
         elif req.path == "/v1/models":
@@ -141,11 +147,13 @@ def test_key_tokens_per_minute(backends, gateway):
 # ---- resource layer -----------------------------------------------------------------------
 
 def test_saturation_sheds_low_first_high_last(backends, gateway):
-    """The only backend reports 10 waiting requests (saturation 1.25 with waiting_full 8):
-    low priority is shed with 429 + Retry-After, normal and high pass; at 14 waiting (1.75)
-    normal is shed too; at 20 (2.5) everything is shed. Priority comes from ``x-priority``
-    or the client key's own priority."""
-    load = {"waiting": 10.0}
+    """The only backend runs 4 requests and finishes 2 a second (learned from its
+    ``/metrics``). With 5 queued a new request would wait (5 + 1) / 2 = 3 s: over the 2 s
+    TTFT SLO, so low priority is shed (1x), normal and high pass; at 9 queued (5 s, over
+    2x) normal is shed too; at 19 (10 s, over 4x) everything is shed. Retry-After is the
+    excess wait over the class's bound. Priority comes from ``x-priority`` or the client
+    key's own priority."""
+    load = {"waiting": 5.0, "rate": 2.0}
     a = backends(control=loaded(load))
     gw = gateway({"a": a}, auth={"client_keys": [{"name": "batch", "key": "sk-batch",
                                                   "priority": "low"},
@@ -159,25 +167,55 @@ def test_saturation_sheds_low_first_high_last(backends, gateway):
         r = httpx.post(url, json=BODY, headers=headers, timeout=10)
         if r.status_code == 429:
             assert_honest_429(r)
+            assert "wait about" in r.json()["error"]["message"]
         return r.status_code
+
+    b = gw.gateway.fleet.get("a")
 
     def settle(waiting: float) -> None:
         load["waiting"] = waiting
-        b = gw.gateway.fleet.get("a")
-        assert wait_for(lambda: b.load is not None and b.load.waiting == waiting, 5)
+        assert wait_for(
+            lambda: b.load is not None and b.load.waiting == waiting
+            and b.service.service_rate is not None
+            and abs(b.service.service_rate - 2.0) < 0.3, 10
+        ), (b.load, b.service.service_rate)
 
-    settle(10.0)
+    settle(5.0)
     assert [status(p) for p in ("high", "normal", "low")] == [200, 200, 429]
     assert status(None, "sk-batch") == 429, "the key's own priority is low"
     assert status("high", "sk-batch") == 200, "the header overrides the key's priority"
-    settle(14.0)
+    settle(9.0)
     assert [status(p) for p in ("high", "normal", "low")] == [200, 429, 429]
-    settle(20.0)
+    settle(19.0)
+    r = httpx.post(url, json=BODY, timeout=10,
+                   headers={"x-priority": "high", "authorization": f"Bearer {KEY}"})
+    assert_honest_429(r)
+    # 10 s predicted against the 8 s bound of high priority: retry in about 2 s
+    assert 1000 <= int(r.headers["retry-after-ms"]) <= 4000, r.headers["retry-after-ms"]
+    assert "high-priority" in r.json()["error"]["message"]
     assert [status(p) for p in ("high", "normal", "low")] == [429, 429, 429]
     settle(0.0)
     assert [status(p) for p in ("high", "normal", "low")] == [200, 200, 200]
     rej = rejections(gw.url)
-    assert rej[("resource", "low")] == 4 and rej[("resource", "high")] == 1
+    assert rej[("resource", "low")] == 4 and rej[("resource", "high")] == 2
+
+
+def test_a_queue_that_drains_in_time_is_not_shed(backends, gateway):
+    """vLLM's own queue is how vLLM works: 16 queued on a backend that finishes 20
+    requests a second means a new request starts within 1 s, inside the 2 s SLO, so
+    nothing is shed, whatever the priority (the old rule read 16 waiting as saturation
+    2.0 and refused everything)."""
+    load = {"waiting": 16.0, "rate": 20.0}
+    a = backends(control=loaded(load))
+    gw = gateway({"a": a})
+    b = gw.gateway.fleet.get("a")
+    assert wait_for(lambda: b.service.service_rate is not None
+                    and b.service.service_rate > 15, 10), b.service.service_rate
+    url = gw.url + "/v1/chat/completions"
+    for prio in ("low", "normal", "high"):
+        r = httpx.post(url, json=BODY, headers={"x-priority": prio}, timeout=10)
+        assert r.status_code == 200, r.text
+    assert not any(k[0] == "resource" for k in rejections(gw.url))
 
 
 # ---- scheduler layer ----------------------------------------------------------------------

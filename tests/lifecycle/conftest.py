@@ -18,7 +18,7 @@ def sims() -> Iterator[Callable[..., Sim]]:
     made: list[Sim] = []
 
     def make(name: str, itl_s: float = 0.01, **config: Any) -> Sim:
-        s = Sim(name, itl_s, **config)
+        s = Sim(name, itl_s, **config)  # config: max_num_seqs, or SimConfig fields
         made.append(s)
         return s
 

@@ -52,9 +52,10 @@ class Sim:
     per token of a lone stream). ``kill()`` stops it (port closed: connection refused);
     ``restart()`` serves a fresh one with the same config on the same port."""
 
-    def __init__(self, name: str, itl_s: float = 0.01, **config: Any) -> None:
+    def __init__(self, name: str, itl_s: float = 0.01, max_num_seqs: int = 16,
+                 **config: Any) -> None:
         self.name = name
-        engine = EngineParams(itl_base_s=itl_s, itl_per_seq_s=0.0)
+        engine = EngineParams(itl_base_s=itl_s, itl_per_seq_s=0.0, max_num_seqs=max_num_seqs)
         self.config = SimConfig(model=MODEL, engine_label=name, engine=engine, **config)
         self.server = SimServerThread(self.config)
         self.url = self.server.start()

@@ -19,10 +19,12 @@ from gateway.traffic.admission import (
     clamp_retry_after,
     completion_budget,
     estimate_tokens,
-    pool_saturation,
+    pool_wait,
     ratelimit_duration,
     retry_after_s,
     shed,
+    shed_retry_after,
+    wait_level,
 )
 
 
@@ -162,11 +164,18 @@ def test_unbounded_scheduler_always_runs():
     assert all(s.offer(Prio.LOW, 0).action == "run" for _ in range(1000))
 
 
-def test_pool_saturation_is_the_best_backends_level():
-    sat = pool_saturation([(16, 0.2), (4, 0.5), (0, 0.99)], waiting_full=8, kv_full=0.95)
-    # per backend max(waiting/8, kv/0.95): 2.0, 0.526, 1.04 -> the best one, 0.526
-    assert sat.level == pytest.approx(0.5 / 0.95)
-    assert pool_saturation([], 8, 0.95).level == 0.0
+def test_pool_wait_is_the_least_loaded_backends_wait_over_the_slo():
+    assert pool_wait([6.0, 1.5, math.inf]) == 1.5  # the router picks the least loaded
+    assert pool_wait([]) == 0.0
+    assert wait_level(3.0, slo_ttft_s=2.0).level == pytest.approx(1.5)
+    assert wait_level(0.0, 2.0).level == 0.0
+
+
+def test_shed_retry_after_is_the_excess_wait_over_the_class_bound():
+    # 10 s predicted, high shed from 4 x 2 s = 8 s: come back in 2 s
+    assert shed_retry_after(10.0, 4.0, 2.0) == pytest.approx(2.0)
+    assert shed_retry_after(8.2, 4.0, 2.0) == 1.0  # at least 1 s
+    assert shed_retry_after(500.0, 1.0, 2.0) == 60.0  # at most 60 s
 
 
 def test_shed_low_first_high_last():

@@ -80,3 +80,19 @@ def test_full_jitter_first_delay_bounds():
     assert 0.04 < sum(delays) / len(delays) < 0.06, "uniform(0, base): mean base/2"
     capped = RetryPolicy(backoff_base_s=5.0, backoff_max_s=0.2, rng=random.Random(1))
     assert max(capped.first_delay() for _ in range(500)) <= 0.2
+
+
+def test_a_hung_backend_re_send_is_counted_but_never_refused():
+    """``spend`` (a re-send off a hung backend) always goes through and takes room from the
+    ordinary retries that follow."""
+    clock = Clock()
+    b = RetryBudget(ratio=0.2, window_s=10.0, min_per_s=1.0, clock=clock)  # floor: 10
+    for _ in range(20):
+        b.record_request()
+    for _ in range(16):  # more than the budget holds
+        b.spend()
+    assert not b.try_spend(), "the forced re-sends used the budget up"
+    clock.t += 11
+    b.record_request()
+    assert b.try_spend(), "and left the window with it"
+    assert should_retry("backend_hung", 1, 2)
