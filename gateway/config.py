@@ -11,6 +11,7 @@ problem (:class:`ConfigError`), never silently.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from enum import StrEnum
@@ -496,6 +497,16 @@ class AdmissionConfig(_Strict):
     )
 
     @model_validator(mode="after")
+    def _deprecated(self) -> AdmissionConfig:
+        if self.waiting_full is not None or self.kv_full is not None:
+            logging.getLogger("gateway.config").warning(
+                "admission.waiting_full and admission.kv_full are deprecated and ignored: the "
+                "resource layer sheds by the predicted queue wait (admission.shed_levels, in "
+                "multiples of slo.ttft_s)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _low_sheds_first(self) -> AdmissionConfig:
         high, normal, low = self.shed_levels
         if not high >= normal >= low > 0:
@@ -673,8 +684,10 @@ class BackendConfig(_Strict):
 
     ``models`` may be left out: the gateway then learns them from the backend's
     ``/v1/models`` (LoRA adapters included). ``max_num_seqs`` is the backend's batch capacity
-    (vLLM's ``--max-num-seqs``), used to normalise its load. ``sim`` is read only by
-    ``llm-gateway demo``, which starts a simulated vLLM for this entry.
+    (vLLM's ``--max-num-seqs``, times its data-parallel size: the server's total), used to
+    normalise its load, predict its queue wait and plan maintenance; without it the gateway
+    learns it from the backend's ``/metrics`` (:mod:`gateway.traffic.capacity`). ``sim`` is
+    read only by ``llm-gateway demo``, which starts a simulated vLLM for this entry.
     """
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$")

@@ -298,7 +298,10 @@ class Pipeline:
             backend.busy_since = now
         backend.take(ctx.places, ctx.pooled_extra)
         backend.active.add(ctx.cut)
-        backend.awaiting[ctx.cut] = ctx.model  # a hung backend's watchdog may re-send it
+        if len(tried) < self.cfg.proxy.max_attempts:
+            # an attempt is left: a hung backend's watchdog may cut it to re-send it (one
+            # without would only turn a wait into a 503)
+            backend.awaiting[ctx.cut] = ctx.model
         try:
             opened = await self._attempt(backend, ctx)
             backend.last_answer_at = self.router_clock()
@@ -652,6 +655,7 @@ class Pipeline:
             self.cfg.proxy.idle_timeout_s,
             on_done,
             ends_with_done=ctx.endpoint in DONE_TERMINATED,
+            heard=backend.liveness.heard,
         )
 
     def _count_usage(self, model: str, usage: tuple[int, int] | None) -> None:

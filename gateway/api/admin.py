@@ -70,6 +70,8 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
             "service_rate_rps": _r(b.service.service_rate, 2),
             "completion_rate_rps": _r(b.service.completion_rate, 2),
             "service_time_s": _r(b.service.service_s, 3),
+            "ceiling": _r(b.service.ceiling),
+            "capacity_rps": _r(b.service.capacity_rps, 2),
         },
         "drain_deadline_in_s": (
             None if b.drain_deadline is None else round(b.drain_deadline - now, 3)

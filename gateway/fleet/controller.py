@@ -588,6 +588,10 @@ class FleetController:
             ):
                 b.stall_probe = asyncio.get_running_loop().create_task(self.stall_probe(b))
         now = self.clock()
+        for b in self.fleet:
+            if b.deferred is not None and b.state is not S.WARM:
+                b.deferred = None  # it left rotation another way: nothing held back now
+                self.metrics.cycle_deferred.labels(b.id).set(0)
         due = [
             b for b in self.fleet if b.cycles is not None and not self.busy(b) and b.state is S.WARM
         ]
@@ -601,10 +605,16 @@ class FleetController:
                     continue  # staggered: it stays due and starts when allowed
                 why = lifecycle.can_carry_without(
                     b, self.fleet.backends, self.demand(), lc.carry_utilization,
-                    self.cfg.slo.ttft_s,
+                    now, self.cfg.telemetry.stale_after_s,
                 )
                 if why is not None:
                     self._defer(b, kind, why, now)
+                    if now >= b.cycles.next_short:  # the engine probe is not held back
+                        lifecycle.cycle_started(
+                            b.cycles, CycleKind.SHORT, now, b.requests_served, lc
+                        )
+                        self.metrics.cycles.labels(b.id, CycleKind.SHORT.value).inc()
+                        self._run(b, "short", self.short_cycle(b))
                     continue  # deferred: it stays due and starts at the next quiet moment
             self._end_deferral(b, now)
             lifecycle.cycle_started(b.cycles, kind, now, b.requests_served, lc)
@@ -628,8 +638,9 @@ class FleetController:
         arrival forecast's mean (:attr:`forecast_rps`, when there is one)."""
         out: dict[str, float] = {}
         for b in self.fleet:
-            for m in b.models:
-                out[m] = out.get(m, 0.0) + b.service.completion_rate
+            serving = b.state in lifecycle.SERVING
+            for m in b.models:  # a backend out of service (dead) adds no demand
+                out[m] = out.get(m, 0.0) + (b.service.completion_rate if serving else 0.0)
         if self.forecast_rps is not None:
             for m in out:
                 f = self.forecast_rps(m)

@@ -167,8 +167,8 @@ class GpuMonitor:
         seconds rested), or None without GPU telemetry (then the fixed
         ``lifecycle.medium.cooldown_s`` applies): the rest lasts as long as the GPU needs and
         no longer, so it ends at the first fresh reading below ``resume_c`` (at once when the
-        GPU is already cool), at ``max_cooldown_s`` at most; while telemetry is stale, after
-        ``lifecycle.medium.cooldown_s`` as without it."""
+        GPU is already cool), at ``max_cooldown_s`` at most; while telemetry is stale or
+        reads no temperature, after ``lifecycle.medium.cooldown_s`` as without it."""
         tracker = backend.thermal
         if tracker is None or not self.cfg.enabled:
             return None
@@ -178,10 +178,10 @@ class GpuMonitor:
         def done(rested_s: float) -> bool:
             if rested_s >= self.cfg.max_cooldown_s:
                 return True
-            if not tracker.fresh(c.clock()):
-                return rested_s >= fallback_s
             s = tracker.latest
-            return s is not None and s.temp_c is not None and s.temp_c < self.cfg.resume_c
+            if not tracker.fresh(c.clock()) or s is None or s.temp_c is None:
+                return rested_s >= fallback_s  # no temperature to wait for
+            return s.temp_c < self.cfg.resume_c
 
         return done
 

@@ -234,30 +234,36 @@ def can_carry_without(
     fleet: Sequence[Backend],
     demand_rps: Mapping[str, float],
     target_utilization: float,
-    slo_ttft_s: float,
+    now: float | None = None,
+    stale_after_s: float = 5.0,
 ) -> str | None:
     """Whether the other warm backends can carry the load if ``backend`` leaves rotation
     for a maintenance cycle: None when they can, else why not (shown to operators).
 
     For every model ``backend`` serves, the demand (requests/s: ``demand_rps[model]``, the
     larger of the measured completion rate and the arrival forecast, or the completion
-    rate of the model's backends when absent) must fit in ``target_utilization`` of the
-    others' capacity (:attr:`gateway.traffic.capacity.ServiceModel.capacity_rps`: their
-    learned service time at their concurrency, or at vLLM's own bound while they were
-    never saturated; an unknown one counts as the mean of the model's known ones), and the
-    requests in
-    flight on the model's backends now (running + waiting) must start within
-    ``slo_ttft_s`` on the others. ``target_utilization`` 0.8: an M/M/c queue at that load
-    keeps waits short next to the service time (Erlang C; Kleinrock vol. 1, 3.5). A model
+    rate of the model's backends when absent; at least the requests in flight on them over
+    their service time, Little's law, so a load that just rose counts at once) must fit in
+    ``target_utilization`` of the others' capacity
+    (:attr:`gateway.traffic.capacity.ServiceModel.capacity_rps`: their learned service time
+    at their concurrency, or at vLLM's own bound while they were never saturated; an
+    unknown one counts as the mean of the model's known ones). ``target_utilization`` 0.8:
+    an M/M/c queue at that load keeps waits short next to the service time (Erlang C;
+    Kleinrock vol. 1, 3.5), so what queues meanwhile starts well within a TTFT SLO. A model
     whose demand is quiet (under :data:`QUIET_RPS`) with nothing in flight always passes.
     """
     for model in backend.models:
-        peers = [b for b in fleet if model in b.models]
+        # only backends serving now count: a dead one's last load is no demand
+        peers = [b for b in fleet if model in b.models and b.state in SERVING]
         others = [b for b in peers if b is not backend and b.state is S.WARM]
         demand = demand_rps.get(model)
         if demand is None:
             demand = sum(b.service.completion_rate for b in peers)
-        in_system = sum(_in_system(b) for b in peers)
+        load = {b.id: _in_system(b, now, stale_after_s) for b in peers}
+        in_system = sum(load.values())
+        # what is in flight now, by Little's law (rate = L / S): a load that just rose
+        # shows here before the completion rate and the forecast, both averages, catch up
+        demand = max(demand, sum(load[b.id] / s for b in peers if (s := b.service.service_s)))
         if demand < QUIET_RPS and in_system == 0:
             continue
         known = [r for b in peers if (r := b.service.capacity_rps) is not None]
@@ -273,18 +279,16 @@ def can_carry_without(
                 f"{demand / cap:.0%} of their {cap:.1f} req/s (at most "
                 f"{target_utilization:.0%})"
             )
-        slots = sum(b.service.ceiling for b in others)
-        ahead = in_system + 1 - slots
-        if ahead > 0 and ahead / cap > slo_ttft_s:
-            return (
-                f"{model}: the {in_system:.0f} requests in flight would wait "
-                f"{ahead / cap:.1f} s on the other backends (TTFT SLO {slo_ttft_s:g} s)"
-            )
     return None
 
 
-def _in_system(b: Backend) -> float:
-    """Requests running or queued on ``b``: its last scrape, never below the gateway's own
-    requests in flight there."""
-    scraped = 0.0 if b.load is None else b.load.waiting + b.load.running
+SERVING = frozenset({S.WARM, S.DRAINING, S.COOLDOWN})
+
+
+def _in_system(b: Backend, now: float | None, stale_after_s: float) -> float:
+    """Requests running or queued on ``b``: its last scrape (unless older than
+    ``stale_after_s`` at ``now``), never below the gateway's own requests in flight there."""
+    s = b.load
+    fresh = s is not None and (now is None or now - s.scraped_at <= stale_after_s)
+    scraped = s.waiting + s.running if fresh and s is not None else 0.0
     return max(float(b.in_flight), scraped)

@@ -15,6 +15,7 @@ backend is dead: it is reported as a configuration error and the backend keeps i
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -100,11 +101,34 @@ EMBEDDINGS = "/v1/embeddings"
 ENGINE_ENDPOINTS: tuple[str, ...] = (COMPLETIONS, CHAT, EMBEDDINGS)
 
 
-def not_this_endpoint(status: int) -> bool:
-    """Whether an HTTP ``status`` to an engine request means "the backend does not serve
-    this endpoint for this model" (try the next one): a 4xx other than 401/403 (our key is
-    refused: a configuration error) and 429 (busy). Neither a success nor a health verdict."""
-    return 400 <= status < 500 and status not in (401, 403, 429)
+def not_this_endpoint(status: int, body: bytes = b"") -> bool:
+    """Whether an HTTP ``status`` (and its ``body``) to an engine request means "the backend
+    does not serve this endpoint for this model" (try the next one): a 4xx other than
+    401/403 (our key is refused: a configuration error) and 429 (busy), unless the answer
+    says the *model* does not exist (vLLM's 404 ``The model `x` does not exist.`` with
+    ``param: "model"``, :func:`model_missing`): that is a verdict on the backend, which does
+    not serve the model it is configured for. Neither a success nor a health verdict."""
+    if not (400 <= status < 500 and status not in (401, 403, 429)):
+        return False
+    return not (status == 404 and model_missing(body))
+
+
+def model_missing(body: bytes) -> bool:
+    """Whether an error answer says the requested model does not exist (OpenAI's and
+    vLLM's ``{"error": {"param": "model", ...}}`` or ``code: "model_not_found"``, or vLLM's
+    message ``The model `x` does not exist.``)."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(err, dict):
+        return False
+    msg = str(err.get("message", ""))
+    return (
+        err.get("param") == "model"
+        or err.get("code") == "model_not_found"
+        or ("model" in msg.lower() and "does not exist" in msg)
+    )
 
 
 def engine_body(
@@ -253,7 +277,7 @@ async def engine_request(
         if r.status_code == 200:
             endpoints.found(backend.id, model, endpoint)
             return EngineReply(endpoint, r)
-        if not not_this_endpoint(r.status_code):
+        if not not_this_endpoint(r.status_code, r.content):
             return EngineReply(endpoint, r)
         endpoints.lost(backend.id, model, endpoint)
         refused.append(f"{endpoint} {r.status_code}")

@@ -142,6 +142,8 @@ class RelayResponse(Response):
     ``data: {"error": ...}`` then ``[DONE]``; otherwise (the Responses API) the body's end is
     the stream's end and a failure is an ``event: error``. ``on_done(outcome, framer)`` is
     called exactly once with ``"ok"``, ``"client_gone"`` or the error code the client saw.
+    ``heard(now)`` (optional) is told of each chunk's arrival (``time.monotonic()``
+    seconds): a backend that streams is alive, whatever its control plane answers.
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class RelayResponse(Response):
         idle_timeout_s: float,
         on_done: Callable[[str, EventFramer, float | None], None],
         ends_with_done: bool = True,
+        heard: Callable[[float], None] | None = None,
     ) -> None:
         self.resp = resp
         self.raw_headers = headers
@@ -165,6 +168,7 @@ class RelayResponse(Response):
         self.idle_timeout_s = idle_timeout_s
         self.on_done = on_done
         self.ends_with_done = ends_with_done
+        self.heard = heard  # told each chunk's arrival (monotonic s): the backend is alive
         self.status_code = 200
         self.background = None
         self.raw_headers = headers
@@ -202,6 +206,7 @@ class RelayResponse(Response):
             loop = asyncio.get_running_loop()
             content = resp.content
             idle = self.idle_timeout_s
+            heard = self.heard
 
             def complete() -> bool:
                 return self.ends_with_done and framer.saw_done
@@ -227,6 +232,8 @@ class RelayResponse(Response):
                             break
                         # after [DONE] only the body's end is awaited, briefly
                         wait = min(idle, AFTER_DONE_S) if complete() else idle
+                        if heard is not None:
+                            heard(time.monotonic())
                         timer.reschedule(loop.time() + wait)
                 if self.ends_with_done and not framer.saw_done:
                     code = "upstream_incomplete"

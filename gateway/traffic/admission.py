@@ -454,10 +454,10 @@ def pool_wait(waits: Iterable[float]) -> float:
     """The least predicted queue wait (seconds) among a model's routable backends, 0 with
     none: the router sends a request to the least-loaded one, so that is the wait it meets.
     Each wait comes from :meth:`gateway.traffic.capacity.ServiceModel.predicted_wait`."""
-    best = math.inf
+    best: float | None = None
     for w in waits:
-        best = min(best, w)
-    return 0.0 if best == math.inf else best
+        best = w if best is None else min(best, w)
+    return 0.0 if best is None else best
 
 
 def wait_level(wait_s: float, slo_ttft_s: float) -> Saturation:

@@ -36,8 +36,10 @@ def lc_gateway() -> Iterator[Callable[..., GatewayThread]]:
     made: list[GatewayThread] = []
 
     def make(urls: dict[str, str], wait_routable: int | None = None,
-             **sections: Any) -> GatewayThread:
-        cfg = gateway_config([{"id": k, "url": u} for k, u in urls.items()], **sections)
+             backend: dict[str, Any] | None = None, **sections: Any) -> GatewayThread:
+        # backend: fields every backend entry gets (e.g. {"max_num_seqs": 16})
+        cfg = gateway_config([{"id": k, "url": u, **(backend or {})} for k, u in urls.items()],
+                             **sections)
         gw = GatewayThread(cfg)
         made.append(gw)
         gw.start(wait_ready=False)

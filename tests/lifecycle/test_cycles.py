@@ -345,7 +345,9 @@ def test_staggered_cycles_never_two_out_never_zero_warm(sims, lc_gateway, n):
     names = "abc"[:n]
     sim = {x: sims(x.upper()) for x in names}
     medium_every = float(n)  # first medium due at 1, 2(, 3) s; first long at 2, 4(, 6) s
-    gw = lc_gateway({x: s.url for x, s in sim.items()},
+    # max_num_seqs known: the gateway may plan with the backends' real capacity (a light
+    # load never saturates them, so it could not learn it, and would defer the cycles)
+    gw = lc_gateway({x: s.url for x, s in sim.items()}, backend={"max_num_seqs": 16},
                     lifecycle={"check_interval_s": 0.1, "slow_start_s": 0.5,
                                "short": {"every_s": 0.5},
                                "medium": {"every_s": medium_every, "cooldown_s": 0.3},

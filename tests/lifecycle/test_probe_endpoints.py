@@ -146,3 +146,23 @@ def test_backend_serving_no_probe_endpoint_still_warm(backends, lc_gateway):
         raise AssertionError("expected the backend's 404")
     except openai.NotFoundError:
         pass
+
+
+def test_a_backend_configured_for_a_model_it_does_not_serve_fails_its_warm_up(sims):
+    """A 404 about the *model* (vLLM: ``The model `nope` does not exist.``) is a verdict,
+    not a missing endpoint: the backend configured for ``nope`` never becomes routable and
+    ``/ready`` stays 503 (it went warm and took traffic it could only 404)."""
+    from tests.support.servers import GatewayThread, gateway_config
+
+    s = sims("a")
+    cfg = gateway_config([{"id": "a", "url": s.url, "models": ["nope"]}],
+                         lifecycle={"warmup_batch_shapes": [1]})
+    gw = GatewayThread(cfg)
+    gw.start(wait_ready=False)
+    try:
+        assert wait_for(lambda: any(t[2] == "warmup_failed"
+                                    for t in history(gw.url, "a")), 15), history(gw.url, "a")
+        assert admin(gw.url, "a")["state"] != "warm"
+        assert httpx.get(gw.url + "/ready", timeout=5).status_code == 503
+    finally:
+        gw.stop()

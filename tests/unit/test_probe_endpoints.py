@@ -205,3 +205,20 @@ async def test_calibration_5xx_raises() -> None:
     async with client(lambda p, b: httpx.Response(500, text="boom"), []) as c:
         with pytest.raises(ValueError, match="500"):
             await collect_answers(c, backend(), "m", ["p1"], 5, 42, None, ProbeEndpoints())
+
+
+def test_a_404_about_the_model_is_a_verdict_not_a_missing_endpoint():
+    """vLLM answers a model it does not serve with 404 ``The model `x` does not exist.``
+    (``param: "model"``): that backend does not serve what it is configured for, and must
+    not pass warm-up as if the endpoint were absent."""
+    from gateway.fleet.probes import model_missing, not_this_endpoint
+
+    vllm = (b'{"error": {"message": "The model `nope` does not exist.", "type": '
+            b'"NotFoundError", "param": "model", "code": 404}}')
+    assert model_missing(vllm) and not not_this_endpoint(404, vllm)
+    openai_style = b'{"error": {"message": "x", "code": "model_not_found"}}'
+    assert not not_this_endpoint(404, openai_style)
+    assert not_this_endpoint(404, b'{"detail": "Not Found"}')  # FastAPI: no such route
+    assert not_this_endpoint(404, b"")
+    assert not_this_endpoint(405, vllm.replace(b"404", b"405"))  # only a 404 is about it
+    assert not not_this_endpoint(429, b"") and not not_this_endpoint(500, b"")
