@@ -242,7 +242,7 @@ def can_carry_without(
 
     For every model ``backend`` serves, the demand (requests/s: ``demand_rps[model]``, the
     larger of the measured completion rate and the arrival forecast, or the completion
-    rate of the model's backends when absent; at least the requests in flight on them over
+    rate of the model's backends when absent; at least the requests running on them over
     their service time, Little's law, so a load that just rose counts at once) must fit in
     ``target_utilization`` of the others' capacity
     (:attr:`gateway.traffic.capacity.ServiceModel.capacity_rps`: their learned service time
@@ -261,9 +261,13 @@ def can_carry_without(
             demand = sum(b.service.completion_rate for b in peers)
         load = {b.id: _in_system(b, now, stale_after_s) for b in peers}
         in_system = sum(load.values())
-        # what is in flight now, by Little's law (rate = L / S): a load that just rose
-        # shows here before the completion rate and the forecast, both averages, catch up
-        demand = max(demand, sum(load[b.id] / s for b in peers if (s := b.service.service_s)))
+        # what runs now, by Little's law (rate = running / S): a load that just rose shows
+        # here before the completion rate and the forecast, both averages, catch up (queued
+        # requests are left out: they are not served faster than the running ones finish)
+        demand = max(
+            demand,
+            sum(_running(b, now, stale_after_s) / s for b in peers if (s := b.service.service_s)),
+        )
         if demand < QUIET_RPS and in_system == 0:
             continue
         known = [r for b in peers if (r := b.service.capacity_rps) is not None]
@@ -283,6 +287,14 @@ def can_carry_without(
 
 
 SERVING = frozenset({S.WARM, S.DRAINING, S.COOLDOWN})
+
+
+def _running(b: Backend, now: float | None, stale_after_s: float) -> float:
+    """Requests running on ``b`` by its last scrape (0 when older than ``stale_after_s``)."""
+    s = b.load
+    if s is None or (now is not None and now - s.scraped_at > stale_after_s):
+        return 0.0
+    return s.running
 
 
 def _in_system(b: Backend, now: float | None, stale_after_s: float) -> float:

@@ -87,6 +87,7 @@ def test_closed_loop_of_32_clients_on_16_sequences_is_never_refused():
     finally:
         sim.kill()
         sim.wait(10)
+    print(f"closed loop, {CLIENTS} clients, {SECONDS:g} s: {counts}; learned {learned}")
     assert counts["refused"] == 0 and counts["failed"] == 0, (counts, learned)
     assert counts["ok"] > 2 * CLIENTS, counts
     # it learned vLLM's concurrency from the running plateau while requests queued

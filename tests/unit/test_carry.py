@@ -110,10 +110,10 @@ def test_a_dead_backends_last_load_is_no_demand():
 
 
 def test_a_load_that_just_rose_counts_before_its_averages_catch_up():
-    """The completion rate and the forecast are averages; 16 requests in flight on
+    """The completion rate and the forecast are averages; 16 requests running on
     backends whose requests take 0.4 s (40 req/s at 16 at once) mean about 40 req/s now,
     whatever they say: the other one alone would be at 100%."""
     fleet = [backend(0, 40, 1, 8), backend(1, 40, 1, 8)]
     assert check(fleet, demand=2.0) is not None
     fleet = [backend(0, 40, 1, 2), backend(1, 40, 1, 2)]
-    assert check(fleet, demand=2.0) is None  # 10 req/s in flight: the other carries it
+    assert check(fleet, demand=2.0) is None  # 10 req/s running: the other carries it
