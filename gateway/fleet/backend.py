@@ -49,10 +49,8 @@ class LoadSample:
     in_flight_at_scrape: int
     process_start_s: float | None = None  # ``process_start_time_seconds`` (unix s), if any
     pooled_extra_at_scrape: int = 0
-    # ``vllm:request_success_total`` summed over finish reasons (None: not exported), and
-    # ``kv_cache_max_concurrency`` of ``vllm:cache_config_info`` (None: not exported)
+    # ``vllm:request_success_total`` summed over finish reasons (None: not exported)
     finished_total: float | None = None
-    kv_max_concurrency: float | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -496,7 +496,6 @@ class FleetController:
                     load.waiting,
                     load.running,
                     load.finished_total,
-                    load.kv_max_concurrency,
                 )
             )
             started = backend.load.process_start_s

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gateway.config import HealthConfig, LifecycleConfig
-from gateway.fleet.backend import Backend, BackendState, Transition
+from gateway.fleet.backend import Backend, BackendState, LoadSample, Transition
 
 S = BackendState
 
@@ -259,8 +259,7 @@ def can_carry_without(
         demand = demand_rps.get(model)
         if demand is None:
             demand = sum(b.service.completion_rate for b in peers)
-        load = {b.id: _in_system(b, now, stale_after_s) for b in peers}
-        in_system = sum(load.values())
+        in_system = sum(_in_system(b, now, stale_after_s) for b in peers)
         # what runs now, by Little's law (rate = running / S): a load that just rose shows
         # here before the completion rate and the forecast, both averages, catch up (queued
         # requests are left out: they are not served faster than the running ones finish)
@@ -289,18 +288,23 @@ def can_carry_without(
 SERVING = frozenset({S.WARM, S.DRAINING, S.COOLDOWN})
 
 
-def _running(b: Backend, now: float | None, stale_after_s: float) -> float:
-    """Requests running on ``b`` by its last scrape (0 when older than ``stale_after_s``)."""
+def _fresh_load(b: Backend, now: float | None, stale_after_s: float) -> LoadSample | None:
+    """``b``'s last scrape, or None when there is none or it is older than
+    ``stale_after_s`` at ``now`` (None: any age)."""
     s = b.load
     if s is None or (now is not None and now - s.scraped_at > stale_after_s):
-        return 0.0
-    return s.running
+        return None
+    return s
+
+
+def _running(b: Backend, now: float | None, stale_after_s: float) -> float:
+    """Requests running on ``b`` by its last fresh scrape (0 without one)."""
+    s = _fresh_load(b, now, stale_after_s)
+    return 0.0 if s is None else s.running
 
 
 def _in_system(b: Backend, now: float | None, stale_after_s: float) -> float:
-    """Requests running or queued on ``b``: its last scrape (unless older than
-    ``stale_after_s`` at ``now``), never below the gateway's own requests in flight there."""
-    s = b.load
-    fresh = s is not None and (now is None or now - s.scraped_at <= stale_after_s)
-    scraped = s.waiting + s.running if fresh and s is not None else 0.0
-    return max(float(b.in_flight), scraped)
+    """Requests running or queued on ``b`` by its last fresh scrape, never below the
+    gateway's own requests in flight there."""
+    s = _fresh_load(b, now, stale_after_s)
+    return max(float(b.in_flight), 0.0 if s is None else s.waiting + s.running)

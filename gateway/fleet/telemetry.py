@@ -33,7 +33,6 @@ _WAITING_BARE = "vllm:num_requests_waiting "
 _RUNNING = "vllm:num_requests_running"
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _SUCCESS = "vllm:request_success_total"
-_CACHE_INFO = "vllm:cache_config_info{"
 
 
 def _value(line: str) -> float | None:
@@ -63,17 +62,15 @@ def parse_vllm_load(text: str) -> tuple[float, float, float] | None:
 
 def parse_vllm_gauges(
     text: str,
-) -> tuple[float, float, float, float | None, float | None] | None:
+) -> tuple[float, float, float, float | None] | None:
     """:func:`parse_vllm_load`'s three gauges plus what the service model learns from
     (:mod:`gateway.traffic.capacity`): ``finished``, ``vllm:request_success_total`` summed
-    over its finish reasons and engines (None when absent), and ``kv_max_concurrency``, the
-    ``kv_cache_max_concurrency`` label of ``vllm:cache_config_info`` (None when absent).
-    One pass over the lines; None when none of the load gauges is present."""
+    over its finish reasons and engines (None when absent). One pass over the lines; None
+    when none of the load gauges is present."""
     waiting = running = 0.0
     kv = 0.0
     found = False
     finished: float | None = None
-    kv_conc: float | None = None
     for line in text.split("\n"):
         if not line.startswith("vllm:"):
             continue
@@ -96,22 +93,13 @@ def parse_vllm_gauges(
             v = _value(line)
             if v is not None and v >= 0:
                 finished = v if finished is None else finished + v
-        elif line.startswith(_CACHE_INFO):
-            label = _label(line, "kv_cache_max_concurrency")
-            if label is not None:
-                try:
-                    c = float(label)
-                except ValueError:
-                    c = math.nan
-                if math.isfinite(c) and c > 0:
-                    kv_conc = c if kv_conc is None else min(kv_conc, c)
     if not found:
         return None
 
     def sane(x: float) -> float:
         return x if x > 0.0 else 0.0  # (NaN > 0 is False)
 
-    return sane(waiting), sane(running), min(1.0, sane(kv)), finished, kv_conc
+    return sane(waiting), sane(running), min(1.0, sane(kv)), finished
 
 
 async def scrape_load(
@@ -156,7 +144,7 @@ async def scrape_load(
     parsed = parse_vllm_gauges(r.text)
     if parsed is None:
         raise ValueError("/metrics has no vllm: load gauges")
-    waiting, running, kv, finished, kv_conc = parsed
+    waiting, running, kv, finished = parsed
     in_flight, pooled_extra = stamp if stamp is not None else backend.scrape_peak
     return LoadSample(
         waiting,
@@ -167,7 +155,6 @@ async def scrape_load(
         process_start(r.text),
         pooled_extra,
         finished,
-        kv_conc,
     )
 
 

@@ -52,15 +52,12 @@ class EngineSample:
 
     ``at``: monotonic seconds; ``waiting``/``running``: request counts; ``finished``: the
     ``vllm:request_success_total`` counter summed over finish reasons (None when the backend
-    does not export it); ``kv_max_concurrency``: ``kv_cache_max_concurrency`` of
-    ``vllm:cache_config_info`` (requests of full model length the KV cache holds; None when
-    absent)."""
+    does not export it)."""
 
     at: float
     waiting: float
     running: float
     finished: float | None = None
-    kv_max_concurrency: float | None = None
 
 
 class ServiceModel:
@@ -93,7 +90,6 @@ class ServiceModel:
         # time grows with the batch (see service_at)
         self._bins: dict[int, list[float]] = {}
         self.completion_rate = 0.0  # completions per second over the last window
-        self.kv_max_concurrency: float | None = None
 
     # ---- learning -------------------------------------------------------------------------
     def observe(self, s: EngineSample) -> None:
@@ -114,8 +110,6 @@ class ServiceModel:
         q.append(s)
         while len(q) > 2 and q[1].at <= s.at - self.window_s:
             q.popleft()
-        if s.kv_max_concurrency is not None and s.kv_max_concurrency > 0:
-            self.kv_max_concurrency = s.kv_max_concurrency
         self.max_running = max(self.max_running, s.running)
         if s.waiting >= 1 and s.running >= 1:
             # a queue exists: the engine runs all it can now (max_num_seqs, or what the
