@@ -32,8 +32,9 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from gateway.core.vocab import Prio
 from gateway.sim.engine import Engine, EngineParams, EngineRequest
-from gateway.traffic.admission import Prio, Scheduler
+from gateway.traffic.admission import Scheduler
 from gateway.traffic.batcher import Batcher, BucketSettings, Item, RateView
 from gateway.traffic.forecast import ForecastParams, HoltWinters
 

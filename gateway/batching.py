@@ -57,11 +57,12 @@ from starlette.responses import Response
 from gateway.api import merging
 from gateway.api.errors import shutting_down_response
 from gateway.config import GatewayConfig
+from gateway.core.vocab import Prio
 from gateway.fleet.backend import Backend
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import CutHandle
 from gateway.proxy.upstream import UpstreamRequest
-from gateway.traffic.admission import Prio, retry_after_s
+from gateway.traffic.admission import retry_after_s
 from gateway.traffic.batcher import (
     BUCKETS,
     Batcher,

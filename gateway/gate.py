@@ -28,7 +28,8 @@ from starlette.responses import Response
 
 from gateway.api.errors import error_body, retry_after_headers, shutting_down_response
 from gateway.config import ClientKey, GatewayConfig
-from gateway.fleet.backend import Backend, BackendState, Fleet
+from gateway.core.vocab import BackendState, Prio
+from gateway.fleet.backend import Backend, Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.routing.policy import estimated_load
 from gateway.traffic.admission import (
@@ -36,7 +37,6 @@ from gateway.traffic.admission import (
     DegradedMode,
     EntryVerdict,
     KeyLimiter,
-    Prio,
     Saturation,
     Scheduler,
     as_count,

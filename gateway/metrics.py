@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.fleet.backend import BackendState, Fleet
+from gateway.core.vocab import BackendState
+from gateway.fleet.backend import Fleet
 from gateway.routing.thermal import ThermalTier, ThermalView
 
 # Latency buckets (seconds) spanning sub-millisecond proxy overhead to long generations.

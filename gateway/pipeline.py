@@ -27,19 +27,14 @@ from starlette.responses import Response
 
 from gateway.api.errors import SERVER_ERROR, error_response
 from gateway.config import GatewayConfig
-from gateway.fleet.backend import Backend, BackendState, Fleet
+from gateway.core.vocab import BackendState, Cut, FailureKind
+from gateway.fleet.backend import Backend, Fleet
 from gateway.fleet.controller import FleetController
 from gateway.gate import AdmissionGate, Ticket
 from gateway.metrics import GatewayMetrics
-from gateway.proxy.relay import ClientWatch, Cut, CutHandle, RelayResponse, StreamOutcome
+from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse, StreamOutcome
 from gateway.proxy.sse import DONE_TERMINATED, EventFramer, extract_usage, has_event
-from gateway.proxy.upstream import (
-    FailureKind,
-    UpstreamFailure,
-    UpstreamPool,
-    UpstreamRequest,
-    response_headers,
-)
+from gateway.proxy.upstream import UpstreamFailure, UpstreamPool, UpstreamRequest, response_headers
 from gateway.routing.policy import Router
 from gateway.traffic.admission import MAX_RETRY_AFTER_S
 from gateway.traffic.breaker import BreakerState, windowed_p99

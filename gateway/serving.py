@@ -23,7 +23,7 @@ import uvicorn
 
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
-from gateway.proxy.relay import Cut
+from gateway.core.vocab import Cut
 
 log = logging.getLogger("gateway.serving")
 

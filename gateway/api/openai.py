@@ -29,11 +29,11 @@ from gateway.api.errors import (
 )
 from gateway.api.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.config import ClientKey
-from gateway.fleet.backend import BackendState
+from gateway.core.vocab import BackendState, Cut
 from gateway.fleet.probes import fetch_models
 from gateway.gate import Rejected, cap_max_tokens, ratelimit_headers
 from gateway.pipeline import Opened, RequestContext
-from gateway.proxy.relay import ClientWatch, Cut, CutHandle
+from gateway.proxy.relay import ClientWatch, CutHandle
 from gateway.proxy.upstream import UpstreamRequest, forward_headers
 from gateway.traffic.admission import completion_budget, estimate_tokens
 

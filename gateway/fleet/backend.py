@@ -11,46 +11,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from gateway.config import BackendConfig, BackendRole
+from gateway.core.samples import LoadSample
+from gateway.core.vocab import BackendState
 from gateway.fleet.liveness import Liveness
 from gateway.traffic.capacity import ServiceModel
-
-
-class BackendState(StrEnum):
-    """Lifecycle states (DESIGN.md, "Backend states")."""
-
-    COLD = "cold"  # registered, not (yet) answering
-    WARMING = "warming"  # answers; warm-up passes running
-    WARM = "warm"  # routable
-    DRAINING = "draining"  # no new requests; in-flight finish or the deadline passes
-    COOLDOWN = "cooldown"  # quiet window before returning
-    UNHEALTHY = "unhealthy"  # failed probes / passive outlier / GPU errors
-
-
-@dataclass(slots=True, frozen=True)
-class LoadSample:
-    """One scrape of a backend's vLLM ``/metrics``.
-
-    ``waiting``/``running`` are request counts (``vllm:num_requests_waiting`` /
-    ``vllm:num_requests_running``), ``kv_cache_usage`` is 0-1 (``vllm:kv_cache_usage_perc``,
-    or the older ``vllm:gpu_cache_usage_perc``), ``scraped_at`` is a monotonic time in
-    seconds, and ``in_flight_at_scrape`` is the gateway's own in-flight count for this backend
-    at that moment (the router corrects the sample by the change since);
-    ``pooled_extra_at_scrape`` is :attr:`Backend.pooled_extra` at that moment.
-    """
-
-    waiting: float
-    running: float
-    kv_cache_usage: float
-    scraped_at: float
-    in_flight_at_scrape: int
-    process_start_s: float | None = None  # ``process_start_time_seconds`` (unix s), if any
-    pooled_extra_at_scrape: int = 0
-    # ``vllm:request_success_total`` summed over finish reasons (None: not exported)
-    finished_total: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -161,6 +128,52 @@ class Backend:
         """Undo :meth:`take` when the request ends here."""
         self.in_flight -= places
         self.pooled_extra -= pooled_extra
+
+    # ---- the request path's writes (gateway.flow.lease is their only caller) ----------
+    def attempt_started(
+        self, cut: Any, places: int, pooled_extra: int, now: float, resendable_model: str | None
+    ) -> None:
+        """An attempt of a request (``cut``: its :class:`gateway.proxy.relay.CutHandle`) was
+        sent here at monotonic ``now``: it takes ``places`` sequences and ``pooled_extra``
+        engine requests (:meth:`take`), drain deadlines may end it (:attr:`active`), and,
+        with ``resendable_model`` (the request's model, when an attempt is left), the hung
+        watchdog may cut it to re-send it while no byte of its answer has come back
+        (:attr:`awaiting`)."""
+        if self.in_flight == 0:
+            self.busy_since = now
+        self.take(places, pooled_extra)
+        self.active.add(cut)
+        if resendable_model is not None:
+            self.awaiting[cut] = resendable_model
+
+    def answer_started(self, cut: Any, now: float) -> None:
+        """The attempt's answer start came back (a whole body or a stream's first events) at
+        monotonic ``now``: the backend is alive, and the request can no longer be re-sent."""
+        self.awaiting.pop(cut, None)
+        self.last_answer_at = now
+        self.liveness.heard(now)
+
+    def attempt_ended(self, cut: Any, places: int, pooled_extra: int) -> None:
+        """Undo :meth:`attempt_started` (exactly once per attempt, by the request's lease)."""
+        self.awaiting.pop(cut, None)
+        self.give_back(places, pooled_extra)
+        self.active.discard(cut)
+
+    def heard(self, now: float) -> None:
+        """The backend answered something (an error status, a stream chunk) at ``now``."""
+        self.liveness.heard(now)
+
+    def cool_until(self, until: float) -> bool:
+        """Keep new requests away until monotonic ``until`` (a 429/503 ``Retry-After``);
+        never shortens a longer cooling. Returns whether it was extended."""
+        if until <= self.cooling_until:
+            return False
+        self.cooling_until = until
+        return True
+
+    def count_served(self) -> None:
+        """One request's answer came from here (the 10,000-request cycle trigger)."""
+        self.requests_served += 1
 
     def open_scrape_window(self) -> None:
         """Mark the sending of a ``/metrics`` scrape. vLLM renders its gauges at some

@@ -28,8 +28,9 @@ from pathlib import Path
 import httpx
 
 from gateway.config import ConfigError, GatewayConfig
+from gateway.core.vocab import BackendState, Cut
 from gateway.fleet import lifecycle, liveness
-from gateway.fleet.backend import Backend, BackendState, Fleet
+from gateway.fleet.backend import Backend, Fleet
 from gateway.fleet.calibration import Answers, collect_answers, compare
 from gateway.fleet.gpu_monitor import GpuMonitor
 from gateway.fleet.lifecycle import CycleKind
@@ -43,7 +44,6 @@ from gateway.fleet.probes import (
 )
 from gateway.fleet.telemetry import scrape_load
 from gateway.metrics import GatewayMetrics
-from gateway.proxy.relay import Cut
 from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
 from gateway.traffic.capacity import EngineSample
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from gateway.routing.thermal import GpuSample
+from gateway.core.samples import GpuSample
 
 GPU_XID = "gpu_xid"
 GPU_ECC = "gpu_ecc"

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.fleet.backend import Backend, BackendState
+from gateway.core.vocab import BackendState
+from gateway.fleet.backend import Backend
 from gateway.fleet.gpu_health import GpuHealth
 from gateway.fleet.telemetry import scrape_gpus
 from gateway.routing.thermal import (

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gateway.config import HealthConfig, LifecycleConfig
-from gateway.fleet.backend import Backend, BackendState, LoadSample, Transition
+from gateway.core.samples import LoadSample
+from gateway.core.vocab import BackendState
+from gateway.fleet.backend import Backend, Transition
 
 S = BackendState
 

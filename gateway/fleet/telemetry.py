@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from gateway.fleet.backend import Backend, LoadSample
-from gateway.routing.thermal import GpuReading, GpuSample
+from gateway.core.samples import GpuReading, GpuSample, LoadSample
+from gateway.fleet.backend import Backend
 
 _WAITING = "vllm:num_requests_waiting{"
 _WAITING_BARE = "vllm:num_requests_waiting "

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 from starlette.responses import Response
 
+from gateway.core.vocab import Cut
 from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, responses_error_event
 
 AFTER_DONE_S = 2.0  # s: how long the body's end is awaited after ``[DONE]``
@@ -31,15 +32,6 @@ log = logging.getLogger("gateway.proxy")
 
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
-
-
-class Cut:
-    """Why a request was ended early by someone other than its backend."""
-
-    CLIENT_GONE = "client_gone"  # the client hung up
-    DRAIN_DEADLINE = "drain_deadline"  # its backend's drain deadline passed
-    BACKEND_HUNG = "backend_hung"  # its backend stopped answering even a 1-token probe
-    SHUTDOWN = "gateway_shutdown"  # the gateway's own grace period ended
 
 
 # What the client reads in the error event when its stream is cut (never a backend fault).

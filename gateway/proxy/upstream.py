@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Literal
 
 import aiohttp
 
 from gateway.config import ProxyConfig
+from gateway.core.vocab import FailureKind
 from gateway.fleet.backend import Backend
 
 # RFC 9110 section 7.6.1 hop-by-hop headers, plus headers the gateway sets itself.
@@ -40,17 +40,6 @@ HOP_BY_HOP = frozenset(
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
-FailureKind = Literal[
-    "connect",
-    "ttfb_timeout",
-    "idle_timeout",
-    "disconnected",
-    "status",
-    "rate_limited",
-    "auth",
-    "drained",
-    "backend_hung",
-]
 
 
 class UpstreamFailure(Exception):

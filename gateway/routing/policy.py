@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from gateway.config import RoutingWeights
-from gateway.fleet.backend import LoadSample
+from gateway.core.samples import LoadSample
 from gateway.fleet.lifecycle import slow_start_weight
 from gateway.routing.thermal import ThermalChoice
 

@@ -84,6 +84,7 @@ from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
 from gateway.config import ThermalConfig
+from gateway.core.samples import GpuSample
 
 
 class ThermalTier(StrEnum):
@@ -93,68 +94,6 @@ class ThermalTier(StrEnum):
     WARM = "warm"
     HOT = "hot"
     UNKNOWN = "unknown"
-
-
-@dataclass(frozen=True, slots=True)
-class GpuReading:
-    """One GPU's readings (None: not reported). °C, W, MHz; ``xid`` is the code of the last
-    Xid error (0: none; DCGM's ``DCGM_FI_DEV_XID_ERRORS`` is this gauge, not a count);
-    ``ecc_dbe`` is the volatile double-bit ECC counter."""
-
-    temp_c: float | None = None
-    power_w: float | None = None
-    power_limit_w: float | None = None
-    sm_clock_mhz: float | None = None
-    xid: int = 0
-    ecc_dbe: float | None = None
-
-
-def _sum(values: Iterable[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return sum(vals) if vals else None
-
-
-@dataclass(frozen=True, slots=True)
-class GpuSample:
-    """One backend's GPUs at monotonic time ``at`` (seconds), reduced over its GPUs.
-
-    ``temp_c``: the hottest GPU (°C; a tensor-parallel group is as slow as its slowest
-    GPU). ``power_w`` / ``power_limit_w``: summed (W). ``sm_clock_mhz``: the lowest (MHz).
-    ``xid_last``: the last Xid code of each GPU in GPU order (0: none).
-    ``ecc_dbe_total``: summed double-bit ECC counter. ``gpus``: how many GPUs reported.
-    """
-
-    at: float
-    temp_c: float | None
-    power_w: float | None = None
-    power_limit_w: float | None = None
-    sm_clock_mhz: float | None = None
-    xid_last: tuple[int, ...] = ()
-    ecc_dbe_total: float | None = None
-    gpus: int = 1
-
-    @classmethod
-    def from_gpus(cls, at: float, gpus: Sequence[GpuReading]) -> GpuSample:
-        """Reduce per-GPU readings (in GPU order) to one sample."""
-        temps = [g.temp_c for g in gpus if g.temp_c is not None]
-        clocks = [g.sm_clock_mhz for g in gpus if g.sm_clock_mhz is not None]
-        return cls(
-            at=at,
-            temp_c=max(temps) if temps else None,
-            power_w=_sum(g.power_w for g in gpus),
-            power_limit_w=_sum(g.power_limit_w for g in gpus),
-            sm_clock_mhz=min(clocks) if clocks else None,
-            xid_last=tuple(g.xid for g in gpus),
-            ecc_dbe_total=_sum(g.ecc_dbe for g in gpus),
-            gpus=len(gpus),
-        )
-
-    @property
-    def power_ratio(self) -> float | None:
-        """Draw over limit (0-1+), or None when either is unknown."""
-        if self.power_w is None or not self.power_limit_w:
-            return None
-        return self.power_w / self.power_limit_w
 
 
 @dataclass(frozen=True, slots=True)

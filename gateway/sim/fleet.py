@@ -59,12 +59,13 @@ from gateway.config import (
     TelemetryConfig,
     ThermalConfig,
 )
-from gateway.fleet.backend import Backend, BackendState, LoadSample
+from gateway.core.samples import GpuSample, LoadSample
+from gateway.core.vocab import BackendState, Prio
+from gateway.fleet.backend import Backend
 from gateway.fleet.lifecycle import apply_transition, may_take_out
 from gateway.routing.policy import AffinityTable, Router
 from gateway.routing.thermal import (
     DomainStatus,
-    GpuSample,
     ThermalChoice,
     ThermalStatus,
     ThermalTracker,
@@ -78,7 +79,7 @@ from gateway.sim.engine import EngineParams
 from gateway.sim.thermal import H100_SXM, Cooling, GpuSpec, GpuThermal, step_time_factor
 from gateway.sim.thermal import utilisation as power_utilisation
 from gateway.sim.workload import Arrival
-from gateway.traffic.admission import Prio, Saturation, shed
+from gateway.traffic.admission import Saturation, shed
 
 POLICIES: tuple[str, ...] = ("round-robin", "least-request", "ours")
 

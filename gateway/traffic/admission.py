@@ -26,31 +26,11 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import IntEnum
+
+from gateway.core.vocab import Prio
 
 MIN_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
-
-
-class Prio(IntEnum):
-    """Priority classes; lower value is served first."""
-
-    HIGH = 0
-    NORMAL = 1
-    LOW = 2
-
-    @classmethod
-    def parse(cls, value: str | None, default: Prio) -> Prio:
-        """``high|normal|low`` (case-insensitive); anything else -> ``default``."""
-        if value:
-            v = value.strip().lower()
-            if v == "high":
-                return cls.HIGH
-            if v == "normal":
-                return cls.NORMAL
-            if v == "low":
-                return cls.LOW
-        return default
 
 
 def clamp_retry_after(seconds: float) -> float:

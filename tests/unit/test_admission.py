@@ -8,10 +8,10 @@ import math
 
 import pytest
 
+from gateway.core.vocab import Prio
 from gateway.traffic.admission import (
     DegradedMode,
     KeyLimiter,
-    Prio,
     Saturation,
     Scheduler,
     TokenBucket,

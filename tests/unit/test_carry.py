@@ -4,7 +4,9 @@ backend leaves for a cycle? (pure: ``gateway.fleet.lifecycle.can_carry_without``
 from __future__ import annotations
 
 from gateway.config import BackendConfig
-from gateway.fleet.backend import Backend, BackendState, LoadSample
+from gateway.core.samples import LoadSample
+from gateway.core.vocab import BackendState
+from gateway.fleet.backend import Backend
 from gateway.fleet.lifecycle import can_carry_without
 from gateway.traffic.capacity import EngineSample
 

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from gateway.config import BackendConfig, LifecycleConfig, RoutingWeights
-from gateway.fleet.backend import Backend, BackendState
+from gateway.core.vocab import BackendState
+from gateway.fleet.backend import Backend
 from gateway.fleet.lifecycle import (
     CycleKind,
     cycle_started,

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from gateway.core.samples import GpuSample
 from gateway.fleet.telemetry import parse_dcgm
-from gateway.routing.thermal import GpuSample
 
 # As dcgm-exporter writes it (labels and order from its default counters), two GPUs.
 EXPORTER = """\

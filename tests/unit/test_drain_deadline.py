@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from gateway.config import load_config
-from gateway.fleet.backend import BackendState, Fleet
+from gateway.core.vocab import BackendState, Cut
+from gateway.fleet.backend import Fleet
 from gateway.fleet.controller import FleetController
 from gateway.metrics import GatewayMetrics
-from gateway.proxy.relay import Cut
 
 
 class Clock:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import BackendConfig, HealthConfig
-from gateway.fleet.backend import Backend, BackendState
+from gateway.core.vocab import BackendState
+from gateway.fleet.backend import Backend
 from gateway.fleet.lifecycle import (
     LEGAL,
     IllegalTransition,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.config import RoutingWeights
-from gateway.fleet.backend import LoadSample
+from gateway.core.samples import LoadSample
 from gateway.routing.policy import AffinityTable, Router, estimated_load, score
 
 

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.config import ThermalConfig
+from gateway.core.samples import GpuReading, GpuSample
 from gateway.fleet.gpu_health import GPU_ECC, GPU_XID, GpuHealth
 from gateway.routing.thermal import (
     UNMONITORED,
     DomainStatus,
-    GpuReading,
-    GpuSample,
     ThermalStatus,
     ThermalTier,
     ThermalTracker,
@@ -231,7 +230,7 @@ def test_disabled_keeps_everything_without_penalty() -> None:
 
 def test_router_pick_uses_the_penalties() -> None:
     from gateway.config import RoutingWeights
-    from gateway.fleet.backend import LoadSample
+    from gateway.core.samples import LoadSample
     from gateway.routing.policy import AffinityTable, Router
 
     @dataclass
