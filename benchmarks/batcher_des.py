@@ -172,7 +172,7 @@ def simulate(
     )
     granted: dict[int, float] = {}
     # the batcher modes read service and arrival rates as the gateway does: from the
-    # admission scheduler, which then bounds nothing (gateway.gate with batcher.enabled)
+    # admission scheduler, which then bounds nothing (gateway.flow.admission with batcher.enabled)
     tracker = Scheduler(None, 1024) if batcher is not None else None
     fparams = (
         ForecastParams(season_s=season_s, season_bins=24) if season_s else ForecastParams()
@@ -315,7 +315,7 @@ def simulate(
             else:
                 assert tracker is not None
                 tracker.offer(Prio(r.prio), now)
-                if batcher.blocked:  # the predicted-wait refusal of gateway.batching
+                if batcher.blocked:  # the predicted-wait refusal of gateway.flow.batching
                     left = tracker.service_rate(now) - tracker.rate_above(Prio(r.prio), now)
                     if left > 0 and (batcher.queued_ahead(r.prio) + 1) / left > queue_timeout_s:
                         r.rejected = True

@@ -41,11 +41,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.demo import with_fast_cycles
 from gateway.serving import EmbeddedServer, uvicorn_config
 from gateway.sim import SimConfig, SimServerThread
+from gateway.wiring import Gateway
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "lifecycle_drill.json"

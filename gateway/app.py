@@ -1,4 +1,5 @@
-"""FastAPI app factory and lifespan: builds the components, starts and stops control loops.
+"""FastAPI app factory and lifespan: builds the components (:mod:`gateway.wiring`), starts
+and stops the control loops, and routes model requests past the framework.
 
 Everything mutable (fleet state, metrics registry, pools, loops) is created inside the
 lifespan and hangs off ``app.state.gateway``; nothing lives in module globals.
@@ -6,118 +7,21 @@ lifespan and hangs off ``app.state.gateway``; nothing lives in module globals.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
 
 from gateway.api import admin, ops
 from gateway.api import openai as openai_api
-from gateway.api.errors import SERVER_ERROR, error_response, install_error_handlers
-from gateway.batching import ArrivalForecasts, BatchDispatcher, forecast_params
-from gateway.config import ClientKey, GatewayConfig
-from gateway.fleet.backend import Fleet
-from gateway.fleet.controller import FleetController
-from gateway.gate import AdmissionGate
-from gateway.metrics import GatewayMetrics
-from gateway.pipeline import Pipeline
-from gateway.proxy.upstream import UpstreamPool
-from gateway.routing.policy import AffinityTable, Router
+from gateway.api.errors import install_error_handlers
+from gateway.config import GatewayConfig
+from gateway.proxy.upstream import Transport
+from gateway.wiring import build_gateway
 
 log = logging.getLogger("gateway.app")
-
-
-@dataclass
-class Gateway:
-    """The live components of one gateway (one per app)."""
-
-    cfg: GatewayConfig
-    fleet: Fleet
-    metrics: GatewayMetrics
-    router: Router
-    pool: UpstreamPool
-    controller: FleetController
-    pipeline: Pipeline
-    gate: AdmissionGate
-    client_keys: dict[str, ClientKey]
-    admin_key: str | None
-    shutting_down: bool = False
-    # requests still receiving their body (their tasks), and whether the shutdown's grace
-    # period ended for them (then they are answered 503 without the rest of the body)
-    uploading: set[asyncio.Task[Any]] = field(default_factory=set)
-    uploads_cut: bool = False
-    forecasts: ArrivalForecasts | None = None  # arrival counts and forecasts (cfg.forecast)
-    batching: BatchDispatcher | None = None  # the predictive batcher (cfg.batcher)
-
-    @property
-    def header_keys(self) -> tuple[bytes, bytes, bytes]:
-        """Lower-case names of the request-id, session and priority headers (raw ASGI)."""
-        return (
-            self.cfg.server.request_id_header.lower().encode("latin-1"),
-            self.cfg.routing.session_header.lower().encode("latin-1"),
-            self.cfg.admission.priority_header.lower().encode("latin-1"),
-        )
-
-
-def build_gateway(cfg: GatewayConfig) -> Gateway:
-    """Wire the components for ``cfg`` (no I/O; the lifespan starts the loops)."""
-    fleet = Fleet(cfg.backends)
-    metrics = GatewayMetrics()
-    metrics.attach_fleet(fleet)
-    clock = time.monotonic
-    r = cfg.routing
-    router = Router(
-        r.weights,
-        cfg.telemetry.stale_after_s,
-        AffinityTable(r.session_ttl_s, r.session_max_entries, clock),
-        clock,
-        slow_start_s=cfg.lifecycle.slow_start_s,
-        slow_start_min_weight=cfg.lifecycle.slow_start_min_weight,
-    )
-    pool = UpstreamPool(cfg.proxy)
-    controller = FleetController(cfg, fleet, metrics, clock=clock)
-    if cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains):
-        router.thermal = controller.gpu.choose  # thermal tiers, power caps and budgets
-    gate = AdmissionGate(cfg, fleet, metrics, clock)
-    if cfg.thermal.enabled and cfg.power_domains:
-        gate.power_level = controller.gpu.power_level
-    pipeline = Pipeline(cfg, fleet, router, pool, controller, metrics, gate)
-    keys = {k.resolve(): k for k in cfg.auth.client_keys}
-    batching = (
-        BatchDispatcher(cfg, pipeline, router, gate, metrics, clock)
-        if cfg.batcher.enabled
-        else None
-    )
-    forecasts = None
-    if cfg.forecast.enabled or batching is not None:
-
-        def slack() -> float | None:
-            p99 = pipeline.p99_ttft(30.0)
-            return cfg.slo.ttft_s - (p99 if p99 is not None else 0.0)
-
-        forecasts = ArrivalForecasts(
-            forecast_params(cfg), metrics, batching.core if batching else None, slack
-        )
-        controller.forecast_rps = forecasts.rate_rps  # before a cycle takes a backend out
-    return Gateway(
-        cfg=cfg,
-        fleet=fleet,
-        metrics=metrics,
-        router=router,
-        pool=pool,
-        controller=controller,
-        pipeline=pipeline,
-        gate=gate,
-        client_keys=keys,
-        admin_key=cfg.auth.resolved_admin_key(),
-        forecasts=forecasts,
-        batching=batching,
-    )
 
 
 def check_secrets(cfg: GatewayConfig) -> None:
@@ -155,38 +59,26 @@ class GatewayApp:
             and scope["method"] == "POST"
         ):
             scope["app"] = self.app
-            started = time.perf_counter()
-            try:
-                response = await openai_api.model_response(self.app.state.gateway, scope, receive)
-            except Exception as e:
-                log.exception("unexpected error on %s", scope["path"])
-                response = error_response(
-                    500,
-                    f"Internal gateway error: {type(e).__name__}",
-                    SERVER_ERROR,
-                    "internal_error",
-                )
-                gw = getattr(self.app.state, "gateway", None)
-                if gw is not None:  # counted and timed like every answered request
-                    openai_api.answered(gw.metrics, scope["path"], "", 500, started)
-            await response(scope, receive, send)
+            await openai_api.serve(self.app.state.gateway, scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
-def create_app(cfg: GatewayConfig) -> GatewayApp:
-    """The gateway's ASGI app for ``cfg``. Raises ``ConfigError`` for unresolvable secrets."""
+def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> GatewayApp:
+    """The gateway's ASGI app for ``cfg``. ``transport``: how upstream requests are sent
+    (default: the aiohttp pool; tests pass an in-process one). Raises ``ConfigError`` for
+    unresolvable secrets."""
     check_secrets(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gw = build_gateway(cfg)
+        gw = build_gateway(cfg, transport)
         app.state.gateway = gw
         await gw.controller.start()
         if gw.gate.degraded is not None:
 
             async def degraded_tick() -> None:
-                gw.gate.tick(gw.pipeline.p99_ttft(cfg.degraded.window_s))
+                gw.gate.tick(gw.accounting.p99_ttft(cfg.degraded.window_s))
 
             gw.controller.add_loop("degraded_mode", cfg.degraded.tick_s, degraded_tick)
         forecasts = gw.forecasts
@@ -203,7 +95,7 @@ def create_app(cfg: GatewayConfig) -> GatewayApp:
             await gw.controller.stop()
             if gw.batching is not None:
                 await gw.batching.close()
-            await gw.pool.close()
+            await gw.transport.close()
 
     kwargs: dict[str, object] = dict(
         title="llm-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

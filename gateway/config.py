@@ -584,7 +584,7 @@ class BatcherConfig(_Strict):
         ge=0,
         description="embeddings upstream requests in flight per backend; more wait in the "
         "gateway (flow control) and merge into the next (Nagle's algorithm, RFC 896, with a "
-        "window; see gateway.batching); 0: no window",
+        "window; see gateway.flow.batching); 0: no window",
     )
 
 

@@ -394,7 +394,7 @@ class GatewayMetrics:
             "Degraded mode level (0 = off)",
             registry=r,
         )
-        # ---- predictive batcher and arrival forecast (gateway.batching) ----
+        # ---- predictive batcher and arrival forecast (gateway.flow.batching) ----
         self.batch_size = Histogram(
             "gateway_batch_size",
             "Requests per batch dispatched by the batcher, by priority bucket",

@@ -21,9 +21,9 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import Gateway
 from gateway.config import GatewayConfig
 from gateway.core.vocab import Cut
+from gateway.wiring import Gateway
 
 log = logging.getLogger("gateway.serving")
 

@@ -17,7 +17,7 @@ from gateway.api.errors import GatewayError
 from gateway.fleet.backend import Backend
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.wiring import Gateway
 
 
 def _gateway(request: Request) -> Gateway:

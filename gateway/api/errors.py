@@ -18,8 +18,19 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-INVALID_REQUEST = "invalid_request_error"
-SERVER_ERROR = "server_error"
+from gateway.core.outcomes import INVALID_REQUEST, SERVER_ERROR, Refusal, shutting_down
+
+MIN_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 60.0
+
+__all__ = [
+    "INVALID_REQUEST",
+    "SERVER_ERROR",
+    "Refusal",
+    "error_body",
+    "error_response",
+    "render",
+]
 
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> bytes:
@@ -30,45 +41,36 @@ def error_body(message: str, type_: str, code: str | int | None, param: str | No
     ).encode()
 
 
-class GatewayError(Exception):
-    """An error the gateway answers itself, in OpenAI shape.
-
-    ``retry_after_s`` (seconds) adds ``retry-after`` (whole seconds, rounded up, at least 1)
-    and ``retry-after-ms``, which openai-python honours.
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = INVALID_REQUEST,
-        code: str | None = None,
-        param: str | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-        self.retry_after_s = retry_after_s
-
-    def response(self, request_id: str | None = None, id_header: str = "x-request-id") -> Response:
-        return error_response(
-            self.status,
-            self.message,
-            self.type,
-            self.code,
-            self.param,
-            retry_after_s=self.retry_after_s,
-            request_id=request_id,
-            id_header=id_header,
-        )
+def render(
+    refusal: Refusal, request_id: str | None = None, id_header: str = "x-request-id"
+) -> Response:
+    """The HTTP answer for a :class:`gateway.core.outcomes.Refusal`: its status, the OpenAI
+    error body, ``retry-after``/``retry-after-ms`` (:func:`retry_after_headers`),
+    ``x-should-retry: false`` when a retry cannot help, its own headers and the request
+    id."""
+    r = error_response(
+        refusal.status,
+        refusal.message,
+        refusal.type,
+        refusal.code,
+        refusal.param,
+        retry_after_s=refusal.retry_after_s,
+        request_id=request_id,
+        id_header=id_header,
+    )
+    if not refusal.retryable:
+        r.raw_headers.append((b"x-should-retry", b"false"))
+    for k, v in refusal.headers:
+        r.raw_headers.append((k.encode("latin-1"), v.encode("latin-1")))
+    return r
 
 
 def retry_after_headers(seconds: float) -> dict[str, str]:
-    """``retry-after`` (integer seconds, rounded up, >= 1) and ``retry-after-ms``."""
+    """``retry-after`` (integer seconds, rounded up) and ``retry-after-ms``, for a wait of
+    ``seconds`` bounded to [1, 60] s (openai-python honours 0 < value <= 60; a NaN or
+    infinite estimate reads as 60). The only place the header's value is computed."""
+    seconds = MAX_RETRY_AFTER_S if not math.isfinite(seconds) else seconds
+    seconds = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, seconds))
     whole = max(1, math.ceil(seconds - 1e-9))
     return {"retry-after": str(whole), "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}
 
@@ -113,8 +115,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """Make every framework error OpenAI-shaped; FastAPI's 422 becomes a 400 (as vLLM)."""
 
     async def gateway_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, GatewayError)
-        return exc.response(getattr(request.state, "request_id", None))
+        assert isinstance(exc, Refusal)
+        return render(exc, getattr(request.state, "request_id", None))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -155,22 +157,15 @@ def install_error_handlers(app: FastAPI) -> None:
             500, f"Internal gateway error: {type(exc).__name__}", SERVER_ERROR, "internal_error"
         )
 
-    app.add_exception_handler(GatewayError, gateway_error)
+    app.add_exception_handler(Refusal, gateway_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected)
 
 
 def shutting_down_response(request_id: str | None, id_header: str = "x-request-id") -> Response:
-    """503 ``gateway_shutting_down`` with ``retry-after`` 1 s: the answer to a request that
-    arrives, or still waits in a queue, once the gateway is shutting down (a load balancer
-    or the SDK sends it to another instance)."""
-    return error_response(
-        503,
-        "The gateway is shutting down; retry on another instance.",
-        SERVER_ERROR,
-        "gateway_shutting_down",
-        retry_after_s=1,
-        request_id=request_id,
-        id_header=id_header,
-    )
+    """The rendered :func:`gateway.core.outcomes.shutting_down` refusal (503, retry in 1 s)."""
+    return render(shutting_down(), request_id, id_header)
+
+
+GatewayError = Refusal  # the name admin.py still uses (renamed when the fleet work merges)

@@ -23,28 +23,34 @@ from starlette.responses import Response
 from gateway.api.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
-    GatewayError,
+    Refusal,
     error_response,
+    render,
     shutting_down_response,
 )
-from gateway.api.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.config import ClientKey
+from gateway.core.outcomes import BackendAnswer
 from gateway.core.vocab import BackendState, Cut
 from gateway.fleet.probes import fetch_models
-from gateway.gate import Rejected, cap_max_tokens, ratelimit_headers
-from gateway.pipeline import Opened, RequestContext
-from gateway.proxy.relay import ClientWatch, CutHandle
-from gateway.proxy.upstream import UpstreamRequest, forward_headers
+from gateway.flow.admission import cap_max_tokens, ratelimit_headers
+from gateway.flow.candidates import recovery_s
+from gateway.flow.context import Answer, Opened, RequestContext
+from gateway.flow.lease import RequestLease
+from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
+from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
+from gateway.proxy.sse import DONE_TERMINATED, EventFramer
+from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
 from gateway.traffic.admission import completion_budget, estimate_tokens
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
     from gateway.metrics import GatewayMetrics
+    from gateway.wiring import Gateway
 
 log = logging.getLogger("gateway.api")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -87,7 +93,7 @@ async def read_body(
     with a 413 (checked against ``content-length`` first, then while reading), and a
     client that stops sending it for ``idle_timeout_s`` seconds with a 408 (a slow upload
     may take as long as it likes, as long as bytes keep coming)."""
-    too_big = GatewayError(
+    too_big = Refusal(
         413,
         f"Request body is larger than the gateway's limit of {limit} bytes "
         "(server.max_body_bytes).",
@@ -115,7 +121,7 @@ async def read_body(
                     break
                 timer.reschedule(loop.time() + idle_timeout_s)
     except TimeoutError:
-        raise GatewayError(
+        raise Refusal(
             408,
             f"The request body stalled: no bytes for {idle_timeout_s:g} s "
             "(server.body_idle_timeout_s).",
@@ -158,7 +164,7 @@ def check_content_encoding(value: bytes | None) -> None:
     coding = value.decode("latin-1").strip().lower()
     if coding in ("", "identity"):
         return
-    raise GatewayError(
+    raise Refusal(
         415,
         f"Request bodies with Content-Encoding '{coding}' are not supported; send "
         "uncompressed JSON.",
@@ -171,18 +177,18 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
-        raise GatewayError(
+        raise Refusal(
             400, f"Request body is not valid JSON: {e}", code="invalid_json"
         ) from None
     except RecursionError:
-        raise GatewayError(
+        raise Refusal(
             400, "Request body JSON is nested too deeply.", code="invalid_json"
         ) from None
     if not isinstance(payload, dict):
-        raise GatewayError(400, "Request body must be a JSON object.", code="invalid_json")
+        raise Refusal(400, "Request body must be a JSON object.", code="invalid_json")
     model = payload.get("model")
     if not isinstance(model, str) or not model:
-        raise GatewayError(
+        raise Refusal(
             400,
             "'model' is required and must be a string.",
             code="missing_required_parameter",
@@ -190,7 +196,7 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
         )
     required = REQUIRED_FIELD.get(endpoint)
     if required is not None and required not in payload:
-        raise GatewayError(
+        raise Refusal(
             400,
             f"'{required}' is a required property.",
             code="missing_required_parameter",
@@ -198,7 +204,7 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
         )
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise GatewayError(400, "'stream' must be a boolean.", code="invalid_type", param="stream")
+        raise Refusal(400, "'stream' must be a boolean.", code="invalid_type", param="stream")
     return payload
 
 
@@ -212,7 +218,7 @@ async def check_model(gw: Gateway, model: str) -> None:
         return
     misconfigured = [b.id for b in gw.fleet.backends if b.config_error and not b.models]
     if misconfigured:
-        raise GatewayError(
+        raise Refusal(
             502,
             f"Backends {', '.join(misconfigured)} reject the gateway's credentials, so the "
             f"model '{model}' cannot be looked up: the gateway's backend key is misconfigured "
@@ -223,19 +229,19 @@ async def check_model(gw: Gateway, model: str) -> None:
     # 404 as soon as some backend told us what it serves: a typo must not get a 503 that
     # SDKs retry (case BUG-07); 503 only while no backend has answered at all.
     if any(b.model_cards or b.config.models is not None for b in gw.fleet.backends):
-        raise GatewayError(
+        raise Refusal(
             404,
             f"The model '{model}' does not exist or is not served by any backend.",
             INVALID_REQUEST,
             "model_not_found",
             param="model",
         )
-    raise GatewayError(
+    raise Refusal(
         503,
         f"No reachable backend serves the model '{model}' right now.",
         SERVER_ERROR,
         "no_backend_available",
-        retry_after_s=gw.pipeline.retry_after_s(),
+        retry_after_s=recovery_s(gw.cfg.health),
     )
 
 
@@ -248,7 +254,7 @@ def check_client_key(gw: Gateway, authorization: bytes | None) -> ClientKey | No
     scheme, _, token = auth.partition(" ")
     key = gw.client_keys.get(token.strip()) if scheme.lower() == "bearer" else None
     if key is None:
-        raise GatewayError(
+        raise Refusal(
             401,
             "Incorrect API key provided."
             if auth
@@ -259,7 +265,7 @@ def check_client_key(gw: Gateway, authorization: bytes | None) -> ClientKey | No
     return key
 
 
-def log_refusal(e: GatewayError, endpoint: str, request_id: str) -> None:
+def log_refusal(e: Refusal, endpoint: str, request_id: str) -> None:
     """Log an error the gateway answered itself, with the request id (client mistakes at
     INFO, a too-large body, auth and capacity problems at WARNING)."""
     level = logging.INFO if e.status in (400, 404, 405) else logging.WARNING
@@ -288,11 +294,15 @@ def answered(
     metrics.observe_latency(endpoint, model, None if status == 499 else elapsed, elapsed)
 
 
-async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Response:
-    """Forward one model request (stream or not) through the pipeline; the answer to send.
+async def model_response(
+    gw: Gateway, scope: Scope, receive: Receive, lease: RequestLease
+) -> Response:
+    """Run one model request (stream or not) through the flow; the answer to send.
 
-    Works on the raw ASGI ``scope``/``receive`` (no framework request object), because it is
-    the data path: see :class:`gateway.app.GatewayApp`.
+    ``lease`` owns what the request holds (:func:`serve` gives it back). Works on the raw
+    ASGI ``scope``/``receive`` (no framework request object), because it is the data path:
+    see :class:`gateway.app.GatewayApp`. Every typed outcome of the flow (a refusal, a
+    backend's own error, a merged share, an opened answer) is rendered here.
     """
     cfg = gw.cfg
     metrics = gw.metrics
@@ -326,10 +336,10 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
         payload = parse_payload(body, endpoint)
         model: str = payload["model"]
         await check_model(gw, model)
-    except GatewayError as e:
+    except Refusal as e:
         answered(metrics, endpoint, "", e.status, started)
         log_refusal(e, endpoint, rid)
-        return e.response(rid, idh)
+        return render(e, rid, idh)
     except ClientGone:
         metrics.client_disconnects.labels(endpoint).inc()
         answered(metrics, endpoint, "", 499, started)
@@ -340,59 +350,28 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
     stream = payload.get("stream") is True
     cut = CutHandle()
     watch = ClientWatch(receive, cut)
-    # admission: entry (key limits), resource (saturation), scheduler (slot or queue)
     gate = gw.gate
-    ticket = verdict = None
     prio = gate.priority(prio_value, key)
     if gw.forecasts is not None:
         gw.forecasts.arrive(model, prio)
     seqs = engine_requests(endpoint, payload)  # prompts x n (embeddings: inputs)
-    if gate.enabled:
-        est = estimate_tokens(
-            len(body),
-            completion_budget(payload),
-            cfg.admission.default_max_tokens,
-            0 if endpoint == EMBEDDINGS else seqs,
-        )
-        client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
-        try:
-            ticket, verdict = await gate.admit(model, client, key, prio, est, len(body) // 4, rid)
-        except Rejected as r:
-            watch.stop()
-            answered(metrics, endpoint, model, r.response.status_code, started)
-            return r.response
-        except asyncio.CancelledError:
-            watch.stop()
-            if cut.reason is None:
-                raise
-            cut.absorb()
-            metrics.client_disconnects.labels(endpoint).inc()
-            answered(metrics, endpoint, model, 499, started)
-            return Response(status_code=499)
-        cap = gate.max_tokens_cap()
-        if cap is not None:
-            body = cap_max_tokens(payload, cap) or body
     query = scope.get("query_string", b"")
-    path = endpoint + ("?" + query.decode("latin-1") if query else "")
     ctx = RequestContext(
         endpoint=endpoint,
         model=model,
         stream=stream,
         upstream=UpstreamRequest(
             scope["method"],
-            path,
+            endpoint + ("?" + query.decode("latin-1") if query else ""),
             forward_headers(scope["headers"], idh, rid, stream),
             body,
             stream,
         ),
         request_id=rid,
         cut=cut,
+        lease=lease,
         session_key=session.decode("latin-1") if session is not None else None,
         started=started,
-        ticket=ticket,
-        extra_headers=[(k.encode(), v.encode()) for k, v in ratelimit_headers(verdict).items()]
-        if verdict is not None
-        else [],
         priority=prio,
     )
     if seqs > 1:
@@ -400,22 +379,52 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             ctx.pooled_extra = seqs - 1
         else:
             ctx.places = seqs
-    if gw.batching is not None and gw.batching.merge and not stream:
-        up = ctx.upstream
-        mkey = merge_key(endpoint, payload, route_key(up.path, up.headers, idh))
-        if mkey is not None:
-            ctx.merge_key, ctx.merge_part = mkey, part_of(endpoint, payload)
     try:
-        opened = await gw.pipeline.open(ctx)
-    except GatewayError as e:
+        if gate.enabled:
+            # admission: entry (key limits), resource (saturation), scheduler (slot or queue)
+            est = estimate_tokens(
+                len(body),
+                completion_budget(payload),
+                cfg.admission.default_max_tokens,
+                0 if endpoint == EMBEDDINGS else seqs,
+            )
+            client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
+            verdict = await gate.admit(model, client, key, prio, est, len(body) // 4, rid, lease)
+            if verdict is not None:
+                ctx.extra_headers = [
+                    (k.encode(), v.encode()) for k, v in ratelimit_headers(verdict).items()
+                ]
+            cap = gate.max_tokens_cap()
+            if cap is not None and (capped := cap_max_tokens(payload, cap)) is not None:
+                ctx.upstream.body = capped
+        batching = gw.batching
+        bound = None
+        if batching is not None:
+            if batching.merge and not stream:
+                up = ctx.upstream
+                mkey = merge_key(endpoint, payload, route_key(up.path, up.headers, idh))
+                if mkey is not None:
+                    ctx.merge_key, ctx.merge_part = mkey, part_of(endpoint, payload)
+            # wait in the batcher's bucket; it binds a backend with room, or answers (a
+            # merged request's share)
+            got = await batching.acquire(ctx)
+            if isinstance(got, Answer):
+                watch.stop()
+                answered(metrics, endpoint, model, got.status, started)
+                return _render_answer(got, ctx, idh)
+            bound = got
+        opened = await gw.pipeline.open(ctx, bound)
+    except Refusal as e:
         watch.stop()
-        gate.release(ticket)
         answered(metrics, endpoint, model, e.status, started)
         log_refusal(e, endpoint, rid)
-        return e.response(rid, idh)
+        return render(e, rid, idh)
+    except BackendAnswer as e:
+        watch.stop()
+        answered(metrics, endpoint, model, e.status, started)
+        return _render_answer(Answer(e.status, e.body, e.headers), None, idh, rid)
     except asyncio.CancelledError:
         watch.stop()
-        gate.release(ticket)
         if ctx.cut.reason is None:
             raise
         if ctx.cut.absorb() == Cut.CLIENT_GONE:
@@ -424,23 +433,93 @@ async def model_response(gw: Gateway, scope: Scope, receive: Receive) -> Respons
             return Response(status_code=499)
         answered(metrics, endpoint, model, 503, started)
         return shutting_down_response(rid, idh)
-    if not isinstance(opened, Opened):  # a merged request's share, or a final refusal
-        watch.stop()
-        gate.release(ticket)
-        answered(metrics, endpoint, model, opened.status_code, started)
-        return opened
-    if opened.framer is not None:  # the stream's end observes it (Pipeline.relay)
-        return gw.pipeline.relay(ctx, opened, watch)
+    if opened.framer is not None:  # the stream's end observes it (Pipeline.stream_done)
+        return _relay(gw, ctx, opened, watch)
     watch.stop()
-    response = gw.pipeline.finish_body(ctx, opened)
-    gate.release(ticket)
-    answered(metrics, endpoint, model, response.status_code, started)
-    return response
+    answer = gw.pipeline.finish_body(ctx, opened)
+    answered(metrics, endpoint, model, answer.status, started)
+    return _render_answer(answer, ctx, idh)
+
+
+def _render_answer(
+    answer: Answer, ctx: RequestContext | None, idh: str, rid: str | None = None
+) -> Response:
+    """A finished non-stream answer: its headers, the request id, the key's rate-limit
+    headers (``ctx.extra_headers``) and the body's length."""
+    r = Response(answer.body, status_code=answer.status)
+    rid = ctx.request_id if ctx is not None else rid
+    r.raw_headers = [
+        *answer.headers,
+        (idh.encode(), (rid or "").encode()),
+        *(ctx.extra_headers if ctx is not None else ()),
+        (b"content-length", str(len(answer.body)).encode()),
+    ]
+    return r
+
+
+def _relay(gw: Gateway, ctx: RequestContext, opened: Opened, watch: ClientWatch) -> RelayResponse:
+    """The streaming answer: the backend's headers, the request id and rate-limit headers;
+    its end is recorded and the lease closed by :meth:`Pipeline.stream_done`."""
+    idh = gw.cfg.server.request_id_header
+    headers = response_headers(opened.resp, idh.lower())
+    headers.append((idh.encode(), ctx.request_id.encode()))
+    headers.extend(ctx.extra_headers)
+    assert opened.framer is not None
+    pipeline = gw.pipeline
+
+    def on_done(outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
+        pipeline.stream_done(ctx, opened, outcome, framer, first_sent_at)
+
+    return RelayResponse(
+        opened.resp,
+        headers,
+        opened.data,
+        opened.framer,
+        watch,
+        ctx.cut,
+        gw.cfg.proxy.idle_timeout_s,
+        on_done,
+        ends_with_done=ctx.endpoint in DONE_TERMINATED,
+        heard=opened.backend.heard,
+    )
+
+
+async def serve(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer one model request on the raw ASGI interface, under its request lease: the
+    lease is closed before a non-stream answer goes out, at a stream's end, and on every
+    other exit (an error, the client gone, cancellation) when this returns."""
+    started = time.perf_counter()
+    async with gw.new_lease() as lease:
+        try:
+            response = await model_response(gw, scope, receive, lease)
+        except Exception as e:
+            log.exception("unexpected error on %s", scope["path"])
+            response = error_response(
+                500,
+                f"Internal gateway error: {type(e).__name__}",
+                SERVER_ERROR,
+                "internal_error",
+            )
+            answered(gw.metrics, scope["path"], "", 500, started)
+        if not isinstance(response, RelayResponse):
+            lease.close()  # counts final before the client sees its answer
+        await response(scope, receive, send)
+
+
+class _Served(Response):
+    """The framework route's answer: :func:`serve` runs when the framework sends it."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve(self.gw, scope, receive, send)
 
 
 async def proxy(request: Request) -> Response:
     """The framework route for model requests (the same code as the ASGI fast path)."""
-    return await model_response(_gateway(request), request.scope, request.receive)
+    return _Served(_gateway(request))
 
 
 async def list_models(request: Request) -> Response:
@@ -454,8 +533,8 @@ async def list_models(request: Request) -> Response:
     rid = sane_request_id(request.headers.get(idh, "").encode("latin-1"))
     try:
         check_client_key(gw, request.headers.get("authorization", "").encode("latin-1"))
-    except GatewayError as e:
-        return e.response(rid, idh)
+    except Refusal as e:
+        return render(e, rid, idh)
     # Routable backends, and those only resting (draining, cooldown): the model is still
     # the fleet's while they are out of rotation.
     live = [
@@ -485,7 +564,7 @@ async def list_models(request: Request) -> Response:
             "No backend is reachable to list models.",
             SERVER_ERROR,
             "no_backend_available",
-            retry_after_s=gw.pipeline.retry_after_s(),
+            retry_after_s=recovery_s(gw.cfg.health),
             request_id=rid,
             id_header=idh,
         )

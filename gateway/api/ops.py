@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.wiring import Gateway
 
 
 def _gateway(request: Request) -> Gateway:

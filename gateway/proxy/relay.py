@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from gateway.core.vocab import Cut
 from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, responses_error_event
+from gateway.proxy.upstream import UpstreamResponse
 
 AFTER_DONE_S = 2.0  # s: how long the body's end is awaited after ``[DONE]``
 
@@ -119,7 +120,9 @@ class ClientWatch:
 
 
 class StreamOutcome:
-    """How a relayed stream ended: ``ok``, a :class:`Cut` reason, or an error code."""
+    """How a relayed stream ended: ``ok``, a :class:`gateway.core.vocab.Cut` reason, or the
+    error code the client saw (``upstream_incomplete``, ``upstream_idle_timeout``,
+    ``upstream_disconnected``)."""
 
     OK = "ok"
     CLIENT_GONE = Cut.CLIENT_GONE
@@ -140,7 +143,7 @@ class RelayResponse(Response):
 
     def __init__(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         headers: list[tuple[bytes, bytes]],
         first: bytes,
         framer: EventFramer,

@@ -14,13 +14,68 @@ Streams ask the backend for ``identity`` so that the relay can frame events.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
 from gateway.config import ProxyConfig
 from gateway.core.vocab import FailureKind
-from gateway.fleet.backend import Backend
+
+
+class Target(Protocol):
+    """Where an upstream request goes: a backend's id (its pool's key) and base URL."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def base_url(self) -> str: ...
+
+
+class BodyReader(Protocol):
+    """A response body read in chunks as they arrive (``aiohttp.StreamReader``)."""
+
+    async def readany(self) -> bytes: ...
+
+
+class UpstreamResponse(Protocol):
+    """What the flow reads of a backend's response (``aiohttp.ClientResponse`` is one):
+    status, content type, headers (``headers`` case-insensitive; ``raw_headers`` as sent),
+    the body, and ``release()`` (done, connection reusable) / ``close()`` (abort: the
+    backend sees the disconnect)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def raw_headers(self) -> tuple[tuple[bytes, bytes], ...]: ...
+
+    @property
+    def content(self) -> BodyReader: ...
+
+    def release(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """The narrow upstream interface the request flow sends through: :class:`UpstreamPool`
+    (aiohttp) in the gateway, an in-process script in tests
+    (``tests/support/transport.py``)."""
+
+    async def send(
+        self, target: Target, req: UpstreamRequest, api_key: str | None
+    ) -> UpstreamResponse: ...
+
+    async def close(self) -> None: ...
 
 # RFC 9110 section 7.6.1 hop-by-hop headers, plus headers the gateway sets itself.
 HOP_BY_HOP = frozenset(
@@ -56,7 +111,7 @@ class UpstreamFailure(Exception):
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Target,
         kind: FailureKind,
         message: str,
         status: int | None = None,
@@ -127,7 +182,7 @@ def forward_headers(
 
 
 def response_headers(
-    resp: aiohttp.ClientResponse, own: str = "x-request-id"
+    resp: UpstreamResponse, own: str = "x-request-id"
 ) -> list[tuple[bytes, bytes]]:
     """Backend response headers to pass to the client: hop-by-hop, length, and ``own`` (the
     request-id header, which the gateway sets itself) dropped."""
@@ -157,7 +212,7 @@ class UpstreamPool:
             sock_read=None,
         )
 
-    def session(self, backend: Backend) -> aiohttp.ClientSession:
+    def session(self, backend: Target) -> aiohttp.ClientSession:
         s = self._sessions.get(backend.id)
         if s is None or s.closed:
             connector = aiohttp.TCPConnector(
@@ -191,8 +246,8 @@ class UpstreamPool:
         await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
 
     async def send(
-        self, backend: Backend, req: UpstreamRequest, api_key: str | None
-    ) -> aiohttp.ClientResponse:
+        self, backend: Target, req: UpstreamRequest, api_key: str | None
+    ) -> UpstreamResponse:
         """Send ``req`` to ``backend`` and return once the response headers are in.
 
         Raises :class:`UpstreamFailure` (``connect``, ``disconnected``) when no response
@@ -207,12 +262,14 @@ class UpstreamPool:
                 req.method, req.path, data=req.body, headers=headers
             )
         except aiohttp.ConnectionTimeoutError as e:
-            raise UpstreamFailure(backend, "connect", f"connect timeout: {e}") from None
+            raise UpstreamFailure(backend, FailureKind.CONNECT, f"connect timeout: {e}") from None
         except aiohttp.ClientConnectorError as e:
-            raise UpstreamFailure(backend, "connect", f"connect error: {e}") from None
+            raise UpstreamFailure(backend, FailureKind.CONNECT, f"connect error: {e}") from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             raise UpstreamFailure(
-                backend, "disconnected", f"connection lost before the response: {e!r}"
+                backend, FailureKind.DISCONNECTED, f"connection lost before the response: {e!r}"
             ) from None
         except aiohttp.ClientError as e:
-            raise UpstreamFailure(backend, "disconnected", f"upstream error: {e!r}") from None
+            raise UpstreamFailure(
+                backend, FailureKind.DISCONNECTED, f"upstream error: {e!r}"
+            ) from None

@@ -65,7 +65,7 @@ Use outside the gateway (e.g. simulated time)::
 
 The live gateway wires it in :mod:`gateway.fleet.gpu_monitor` (the GPU telemetry loop) and
 :class:`gateway.routing.policy.Router` (the ``thermal`` hook); admission reads
-:func:`power_pressure` (:mod:`gateway.gate`), and the GPU health breaker (Xid / ECC) is
+:func:`power_pressure` (:mod:`gateway.flow.admission`), and the GPU health breaker (Xid / ECC) is
 :mod:`gateway.fleet.gpu_health`.
 
 Sources: tiers 75/85 °C, resume 70 °C, 80% power cap and 20% domain headroom are seed 000's

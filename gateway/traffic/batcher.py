@@ -93,7 +93,7 @@ class RateView:
 def merge_window_limit(size: int, full: int, waited_s: float, budget_s: float, window: int) -> int:
     """How many embeddings upstream requests a backend may already have in flight for a
     merge group of ``size`` requests to be sent to it now (Nagle's algorithm, RFC 896, with
-    a window; see :mod:`gateway.batching`): 1 (only to an idle backend) for a small group
+    a window; see :mod:`gateway.flow.batching`): 1 (only to an idle backend) for a small group
     whose oldest request has waited ``waited_s`` < ``budget_s`` (seconds); ``window`` for a
     full group (``size >= full``) or a ripe one. ``window`` 0 disables it (no limit)."""
     if window <= 0:

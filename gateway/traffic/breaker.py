@@ -112,6 +112,11 @@ class CircuitBreaker:
             return self._half_open_inflight < self.cfg.half_open_max
         return False
 
+    @property
+    def half_open_in_flight(self) -> int:
+        """Requests holding a half-open probe slot now (0 unless half-open)."""
+        return self._half_open_inflight
+
     def retry_in(self) -> float:
         """Seconds until this breaker lets a request through (0 if it does now)."""
         if self.current() is BreakerState.OPEN:

@@ -1,4 +1,4 @@
-"""The embeddings merge window (Nagle's algorithm with a window, see gateway.batching) in
+"""The embeddings merge window (Nagle's algorithm with a window, see gateway.flow.batching) in
 the real gateway, with the predictive batcher's defaults: at low load each request goes
 upstream alone and at once; under load a backend never has more than ``merge_window``
 embeddings requests in flight, the rest merge, every client gets its own vector, and

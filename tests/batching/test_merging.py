@@ -218,7 +218,7 @@ def test_a_merge_that_cannot_be_built_answers_every_member(
     """Whatever fails while the merged request is built, each member is sent alone and
     answered, and the batcher's reservations are given back (fault injected into the
     merged body writer; the gateway runs in this process)."""
-    from gateway.api import merging
+    from gateway.flow import merging
 
     def broken(endpoint: str, parts: Any) -> bytes:
         raise RuntimeError("injected")

@@ -19,7 +19,7 @@ def _assert_clean_after_disconnect(gw, backend_id: str) -> None:
     g = gw.gateway
     b = g.fleet.get(backend_id)
     assert wait_for(lambda: b.in_flight == 0, 2), b.in_flight
-    assert wait_for(lambda: g.pool.open_connections(backend_id) == 0, 2)
+    assert wait_for(lambda: g.transport.open_connections(backend_id) == 0, 2)
     assert b.state.value == "warm"
     assert b.breaker.consecutive == 0  # a client leaving is not a backend failure
     assert g.metrics.client_disconnects.labels("/v1/chat/completions")._value.get() >= 1

@@ -15,9 +15,10 @@ from typing import Any
 import httpx
 import uvicorn
 
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
 from gateway.config import GatewayConfig, load_config
 from gateway.serving import EmbeddedServer, uvicorn_config
+from gateway.wiring import Gateway
 
 
 def bound_socket(host: str = "127.0.0.1") -> socket.socket:

@@ -283,7 +283,7 @@ def test_gate_forgets_clients_whose_limits_are_full_again():
     table without bound; a client still being limited keeps its limiter."""
     from gateway.config import load_config
     from gateway.fleet.backend import Fleet
-    from gateway.gate import LIMITER_SWEEP_MIN, AdmissionGate
+    from gateway.flow.admission import LIMITER_SWEEP_MIN, AdmissionGate
     from gateway.metrics import GatewayMetrics
 
     now = [0.0]

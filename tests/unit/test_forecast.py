@@ -126,7 +126,7 @@ def test_invalid_params_refused() -> None:
 
 def test_arrival_forecasts_export_metrics_and_feed_the_batcher() -> None:
     """The 1 s tick of the app: per-model gauges, and each bucket's rate to the batcher."""
-    from gateway.batching import ArrivalForecasts
+    from gateway.flow.forecasts import ArrivalForecasts
     from gateway.metrics import GatewayMetrics
     from gateway.traffic.batcher import Batcher, BucketSettings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.api.merging import EMBEDDINGS, Part, split_answer
+from gateway.flow.merging import EMBEDDINGS, Part, split_answer
 
 
 def answer(n_inputs: int, prompt_tokens: int) -> bytes:
@@ -64,7 +64,7 @@ def test_cached_tokens_are_shared_like_the_prompt() -> None:
 def test_engine_requests_read_n_as_vllm_does() -> None:
     """Sequences a request makes: prompts x ``n`` (``"8"`` is 8 to vLLM's pydantic, so it
     takes 8 places in the batcher's flow control, not 1)."""
-    from gateway.api.merging import COMPLETIONS, engine_requests
+    from gateway.flow.merging import COMPLETIONS, engine_requests
 
     assert engine_requests("/v1/chat/completions", {"n": "8"}) == 8
     assert engine_requests("/v1/chat/completions", {"n": 8.0}) == 8

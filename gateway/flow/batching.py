@@ -1,21 +1,16 @@
-"""The asyncio side of the predictive batcher and the arrival forecast.
-
-:class:`ArrivalForecasts` counts arrivals (one dict increment per request) and, once a
-second (a control loop), ticks the per-model and per-bucket Holt-Winters forecasts
-(:mod:`gateway.traffic.forecast`), exports ``gateway_forecast_*`` and hands each bucket's
-forecast and the TTFT-SLO slack to the batcher.
+"""The asyncio side of the predictive batcher (its forecasts: :mod:`gateway.flow.forecasts`).
 
 :class:`BatchDispatcher` drives :class:`gateway.traffic.batcher.Batcher`: a request that
 passed admission waits in its bucket (:meth:`BatchDispatcher.acquire`) until a dispatch
 binds it to a backend with room; every decision is taken by the pure batcher, re-run
 (:meth:`BatchDispatcher.pump`) when a request arrives, when a backend slot frees, and on a
 timer for the earliest wait budget. With the batcher on, its buckets are the admission
-queue: the admission scheduler no longer queues (see :class:`gateway.gate.AdmissionGate`),
+queue: the admission scheduler no longer queues (see :class:`gateway.flow.admission.AdmissionGate`),
 and this queue applies ``admission.max_queued``, the class shares, eviction and
 ``admission.max_queue_wait_s``, answering 429 with ``retry-after`` from the admission layer.
 
 A request dispatched alone gets its backend and runs through the pipeline as usual. A
-merge group (equal :func:`gateway.api.merging.merge_key`) runs here as one upstream
+merge group (equal :func:`gateway.flow.merging.merge_key`) runs here as one upstream
 request on its backend; its answer is split and each member gets its share, or, when the
 merged request fails in any way, each member is sent again alone (so one bad input cannot
 fail its neighbours).
@@ -44,133 +39,37 @@ longer applies to it); when every member's client has gone, the merged request i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from starlette.responses import Response
-
-from gateway.api import merging
-from gateway.api.errors import shutting_down_response
 from gateway.config import GatewayConfig
+from gateway.core.outcomes import Refusal, shutting_down
 from gateway.core.vocab import Prio
-from gateway.fleet.backend import Backend
+from gateway.fleet.backend import Backend, Fleet
+from gateway.flow import merging
+from gateway.flow.admission import AdmissionGate, Evicted, ShuttingDown
+from gateway.flow.candidates import candidates
+from gateway.flow.context import Answer, RequestContext
+from gateway.flow.lease import BreakerSignals, Hold, RequestLease
+from gateway.flow.merged import UNMERGED, MergedRequests, Waiter, has_result
+from gateway.flow.pipeline import Pipeline
 from gateway.metrics import GatewayMetrics
-from gateway.proxy.relay import CutHandle
-from gateway.proxy.upstream import UpstreamRequest
+from gateway.routing.policy import Router
 from gateway.traffic.admission import retry_after_s
 from gateway.traffic.batcher import (
     BUCKETS,
     Batcher,
     BucketSettings,
     Item,
-    RateView,
     merge_window_limit,
 )
-from gateway.traffic.forecast import ArrivalCounter, ForecastBank, ForecastParams
 
-if TYPE_CHECKING:
-    from gateway.gate import AdmissionGate
-    from gateway.pipeline import Pipeline, RequestContext
-    from gateway.routing.policy import Router
+log = logging.getLogger("gateway.flow.batching")
 
-log = logging.getLogger("gateway.batching")
-
-_UNMERGED = object()  # a merge failed: send this member again, alone
-
-
-class _Evicted(Exception):
-    """A queued request lost its place to a more urgent one."""
-
-
-class _ShuttingDown(Exception):
-    """The gateway is shutting down: a queued request is answered 503 at once."""
-
-
-def forecast_params(cfg: GatewayConfig) -> ForecastParams:
-    f = cfg.forecast
-    return ForecastParams(
-        alpha=f.alpha,
-        beta=f.beta,
-        gamma=f.gamma,
-        phi=f.phi,
-        horizon_s=f.horizon_s,
-        season_s=f.season_s,
-        season_bins=f.season_bins,
-    )
-
-
-class ArrivalForecasts:
-    """Per-model (exported) and per-bucket (for the batcher) arrival forecasts."""
-
-    def __init__(
-        self,
-        params: ForecastParams,
-        metrics: GatewayMetrics,
-        batcher: Batcher | None = None,
-        ttft_slack: Callable[[], float | None] | None = None,
-    ) -> None:
-        self.models = ForecastBank(params)
-        self.buckets = ForecastBank(params)
-        self.metrics = metrics
-        self.batcher = batcher
-        self.ttft_slack = ttft_slack
-        self._models_now = ArrivalCounter()
-        self._buckets_now = ArrivalCounter()
-
-    def rate_rps(self, model: str) -> float | None:
-        """The forecast mean arrival rate of ``model`` over the next horizon (requests/s),
-        or None before its first second was counted."""
-        f = self.models.get(model)
-        return None if f is None else f.rate
-
-    def arrive(self, model: str, prio: int) -> None:
-        """Count one arriving request (hot path)."""
-        self._models_now.add(model)
-        if self.batcher is not None:
-            self._buckets_now.add(BUCKETS[prio])
-
-    def tick(self, t: float) -> None:
-        """Second ``t`` (Unix seconds, so the season follows the time of day) has ended."""
-        m = self.metrics
-        self.models.tick(t, self._models_now.take())
-        for model, hw in self.models.series.items():
-            f = hw.forecast()
-            m.forecast_rps.labels(model).set(f.rate)
-            m.forecast_interval.labels(model, "low").set(f.low)
-            m.forecast_interval.labels(model, "high").set(f.high)
-            if hw.last_error is not None:
-                m.forecast_error.labels(model).set(hw.last_error)
-        if self.batcher is None:
-            return
-        self.buckets.tick(t, self._buckets_now.take())
-        for prio, name in enumerate(BUCKETS):
-            f = self.buckets.get(name)
-            self.batcher.set_rate(prio, None if f is None else RateView(f.rate, f.low, f.high))
-        if self.ttft_slack is not None:
-            self.batcher.set_slack(self.ttft_slack())
-
-
-@dataclass(slots=True, eq=False)
-class _Waiter:
-    ctx: RequestContext
-    fut: asyncio.Future[Any]
-    backend: Backend | None = None
-    deadline: asyncio.Timeout | None = None  # the queue timeout, while it is queued
-    riding: bool = False  # dispatched in a merged request: out of the queue
-    reserved: str | None = None  # the backend kept for it to drain (it needs several places)
-
-    def dispatched(self) -> None:
-        """Its queue wait is over (it rides in a merged request): no queue timeout now;
-        the merged request's own timeouts apply."""
-        self.riding = True
-        if self.deadline is not None and not self.fut.done():
-            with contextlib.suppress(RuntimeError):  # it expired meanwhile
-                self.deadline.reschedule(None)
 
 
 @dataclass(slots=True)
@@ -186,10 +85,12 @@ class BatchDispatcher:
     def __init__(
         self,
         cfg: GatewayConfig,
+        fleet: Fleet,
         pipeline: Pipeline,
         router: Router,
         gate: AdmissionGate,
         metrics: GatewayMetrics,
+        signals: BreakerSignals,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         b = cfg.batcher
@@ -205,7 +106,12 @@ class BatchDispatcher:
             merge_max=b.merge_max,
         )
         self.merge = b.merge
+        self.fleet = fleet
+        self.signals = signals
         self.pipeline = pipeline
+        self.merged = MergedRequests(
+            pipeline, metrics, self.new_lease, self._reserve, self._deliver
+        )
         self.router = router
         self.gate = gate
         self.metrics = metrics
@@ -221,7 +127,7 @@ class BatchDispatcher:
         # priority or lower is bound there until it is placed or gone, so the backend
         # drains to fit it (EASY backfilling's reservation, Lifka 1995). Without it, the
         # single-place requests behind it took every freed place and it starved.
-        self.kept_for: dict[str, _Waiter] = {}
+        self.kept_for: dict[str, Waiter] = {}
         self.shut = False  # shutting down: nothing more is queued or dispatched
         self._merge_window = b.merge_window
         self._now = 0.0  # the pump's clock reading, for _bind
@@ -236,17 +142,21 @@ class BatchDispatcher:
             metrics.queue_depth.labels(name).set_function(
                 lambda q=self.core.queues[prio]: len(q)
             )
-        pipeline.batching = self
 
     # ---- the request's side ----------------------------------------------------------
-    async def acquire(self, ctx: RequestContext) -> Backend | Response | None:
+    def new_lease(self) -> RequestLease:
+        """A lease whose freed backend slots wake the queue (:meth:`slot_freed`)."""
+        return RequestLease(self.signals, self.slot_freed)
+
+    async def acquire(self, ctx: RequestContext) -> Backend | Answer | None:
         """Wait in the request's bucket until dispatched. Returns the backend bound to it
-        (None: no backend can take the model at all, the pipeline answers that), or a final
-        answer: the request's share of a merged answer, or a 429 when the queue is full or
-        the queue timeout passed."""
+        (its places reserved there on ``ctx.lease``; None: no backend can take the model
+        at all, the pipeline answers that), or the request's share of a merged answer.
+        Raises :class:`Refusal`: a 429 when the queue is full, the predicted wait is too
+        long or the queue timeout passed; a 503 when the gateway is shutting down."""
         while True:
             got = await self._wait_once(ctx)
-            if got is _UNMERGED:
+            if got is UNMERGED:
                 ctx.merge_key = None  # the merge failed: again, alone
                 continue
             return got  # type: ignore[no-any-return]
@@ -256,11 +166,11 @@ class BatchDispatcher:
         prio = ctx.priority
         now = self.clock()
         if self.shut:  # (a merged request's member, sent back to be sent alone)
-            return self._shutting_down(ctx)
+            raise self._shutting_down(ctx)
         if core.blocked:  # requests already wait for room: would this one wait too long?
             wait = self._predicted_wait(prio, ctx.model, now)
             if wait > self.queue_timeout_s:
-                return self._reject(
+                raise self._reject(
                     ctx,
                     f"The gateway is at capacity: the predicted wait ({wait:.1f} s) exceeds "
                     f"admission.max_queue_wait_s ({self.queue_timeout_s:g} s).",
@@ -270,15 +180,15 @@ class BatchDispatcher:
         if not core.admits(prio):
             evicted = core.evict_lowest(prio) if core.queued >= core.max_queued else None
             if evicted is None:
-                return self._reject(
+                raise self._reject(
                     ctx,
                     f"The gateway's queue is full; {BUCKETS[prio]}-priority requests are shed.",
                     now,
                 )
             if not evicted.handle.fut.done():
-                evicted.handle.fut.set_exception(_Evicted())
+                evicted.handle.fut.set_exception(Evicted())
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(ctx, fut)
+        waiter = Waiter(ctx, fut)
         item = Item(prio, ctx.model, now, ctx.merge_key, waiter)
         core.enqueue(item)
         self.pump()
@@ -289,34 +199,28 @@ class BatchDispatcher:
                 async with asyncio.timeout(limit) as waiter.deadline:
                     await fut
             except TimeoutError:
-                if not _has_result(fut):
+                if not has_result(fut):
                     core.cancel(item)
-                    return self._reject(
+                    raise self._reject(
                         ctx,
                         "No capacity freed within "
                         f"{self.queue_timeout_s:g} s (admission.max_queue_wait_s).",
                         self.clock(),
-                    )
-            except _ShuttingDown:
-                return self._shutting_down(ctx)
-            except _Evicted:
-                return self._reject(
+                    ) from None
+            except ShuttingDown:
+                raise self._shutting_down(ctx) from None
+            except Evicted:
+                raise self._reject(
                     ctx,
                     "The gateway's queue is full; this "
                     f"{BUCKETS[prio]}-priority request gave its place to a more urgent one.",
                     self.clock(),
-                )
+                ) from None
             except asyncio.CancelledError:
-                if _has_result(fut):
-                    self._give_back(fut.result(), ctx)
-                else:
+                if not has_result(fut):
                     core.cancel(item)
-                raise
-        got = fut.result()
-        if isinstance(got, Backend):
-            # the pipeline counts it in flight right now (no await)
-            self._unreserve(got, ctx.places)
-        return got
+                raise  # (a reservation made for it is on its lease, given back there)
+        return fut.result()
 
     def shed_queued(self) -> int:
         """Shutdown: nothing more is dispatched; every queued request gets 503
@@ -327,12 +231,13 @@ class BatchDispatcher:
         for it in items:
             fut = it.handle.fut
             if not fut.done():
-                fut.set_exception(_ShuttingDown())
+                fut.set_exception(ShuttingDown())
         return len(items)
 
-    def _shutting_down(self, ctx: RequestContext) -> Response:
-        r = shutting_down_response(ctx.request_id, self.cfg.server.request_id_header)
-        r.raw_headers.extend(ctx.extra_headers)
+    @staticmethod
+    def _shutting_down(ctx: RequestContext) -> Refusal:
+        r = shutting_down()
+        r.headers.extend(_str_headers(ctx.extra_headers))
         return r
 
     def _predicted_wait(self, prio: int, model: str, now: float) -> float:
@@ -351,7 +256,7 @@ class BatchDispatcher:
 
     def _reject(
         self, ctx: RequestContext, message: str, now: float, wait: float | None = None
-    ) -> Response:
+    ) -> Refusal:
         retry = (
             wait
             if wait is not None
@@ -360,18 +265,14 @@ class BatchDispatcher:
                 self.gate.scheduler.service_rate(now),
             )
         )
-        r = self.gate._reject(
-            "scheduler", Prio(ctx.priority), message, retry, None, ctx.request_id
-        ).response
-        r.raw_headers.extend(ctx.extra_headers)
+        r = self.gate.refusal("scheduler", Prio(ctx.priority), message, retry, None, ctx.request_id)
+        r.headers.extend(_str_headers(ctx.extra_headers))
         return r
 
     # ---- dispatch ------------------------------------------------------------------------
-    def slot_freed(self, ctx: RequestContext | None = None) -> None:
-        """A backend slot was given back (pipeline; ``ctx``: the request that held it):
-        queued requests may go now."""
-        if ctx is not None and ctx.merge_slot is not None:
-            self._merge_release(ctx)
+    def slot_freed(self) -> None:
+        """A backend slot or a reservation was given back (by a lease): queued requests
+        may go now."""
         if self.core.queued:
             self.pump()
 
@@ -380,14 +281,8 @@ class BatchDispatcher:
         """Size of a full merge group of bucket ``prio`` (requests)."""
         return min(self.core.settings[prio].max_batch_size, self.core.merge_max)
 
-    def _merge_release(self, ctx: RequestContext) -> None:
-        """The upstream request counted in ``ctx.merge_slot``'s window ended (idempotent)."""
-        slot, ctx.merge_slot = ctx.merge_slot, None
-        self._merge_release_slot(slot)
-
-    def _merge_release_slot(self, slot: Hashable | None) -> None:
-        if slot is None:
-            return
+    def _merge_release_slot(self, slot: Hashable) -> None:
+        """An upstream request counted in ``slot``'s merge window ended (its lease)."""
         left = self.merge_flight.get(slot, 0) - 1
         if left > 0:
             self.merge_flight[slot] = left
@@ -422,8 +317,12 @@ class BatchDispatcher:
                     else:
                         for it in unit:
                             it.handle.dispatched()
+                        # the group's reservation and window place move from its head's
+                        # lease to the merged request's, now (its head may leave meanwhile)
+                        head = unit[0].handle.ctx.lease
+                        holds = (head.hand_over(Hold.RESERVATION), head.hand_over(Hold.MERGE_SLOT))
                         task = asyncio.get_running_loop().create_task(
-                            self._run_merged(unit, backend)
+                            self.merged.run(unit, backend, holds)
                         )
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
@@ -469,9 +368,9 @@ class BatchDispatcher:
         prefill-only sequences of one engine step), and embeddings also take a place in
         the backend's merge window of their merge key. A completions merge group is placed
         as far as its members' prompts fit. Returns how many requests it placed."""
-        w: _Waiter = unit[0].handle
+        w: Waiter = unit[0].handle
         ctx = w.ctx
-        cands = self.pipeline.candidates(ctx.model, [], self.pipeline.router_clock())
+        cands = candidates(self.fleet, ctx.model, (), self._now)
         if not cands:  # nothing can take the model at all: the pipeline answers 429/503
             w.backend = None
             return len(unit)
@@ -526,15 +425,15 @@ class BatchDispatcher:
                     break
                 took += 1
                 places += p
-        self.pending[b.id] = self.pending.get(b.id, 0) + places
+        self._reserve(b, places, ctx.lease)
         w.backend = b
-        if windowed:  # one upstream request in b's window until its slot is released
+        if windowed:  # one upstream request in b's window until its lease gives it back
             slot = (b.id, key)
             flight[slot] = flight.get(slot, 0) + 1
-            ctx.merge_slot = slot
+            ctx.lease.hold(Hold.MERGE_SLOT, lambda: self._merge_release_slot(slot))
         return took
 
-    def _open_to(self, b: Backend, w: _Waiter, prio: int) -> bool:
+    def _open_to(self, b: Backend, w: Waiter, prio: int) -> bool:
         """Whether ``b`` may take ``w``'s request (of bucket ``prio``): it is not kept for
         another queued request of the same or a more urgent bucket."""
         kept = self.kept_for.get(b.id)
@@ -549,7 +448,7 @@ class BatchDispatcher:
     def _keep_backend(self, head: Item, cands: list[Backend]) -> None:
         """``head`` needs several places and none of ``cands`` has them: once it has waited
         its wait budget, keep the candidate with the most room for it (one per request)."""
-        w: _Waiter = head.handle
+        w: Waiter = head.handle
         if w.reserved is not None or self._now - head.enqueued_at < self.core.wait_budget(
             head.prio
         ):
@@ -560,6 +459,12 @@ class BatchDispatcher:
             self.kept_for[b.id] = w
             w.reserved = b.id
 
+    def _reserve(self, b: Backend, places: int, lease: RequestLease) -> None:
+        """Keep ``places`` on ``b`` for a dispatched request until its attempt starts
+        there (the lease gives them back then, or when the request ends first)."""
+        self.pending[b.id] = self.pending.get(b.id, 0) + places
+        lease.hold(Hold.RESERVATION, lambda: self._unreserve(b, places))
+
     def _unreserve(self, b: Backend, n: int = 1) -> None:
         left = self.pending.get(b.id, 0) - n
         if left > 0:
@@ -567,134 +472,21 @@ class BatchDispatcher:
         else:
             self.pending.pop(b.id, None)
 
-    def _give_back(self, got: Any, ctx: RequestContext | None = None, places: int = 1) -> None:
-        """A dispatched request went away before using its backend (``places``: what was
-        reserved for it; its request's own places when ``ctx`` is given)."""
-        if ctx is not None:
-            places = ctx.places
-            if ctx.merge_slot is not None:
-                self._merge_release(ctx)
-        if isinstance(got, Backend):
-            self._unreserve(got, places)
-            asyncio.get_running_loop().call_soon(self.slot_freed)
-
-    def _deliver(self, w: _Waiter, result: Any) -> None:
-        if w.fut.done():
-            self._give_back(result, w.ctx)
-        else:
+    def _deliver(self, w: Waiter, result: Any) -> None:
+        if not w.fut.done():
             w.fut.set_result(result)
-
-    # ---- merged requests ---------------------------------------------------------------
-    async def _run_merged(self, unit: list[Item], backend: Backend) -> None:
-        """Send ``unit`` as one upstream request on ``backend`` and answer each member; when
-        every member has gone (clients disconnected), the upstream request is cancelled."""
-        live: list[_Waiter] = [it.handle for it in unit if not it.handle.fut.done()]
-        head = unit[0].handle.ctx
-        slot, head.merge_slot = head.merge_slot, None  # moves to whoever sends upstream
-        embeddings = merging.key_endpoint(unit[0].merge_key) == merging.EMBEDDINGS
-        reserved = 1 if embeddings else sum(it.handle.ctx.places for it in unit)
-        if len(live) <= 1:
-            if live:
-                alone = live[0].ctx
-                self._unreserve(backend, reserved - (1 if embeddings else alone.places))
-                alone.merge_slot = slot
-                self._deliver(live[0], backend)
-            else:
-                self._give_back(backend, places=reserved)
-                self._merge_release_slot(slot)
             return
-        from gateway.pipeline import Opened, RequestContext  # import cycle at module level
-
-        first = live[0].ctx
-        endpoint = first.endpoint
-        answers: list[bytes] | None = None
-        shared: list[tuple[bytes, bytes]] = []  # the backend's answer headers, for each
-        outcome = "unmerged"
-        mctx: RequestContext | None = None
-        # every member gone (their clients hung up): stop the upstream request too
-        me = asyncio.current_task()
-        waiting = [len(live)]
-
-        def gone(f: asyncio.Future[Any]) -> None:
-            if f.cancelled():
-                waiting[0] -= 1
-                if waiting[0] == 0 and me is not None:
-                    me.cancel()
-
-        try:
-            # Whatever fails from here on (building the merged body too), every member is
-            # answered: its share, or sent again alone; the reservation and the window's
-            # slot are given back.
-            parts = [w.ctx.merge_part for w in live]
-            headers = dict(first.upstream.headers)
-            headers["accept-encoding"] = "identity"  # the answer is parsed to be split
-            mctx = RequestContext(
-                endpoint=endpoint,
-                model=first.model,
-                stream=False,
-                upstream=UpstreamRequest(
-                    "POST",
-                    first.upstream.path,
-                    headers,
-                    merging.merged_body(endpoint, parts),
-                    False,
-                ),
-                request_id=first.request_id,
-                cut=CutHandle(),
-                priority=first.priority,
-                merge_slot=slot,
-                places=1 if embeddings else sum(w.ctx.places for w in live),
-                pooled_extra=sum(w.ctx.pooled_extra + 1 for w in live) - 1 if embeddings else 0,
-            )
-            slot = None  # now mctx's
-            for w in live:
-                w.fut.add_done_callback(gone)
-            # the pipeline counts it in flight right now (no await)
-            self._unreserve(backend, reserved)
-            reserved = 0
-            res = await self.pipeline.open(mctx, bound=backend)
-            if isinstance(res, Opened):
-                resp = self.pipeline.finish_body(mctx, res)
-                if resp.status_code == 200:
-                    answers = merging.split_answer(endpoint, bytes(resp.body), parts)
-                    outcome = "ok"
-                    own = {b"content-length", self.cfg.server.request_id_header.encode()}
-                    shared = [(k, v) for k, v in resp.raw_headers if k.lower() not in own]
-        except merging.SplitError as e:
-            log.warning("merged %s answer could not be split (%s); retrying unmerged", endpoint, e)
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except Exception:
-            log.exception("merged %s request failed; retrying unmerged", endpoint)
-        finally:
-            if reserved:  # never sent: the backend's reservation goes back
-                self._give_back(backend, places=reserved)
-            self._merge_release_slot(slot)
-            if mctx is not None:
-                self._merge_release(mctx)  # (already, when the pipeline released its slot)
-            self.metrics.merged_requests.labels(endpoint, outcome).inc(len(live))
-            for i, w in enumerate(live):
-                if not w.fut.done():
-                    w.fut.set_result(
-                        _UNMERGED
-                        if answers is None
-                        else self._member(w.ctx, answers[i], shared)
-                    )
-
-    def _member(
-        self, ctx: RequestContext, body: bytes, shared: list[tuple[bytes, bytes]]
-    ) -> Response:
-        """A member's answer: its share of the body, the backend's headers (as an unmerged
-        answer would carry them), its own request id and rate-limit headers."""
-        r = Response(body, status_code=200)
-        r.raw_headers = [
-            *shared,
-            (self.cfg.server.request_id_header.encode(), ctx.request_id.encode()),
-            *ctx.extra_headers,
-            (b"content-length", str(len(body)).encode()),
-        ]
-        return r
+        # its request left meanwhile: what was kept for it goes back now (inside the pump:
+        # the queue is woken on the next turn of the loop)
+        lease = w.ctx.lease
+        freed = False
+        for what in (Hold.RESERVATION, Hold.MERGE_SLOT):
+            release = lease.hand_over(what)
+            if release is not None:
+                release()
+                freed = True
+        if freed:
+            asyncio.get_running_loop().call_soon(self.slot_freed)
 
     async def close(self) -> None:
         """Stop the timer and any merged request still running (shutdown)."""
@@ -706,5 +498,5 @@ class BatchDispatcher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _has_result(fut: asyncio.Future[Any]) -> bool:
-    return fut.done() and not fut.cancelled() and fut.exception() is None
+def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]

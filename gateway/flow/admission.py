@@ -10,8 +10,9 @@ slot among ``max_in_flight``, or a wait in the priority queue, at most
 ``max_queue_wait_s``). A refusal is a 429 in OpenAI's shape with ``retry-after``,
 ``retry-after-ms`` and, where the key has limits, OpenAI's ``x-ratelimit-*`` headers.
 
-Every admitted request holds a :class:`Ticket` until it ends; releasing it hands the slot
-to the most urgent waiter.
+Every admitted request holds a :class:`Ticket` until it ends, on its lease
+(:mod:`gateway.flow.lease`); releasing it hands the slot to the most urgent waiter.
+Refusals are raised as :class:`gateway.core.outcomes.Refusal` (the HTTP edge renders them).
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from starlette.responses import Response
-
-from gateway.api.errors import error_body, retry_after_headers, shutting_down_response
 from gateway.config import ClientKey, GatewayConfig
+from gateway.core.outcomes import Refusal, shutting_down
 from gateway.core.vocab import BackendState, Prio
 from gateway.fleet.backend import Backend, Fleet
+from gateway.flow.lease import Hold, RequestLease
 from gateway.metrics import GatewayMetrics
 from gateway.routing.policy import estimated_load
 from gateway.traffic.admission import (
@@ -40,7 +40,6 @@ from gateway.traffic.admission import (
     Saturation,
     Scheduler,
     as_count,
-    clamp_retry_after,
     pool_wait,
     ratelimit_duration,
     shed,
@@ -64,14 +63,6 @@ class Ticket:
     released: bool = False
 
 
-class Rejected(Exception):
-    """Admission refused the request; ``response`` is the 429 to send."""
-
-    def __init__(self, response: Response) -> None:
-        super().__init__("rejected")
-        self.response = response
-
-
 class AdmissionGate:
     """One per app. ``clock``: monotonic seconds."""
 
@@ -81,6 +72,7 @@ class AdmissionGate:
         fleet: Fleet,
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,
+        power_level: Callable[[Sequence[Backend], float], float] | None = None,
     ) -> None:
         self.cfg = cfg
         a = cfg.admission
@@ -95,7 +87,7 @@ class AdmissionGate:
                 max_in_flight = max(1, math.ceil(sum(caps) * a.in_flight_per_seq))  # type: ignore[arg-type]
         capacity = max_in_flight
         if cfg.batcher.enabled:
-            # The batcher's buckets are the queue (gateway.batching): it bounds in-flight per
+            # The batcher's buckets are the queue (gateway.flow.batching): it bounds in-flight per
             # backend and applies max_queued and max_queue_wait_s; no second queue here.
             # The scheduler still measures the service rate (for its predictions) over the
             # fleet's capacity.
@@ -109,7 +101,7 @@ class AdmissionGate:
         self.degraded = DegradedMode(d.enter_after_s, d.step_s) if d.enabled else None
         # Power layer: draw / budget of the roomiest power domain among a model's routable
         # backends (gateway.fleet.gpu_monitor.GpuMonitor.power_level); None: no domains.
-        self.power_level: Callable[[Sequence[Backend], float], float] | None = None
+        self.power_level = power_level
 
     # ---- helpers -------------------------------------------------------------------------
     def priority(self, header: bytes | None, key: ClientKey | None) -> Prio:
@@ -134,7 +126,7 @@ class AdmissionGate:
             lim = self.limiters[name] = KeyLimiter(rpm, tpm, now)
         return lim
 
-    def _reject(
+    def refusal(
         self,
         layer: str,
         prio: Prio,
@@ -145,15 +137,13 @@ class AdmissionGate:
         code: str = "rate_limit_exceeded",
         type_: str | None = None,
         retryable: bool = True,
-    ) -> Rejected:
+    ) -> Refusal:
+        """A 429 from admission ``layer`` (``entry``, ``degraded``, ``resource``, ``power``,
+        ``scheduler``; the batcher's queue counts as ``scheduler``), counted in
+        ``gateway_admission_rejections_total`` and logged. ``retry_s``: the estimated
+        seconds until a retry may be let in; ``verdict`` adds the key's ``x-ratelimit-*``
+        headers."""
         self.metrics.admission_rejections.labels(layer, _PRIO_NAMES[prio]).inc()
-        retry_s = clamp_retry_after(retry_s)
-        headers = retry_after_headers(retry_s)
-        if not retryable:  # openai-python (and Stainless SDKs) then do not retry
-            headers["x-should-retry"] = "false"
-        headers[self.cfg.server.request_id_header] = request_id
-        if verdict is not None:
-            headers.update(ratelimit_headers(verdict))
         log.info(
             "admission %s refused a %s request: %s [request %s]",
             layer,
@@ -161,17 +151,14 @@ class AdmissionGate:
             message,
             request_id,
         )
-        return Rejected(
-            Response(
-                error_body(
-                    message,
-                    type_ or ("requests" if layer == "entry" else "server_overloaded"),
-                    code,
-                ),
-                status_code=429,
-                headers=headers,
-                media_type="application/json",
-            )
+        return Refusal(
+            429,
+            message,
+            type_ or ("requests" if layer == "entry" else "server_overloaded"),
+            code,
+            retry_after_s=retry_s,
+            retryable=retryable,
+            headers=list(ratelimit_headers(verdict).items()) if verdict is not None else None,
         )
 
     # ---- the gate ---------------------------------------------------------------------------
@@ -184,14 +171,16 @@ class AdmissionGate:
         est_tokens: int,
         prompt_tokens: int,
         request_id: str,
-    ) -> tuple[Ticket | None, EntryVerdict | None]:
-        """Admit one request or raise :class:`Rejected` (a 429 to send).
+        lease: RequestLease,
+    ) -> EntryVerdict | None:
+        """Admit one request or raise :class:`Refusal` (a 429; a 503 when shutting down).
 
-        Returns the ticket to release when the request ends (None when admission is off),
-        and the entry verdict for the ``x-ratelimit-*`` headers (None without limits).
+        The ticket goes on ``lease`` (given back when the request ends). Returns the entry
+        verdict for the ``x-ratelimit-*`` headers (None without limits, or when admission
+        is off).
         """
         if not self.enabled:
-            return None, None
+            return None
         now = self.clock()
         verdict = None
         limiter = self._limiter(key_name, key)
@@ -199,7 +188,7 @@ class AdmissionGate:
             verdict = limiter.check(est_tokens, now)
             if not verdict.admitted:
                 never = math.isinf(verdict.retry_after_s)
-                raise self._reject(
+                raise self.refusal(
                     "entry",
                     prio,
                     f"Rate limit reached for key '{key_name}': {verdict.reason}"
@@ -215,13 +204,13 @@ class AdmissionGate:
                     retryable=not never,  # it can never fit: a retry cannot help
                 )
         try:
-            return await self._after_entry(
-                model, prio, prompt_tokens, request_id, verdict, now
-            ), verdict
-        except (Rejected, asyncio.CancelledError):
+            ticket = await self._after_entry(model, prio, prompt_tokens, request_id, verdict, now)
+        except (Refusal, asyncio.CancelledError):
             if limiter is not None:  # refused (or gone) later: the key's quota is given back
                 limiter.refund(est_tokens, self.clock())
             raise
+        lease.hold(Hold.TICKET, lambda: self.release(ticket))
+        return verdict
 
     async def _after_entry(
         self,
@@ -239,7 +228,7 @@ class AdmissionGate:
             and prio is Prio.LOW
             and prompt_tokens > self.cfg.degraded.low_priority_max_prompt_tokens
         ):
-            raise self._reject(
+            raise self.refusal(
                 "degraded",
                 prio,
                 "The gateway is overloaded (degraded mode): low-priority "
@@ -254,7 +243,7 @@ class AdmissionGate:
         if shed(prio, saturation, a.shed_levels):
             slo = self.cfg.slo.ttft_s
             bound = a.shed_levels[prio] * slo
-            raise self._reject(
+            raise self.refusal(
                 "resource",
                 prio,
                 f"The backends serving '{model}' are overloaded: a new request would wait "
@@ -283,7 +272,7 @@ class AdmissionGate:
         level = self.power_level(routable, now)
         t = self.cfg.thermal
         if level > 0 and shed(prio, Saturation(level), t.power_shed_levels):
-            raise self._reject(
+            raise self.refusal(
                 "power",
                 prio,
                 f"The power domains of the backends serving '{model}' draw {level:.0%} of "
@@ -318,7 +307,7 @@ class AdmissionGate:
             full = sched.queued >= sched.max_queued and decision.reason == QUEUE_FULL
             evicted = sched.evict_lowest(prio) if full else None
             if evicted is None:
-                raise self._reject(
+                raise self.refusal(
                     "scheduler",
                     prio,
                     f"The gateway's queue is full; {_PRIO_NAMES[prio]}-priority requests are shed."
@@ -330,7 +319,7 @@ class AdmissionGate:
                     request_id,
                 )
             assert isinstance(evicted, asyncio.Future)
-            evicted.set_exception(_Evicted())
+            evicted.set_exception(Evicted())
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         sched.enqueue(prio, fut)
         started = now
@@ -339,7 +328,7 @@ class AdmissionGate:
                 await fut
         except TimeoutError:
             sched.cancel(prio, fut)
-            raise self._reject(
+            raise self.refusal(
                 "scheduler",
                 prio,
                 "No capacity freed within "
@@ -348,12 +337,10 @@ class AdmissionGate:
                 verdict,
                 request_id,
             ) from None
-        except _ShuttingDown:
-            raise Rejected(
-                shutting_down_response(request_id, self.cfg.server.request_id_header)
-            ) from None
-        except _Evicted:
-            raise self._reject(
+        except ShuttingDown:
+            raise shutting_down() from None
+        except Evicted:
+            raise self.refusal(
                 "scheduler",
                 prio,
                 "The gateway's queue is full; this "
@@ -379,7 +366,7 @@ class AdmissionGate:
         for w in waiters:
             assert isinstance(w, asyncio.Future)
             if not w.done():
-                w.set_exception(_ShuttingDown())
+                w.set_exception(ShuttingDown())
         return len(waiters)
 
     def release(self, ticket: Ticket | None) -> None:
@@ -415,12 +402,13 @@ class AdmissionGate:
         return self.degraded.max_tokens_cap(self.cfg.degraded.max_tokens_cap)
 
 
-class _Evicted(Exception):
-    """A queued waiter lost its place to a more urgent request."""
+class Evicted(Exception):
+    """A queued request lost its place to a more urgent one (admission's queue and the
+    batcher's)."""
 
 
-class _ShuttingDown(Exception):
-    """The gateway is shutting down: a queued waiter is answered 503 at once."""
+class ShuttingDown(Exception):
+    """The gateway is shutting down: a queued request is answered 503 at once."""
 
 
 def ratelimit_headers(v: EntryVerdict) -> dict[str, str]:

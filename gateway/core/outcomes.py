@@ -1,0 +1,79 @@
+"""Typed outcomes of a request that did not get a backend's good answer.
+
+The request flow (admission, the queue, the attempts) raises these; only the HTTP edge
+(:mod:`gateway.api.errors`) turns them into responses and headers, so a refusal's meaning
+(status, OpenAI error type and code, when to retry) is decided where it happens and
+written out in one place.
+
+- :class:`Refusal`: the gateway answers itself (a 4xx/5xx in OpenAI's error shape), e.g.
+  a 429 from admission with the seconds until a retry may succeed.
+- :class:`BackendAnswer`: a backend's own error answer (a 5xx after the last attempt),
+  passed to the client unchanged (status, body, headers).
+"""
+
+from __future__ import annotations
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class Refusal(Exception):
+    """An answer the gateway gives itself, in OpenAI's error shape.
+
+    ``status``: HTTP status; ``message``/``type``/``code``/``param``: the OpenAI error
+    object's fields. ``retry_after_s``: seconds until a retry may succeed (rendered as
+    ``retry-after``, whole seconds rounded up and bounded to [1, 60], and
+    ``retry-after-ms``; None: no such header). ``retryable=False`` adds
+    ``x-should-retry: false`` (openai-python and other Stainless SDKs then do not retry).
+    ``headers``: more headers for the answer (``x-ratelimit-*``), name and value.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = INVALID_REQUEST,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+        *,
+        retryable: bool = True,
+        headers: list[tuple[str, str]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.retryable = retryable
+        self.headers = headers or []
+
+    def __repr__(self) -> str:
+        return f"Refusal({self.status}, {self.code!r}, {self.message!r})"
+
+
+def shutting_down() -> Refusal:
+    """503 ``gateway_shutting_down``, retry in 1 s: the answer to a request that arrives,
+    or still waits in a queue, once the gateway is shutting down (a load balancer or the
+    SDK sends it to another instance)."""
+    return Refusal(
+        503,
+        "The gateway is shutting down; retry on another instance.",
+        SERVER_ERROR,
+        "gateway_shutting_down",
+        retry_after_s=1.0,
+    )
+
+
+class BackendAnswer(Exception):
+    """A backend's own error answer after the last attempt, passed on unchanged:
+    ``status``, raw ``body`` bytes and the response headers to forward (hop-by-hop ones
+    already dropped)."""
+
+    def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        super().__init__(f"backend answered {status}")
+        self.status = status
+        self.body = body
+        self.headers = headers

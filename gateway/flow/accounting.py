@@ -1,0 +1,78 @@
+"""What the request flow records about its attempts and answers: metrics and the recent
+TTFT window (the latency fuse and degraded mode read its P99).
+
+Counting only: no release of anything (that is the lease's job) and no decision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from gateway.fleet.backend import Backend
+from gateway.metrics import GatewayMetrics
+from gateway.traffic.breaker import windowed_p99
+
+
+class Accounting:
+    """Attempt, usage and served counters, and the TTFT window. ``clock``: monotonic
+    seconds; ``weight(backend, now)``: the routing policy's slow-start weight (a backend
+    at 1.0 is warm: a request it serves is a warm-pool hit)."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+        weight: Callable[[Backend, float], float],
+    ) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.weight = weight
+        self._attempt_children: dict[tuple[str, str], Any] = {}
+        # (monotonic time, TTFT seconds) of recent streams: the latency fuse, degraded mode
+        self.ttft_window: deque[tuple[float, float]] = deque(maxlen=4096)
+
+    def attempt(self, backend: Backend, outcome: str) -> None:
+        """Count one attempt on ``backend`` ending with ``outcome`` (``ok``, ``http_4xx``,
+        a :class:`gateway.core.vocab.FailureKind` or a stream's end)."""
+        key = (backend.id, str(outcome))
+        child = self._attempt_children.get(key)
+        if child is None:
+            child = self._attempt_children[key] = self.metrics.upstream_attempts.labels(*key)
+        child.inc()
+
+    def served(self, backend: Backend) -> None:
+        """Count one request served by ``backend`` (the 10,000-request cycle trigger, the
+        warm-pool hit ratio: served by a backend that was warm and past its slow start)."""
+        backend.count_served()
+        m = self.metrics
+        m.warm_pool_requests += 1
+        if self.weight(backend, self.clock()) >= 1.0:
+            m.warm_pool_hits += 1
+
+    def usage(self, model: str, usage: tuple[int, int] | None) -> None:
+        """Count an answer's (prompt, completion) tokens, when it reported them."""
+        if usage is None:
+            return
+        prompt, completion = usage
+        self.metrics.tokens.labels(model, "prompt").inc(prompt)
+        self.metrics.tokens.labels(model, "completion").inc(completion)
+
+    def stream_started(self, ttft_s: float) -> None:
+        """A stream's first token reached its client ``ttft_s`` seconds after arrival."""
+        self.ttft_window.append((self.clock(), ttft_s))
+
+    def p99_ttft(self, window_s: float, min_samples: int = 20) -> float | None:
+        """P99 TTFT (seconds) of the streams whose first token reached the client within
+        the last ``window_s`` seconds; None with fewer than ``min_samples`` samples.
+        Non-streaming answers have no first token of their own and are not counted."""
+        return windowed_p99(self.ttft_window, self.clock() - window_s, min_samples)
+
+    def request_latency(
+        self, endpoint: str, model: str, ttft_s: float | None, started: float
+    ) -> None:
+        """Observe a request's time to first byte and duration (``started``:
+        ``time.perf_counter()`` at arrival)."""
+        self.metrics.observe_latency(endpoint, model, ttft_s, time.perf_counter() - started)

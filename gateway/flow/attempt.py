@@ -1,0 +1,158 @@
+"""One upstream attempt's I/O: send, then read what must be read before the client may see
+anything (a non-stream's whole body, a stream's first complete events).
+
+Raises :class:`gateway.proxy.upstream.UpstreamFailure` for every way an attempt fails; the
+response is closed on any failure. Decisions about the outcome (retry, breaker, metrics)
+are the caller's (:mod:`gateway.flow.pipeline`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+
+import aiohttp
+
+from gateway.config import ProxyConfig
+from gateway.core.vocab import FailureKind
+from gateway.fleet.backend import Backend
+from gateway.flow.context import Opened, RequestContext
+from gateway.proxy.sse import EventFramer, has_event
+from gateway.proxy.upstream import (
+    Transport,
+    UpstreamFailure,
+    UpstreamResponse,
+    response_headers,
+)
+
+EVENT_STREAM = "text/event-stream"
+
+
+def parse_retry_after(value: str | None, now_unix: float) -> float | None:
+    """Seconds in a ``Retry-After`` header (RFC 9110 section 10.2.3: delay-seconds or an
+    HTTP-date), or None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - now_unix)
+
+
+
+async def send_attempt(
+    transport: Transport,
+    backend: Backend,
+    api_key: str | None,
+    ctx: RequestContext,
+    proxy: ProxyConfig,
+    id_header: str,
+    sent_at: float,
+) -> Opened:
+    """Run one attempt of ``ctx`` on ``backend`` (``sent_at``: ``time.perf_counter()``).
+
+    One timer covers it: ``proxy.ttfb_timeout_s`` until the response (for streams: its
+    first event) arrives, then ``proxy.idle_timeout_s`` re-armed at every chunk of a body.
+    A 429, a 5xx, and a 401/403 from a backend whose key the probes found refused
+    (``config_error``) are failures carrying the backend's answer (``status``, ``body``,
+    ``headers``); every other answer is :class:`Opened`.
+    """
+    resp: UpstreamResponse | None = None
+    waiting_first_byte = True
+    try:
+        async with asyncio.timeout(proxy.ttfb_timeout_s) as timer:
+            resp = await transport.send(backend, ctx.upstream, api_key)
+            status = resp.status
+            if ctx.stream and status == 200 and resp.content_type == EVENT_STREAM:
+                framer = EventFramer()
+                first = await _first_events(backend, resp, framer)
+                return Opened(backend, resp, first, framer, sent_at)
+            waiting_first_byte = False
+            body = await _read_body(resp, timer, proxy.idle_timeout_s)
+            # 401/403: the gateway's own key is wrong only when the probes found this
+            # backend refusing it (``config_error``); then another backend may be set up
+            # right. Otherwise it is about this request (case BUG-06): passed through
+            # unchanged, like every 4xx, and never a breaker failure.
+            if (
+                status == 429
+                or status >= 500
+                or (status in (401, 403) and backend.config_error is not None)
+            ):
+                kind = (
+                    FailureKind.RATE_LIMITED
+                    if status == 429
+                    else FailureKind.STATUS
+                    if status >= 500
+                    else FailureKind.AUTH
+                )
+                resp.release()  # read whole: the connection may serve another request
+                raise UpstreamFailure(
+                    backend,
+                    kind,
+                    f"backend answered {status}",
+                    status,
+                    body,
+                    response_headers(resp, id_header),
+                )
+            return Opened(backend, resp, body, None, sent_at)
+    except TimeoutError:
+        if resp is not None:
+            resp.close()
+        if waiting_first_byte:
+            raise UpstreamFailure(
+                backend,
+                FailureKind.TTFB_TIMEOUT,
+                f"no answer within {proxy.ttfb_timeout_s:g} s (ttfb_timeout_s)",
+            ) from None
+        raise UpstreamFailure(
+            backend,
+            FailureKind.IDLE_TIMEOUT,
+            f"response body stalled for {proxy.idle_timeout_s:g} s (idle_timeout_s)",
+        ) from None
+    except (aiohttp.ClientError, ConnectionError) as e:
+        if resp is not None:
+            resp.close()
+        raise UpstreamFailure(
+            backend, FailureKind.DISCONNECTED, f"connection broke in the response: {e!r}"
+        ) from None
+    except BaseException:
+        if resp is not None:
+            resp.close()
+        raise
+
+
+async def _read_body(resp: UpstreamResponse, timer: asyncio.Timeout, idle_s: float) -> bytes:
+    """The whole body; ``idle_s`` bounds each silence (re-arms ``timer``), not the total."""
+    loop = asyncio.get_running_loop()
+    timer.reschedule(loop.time() + idle_s)
+    content = resp.content
+    parts: list[bytes] = []
+    while chunk := await content.readany():
+        parts.append(chunk)
+        timer.reschedule(loop.time() + idle_s)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _first_events(backend: Backend, resp: UpstreamResponse, framer: EventFramer) -> bytes:
+    """Read until at least one complete event with a field is in (comments alone, such as
+    ``: ping``, do not commit the stream: a failure after them may still be retried),
+    under the caller's TTFB timer."""
+    content = resp.content
+    got: list[bytes] = []
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            raise UpstreamFailure(
+                backend, FailureKind.DISCONNECTED, "stream ended before its first event"
+            )
+        out = framer.feed(chunk)
+        if out:
+            got.append(out)
+            if has_event(out):
+                return out if len(got) == 1 else b"".join(got)

@@ -1,0 +1,69 @@
+"""What the request flow passes along: the request (:class:`RequestContext`), a backend's
+accepted answer start (:class:`Opened`), and a finished non-stream answer (:class:`Answer`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gateway.core.vocab import Prio
+from gateway.fleet.backend import Backend
+from gateway.flow.lease import RequestLease
+from gateway.proxy.relay import CutHandle
+from gateway.proxy.sse import EventFramer
+from gateway.proxy.upstream import UpstreamRequest, UpstreamResponse
+
+if TYPE_CHECKING:
+    from gateway.flow.merging import Part
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One client request as the flow sees it (the body is never re-serialised).
+
+    ``lease`` owns what the request holds (:mod:`gateway.flow.lease`). ``places``: the
+    in-flight places it takes (sequences decoding: prompts x n; 1 for embeddings);
+    ``pooled_extra``: the extra prefill-only engine requests of an embeddings request
+    (inputs - 1). ``started``: ``time.perf_counter()`` at arrival (seconds)."""
+
+    endpoint: str
+    model: str
+    stream: bool
+    upstream: UpstreamRequest
+    request_id: str
+    cut: CutHandle
+    lease: RequestLease
+    session_key: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    # the answer's x-ratelimit-* headers (the client key's limits), added to its answer
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    priority: Prio = Prio.NORMAL  # the batcher's bucket
+    merge_key: Hashable | None = None  # set when the batcher may merge this request
+    merge_part: Part | None = None  # its part of a merged body
+    places: int = 1
+    pooled_extra: int = 0
+
+
+@dataclass(slots=True)
+class Opened:
+    """A backend's accepted answer start: the response, and what was read of it (a
+    non-stream's whole body, or a stream's first complete events and their framer)."""
+
+    backend: Backend
+    resp: UpstreamResponse
+    data: bytes
+    framer: EventFramer | None
+    sent_at: float = 0.0  # time.perf_counter() when this attempt was sent upstream
+
+
+@dataclass(slots=True)
+class Answer:
+    """A finished non-stream answer: status, body bytes, and the headers to send (the
+    backend's, hop-by-hop dropped, plus the gateway's own; no content-length)."""
+
+    status: int
+    body: bytes
+    headers: list[tuple[bytes, bytes]]

@@ -1,0 +1,391 @@
+"""The attempts: pick a backend, forward, fail over, record the outcome.
+
+``api/openai.py`` parses just enough of a request to build a
+:class:`gateway.flow.context.RequestContext`; after admission (and the batcher's queue,
+when on) :meth:`Pipeline.open` runs the attempts: the routing policy picks among the
+candidates (:func:`gateway.flow.candidates.candidates`, never one this request already
+tried), the transport sends the raw body (:func:`gateway.flow.attempt.send_attempt`), and
+the answer is accepted once its start is known to be good (non-streams: the whole body;
+streams: the first complete events). Until then nothing has reached the client, so a
+connect error, a broken connection or a 5xx is retried on another backend
+(:mod:`gateway.traffic.retry`). Every attempt's outcome feeds the passive health check
+(the breaker, through the request's lease) and the metrics.
+
+What the attempts cannot turn into an answer is raised typed: a
+:class:`gateway.core.outcomes.Refusal` (the gateway's own 429/502/503/504) or a
+:class:`gateway.core.outcomes.BackendAnswer` (a backend's own 5xx, unchanged); the HTTP
+edge renders both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from gateway.config import GatewayConfig
+from gateway.core.outcomes import SERVER_ERROR, BackendAnswer, Refusal
+from gateway.core.vocab import Cut, FailureKind
+from gateway.fleet.backend import Backend, Fleet
+from gateway.flow.accounting import Accounting
+from gateway.flow.attempt import parse_retry_after, send_attempt
+from gateway.flow.candidates import availability_s, candidates, recovery_s
+from gateway.flow.context import Answer, Opened, RequestContext
+from gateway.flow.lease import BreakerSignals, Hold, Verdict
+from gateway.proxy.relay import StreamOutcome
+from gateway.proxy.sse import EventFramer, extract_usage
+from gateway.proxy.upstream import Transport, UpstreamFailure, response_headers
+from gateway.routing.policy import Router
+from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
+
+log = logging.getLogger("gateway.flow.pipeline")
+
+# Failures that say nothing about the backend's health: busy, or ended by the gateway
+_NEUTRAL_FAILURES = frozenset(
+    {FailureKind.RATE_LIMITED, FailureKind.DRAINED, FailureKind.AUTH, FailureKind.BACKEND_HUNG}
+)
+# Stream ends the gateway caused (not the backend's fault)
+_OURS = frozenset({Cut.DRAIN_DEADLINE, Cut.SHUTDOWN, Cut.BACKEND_HUNG})
+
+
+class FleetSignals(BreakerSignals, Protocol):
+    """What the attempts tell the fleet's health side: a breaker that opened, and a
+    backend refusing the gateway's own key (401/403 while the probes see it too)."""
+
+    def auth_refused(self, backend: Backend, detail: str, status: int | None) -> None: ...
+
+
+class NoCandidate(Exception):
+    """No backend this request has not tried can take it now."""
+
+
+class Pipeline:
+    """Runs requests' attempts against the fleet; one per app, built by
+    :func:`gateway.wiring.build_gateway`. ``clock``: monotonic seconds; ``wall``: Unix
+    seconds (for ``Retry-After`` dates); ``api_key(backend)``: the gateway's key for it."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        fleet: Fleet,
+        router: Router,
+        transport: Transport,
+        signals: FleetSignals,
+        accounting: Accounting,
+        clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
+        api_key: Callable[[Backend], str | None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.router = router
+        self.transport = transport
+        self.signals = signals
+        self.accounting = accounting
+        self.clock = clock
+        self.wall = wall
+        keys = {b.id: b.config.resolved_api_key() for b in fleet}
+        self.api_key = api_key or (lambda b: keys.get(b.id))
+        self.id_header = cfg.server.request_id_header.lower()
+        r = cfg.retry
+        self.retry = RetryPolicy(r.backoff_base_s, r.backoff_max_s)
+        self.shutting_down = False  # the shutdown's grace period is over: no new attempt
+        self.retrying = 0  # requests between two attempts (backoff) or on a retry
+        self.budget = RetryBudget(r.budget_ratio, r.budget_window_s, r.budget_min_per_s, clock)
+
+    # ---- attempts -----------------------------------------------------------------------
+    async def open(self, ctx: RequestContext, bound: Backend | None = None) -> Opened:
+        """Find a backend whose answer starts well; the caller then sends it to the client.
+
+        ``bound``: the backend the batcher dispatched the request to (its first attempt
+        goes there). Returns :class:`Opened` (its attempt stays open on ``ctx.lease``, and
+        the lease holds the response). Raises :class:`Refusal` (no backend can take the
+        model now: 429/503 with the seconds until one may; the last attempt failed:
+        502/503/504) or :class:`BackendAnswer` (a backend's own 5xx, passed on).
+        Cancellation (client gone) propagates; the lease gives everything back.
+
+        The first attempt runs plainly (most requests need no other); retries go through
+        :class:`gateway.traffic.retry.RetryPolicy` (full-jitter backoff, tenacity for the
+        later ones) and must fit in the retry budget.
+        """
+        self.budget.record_request()
+        tried: list[str] = []
+        max_attempts = self.cfg.proxy.max_attempts
+        try:
+            return await self._one(ctx, tried, bound)
+        except UpstreamFailure as f:
+            last = f
+        except NoCandidate:
+            raise self._give_up(ctx, None) from None
+        if not self._may_retry(last, len(tried), max_attempts):
+            raise self._give_up(ctx, last)
+        self.retrying += 1  # between attempts: a shutdown's grace period waits for it
+        try:
+            return await self._retry(ctx, tried, last, max_attempts)
+        finally:
+            self.retrying -= 1
+
+    async def _retry(
+        self, ctx: RequestContext, tried: list[str], last: UpstreamFailure, max_attempts: int
+    ) -> Opened:
+        """The attempts after the first failed one (backoff first)."""
+        await self.retry.pause()
+        if self.shutting_down:  # the grace period ended during the pause
+            raise self._give_up(ctx, last)
+
+        def may_retry(e: BaseException) -> bool:
+            return isinstance(e, UpstreamFailure) and self._may_retry(e, len(tried), max_attempts)
+
+        try:
+            async for attempt in self.retry.retrying(max_attempts - len(tried), may_retry):
+                with attempt:
+                    self.accounting.metrics.retries.labels(last.kind).inc()
+                    try:
+                        return await self._one(ctx, tried)
+                    except UpstreamFailure as f:
+                        last = f
+                        raise
+        except UpstreamFailure as f:
+            raise self._give_up(ctx, f) from None
+        except NoCandidate:
+            pass
+        raise self._give_up(ctx, last)
+
+    def _may_retry(self, f: UpstreamFailure, attempts: int, max_attempts: int) -> bool:
+        if self.shutting_down or not should_retry(f.kind, attempts, max_attempts):
+            return False
+        if f.kind == FailureKind.BACKEND_HUNG:
+            # counted, never refused: it replaces an attempt the gateway cancelled on a
+            # backend doing no work (gateway.traffic.retry, "hung backend")
+            self.budget.spend()
+            return True
+        if self.budget.try_spend():
+            return True
+        self.accounting.metrics.retry_budget_exhausted.inc()
+        return False
+
+    async def _one(
+        self, ctx: RequestContext, tried: list[str], bound: Backend | None = None
+    ) -> Opened:
+        """Pick a backend this request has not tried and run one attempt on it.
+
+        Raises :class:`NoCandidate` when none is left, :class:`UpstreamFailure` when the
+        attempt fails (its attempt already ended on the lease, recorded in the metrics).
+        """
+        now = self.clock()
+        backend = (
+            bound
+            if bound is not None  # bound by the batcher at dispatch
+            else self.router.pick(candidates(self.fleet, ctx.model, tried, now), ctx.session_key)
+        )
+        if backend is None:
+            raise NoCandidate
+        tried.append(backend.id)
+        lease = ctx.lease
+        # an attempt left: a hung backend's watchdog may cut this one to re-send it (one
+        # without would only turn a wait into a 503)
+        resendable = ctx.model if len(tried) < self.cfg.proxy.max_attempts else None
+        lease.start_attempt(backend, ctx.cut, ctx.places, ctx.pooled_extra, now, resendable)
+        try:
+            opened = await send_attempt(
+                self.transport,
+                backend,
+                self.api_key(backend),
+                ctx,
+                self.cfg.proxy,
+                self.id_header,
+                time.perf_counter(),
+            )
+        except UpstreamFailure as f:
+            if f.status is not None:  # it answered, with an error: alive
+                backend.heard(self.clock())
+            self._failed(backend, f, ctx)
+            raise
+        except asyncio.CancelledError:
+            lease.end_attempt(Verdict.NEUTRAL)
+            if ctx.cut.reason not in (Cut.DRAIN_DEADLINE, Cut.BACKEND_HUNG):
+                raise
+            # The gateway ended this attempt (its backend's drain deadline, or the backend
+            # hung) before any byte reached the client: safe to send elsewhere.
+            reason = ctx.cut.absorb()
+            ctx.cut.rearm()
+            if reason == Cut.BACKEND_HUNG:
+                self.accounting.attempt(backend, FailureKind.BACKEND_HUNG)
+                raise UpstreamFailure(
+                    backend, FailureKind.BACKEND_HUNG, "backend hung before answering"
+                ) from None
+            self.accounting.attempt(backend, FailureKind.DRAINED)
+            raise UpstreamFailure(
+                backend, FailureKind.DRAINED, "backend left before answering"
+            ) from None
+        backend.answer_started(ctx.cut, self.clock())
+        lease.hold(Hold.RESPONSE, opened.resp.close)
+        return opened
+
+    def _failed(self, backend: Backend, f: UpstreamFailure, ctx: RequestContext) -> None:
+        """One failed attempt: honour a Retry-After, end the attempt on the lease with the
+        breaker's verdict, count it, remember the error, and tell the fleet of an auth
+        refusal."""
+        if f.status in (429, 503):
+            self._cool(backend, _header(f.headers, b"retry-after"), f.status == 429)
+        ctx.lease.end_attempt(Verdict.NEUTRAL if f.kind in _NEUTRAL_FAILURES else Verdict.FAILURE)
+        self.accounting.attempt(backend, f.kind)
+        backend.note_error(f"{ctx.endpoint}: {f.message}")
+        if f.kind == FailureKind.AUTH:
+            self.signals.auth_refused(backend, f.message, f.status)
+        log.info(
+            "attempt on %s failed (%s): %s [request %s]",
+            backend.id,
+            f.kind,
+            f.message,
+            ctx.request_id,
+        )
+
+    def _cool(self, backend: Backend, retry_after: str | None, always: bool) -> None:
+        """Honour a backend's ``Retry-After``: no request goes to it before then. A 429
+        cools it even without the header (``retry.default_retry_after_s``)."""
+        seconds = parse_retry_after(retry_after, self.wall())
+        if seconds is None:
+            if not always:
+                return
+            seconds = self.cfg.retry.default_retry_after_s
+        seconds = min(seconds, self.cfg.retry.max_cooling_s)
+        if backend.cool_until(self.clock() + seconds):
+            log.info("backend %s: cooling for %.1f s (Retry-After)", backend.id, seconds)
+
+    # ---- what cannot be answered ------------------------------------------------------
+    def _give_up(self, ctx: RequestContext, f: UpstreamFailure | None) -> Refusal | BackendAnswer:
+        """The typed outcome when no attempt (``f``: the last failure) gave an answer."""
+        if f is None or f.kind == FailureKind.RATE_LIMITED:
+            return self.unavailable(ctx.model)
+        if f.kind == FailureKind.STATUS and f.status is not None:
+            return BackendAnswer(f.status, f.body, f.headers)
+        if f.kind == FailureKind.AUTH:
+            return Refusal(
+                502,
+                f"Backend '{f.backend.id}' rejected the gateway's credentials "
+                f"({f.status}): the gateway's backend key is misconfigured.",
+                SERVER_ERROR,
+                "backend_auth_failed",
+            )
+        if f.kind in (FailureKind.DRAINED, FailureKind.BACKEND_HUNG):
+            return Refusal(
+                503,
+                f"The backend serving model '{ctx.model}' was taken out of rotation "
+                "(drained, hung, stalled or shutting down) before answering, and no other could "
+                "take the request.",
+                SERVER_ERROR,
+                "no_backend_available",
+                retry_after_s=recovery_s(self.cfg.health),
+            )
+        if f.kind in (FailureKind.TTFB_TIMEOUT, FailureKind.IDLE_TIMEOUT):
+            return Refusal(
+                504,
+                f"The backend did not answer in time: {f.message}",
+                SERVER_ERROR,
+                "upstream_timeout",
+            )
+        return Refusal(
+            502,
+            f"Could not get an answer from a backend for model '{ctx.model}': {f.message}",
+            SERVER_ERROR,
+            "upstream_unavailable",
+        )
+
+    def unavailable(self, model: str) -> Refusal:
+        """The gateway's own answer when no backend of ``model`` can take a request now,
+        sent without contacting any: 429 when one is warm but cooling after a 429/503 or
+        with an open breaker (retry when the first is back), else 503 (unhealthy,
+        draining, gone) with the probe-recovery estimate."""
+        soon = availability_s(self.fleet, model, self.clock())
+        if soon is not None:
+            return Refusal(
+                429,
+                f"Every backend serving model '{model}' is rate-limited or recovering; retry "
+                f"in {max(1, math.ceil(min(soon, 60.0)))} s.",
+                "requests",
+                "rate_limit_exceeded",
+                retry_after_s=soon,
+            )
+        return Refusal(
+            503,
+            f"No backend is available for model '{model}' right now (all are unhealthy, "
+            "draining or restarting).",
+            SERVER_ERROR,
+            "no_backend_available",
+            retry_after_s=recovery_s(self.cfg.health),
+        )
+
+    # ---- completion ---------------------------------------------------------------------
+    def finish_body(self, ctx: RequestContext, opened: Opened) -> Answer:
+        """The non-streaming answer for the client; ends the attempt on the lease. Counts
+        the attempt, not the client request: the caller observes the request's status and
+        latency (a merged request's members are observed each, by their own callers)."""
+        backend, resp, body = opened.backend, opened.resp, opened.data
+        status = resp.status
+        lease = ctx.lease
+        # a 4xx is about the request, not the backend's health
+        lease.end_attempt(Verdict.SUCCESS if status < 400 else Verdict.NEUTRAL)
+        self.accounting.served(backend)
+        self.accounting.attempt(backend, "ok" if status < 400 else f"http_{status}")
+        headers = response_headers(resp, self.id_header)
+        lease.hand_over(Hold.RESPONSE)
+        resp.release()
+        if status == 200 and resp.headers.get("content-encoding") is None:
+            self.accounting.usage(ctx.model, extract_usage(body))
+        return Answer(status, body, headers)
+
+    def stream_done(
+        self,
+        ctx: RequestContext,
+        opened: Opened,
+        outcome: str,
+        framer: EventFramer,
+        first_sent_at: float | None,
+    ) -> None:
+        """A relayed stream ended with ``outcome`` (``ok``, a :class:`Cut` reason or the
+        error code the client saw; ``first_sent_at``: ``time.perf_counter()`` when its first
+        bytes went out): record it, end the attempt with the breaker's verdict, and close
+        the lease (ticket and all), before the stream's last bytes go out."""
+        backend = opened.backend
+        acc = self.accounting
+        m = acc.metrics
+        lease = ctx.lease
+        lease.hand_over(Hold.RESPONSE)  # the relay released or closed it
+        acc.served(backend)
+        ttft = None if first_sent_at is None else first_sent_at - ctx.started
+        if ttft is not None:
+            acc.stream_started(ttft)
+        acc.request_latency(ctx.endpoint, ctx.model, ttft, ctx.started)
+        if outcome == StreamOutcome.CLIENT_GONE:
+            m.client_disconnects.labels(ctx.endpoint).inc()
+            m.count_request(ctx.endpoint, ctx.model, 499)
+            acc.attempt(backend, Cut.CLIENT_GONE)
+            lease.end_attempt(Verdict.NEUTRAL)
+        else:
+            m.count_request(ctx.endpoint, ctx.model, 200)
+            acc.usage(ctx.model, framer.usage())
+            acc.attempt(backend, outcome)
+            if outcome == StreamOutcome.OK:
+                # the backend's own TTFT (from this attempt's send): time spent in the
+                # gateway's queue or on an earlier attempt is not the backend's
+                own = None if first_sent_at is None else first_sent_at - opened.sent_at
+                lease.end_attempt(Verdict.SUCCESS, own)
+            elif outcome in _OURS:  # ended by us, not the backend's fault
+                m.stream_errors.labels(backend.id, outcome).inc()
+                lease.end_attempt(Verdict.NEUTRAL)
+            else:
+                m.stream_errors.labels(backend.id, outcome).inc()
+                backend.note_error(f"{ctx.endpoint}: stream ended with {outcome}")
+                lease.end_attempt(Verdict.FAILURE)
+        lease.close()
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for k, v in headers:
+        if k == name:
+            return v.decode("latin-1")
+    return None

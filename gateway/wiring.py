@@ -1,0 +1,149 @@
+"""The components of one gateway (:class:`Gateway`) and their wiring (:func:`build_gateway`).
+
+Everything mutable (fleet state, metrics registry, pools, loops) is built here, inside the
+app's lifespan, and hangs off ``app.state.gateway``; nothing lives in module globals. Each
+component gets what it needs through its constructor: no hooks are set from outside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import ClientKey, GatewayConfig
+from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.controller import FleetController
+from gateway.flow.accounting import Accounting
+from gateway.flow.admission import AdmissionGate
+from gateway.flow.batching import BatchDispatcher
+from gateway.flow.forecasts import ArrivalForecasts, forecast_params
+from gateway.flow.lease import RequestLease
+from gateway.flow.pipeline import Pipeline
+from gateway.metrics import GatewayMetrics
+from gateway.proxy.upstream import Transport, UpstreamPool
+from gateway.routing.policy import AffinityTable, Router
+
+
+class _ControllerSignals:
+    """What the request flow tells the fleet controller (breaker trips, refused keys)."""
+
+    def __init__(self, controller: FleetController) -> None:
+        self._c = controller
+
+    def breaker_tripped(self, backend: Backend) -> None:
+        self._c.on_breaker_trip(backend)
+
+    def auth_refused(self, backend: Backend, detail: str, status: int | None) -> None:
+        self._c._config_error(backend, detail, status)
+
+
+@dataclass
+class Gateway:
+    """The live components of one gateway (one per app)."""
+
+    cfg: GatewayConfig
+    fleet: Fleet
+    metrics: GatewayMetrics
+    router: Router
+    transport: Transport
+    controller: FleetController
+    pipeline: Pipeline
+    accounting: Accounting
+    gate: AdmissionGate
+    signals: _ControllerSignals
+    client_keys: dict[str, ClientKey]
+    admin_key: str | None
+    shutting_down: bool = False
+    # requests still receiving their body (their tasks), and whether the shutdown's grace
+    # period ended for them (then they are answered 503 without the rest of the body)
+    uploading: set[asyncio.Task[Any]] = field(default_factory=set)
+    uploads_cut: bool = False
+    forecasts: ArrivalForecasts | None = None  # arrival counts and forecasts (cfg.forecast)
+    batching: BatchDispatcher | None = None  # the predictive batcher (cfg.batcher)
+
+    @property
+    def header_keys(self) -> tuple[bytes, bytes, bytes]:
+        """Lower-case names of the request-id, session and priority headers (raw ASGI)."""
+        return (
+            self.cfg.server.request_id_header.lower().encode("latin-1"),
+            self.cfg.routing.session_header.lower().encode("latin-1"),
+            self.cfg.admission.priority_header.lower().encode("latin-1"),
+        )
+
+    def new_lease(self) -> RequestLease:
+        """A lease for one client request (:mod:`gateway.flow.lease`): with the batcher
+        on, the backend slots it frees wake the queue."""
+        if self.batching is not None:
+            return self.batching.new_lease()
+        return RequestLease(self.signals)
+
+
+def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gateway:
+    """Wire the components for ``cfg`` (no I/O; the lifespan starts the loops).
+    ``transport``: how upstream requests are sent (default: the aiohttp pool)."""
+    fleet = Fleet(cfg.backends)
+    metrics = GatewayMetrics()
+    metrics.attach_fleet(fleet)
+    clock = time.monotonic
+    r = cfg.routing
+    controller = FleetController(cfg, fleet, metrics, clock=clock)
+    router = Router(
+        r.weights,
+        cfg.telemetry.stale_after_s,
+        AffinityTable(r.session_ttl_s, r.session_max_entries, clock),
+        clock,
+        slow_start_s=cfg.lifecycle.slow_start_s,
+        slow_start_min_weight=cfg.lifecycle.slow_start_min_weight,
+    )
+    if cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains):
+        router.thermal = controller.gpu.choose  # thermal tiers, power caps and budgets
+    gate = AdmissionGate(
+        cfg,
+        fleet,
+        metrics,
+        clock,
+        power_level=controller.gpu.power_level
+        if cfg.thermal.enabled and cfg.power_domains
+        else None,
+    )
+    signals = _ControllerSignals(controller)
+    transport = transport if transport is not None else UpstreamPool(cfg.proxy)
+    accounting = Accounting(metrics, clock, router.weight)
+    pipeline = Pipeline(
+        cfg, fleet, router, transport, signals, accounting, clock, wall=controller.wall
+    )
+    keys = {k.resolve(): k for k in cfg.auth.client_keys}
+    batching = (
+        BatchDispatcher(cfg, fleet, pipeline, router, gate, metrics, signals, clock)
+        if cfg.batcher.enabled
+        else None
+    )
+    forecasts = None
+    if cfg.forecast.enabled or batching is not None:
+
+        def slack() -> float | None:
+            p99 = accounting.p99_ttft(30.0)
+            return cfg.slo.ttft_s - (p99 if p99 is not None else 0.0)
+
+        forecasts = ArrivalForecasts(
+            forecast_params(cfg), metrics, batching.core if batching else None, slack
+        )
+        controller.forecast_rps = forecasts.rate_rps  # before a cycle takes a backend out
+    return Gateway(
+        cfg=cfg,
+        fleet=fleet,
+        metrics=metrics,
+        router=router,
+        transport=transport,
+        controller=controller,
+        pipeline=pipeline,
+        accounting=accounting,
+        gate=gate,
+        signals=signals,
+        client_keys=keys,
+        admin_key=cfg.auth.resolved_admin_key(),
+        forecasts=forecasts,
+        batching=batching,
+    )
