@@ -20,7 +20,7 @@ from gateway.api import admin, ops
 from gateway.api import openai as openai_api
 from gateway.api.errors import SERVER_ERROR, error_response, install_error_handlers
 from gateway.batching import ArrivalForecasts, BatchDispatcher, forecast_params
-from gateway.config import ClientKey, GatewayConfig
+from gateway.config import ClientKey, GatewayConfig, check_secrets
 from gateway.fleet.backend import Fleet
 from gateway.fleet.controller import FleetController
 from gateway.gate import AdmissionGate
@@ -118,15 +118,6 @@ def build_gateway(cfg: GatewayConfig) -> Gateway:
         forecasts=forecasts,
         batching=batching,
     )
-
-
-def check_secrets(cfg: GatewayConfig) -> None:
-    """Resolve every key once so a missing env var fails at start (``ConfigError``)."""
-    for k in cfg.auth.client_keys:
-        k.resolve()
-    cfg.auth.resolved_admin_key()
-    for b in cfg.backends:
-        b.resolved_api_key()
 
 
 class GatewayApp:

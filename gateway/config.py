@@ -1104,6 +1104,16 @@ def with_server_overrides(cfg: GatewayConfig, **server: Any) -> GatewayConfig:
     return cfg.model_copy(update={"server": new})
 
 
+def check_secrets(cfg: GatewayConfig) -> None:
+    """Resolve every key once (client keys, the admin key, backend keys), so that a missing
+    environment variable fails at start. Raises :class:`ConfigError` naming it."""
+    for k in cfg.auth.client_keys:
+        k.resolve()
+    cfg.auth.resolved_admin_key()
+    for b in cfg.backends:
+        b.resolved_api_key()
+
+
 def require_backends(cfg: GatewayConfig) -> None:
     """A gateway with no backend serves nothing: refuse to start (``ConfigError``)."""
     if not cfg.backends:
