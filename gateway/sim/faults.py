@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.config import FaultConfig
+from gateway.config import FaultConfig as FaultConfig  # declared with the config schema
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import logging
 import uuid
 from collections.abc import Callable
 
-from gateway.config import GpuConfig
+from gateway.config import GpuConfig as GpuConfig  # declared with the config schema
 from gateway.sim.engine import Engine
 from gateway.sim.faults import FaultConfig
 from gateway.sim.thermal import GPU_SPECS, Cooling, GpuThermal, step_time_factor, utilisation
