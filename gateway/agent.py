@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pynvml
@@ -146,13 +147,13 @@ class NvmlReader:
             out = []
             for i, h in enumerate(self.handles):
                 f = self._field
-                power_mw = f(lambda h=h: pynvml.nvmlDeviceGetPowerUsage(h))
-                limit_mw = f(lambda h=h: pynvml.nvmlDeviceGetPowerManagementLimit(h))
+                power_mw = f(partial(pynvml.nvmlDeviceGetPowerUsage, h))
+                limit_mw = f(partial(pynvml.nvmlDeviceGetPowerManagementLimit, h))
                 out.append(
                     {
                         "DCGM_FI_DEV_GPU_TEMP": f(
-                            lambda h=h: pynvml.nvmlDeviceGetTemperature(
-                                h, pynvml.NVML_TEMPERATURE_GPU
+                            partial(
+                                pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU
                             )
                         ),
                         "DCGM_FI_DEV_POWER_USAGE": None if power_mw is None else power_mw / 1000,
@@ -160,11 +161,12 @@ class NvmlReader:
                             None if limit_mw is None else limit_mw / 1000
                         ),
                         "DCGM_FI_DEV_SM_CLOCK": f(
-                            lambda h=h: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+                            partial(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM)
                         ),
                         "DCGM_FI_DEV_XID_ERRORS": float(self.last_xid[i]),
                         "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": f(
-                            lambda h=h: pynvml.nvmlDeviceGetTotalEccErrors(
+                            partial(
+                                pynvml.nvmlDeviceGetTotalEccErrors,
                                 h,
                                 pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                                 pynvml.NVML_VOLATILE_ECC,

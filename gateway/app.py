@@ -17,20 +17,11 @@ from fastapi import FastAPI
 from gateway.api import admin, ops
 from gateway.api import openai as openai_api
 from gateway.api.errors import install_error_handlers
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, check_secrets
 from gateway.proxy.upstream import Transport
 from gateway.wiring import build_gateway
 
 log = logging.getLogger("gateway.app")
-
-
-def check_secrets(cfg: GatewayConfig) -> None:
-    """Resolve every key once so a missing env var fails at start (``ConfigError``)."""
-    for k in cfg.auth.client_keys:
-        k.resolve()
-    cfg.auth.resolved_admin_key()
-    for b in cfg.backends:
-        b.resolved_api_key()
 
 
 class GatewayApp:

@@ -1,15 +1,25 @@
-"""Command line: ``llm-gateway serve | demo | sim | sim-fleet | agent | check-config``."""
+"""Command line: ``llm-gateway serve | demo | sim | sim-fleet | agent | check-config``.
+
+Starting it is cheap: this module imports only the config schema, and each subcommand
+imports what it needs when it runs (the app and its web stack for ``serve``, the simulator
+for ``demo``, ``sim`` and ``sim-fleet``). The simulator's flags are added to their
+subparsers only when that subcommand is chosen (:class:`_Subcommand`), so
+``llm-gateway --help`` and ``check-config`` never load the simulator.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from gateway.config import (
     ConfigError,
     GatewayConfig,
+    check_secrets,
     load_config,
     require_backends,
     with_server_overrides,
@@ -62,8 +72,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from gateway.app import check_secrets
-
     cfg = _load(args)
     check_secrets(cfg)
     print(f"ok: {len(cfg.backends)} backends, listening on {cfg.server.host}:{cfg.server.port}")
@@ -102,12 +110,61 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return run_agent(args.host, args.port)
 
 
+class _Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser whose flags may be added late: ``arguments(parser)`` runs the
+    first time this parser parses or formats its help, so a subcommand whose flags live
+    with heavy code (the simulator's) costs nothing until it is chosen."""
+
+    def __init__(
+        self,
+        *args: Any,
+        arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments = arguments
+
+    def _complete(self) -> None:
+        if self._arguments is not None:
+            add, self._arguments = self._arguments, None
+            add(self)
+
+    def parse_known_args(  # type: ignore[override]  # same signature, typeshed overloads it
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._complete()
+        return super().format_usage()
+
+
+def _sim_arguments(parser: argparse.ArgumentParser) -> None:
+    from gateway.sim.cli import add_sim_arguments
+
+    add_sim_arguments(parser)
+
+
+def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    from gateway.sim.fleet_cli import add_fleet_arguments
+
+    add_fleet_arguments(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``llm-gateway`` parser; each subcommand sets ``func`` (``args -> exit status``).
+    Imports nothing beyond this module: the simulator's flags load when ``sim`` or
+    ``sim-fleet`` is parsed."""
     p = argparse.ArgumentParser(
         prog="llm-gateway",
         description="OpenAI-compatible gateway for a fleet of vLLM servers.",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Subcommand)
 
     def with_config(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--config", "-c", help="YAML config (default: config/gateway.yaml)")
@@ -140,25 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=9400, help="listen port (default 9400)")
     sp.set_defaults(func=cmd_agent)
 
-    from gateway.sim.cli import add_sim_arguments
-
-    sp = sub.add_parser("sim", help="run one simulated vLLM server")
-    add_sim_arguments(sp)
+    sp = sub.add_parser("sim", help="run one simulated vLLM server", arguments=_sim_arguments)
     sp.set_defaults(func=cmd_sim)
-
-    from gateway.sim.fleet_cli import add_fleet_arguments
 
     sp = sub.add_parser(
         "sim-fleet",
         help="simulate a GPU fleet in simulated time and compare routing policies "
         "(temperature, power, goodput)",
+        arguments=_fleet_arguments,
     )
-    add_fleet_arguments(sp)
     sp.set_defaults(func=cmd_sim_fleet)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (default: ``sys.argv[1:]``); returns the exit status (2: bad
+    config, 3: an OS error such as a port in use, 130: interrupted)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

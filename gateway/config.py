@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -674,6 +675,196 @@ class PowerDomainConfig(_Strict):
     budget_w: float = Field(gt=0, description="W, the domain's power budget")
 
 
+# --- The simulator's configuration (``backends[].sim``, ``llm-gateway sim``) ----------------
+# Declared here, beside the gateway's schema, so that validating a config never imports the
+# simulator; :mod:`gateway.sim` reads these types from here.
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    """Capacity and speed of one simulated vLLM engine.
+
+    Times are seconds, sizes are tokens. Defaults give roughly 10 ms + 0.5 ms per running
+    sequence per decode step and 5 ms + 0.02 ms per prompt token of prefill.
+    """
+
+    max_num_seqs: int = 16
+    kv_cache_tokens: int = 32768
+    block_size: int = 16
+    prefill_base_s: float = 0.005
+    prefill_per_token_s: float = 0.00002
+    itl_base_s: float = 0.010
+    itl_per_seq_s: float = 0.0005
+    max_model_len: int = 4096
+    speed: float = 1.0
+    enable_prefix_caching: bool = True
+    max_pending_metrics: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.speed <= 0:
+            raise ValueError("speed must be > 0")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.kv_cache_tokens < self.max_model_len + self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one request of "
+                f"max_model_len ({self.max_model_len}) plus one block"
+            )
+        for name in ("prefill_base_s", "prefill_per_token_s", "itl_base_s", "itl_per_seq_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    @property
+    def num_blocks(self) -> int:
+        """Total KV-cache blocks (``kv_cache_tokens // block_size``)."""
+        return self.kv_cache_tokens // self.block_size
+
+    def decode_time_s(self, batch_size: int) -> float:
+        """Seconds of one decode step for ``batch_size`` running sequences."""
+        return (self.itl_base_s + self.itl_per_seq_s * batch_size) / self.speed
+
+    def prefill_time_s(self, uncached_tokens: int) -> float:
+        """Seconds added to a step by prefilling ``uncached_tokens`` tokens of one request."""
+        return (self.prefill_base_s + self.prefill_per_token_s * uncached_tokens) / self.speed
+
+
+class FaultConfig(BaseModel):
+    """What the simulator does wrong, and how often.
+
+    Rates are probabilities per request (0-1); times are seconds.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    error_rate: float = Field(0.0, ge=0.0, le=1.0, description="share answered with a 5xx")
+    error_status: int = Field(500, description="status of injected errors (500 or 503, any 5xx)")
+    rate_limit_rate: float = Field(0.0, ge=0.0, le=1.0, description="share answered with 429")
+    retry_after_s: float = Field(1.0, ge=0.0, description="Retry-After of injected 429s")
+    added_latency_s: float = Field(0.0, ge=0.0, description="delay before the response starts")
+    hang: bool = Field(False, description="accept requests and never answer")
+    drop_after_chunks: int | None = Field(
+        None,
+        ge=0,
+        description="streams: cut the TCP connection after N SSE events; "
+        "non-stream: close the connection without a response",
+    )
+    unhealthy: bool = Field(False, description="GET /health answers 503")
+    seed: int = Field(0, description="seed of the fault dice")
+    # GPU faults (``/gpu/metrics``, :mod:`gateway.sim.gpu`): state, not dice.
+    cooling_failure: bool = Field(
+        False, description="GPU cooling failed: thermal resistance x cooling_failure_factor"
+    )
+    cooling_failure_factor: float = Field(
+        2.5, gt=0, description="R_th multiplier during a cooling failure (fan / CRAC failure)"
+    )
+    xid_errors: int = Field(
+        0, ge=0, description="Xid errors the GPU has reported; raise it to inject new ones"
+    )
+    xid_code: int = Field(79, ge=1, description="code of injected Xid errors (79: off the bus)")
+    ecc_dbe_errors: int = Field(
+        0, ge=0, description="volatile double-bit ECC errors; raise it to inject new ones"
+    )
+    fault_gpu: int = Field(0, ge=0, description="which GPU (index) the GPU faults hit")
+
+    @field_validator("error_status")
+    @classmethod
+    def _five_hundreds(cls, v: int) -> int:
+        if not 500 <= v <= 599:
+            raise ValueError("error_status must be a 5xx status")
+        return v
+
+
+class GpuConfig(BaseModel):
+    """The simulated backend's GPUs and where they sit (°C, K/W, seconds)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Literal["h100", "a100"] = Field("h100", description="GPU model (datasheet constants)")
+    count: int = Field(1, ge=1, le=16, description="GPUs (tensor-parallel size)")
+    ambient_c: float = Field(25.0, ge=-20, le=60, description="rack inlet temperature, °C")
+    r_th_k_per_w: float = Field(0.075, gt=0, description="thermal resistance, K/W")
+    temp_c: float | None = Field(None, description="starting temperature (default: idle steady)")
+    thermal_mass_j_per_k: float | None = Field(
+        None, gt=0, description="override C_th, J/K (default: the GPU model's; small = fast demo)"
+    )
+    tick_s: float = Field(0.5, gt=0, le=10, description="thermal model step in real time")
+    hostname: str = Field("sim-gpu-host", description="'Hostname' label of the DCGM metrics")
+
+
+class LoraAdapter(BaseModel):
+    """An extra served model id: a LoRA adapter on a parent model.
+
+    Listed by ``/v1/models`` with ``parent`` (default: the base model) and ``root``
+    (``path``, default ``/adapters/<name>``), as vLLM lists ``--lora-modules``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    parent: str | None = None
+    path: str | None = None
+
+
+class SimConfig(BaseModel):
+    """Everything one simulated vLLM server needs.
+
+    ``engine`` holds capacity and speed (seconds, tokens), ``faults`` the injected
+    faults, ``seed`` the default seed of generated text (a request's ``seed`` wins).
+    With ``api_key`` set, routes under ``/v1`` (and ``/v2``, ``/inference``,
+    ``/cohere``, as vLLM's ``AuthenticationMiddleware``) need
+    ``Authorization: Bearer <key>``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "demo-model"
+    model_root: str | None = Field(None, description="'root' of the base model in /v1/models")
+    lora_adapters: list[LoraAdapter] = Field(default_factory=list)
+    seed: int = 0
+    engine: EngineParams = Field(default_factory=EngineParams)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
+    gpu: GpuConfig = Field(default_factory=GpuConfig, description="GPUs behind /gpu/metrics")
+    api_key: str | None = None
+    embedding_dim: int = Field(64, ge=1)
+    request_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="s of API-server time per /v1/embeddings request, one at a time: vLLM's "
+        "single frontend process parses, tokenizes and serialises each HTTP request (the CPU "
+        "bottleneck of small embeddings, vllm-project/vllm#11320, #22941); 0: not modelled. "
+        "Measured on vLLM 0.32.0's CPU build: 1.08 ms (benchmarks/embed_merge_real.py --costs)",
+    )
+    input_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="s of API-server time per input of a /v1/embeddings request, added to "
+        "request_overhead_s (vLLM makes one engine request per input and serialises each "
+        "vector). Measured on vLLM 0.32.0's CPU build: 0.50 ms",
+    )
+    engine_label: str = Field("0", description="value of the 'engine' metric label")
+    vllm_version: str = Field("0.32.0", description="reported by /version and fingerprints")
+    stop_length_min: int = Field(4, ge=1, description="shortest natural (EOS) length, tokens")
+    stop_length_max: int = Field(512, ge=1, description="longest natural (EOS) length, tokens")
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        names = [self.model, *(a.name for a in self.lora_adapters)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model ids must be unique: {names}")
+        if self.stop_length_min > self.stop_length_max:
+            raise ValueError("stop_length_min must be <= stop_length_max")
+        return self
+
+    @property
+    def served_ids(self) -> list[str]:
+        """Every model id this server answers to: the base model, then the adapters."""
+        return [self.model, *(a.name for a in self.lora_adapters)]
+
+
 class BackendRole(StrEnum):
     PRIMARY = "primary"
     STANDBY = "standby"
@@ -720,14 +911,10 @@ class BackendConfig(_Strict):
     @field_validator("sim")
     @classmethod
     def _sim_block(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A ``sim`` block must be a valid :class:`gateway.sim.config.SimConfig` (checked
+        """A ``sim`` block must be a valid :class:`SimConfig` (checked
         here, so ``check-config`` names a typo instead of ``demo`` failing later)."""
         if v is None:
             return v
-        from pydantic import ValidationError
-
-        from gateway.sim.config import SimConfig  # the simulator only when a block is given
-
         try:
             SimConfig(**v)
         except ValidationError as e:
@@ -874,7 +1061,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
@@ -915,6 +1102,16 @@ def with_server_overrides(cfg: GatewayConfig, **server: Any) -> GatewayConfig:
     except ValidationError as e:
         raise ConfigError(_format_errors("the command line", e)) from None
     return cfg.model_copy(update={"server": new})
+
+
+def check_secrets(cfg: GatewayConfig) -> None:
+    """Resolve every key once (client keys, the admin key, backend keys), so that a missing
+    environment variable fails at start. Raises :class:`ConfigError` naming it."""
+    for k in cfg.auth.client_keys:
+        k.resolve()
+    cfg.auth.resolved_admin_key()
+    for b in cfg.backends:
+        b.resolved_api_key()
 
 
 def require_backends(cfg: GatewayConfig) -> None:

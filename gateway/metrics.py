@@ -3,7 +3,9 @@
 One :class:`GatewayMetrics` is built per app (in the lifespan) with its own
 ``CollectorRegistry``: no global mutable state, several gateways can live in one process
 (tests). Per-backend gauges (state, in-flight, scraped load) are not updated on the hot path:
-a custom collector reads them from the :class:`~gateway.fleet.backend.Fleet` at scrape time.
+a custom collector reads them from the fleet at scrape time. This module sits at the bottom
+layer: it names what it reads of a backend and of the thermal view as small protocols
+(:class:`BackendGauges`, :class:`ThermalReadings`), never the fleet's or the router's types.
 
 Units follow Prometheus conventions: seconds, ``_total`` counters, 0-1 ratios.
 """
@@ -11,16 +13,15 @@ Units follow Prometheus conventions: seconds, ``_total`` counters, 0-1 ratios.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Fleet
-from gateway.routing.thermal import ThermalTier, ThermalView
+from gateway.core.samples import LoadSample
+from gateway.core.vocab import BackendState, ThermalTier
 
 # Latency buckets (seconds) spanning sub-millisecond proxy overhead to long generations.
 LATENCY_BUCKETS = (
@@ -42,10 +43,93 @@ LATENCY_BUCKETS = (
 )
 
 
-class FleetCollector(Collector):
-    """Per-backend gauges read from the live Fleet at scrape time."""
+class _Silence(Protocol):
+    @property
+    def silence_s(self) -> float: ...
 
-    def __init__(self, fleet: Fleet, metrics: GatewayMetrics, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
+
+class _Valued(Protocol):
+    @property
+    def value(self) -> str: ...
+
+
+class _Breaker(Protocol):
+    def current(self) -> _Valued: ...
+
+
+class BackendGauges(Protocol):
+    """What :class:`FleetCollector` reads of one backend (``gateway.fleet.backend.Backend``
+    has it): lifecycle state, requests open on it, the last scraped load, when the last good
+    scrape was (monotonic s, None: never), the hung watchdog's silence (s) and the breaker
+    (None: none yet)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> BackendState: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def load(self) -> LoadSample | None: ...
+    @property
+    def last_scrape_ok_at(self) -> float | None: ...
+    @property
+    def liveness(self) -> _Silence: ...
+    @property
+    def breaker(self) -> _Breaker | None: ...
+
+
+class ThermalReading(Protocol):
+    """One backend's GPUs as :class:`ThermalCollector` reads them (°C, W, draw/limit);
+    ``monitored`` False: no GPU telemetry configured."""
+
+    @property
+    def monitored(self) -> bool: ...
+    @property
+    def tier(self) -> ThermalTier: ...
+    @property
+    def temp_c(self) -> float | None: ...
+    @property
+    def predicted_c(self) -> float | None: ...
+    @property
+    def power_w(self) -> float | None: ...
+    @property
+    def power_ratio(self) -> float | None: ...
+
+
+class DomainReading(Protocol):
+    """One power domain: its name, the summed draw of its reporting backends and its
+    budget (W)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def draw_w(self) -> float: ...
+    @property
+    def budget_w(self) -> float: ...
+
+
+class ThermalReadings(Protocol):
+    """The GPU telemetry's latest view (``gateway.routing.thermal.ThermalView`` has it):
+    the monitored backends' ids (``statuses``' keys), one backend's reading at ``now``
+    (monotonic s) and the power domains."""
+
+    @property
+    def statuses(self) -> Mapping[str, object]: ...
+    @property
+    def domains(self) -> Mapping[str, DomainReading]: ...
+    def status(self, backend_id: str, now: float) -> ThermalReading: ...
+
+
+class FleetCollector(Collector):
+    """Per-backend gauges read from the live fleet at scrape time."""
+
+    def __init__(
+        self,
+        fleet: Iterable[BackendGauges],
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._fleet = fleet
         self._metrics = metrics
         self._clock = clock
@@ -121,11 +205,13 @@ class FleetCollector(Collector):
 
 class ThermalCollector(Collector):
     """GPU temperature, power, thermal tier and power-domain gauges, read at scrape time
-    from the GPU telemetry loop's latest :class:`~gateway.routing.thermal.ThermalView`.
+    from the GPU telemetry loop's latest view (:class:`ThermalReadings`).
     A backend without GPU telemetry configured is left out; one whose telemetry is missing
     or stale has tier ``unknown`` and no temperature/power sample."""
 
-    def __init__(self, view: Callable[[], ThermalView], clock: Callable[[], float]) -> None:
+    def __init__(
+        self, view: Callable[[], ThermalReadings], clock: Callable[[], float]
+    ) -> None:
         self._view = view
         self._clock = clock
 
@@ -483,11 +569,13 @@ class GatewayMetrics:
         # (endpoint, model) -> (TTFB child, duration child) of the two latency histograms
         self._latency_children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
-    def attach_fleet(self, fleet: Fleet) -> None:
+    def attach_fleet(self, fleet: Iterable[BackendGauges]) -> None:
         """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
         self.registry.register(FleetCollector(fleet, self))
 
-    def attach_thermal(self, view: Callable[[], ThermalView], clock: Callable[[], float]) -> None:
+    def attach_thermal(
+        self, view: Callable[[], ThermalReadings], clock: Callable[[], float]
+    ) -> None:
         """Export the GPU and power-domain gauges of the thermal view ``view()`` returns."""
         self.registry.register(ThermalCollector(view, clock))
 

@@ -1,10 +1,10 @@
 """The project's shared vocabulary: the enums every layer speaks.
 
-Backend lifecycle states, priority classes, why an upstream attempt failed, and why a
-request was cut short by someone other than its backend. String enums (``StrEnum``) where
-the value is a metric label or a wire value, so ``kind == "rate_limited"`` and
-``labels(kind)`` read the same as before. Nothing here does I/O or imports another
-gateway module.
+Backend lifecycle states, GPU thermal tiers, priority classes, why an upstream attempt
+failed, and why a request was cut short by someone other than its backend. String enums
+(``StrEnum``) where the value is a metric label or a wire value, so ``kind ==
+"rate_limited"`` and ``labels(kind)`` read the same as before. Nothing here does I/O or
+imports another gateway module.
 """
 
 from __future__ import annotations
@@ -21,6 +21,15 @@ class BackendState(StrEnum):
     DRAINING = "draining"  # no new requests; in-flight finish or the deadline passes
     COOLDOWN = "cooldown"  # quiet window before returning
     UNHEALTHY = "unhealthy"  # failed probes / passive outlier / GPU errors
+
+
+class ThermalTier(StrEnum):
+    """Thermal tier of a backend's hottest GPU (a metric label value)."""
+
+    COOL = "cool"
+    WARM = "warm"
+    HOT = "hot"
+    UNKNOWN = "unknown"
 
 
 class Prio(IntEnum):

@@ -80,20 +80,11 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
 from gateway.config import ThermalConfig
 from gateway.core.samples import GpuSample
-
-
-class ThermalTier(StrEnum):
-    """Thermal tier of a backend's hottest GPU."""
-
-    COOL = "cool"
-    WARM = "warm"
-    HOT = "hot"
-    UNKNOWN = "unknown"
+from gateway.core.vocab import ThermalTier as ThermalTier  # the shared vocabulary
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,8 @@ class SimEventSourceResponse(EventSourceResponse):
         super().__init__(*args, **kwargs)
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k not in self._DROP_HEADERS]
 
-    async def _listen_for_exit_signal(self) -> None:  # type: ignore[override]
+    @staticmethod
+    async def _listen_for_exit_signal() -> None:
         await anyio.sleep_forever()
 
 

@@ -51,60 +51,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.config import EngineParams as EngineParams  # declared with the config schema
+
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
-
-
-@dataclass(frozen=True)
-class EngineParams:
-    """Capacity and speed of one simulated vLLM engine.
-
-    Times are seconds, sizes are tokens. Defaults give roughly 10 ms + 0.5 ms per running
-    sequence per decode step and 5 ms + 0.02 ms per prompt token of prefill.
-    """
-
-    max_num_seqs: int = 16
-    kv_cache_tokens: int = 32768
-    block_size: int = 16
-    prefill_base_s: float = 0.005
-    prefill_per_token_s: float = 0.00002
-    itl_base_s: float = 0.010
-    itl_per_seq_s: float = 0.0005
-    max_model_len: int = 4096
-    speed: float = 1.0
-    enable_prefix_caching: bool = True
-    max_pending_metrics: int = 100_000
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if self.speed <= 0:
-            raise ValueError("speed must be > 0")
-        if self.max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2")
-        if self.kv_cache_tokens < self.max_model_len + self.block_size:
-            raise ValueError(
-                f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one request of "
-                f"max_model_len ({self.max_model_len}) plus one block"
-            )
-        for name in ("prefill_base_s", "prefill_per_token_s", "itl_base_s", "itl_per_seq_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-
-    @property
-    def num_blocks(self) -> int:
-        """Total KV-cache blocks (``kv_cache_tokens // block_size``)."""
-        return self.kv_cache_tokens // self.block_size
-
-    def decode_time_s(self, batch_size: int) -> float:
-        """Seconds of one decode step for ``batch_size`` running sequences."""
-        return (self.itl_base_s + self.itl_per_seq_s * batch_size) / self.speed
-
-    def prefill_time_s(self, uncached_tokens: int) -> float:
-        """Seconds added to a step by prefilling ``uncached_tokens`` tokens of one request."""
-        return (self.prefill_base_s + self.prefill_per_token_s * uncached_tokens) / self.speed
 
 
 @dataclass(frozen=True)

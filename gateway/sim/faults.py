@@ -16,53 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-
-class FaultConfig(BaseModel):
-    """What the simulator does wrong, and how often.
-
-    Rates are probabilities per request (0-1); times are seconds.
-    """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    error_rate: float = Field(0.0, ge=0.0, le=1.0, description="share answered with a 5xx")
-    error_status: int = Field(500, description="status of injected errors (500 or 503, any 5xx)")
-    rate_limit_rate: float = Field(0.0, ge=0.0, le=1.0, description="share answered with 429")
-    retry_after_s: float = Field(1.0, ge=0.0, description="Retry-After of injected 429s")
-    added_latency_s: float = Field(0.0, ge=0.0, description="delay before the response starts")
-    hang: bool = Field(False, description="accept requests and never answer")
-    drop_after_chunks: int | None = Field(
-        None,
-        ge=0,
-        description="streams: cut the TCP connection after N SSE events; "
-        "non-stream: close the connection without a response",
-    )
-    unhealthy: bool = Field(False, description="GET /health answers 503")
-    seed: int = Field(0, description="seed of the fault dice")
-    # GPU faults (``/gpu/metrics``, :mod:`gateway.sim.gpu`): state, not dice.
-    cooling_failure: bool = Field(
-        False, description="GPU cooling failed: thermal resistance x cooling_failure_factor"
-    )
-    cooling_failure_factor: float = Field(
-        2.5, gt=0, description="R_th multiplier during a cooling failure (fan / CRAC failure)"
-    )
-    xid_errors: int = Field(
-        0, ge=0, description="Xid errors the GPU has reported; raise it to inject new ones"
-    )
-    xid_code: int = Field(79, ge=1, description="code of injected Xid errors (79: off the bus)")
-    ecc_dbe_errors: int = Field(
-        0, ge=0, description="volatile double-bit ECC errors; raise it to inject new ones"
-    )
-    fault_gpu: int = Field(0, ge=0, description="which GPU (index) the GPU faults hit")
-
-    @field_validator("error_status")
-    @classmethod
-    def _five_hundreds(cls, v: int) -> int:
-        if not 500 <= v <= 599:
-            raise ValueError("error_status must be a 5xx status")
-        return v
+from gateway.config import FaultConfig as FaultConfig  # declared with the config schema
 
 
 @dataclass(frozen=True)

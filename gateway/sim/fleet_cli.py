@@ -17,6 +17,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from rich.console import Console
 
@@ -106,11 +107,11 @@ def uneven_racks(
 
 
 def trace_for_load(
-    spec: FleetSpec, load: float, duration_s: float, seed: int, **trace: float
+    spec: FleetSpec, load: float, duration_s: float, seed: int, **trace: Any
 ) -> TraceSpec:
     """A generated trace whose day-average offered load is ``load`` (0-1) of the fleet's
     capacity at full batches (:func:`gateway.sim.fleet.capacity_rps`), bursts included."""
-    base = TraceSpec(duration_s=duration_s, seed=seed, **trace)  # type: ignore[arg-type]
+    base = TraceSpec(duration_s=duration_s, seed=seed, **trace)
     cap = capacity_rps(spec.engine, base.prompt_mean, base.output_mean) * spec.num_backends
     return dataclasses.replace(base, mean_rps=load * cap / base.mean_burst_gain())
 

@@ -28,32 +28,13 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from gateway.config import GpuConfig as GpuConfig  # declared with the config schema
 from gateway.sim.engine import Engine
 from gateway.sim.faults import FaultConfig
 from gateway.sim.thermal import GPU_SPECS, Cooling, GpuThermal, step_time_factor, utilisation
 
 log = logging.getLogger(__name__)
-
-
-class GpuConfig(BaseModel):
-    """The simulated backend's GPUs and where they sit (°C, K/W, seconds)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: Literal["h100", "a100"] = Field("h100", description="GPU model (datasheet constants)")
-    count: int = Field(1, ge=1, le=16, description="GPUs (tensor-parallel size)")
-    ambient_c: float = Field(25.0, ge=-20, le=60, description="rack inlet temperature, °C")
-    r_th_k_per_w: float = Field(0.075, gt=0, description="thermal resistance, K/W")
-    temp_c: float | None = Field(None, description="starting temperature (default: idle steady)")
-    thermal_mass_j_per_k: float | None = Field(
-        None, gt=0, description="override C_th, J/K (default: the GPU model's; small = fast demo)"
-    )
-    tick_s: float = Field(0.5, gt=0, le=10, description="thermal model step in real time")
-    hostname: str = Field("sim-gpu-host", description="'Hostname' label of the DCGM metrics")
 
 
 class SimGpus:

@@ -138,7 +138,8 @@ class SimServerThread:
     @property
     def state(self) -> SimState:
         """The server's live ``SimState`` (engine, faults, counters)."""
-        return self.app.state.sim
+        state: SimState = self.app.state.sim
+        return state
 
     def start(self, timeout: float = 10.0) -> str:
         """Start serving; return the base URL once it accepts connections."""

@@ -214,7 +214,7 @@ def natural_stop_length(seed: int, key: int, sample: int = 0, lo: int = 4, hi: i
     function of (seed, prompt key, sample index).
     """
     u = (_digest("len", seed, key, sample) % 1_000_000) / 1_000_000
-    return max(1, round(lo * (hi / lo) ** u))
+    return max(1, round(lo * float((hi / lo) ** u)))
 
 
 def generated_token_id(seed: int, key: int, sample: int, index: int) -> int:
