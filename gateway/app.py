@@ -27,7 +27,7 @@ from gateway.gate import AdmissionGate
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.proxy.upstream import UpstreamPool
-from gateway.routing.policy import AffinityTable, Router
+from gateway.routing.policies import Policy, build_policy
 
 log = logging.getLogger("gateway.app")
 
@@ -39,7 +39,7 @@ class Gateway:
     cfg: GatewayConfig
     fleet: Fleet
     metrics: GatewayMetrics
-    router: Router
+    router: Policy
     pool: UpstreamPool
     controller: FleetController
     pipeline: Pipeline
@@ -70,19 +70,16 @@ def build_gateway(cfg: GatewayConfig) -> Gateway:
     metrics = GatewayMetrics()
     metrics.attach_fleet(fleet)
     clock = time.monotonic
-    r = cfg.routing
-    router = Router(
-        r.weights,
-        cfg.telemetry.stale_after_s,
-        AffinityTable(r.session_ttl_s, r.session_max_entries, clock),
-        clock,
-        slow_start_s=cfg.lifecycle.slow_start_s,
-        slow_start_min_weight=cfg.lifecycle.slow_start_min_weight,
-    )
     pool = UpstreamPool(cfg.proxy)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
-    if cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains):
-        router.thermal = controller.gpu.choose  # thermal tiers, power caps and budgets
+    thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
+    router = build_policy(
+        cfg.routing,
+        cfg.lifecycle,
+        cfg.telemetry.stale_after_s,
+        clock,
+        thermal=controller.gpu.choose if thermal_aware else None,  # tiers, power caps, budgets
+    )
     gate = AdmissionGate(cfg, fleet, metrics, clock)
     if cfg.thermal.enabled and cfg.power_domains:
         gate.power_level = controller.gpu.power_level

@@ -76,7 +76,7 @@ from gateway.traffic.forecast import ArrivalCounter, ForecastBank, ForecastParam
 if TYPE_CHECKING:
     from gateway.gate import AdmissionGate
     from gateway.pipeline import Pipeline, RequestContext
-    from gateway.routing.policy import Router
+    from gateway.routing.policies import Policy
 
 log = logging.getLogger("gateway.batching")
 
@@ -187,7 +187,7 @@ class BatchDispatcher:
         self,
         cfg: GatewayConfig,
         pipeline: Pipeline,
-        router: Router,
+        router: Policy,
         gate: AdmissionGate,
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,

@@ -35,7 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse, StreamOutcome
 from gateway.proxy.sse import DONE_TERMINATED, EventFramer, extract_usage, has_event
 from gateway.proxy.upstream import UpstreamFailure, UpstreamPool, UpstreamRequest, response_headers
-from gateway.routing.policy import Router
+from gateway.routing.policies import Policy
 from gateway.traffic.admission import MAX_RETRY_AFTER_S
 from gateway.traffic.breaker import BreakerState, windowed_p99
 from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
@@ -108,7 +108,7 @@ class Pipeline:
         self,
         cfg: GatewayConfig,
         fleet: Fleet,
-        router: Router,
+        router: Policy,
         pool: UpstreamPool,
         controller: FleetController,
         metrics: GatewayMetrics,

@@ -15,23 +15,30 @@ facility caps it (every GPU in it is limited to ``budget / members`` W for
 ``facility_cap_hold_s``, so clocks drop), as the rack-level power capping TAPAS counts as
 power throttling.
 
-Policies (:data:`POLICIES`):
+Policies (:data:`POLICIES`, the ``routing.policy`` values), each the routing package's own
+implementation (:func:`gateway.routing.policies.build_policy`), driven by
+:class:`SimulatedGateway` over :class:`gateway.fleet.backend.Backend` records:
 
-* ``round-robin``: every backend in turn, blind to load and heat;
-* ``least-request``: fewest requests in flight (the gateway's own count, exact), ties in
+* ``round_robin``: every backend in turn, blind to load and heat;
+* ``least_request``: fewest requests in flight (the gateway's own count, exact), ties in
   turn: Envoy's ``LEAST_REQUEST`` / what most LLM routers do;
-* ``ours``: the gateway's own pure decision code, not a copy: load samples scraped every
-  ``load_scrape_s`` (0.5 s, as ``telemetry.scrape_interval_s``) into
-  :class:`gateway.fleet.backend.LoadSample`, GPU telemetry every ``gpu_scrape_s`` (2 s, as
+* ``load_thermal``: the gateway's own policy and thermal machinery, not a copy: load
+  samples scraped every ``load_scrape_s`` (0.5 s, as ``telemetry.scrape_interval_s``) into
+  :class:`gateway.core.samples.LoadSample`, GPU telemetry every ``gpu_scrape_s`` (2 s, as
   ``thermal.scrape_interval_s``; temperatures read as whole °C like DCGM) into
   :class:`gateway.routing.thermal.ThermalTracker`; per request
   :func:`gateway.traffic.admission.shed` on :func:`gateway.routing.thermal.power_pressure`
   (power admission), :func:`gateway.routing.thermal.choose` (tiers, trend, power caps,
-  domain budgets) and :class:`gateway.routing.policy.Router` (load score + penalties, slow
-  start); and the lifecycle's thermal cooldown with
-  :func:`gateway.fleet.lifecycle.apply_transition` / :func:`may_take_out`: a hot backend
-  drains, rests until :func:`gateway.routing.thermal.cooldown_done` (below ``resume_c`` and
-  at least ``cooldown_s``), then returns warm through the slow-start ramp.
+  domain budgets) as the thermal hook of :class:`gateway.routing.policy.LoadThermalPolicy`
+  (load score + penalties, slow start); and the thermal cooldown: a backend that
+  :func:`gateway.routing.cooldown.cooldown_due` names drains when
+  :func:`gateway.fleet.lifecycle.may_take_out` allows (through
+  :func:`gateway.fleet.lifecycle.apply_transition`), rests until
+  :func:`gateway.routing.cooldown.rest_over` (below ``resume_c`` and at least
+  ``cooldown_s``, or ``max_cooldown_s``), then returns warm through the slow-start ramp.
+
+The simple policies stand for a plain router in front of the same fleet: no GPU telemetry,
+power admission or cooldowns (the live gateway runs those whatever its ``routing.policy``).
 
 Reported per policy (:class:`PolicyResult`): max GPU temperature, GPU-seconds above
 ``hot_c``, thermal-throttling events (entries into throttling, summed over GPUs) and
@@ -54,6 +61,8 @@ from typing import Any
 from gateway.config import (
     BackendConfig,
     LifecycleConfig,
+    RoutingConfig,
+    RoutingPolicy,
     RoutingWeights,
     SLOConfig,
     TelemetryConfig,
@@ -63,14 +72,16 @@ from gateway.core.samples import GpuSample, LoadSample
 from gateway.core.vocab import BackendState, Prio
 from gateway.fleet.backend import Backend
 from gateway.fleet.lifecycle import apply_transition, may_take_out
-from gateway.routing.policy import AffinityTable, Router
+from gateway.routing.cooldown import cooldown_due, rest_over
+from gateway.routing.policies import Policy, build_policy
+from gateway.routing.policy import C
 from gateway.routing.thermal import (
+    UNMONITORED,
     DomainStatus,
     ThermalChoice,
     ThermalStatus,
     ThermalTracker,
     choose,
-    cooldown_done,
     domain_statuses,
     power_pressure,
 )
@@ -81,7 +92,11 @@ from gateway.sim.thermal import utilisation as power_utilisation
 from gateway.sim.workload import Arrival
 from gateway.traffic.admission import Saturation, shed
 
-POLICIES: tuple[str, ...] = ("round-robin", "least-request", "ours")
+POLICIES: tuple[str, ...] = tuple(
+    p.value
+    for p in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_REQUEST, RoutingPolicy.LOAD_THERMAL)
+)
+"""The ``routing.policy`` values the simulator runs, in the order it reports them."""
 
 FLEET_ENGINE = EngineParams(
     max_num_seqs=32,
@@ -158,87 +173,37 @@ def capacity_rps(params: EngineParams, prompt_mean: float, output_mean: float) -
     return 1.0 / per_req
 
 
-# ---- policies --------------------------------------------------------------------------------
+# ---- the simulated gateway ---------------------------------------------------------------
 class _FleetView:
-    """What a policy sees of the simulated fleet (read-only by convention)."""
+    """What the gateway sees of the simulated fleet (read-only by convention)."""
 
     def __init__(self, engines: list[BatchEngine], gpus: list[GpuThermal]) -> None:
         self.engines = engines
         self.gpus = gpus
 
 
-class RoundRobin:
-    """Every backend in turn, blind to load and heat.
+class SimulatedGateway:
+    """The gateway's decisions over the simulated fleet, with one routing policy.
 
-    Also the base of the policy interface the loop drives: ``pick`` (backend index or None
-    to reject), ``dispatched``/``finished`` (in-flight bookkeeping), ``scrape_load`` /
-    ``scrape_gpus`` (telemetry ticks), ``control`` (lifecycle tick); ``cooldowns`` taken and
-    ``returned`` from cooldown are counted by policies that rest backends.
+    Every backend is a :class:`gateway.fleet.backend.Backend` (the routing package's
+    :class:`~gateway.routing.policy.Candidate`) whose in-flight count, load samples (every
+    ``load_scrape_s``) and state the loop keeps; the policy is the routing package's own,
+    built by :func:`gateway.routing.policies.build_policy` from the policy's name (a
+    ``routing.policy`` value). With ``load_thermal`` the gateway's thermal machinery runs
+    too (GPU telemetry, :func:`gateway.routing.thermal.choose` as the policy's thermal hook,
+    power admission, thermal cooldowns by :mod:`gateway.routing.cooldown`); the simple
+    policies stand for a plain router in front of the same fleet, without it.
+
+    The loop drives: ``pick`` (backend index, or None to reject), ``dispatched`` /
+    ``finished`` (in-flight bookkeeping), ``scrape_load`` / ``scrape_gpus`` (telemetry
+    ticks), ``control`` (lifecycle tick); ``cooldowns`` taken and ``returned`` from them
+    are counted.
     """
 
-    name = "round-robin"
-    cooldowns = 0
-    returned = 0
-
-    def __init__(self, n: int) -> None:
-        self._n = n
-        self._i = -1
-
-    def pick(self, now: float, req: SimRequest) -> int | None:
-        self._i = (self._i + 1) % self._n
-        return self._i
-
-    def dispatched(self, i: int) -> None:
-        """A request went to backend ``i``."""
-
-    def finished(self, i: int) -> None:
-        """A request on backend ``i`` finished."""
-
-    def scrape_load(self, now: float, view: _FleetView) -> None:
-        """Load telemetry tick (ignored: round-robin reads nothing)."""
-
-    def scrape_gpus(self, now: float, view: _FleetView) -> None:
-        """GPU telemetry tick (ignored)."""
-
-    def control(self, now: float) -> None:
-        """Lifecycle tick (nothing to do)."""
-
-
-class LeastRequest(RoundRobin):
-    """Fewest requests in flight (the gateway's own exact count); ties in turn."""
-
-    name = "least-request"
-
-    def __init__(self, n: int) -> None:
-        super().__init__(n)
-        self._inflight = [0] * n
-
-    def pick(self, now: float, req: SimRequest) -> int | None:
-        f = self._inflight
-        low = min(f)
-        n = self._n
-        for k in range(1, n + 1):
-            j = (self._i + k) % n
-            if f[j] == low:
-                self._i = j
-                return j
-        return None  # unreachable
-
-    def dispatched(self, i: int) -> None:
-        self._inflight[i] += 1
-
-    def finished(self, i: int) -> None:
-        self._inflight[i] -= 1
-
-
-class Ours:
-    """The gateway's own pure routing, admission and lifecycle code (module docstring)."""
-
-    name = "ours"
-
-    def __init__(self, spec: FleetSpec, rng: random.Random) -> None:
+    def __init__(self, spec: FleetSpec, policy: RoutingPolicy) -> None:
         self.spec = spec
         self.cfg = spec.thermal
+        self.thermal_aware = policy is RoutingPolicy.LOAD_THERMAL
         racks = spec.rack_of()
         self.backends = [
             Backend(
@@ -257,14 +222,13 @@ class Ours:
         self._index = {b.id: i for i, b in enumerate(self.backends)}
         self.budgets = {r.name: r.budget_w for r in spec.racks}
         self.now = 0.0
-        self.router = Router(
-            spec.weights,
-            stale_after_s=spec.telemetry.stale_after_s,
-            affinity=AffinityTable(3600.0, 1, lambda: self.now),
-            clock=lambda: self.now,
-            slow_start_s=spec.lifecycle.slow_start_s,
-            slow_start_min_weight=spec.lifecycle.slow_start_min_weight,
-            rng=rng,
+        self.policy: Policy = build_policy(
+            RoutingConfig(policy=policy, weights=spec.weights, session_max_entries=1),
+            spec.lifecycle,
+            spec.telemetry.stale_after_s,
+            lambda: self.now,
+            thermal=self._thermal_choice if self.thermal_aware else None,
+            rng=random.Random(spec.seed),
         )
         # Keep only the samples the trend window needs (the slope scans them all).
         keep = math.ceil(self.cfg.trend_window_s / spec.gpu_scrape_s) + 4
@@ -273,32 +237,36 @@ class Ours:
         self.domains: dict[str, DomainStatus] = {}
         self._routable = list(self.backends)
         self._rest_since: dict[int, float] = {}
-        self._choice: ThermalChoice[Backend] | None = None
+        self._choice: ThermalChoice[Any] | None = None
         self._shed_level: float | None = None
         self.cooldowns = 0
         self.returned = 0
         self.shed = 0
 
     # -- request path
-    def _status(self, b: Backend) -> ThermalStatus:
-        return self.statuses[b.id]
-
     def pick(self, now: float, req: SimRequest) -> int | None:
+        """The backend index for ``req`` arriving at ``now``, or None (rejected)."""
         self.now = now
         cands = self._routable
         if not cands:
             return None
-        if self._choice is None:
-            self._refresh_choice()
-        if self._shed_level is not None and shed(
-            Prio.NORMAL, Saturation(self._shed_level), self.cfg.power_shed_levels
-        ):
-            self.shed += 1
-            return None
-        choice = self._choice
-        assert choice is not None
-        b = self.router.pick(choice.candidates, penalties=choice.penalties)
+        if self.thermal_aware:
+            if self._choice is None:
+                self._refresh_choice()
+            if self._shed_level is not None and shed(
+                Prio.NORMAL, Saturation(self._shed_level), self.cfg.power_shed_levels
+            ):
+                self.shed += 1
+                return None
+        b = self.policy.pick(cands)
         return None if b is None else self._index[b.id]
+
+    def _thermal_choice(self, candidates: Sequence[C], now: float) -> ThermalChoice[C]:
+        """The policy's thermal hook: :func:`choose` over the current telemetry, cached."""
+        if self._choice is None or candidates is not self._routable:
+            self._refresh_choice()
+        assert self._choice is not None and candidates is self._routable
+        return self._choice
 
     def _refresh_choice(self) -> None:
         """Call the gateway's :func:`choose` and :func:`power_pressure` for the current
@@ -306,10 +274,11 @@ class Ours:
         GPU telemetry arrives (every ``gpu_scrape_s``) or a backend changes state, so the
         simulator calls them once per change instead of once per request: same answers,
         a fraction of the cost (the load score, which changes with every request, is
-        still computed by :meth:`Router.pick` per request)."""
+        still computed by the policy per request)."""
         cands = self._routable
-        if self.statuses:
-            self._choice = choose(cands, self._status, self.domains, self.cfg)
+        statuses = self.statuses
+        if statuses:
+            self._choice = choose(cands, lambda b: statuses[b.id], self.domains, self.cfg)
         else:
             self._choice = ThermalChoice(list(cands))
         self._shed_level = (
@@ -319,15 +288,18 @@ class Ours:
         )
 
     def dispatched(self, i: int) -> None:
+        """A request went to backend ``i``."""
         b = self.backends[i]
         b.in_flight += 1
         b.requests_served += 1
 
     def finished(self, i: int) -> None:
+        """A request on backend ``i`` finished."""
         self.backends[i].in_flight -= 1
 
     # -- telemetry
     def scrape_load(self, now: float, view: _FleetView) -> None:
+        """Load telemetry tick: each engine's queue, batch and KV use as a LoadSample."""
         for b, e in zip(self.backends, view.engines, strict=True):
             b.load = LoadSample(
                 float(e.num_waiting), float(e.num_running), e.kv_usage(), now, b.in_flight
@@ -335,6 +307,9 @@ class Ours:
             b.last_scrape_ok_at = now
 
     def scrape_gpus(self, now: float, view: _FleetView) -> None:
+        """GPU telemetry tick (``load_thermal`` only; the simple policies read none)."""
+        if not self.thermal_aware:
+            return
         for tr, g in zip(self.trackers, view.gpus, strict=True):
             tr.observe(
                 GpuSample(
@@ -354,27 +329,30 @@ class Ours:
 
     # -- lifecycle: thermal cooldown
     def control(self, now: float) -> None:
+        """Lifecycle tick: hot backends drain and rest, rested ones return warm (the
+        gateway's :mod:`gateway.routing.cooldown` decisions, the lifecycle's staggering
+        and transitions); nothing to do for the simple policies."""
+        if not self.thermal_aware:
+            return
         self.now = now
         changed = False
         for i, b in enumerate(self.backends):
-            st = self.statuses.get(b.id)
             if b.state is BackendState.WARM:
-                if (
-                    st is not None
-                    and st.tier.value == "hot"
-                    and may_take_out(b, self.backends, self.spec.lifecycle)
+                st = self.statuses.get(b.id, UNMONITORED)
+                if cooldown_due(b.state, st, self.cfg) and may_take_out(
+                    b, self.backends, self.spec.lifecycle
                 ):
-                    apply_transition(b, BackendState.DRAINING, "thermal_hot", now)
+                    apply_transition(b, BackendState.DRAINING, "cooldown_thermal", now)
                     self.cooldowns += 1
                     changed = True
             elif b.state is BackendState.DRAINING:
                 if b.in_flight == 0:
                     apply_transition(b, BackendState.COOLDOWN, "drained", now)
                     self._rest_since[i] = now
-            elif b.state is BackendState.COOLDOWN and cooldown_done(
+            elif b.state is BackendState.COOLDOWN and rest_over(
                 self.trackers[i], now - self._rest_since[i], now, self.cfg
             ):
-                apply_transition(b, BackendState.WARM, "thermal_cooled", now)
+                apply_transition(b, BackendState.WARM, "cooldown_done", now)
                 self.returned += 1
                 b.warm_since = now
                 changed = True
@@ -383,16 +361,13 @@ class Ours:
             self._choice = None
 
 
-def make_policy(name: str, spec: FleetSpec) -> Any:
-    """A fresh policy object by name (see :data:`POLICIES`)."""
-    n = spec.num_backends
-    if name == "round-robin":
-        return RoundRobin(n)
-    if name == "least-request":
-        return LeastRequest(n)
-    if name == "ours":
-        return Ours(spec, random.Random(spec.seed))
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+def routing_policy(name: str) -> RoutingPolicy:
+    """The :class:`RoutingPolicy` a policy's name denotes (see :data:`POLICIES`); raises
+    ValueError for any other name."""
+    try:
+        return RoutingPolicy(name)
+    except ValueError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
 
 
 # ---- results ---------------------------------------------------------------------------------
@@ -481,7 +456,7 @@ def simulate(
     """
     racks = spec.rack_of()
     n = len(racks)
-    policy = make_policy(policy_name, spec)
+    gateway = SimulatedGateway(spec, routing_policy(policy_name))
     engines = [BatchEngine(spec.engine) for _ in range(n)]
     gpus = [
         GpuThermal(
@@ -529,7 +504,7 @@ def simulate(
     def account(i: int, done: list[SimRequest]) -> None:
         nonlocal good, completed
         for req in done:
-            policy.finished(i)
+            gateway.finished(i)
             completed += 1
             ttft = req.ttft_s
             tpot = req.tpot_s
@@ -625,13 +600,13 @@ def simulate(
                 physics(now)
                 t_phys += spec.physics_dt_s
             if t_load == now:
-                policy.scrape_load(now, view)
+                gateway.scrape_load(now, view)
                 t_load += spec.load_scrape_s
             if t_gpu == now:
-                policy.scrape_gpus(now, view)
+                gateway.scrape_gpus(now, view)
                 t_gpu += spec.gpu_scrape_s
             if t_ctl == now:
-                policy.control(now)
+                gateway.control(now)
                 t_ctl += spec.lifecycle.check_interval_s
             if t_rec == now:
                 record(now)
@@ -645,15 +620,15 @@ def simulate(
         arrived += 1
         req = SimRequest(nxt.t, nxt.prompt_tokens, nxt.output_tokens)
         nxt = next(it, None)
-        i = policy.pick(now, req)
-        if i is None:
+        chosen = gateway.pick(now, req)
+        if chosen is None:
             req.rejected = True
             rejected += 1
             continue
-        req.backend = i
-        policy.dispatched(i)
-        account(i, engines[i].submit(req, now))
-        reschedule(i)
+        req.backend = chosen
+        gateway.dispatched(chosen)
+        account(chosen, engines[chosen].submit(req, now))
+        reschedule(chosen)
 
     ttft_sorted = sorted(ttfts)
     tpot_sorted = sorted(tpots)
@@ -678,8 +653,8 @@ def simulate(
         domain_budget_w=dict(zip(names, budgets, strict=True)),
         power_cap_events=cap_events,
         power_capped_s=capped_s,
-        cooldowns=policy.cooldowns,
-        cooldowns_completed=policy.returned,
+        cooldowns=gateway.cooldowns,
+        cooldowns_completed=gateway.returned,
         energy_kwh=sum(g.energy_j for g in gpus) / 3.6e6,
         mean_utilisation=util_sum / util_n if util_n else 0.0,
         max_temp_by_domain_c=dict(zip(names, max_temp, strict=True)),
