@@ -242,6 +242,11 @@ class LoadThermalPolicy:
         self._slow = SlowStart(slow_start_s, slow_start_min_weight, rng or random.Random())
         self._rr = 0
 
+    @property
+    def thermal(self) -> ThermalHook | None:
+        """The thermal hook given at construction (read-only), or None."""
+        return self._thermal
+
     def weight(self, c: Candidate, now: float) -> float:
         """Slow-start share multiplier of ``c`` now (1 when past the ramp)."""
         return self._slow.weight(c, now)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -179,3 +180,30 @@ def test_simple_policies_never_call_the_thermal_hook(name: RoutingPolicy) -> Non
 
     p = make(name, Clock(), thermal=thermal)
     assert p.pick([B("a"), B("b")]) is not None
+
+
+# ---- the app builds the configured policy ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("yaml", "kind", "hooked"),
+    [
+        ("", LoadThermalPolicy, False),  # no GPU telemetry, no power domains: no hook
+        ("power_domains: [{name: r1, budget_w: 1000}]\n", LoadThermalPolicy, True),
+        ("routing: {policy: least_request}\n", LeastRequestPolicy, False),
+        ("routing: {policy: round_robin}\npower_domains: [{name: r1, budget_w: 1000}]\n",
+         RoundRobinPolicy, False),
+    ],
+)
+def test_the_app_routes_with_the_configured_policy(
+    tmp_path: Path, yaml: str, kind: type, hooked: bool
+) -> None:
+    from gateway.app import build_gateway
+    from gateway.config import load_config
+
+    f = tmp_path / "gw.yaml"
+    f.write_text(yaml + "backends: [{id: a, url: 'http://10.0.0.1:8000'}]\n")
+    gw = build_gateway(load_config(f))
+    assert type(gw.router) is kind
+    if isinstance(gw.router, LoadThermalPolicy):
+        assert gw.router.thermal == (gw.controller.gpu.choose if hooked else None)
+        with pytest.raises(AttributeError):
+            gw.router.thermal = None  # type: ignore[misc]  # set at construction only
