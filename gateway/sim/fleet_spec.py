@@ -46,8 +46,8 @@ class FleetSpec:
     """The simulated fleet and how it is observed (seconds, W, °C).
 
     ``physics_dt_s``: GPU integration and engine-speed update period (exact within a step,
-    :mod:`gateway.sim.thermal`). ``gpu_scrape_s``: GPU telemetry period seen by "ours" (the
-    gateway's ``thermal.scrape_interval_s``); load scrapes follow
+    :mod:`gateway.sim.thermal`). ``gpu_scrape_s``: GPU telemetry period seen by
+    ``load_thermal`` (the gateway's ``thermal.scrape_interval_s``); load scrapes follow
     ``telemetry.scrape_interval_s``. ``facility_cap_hold_s``: how long a rack stays capped
     once its 1-s draw exceeded its budget (an assumption: rack power-capping controllers,
     e.g. Meta's Dynamo, Wu et al. ISCA 2016, act within seconds and hold caps for tens of
