@@ -11,13 +11,13 @@ Scenario (all in simulated time, :mod:`gateway.sim.fleet`; about 2-4 minutes on 
   peak 16:00, +/-30%) with bursts (about one an hour, 2-10 minutes, x1.2-1.5), long-form
   requests (log-normal, mean 2,000 prompt / 800 output tokens), at ``--load`` (0.7) of the
   fleet's full-batch capacity on average.
-* Policies: ``round-robin``, ``least-request`` (fewest in flight) and ``ours`` (the gateway's
-  own routing/thermal/admission/lifecycle code with :data:`FLEET_THERMAL` and
-  :data:`FLEET_WEIGHTS`); with ``--with-defaults`` also ``ours (gateway defaults)``.
+* Policies: ``round_robin``, ``least_request`` (fewest in flight) and ``load_thermal``
+  (the gateway's own routing/thermal/admission/lifecycle code with :data:`FLEET_THERMAL`
+  and :data:`FLEET_WEIGHTS`); with ``--with-defaults`` also ``load_thermal (gateway defaults)``.
 
-Prints the table and the reductions of ours against each baseline next to TAPAS's
+Prints the table and the reductions of load_thermal against each baseline next to TAPAS's
 (max temperature -17%, peak power -23%, thermal throttling -97%, power throttling -99%),
-checks issue 5's "must hold" against least-request (>= 97% fewer throttling events, lower
+checks issue 5's "must hold" against least_request (>= 97% fewer throttling events, lower
 max temperature and peak domain power, goodput within 2%) and says which held. Writes
 ``benchmarks/results/thermal.json`` (and ``--plot PNG``).
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--with-defaults",
         action="store_true",
-        help="also run ours with the gateway's default thermal/routing settings",
+        help="also run load_thermal with the gateway's default thermal/routing settings",
     )
     ap.add_argument("--plot", metavar="PNG", help="write temperature/power over time")
     ap.add_argument("--out", default=str(RESULTS), help="JSON results file")
@@ -90,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         f"16 backends in 4 racks, {args.hours:g} simulated h, load {args.load}, "
         f"{ts.mean_rps:.2f} req/s mean before bursts, seed {args.seed}"
     )
-    runs = [("round-robin", spec), ("least-request", spec), ("ours", spec)]
+    runs = [("round_robin", spec), ("least_request", spec), ("load_thermal", spec)]
     if args.with_defaults:
         runs.append(
             (
-                "ours",
+                "load_thermal",
                 dataclasses.replace(
                     spec, thermal=type(FLEET_THERMAL)(), weights=type(FLEET_WEIGHTS)()
                 ),
@@ -105,21 +105,21 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         r = simulate(s, policy, generate(ts), duration)
         if k == 3:
-            r.policy = "ours (gateway defaults)"
+            r.policy = "load_thermal (gateway defaults)"
         console.log(f"{r.policy}: {r.arrived} requests in {time.perf_counter() - t0:.1f} s")
         results.append(r)
     print_results(results, console, title=f"Thermal benchmark: {args.hours:g} h, seed {args.seed}")
 
     by = {r.policy: r for r in results}
-    ours, lr = by["ours"], by["least-request"]
-    rl = ratios(ours, lr)
+    gw, lr = by["load_thermal"], by["least_request"]
+    rl = ratios(gw, lr)
     checks = {  # "lower" means by more than the measurement's resolution (0.1 °C, 1 W)
         ">= 97% fewer throttling events": rl["throttle_events"] >= 0.97,
-        "lower max temperature": ours.max_temp_c < lr.max_temp_c - 0.1,
-        "lower peak domain power": ours.peak_domain_power_w < lr.peak_domain_power_w - 1.0,
+        "lower max temperature": gw.max_temp_c < lr.max_temp_c - 0.1,
+        "lower peak domain power": gw.peak_domain_power_w < lr.peak_domain_power_w - 1.0,
         "goodput within 2%": abs(1.0 - rl["goodput_ratio"]) <= 0.02 or rl["goodput_ratio"] > 1.0,
     }
-    console.print("[bold]issue 5, must hold (ours vs least-request):[/bold]")
+    console.print("[bold]issue 5, must hold (load_thermal vs least_request):[/bold]")
     for name, ok in checks.items():
         console.print(f"  {'held  ' if ok else 'FAILED'}  {name}")
     out = Path(args.out)

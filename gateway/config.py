@@ -192,9 +192,28 @@ class RoutingWeights(_Strict):
     )
 
 
-class RoutingConfig(_Strict):
-    """Load-aware routing and session affinity."""
+class RoutingPolicy(StrEnum):
+    """The backend-choice policy (:func:`gateway.routing.policies.build_policy`)."""
 
+    LOAD_THERMAL = "load_thermal"
+    LEAST_REQUEST = "least_request"
+    ROUND_ROBIN = "round_robin"
+
+
+class RoutingConfig(_Strict):
+    """Backend choice (the routing policy) and session affinity."""
+
+    policy: RoutingPolicy = Field(
+        RoutingPolicy.LOAD_THERMAL,
+        description=(
+            "load_thermal (default): least load score (vLLM queue, batch occupancy, KV "
+            "cache, corrected by the gateway's in-flight count), thermal/power penalties "
+            "when GPU telemetry or power domains are configured, session affinity; "
+            "least_request: fewest requests in flight; round_robin: each backend in turn. "
+            "The last two ignore load samples, GPU telemetry and session affinity; all "
+            "three ramp a newly warm backend over lifecycle.slow_start_s"
+        ),
+    )
     session_header: str = Field("x-session-id", description="header that pins a session")
     session_ttl_s: float = Field(3600.0, gt=0)
     session_max_entries: int = Field(100_000, gt=0)

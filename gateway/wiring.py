@@ -23,7 +23,7 @@ from gateway.flow.lease import RequestLease
 from gateway.flow.pipeline import Pipeline
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.upstream import Transport, UpstreamPool
-from gateway.routing.policy import AffinityTable, Router
+from gateway.routing.policies import Policy, build_policy
 
 
 class _ControllerSignals:
@@ -46,7 +46,7 @@ class Gateway:
     cfg: GatewayConfig
     fleet: Fleet
     metrics: GatewayMetrics
-    router: Router
+    router: Policy
     transport: Transport
     controller: FleetController
     pipeline: Pipeline
@@ -87,18 +87,15 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
     metrics = GatewayMetrics()
     metrics.attach_fleet(fleet)
     clock = time.monotonic
-    r = cfg.routing
     controller = FleetController(cfg, fleet, metrics, clock=clock)
-    router = Router(
-        r.weights,
+    thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
+    router = build_policy(
+        cfg.routing,
+        cfg.lifecycle,
         cfg.telemetry.stale_after_s,
-        AffinityTable(r.session_ttl_s, r.session_max_entries, clock),
         clock,
-        slow_start_s=cfg.lifecycle.slow_start_s,
-        slow_start_min_weight=cfg.lifecycle.slow_start_min_weight,
+        thermal=controller.gpu.choose if thermal_aware else None,  # tiers, power caps, budgets
     )
-    if cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains):
-        router.thermal = controller.gpu.choose  # thermal tiers, power caps and budgets
     gate = AdmissionGate(
         cfg,
         fleet,

@@ -9,7 +9,7 @@ restarting backend's GPUs are still read). Then, from the pure rules:
   (:meth:`GpuMonitor.choose`) and admission (:meth:`GpuMonitor.power_level`) read it;
 * a ``warm`` backend that is ``hot`` is sent to cooldown through the lifecycle's entry
   point (:meth:`FleetController.request_cooldown`, staggered like every cycle) with a rest
-  that ends when :func:`~gateway.routing.thermal.cooldown_done` says so: below
+  that ends when :func:`~gateway.routing.cooldown.rest_over` says so: below
   ``resume_c`` after at least ``cooldown_s``, or ``max_cooldown_s`` (the cap);
 * new Xid / double-bit ECC errors (:class:`~gateway.fleet.gpu_health.GpuHealth`) make the
   backend ``unhealthy`` (``gpu_xid`` / ``gpu_ecc``) and run the restart hook. After a
@@ -34,6 +34,7 @@ from gateway.core.vocab import BackendState
 from gateway.fleet.backend import Backend
 from gateway.fleet.gpu_health import GpuHealth
 from gateway.fleet.telemetry import scrape_gpus
+from gateway.routing.cooldown import cooldown_due, rest_over
 from gateway.routing.thermal import (
     C,
     ThermalChoice,
@@ -42,7 +43,6 @@ from gateway.routing.thermal import (
     ThermalView,
     build_view,
     choose,
-    cooldown_done,
     power_pressure,
 )
 
@@ -134,10 +134,8 @@ class GpuMonitor:
         c = self.controller
         now = c.clock()
         for b in self.monitored:
-            if b.state is not S.WARM or c.busy(b):
-                continue
             st = self.view.status(b.id, now)
-            if st.tier is not ThermalTier.HOT:
+            if not cooldown_due(b.state, st, self.cfg) or c.busy(b):
                 continue
             if c.request_cooldown(b.id, "thermal", rest_done=self.rest_done(b)):
                 self.metrics.thermal_cooldowns.labels(b.id).inc()
@@ -155,11 +153,8 @@ class GpuMonitor:
         """The end condition of ``backend``'s thermal rest (argument: seconds rested)."""
         c = self.controller
 
-        def done(rested_s: float) -> bool:
-            if not cooldown_done(backend.thermal, rested_s, c.clock(), self.cfg):
-                return False
-            backend.thermal.end_cooldown()  # the cap may release it between 70 and 85 °C
-            return True
+        def done(rested_s: float) -> bool:  # the cap may release it between 70 and 85 °C
+            return rest_over(backend.thermal, rested_s, c.clock(), self.cfg)
 
         return done
 

@@ -58,7 +58,7 @@ from gateway.flow.lease import BreakerSignals, Hold, RequestLease
 from gateway.flow.merged import UNMERGED, MergedRequests, Waiter, has_result
 from gateway.flow.pipeline import Pipeline
 from gateway.metrics import GatewayMetrics
-from gateway.routing.policy import Router
+from gateway.routing.policies import Policy
 from gateway.traffic.admission import retry_after_s
 from gateway.traffic.batcher import (
     BUCKETS,
@@ -87,7 +87,7 @@ class BatchDispatcher:
         cfg: GatewayConfig,
         fleet: Fleet,
         pipeline: Pipeline,
-        router: Router,
+        router: Policy,
         gate: AdmissionGate,
         metrics: GatewayMetrics,
         signals: BreakerSignals,

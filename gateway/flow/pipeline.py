@@ -38,7 +38,7 @@ from gateway.flow.lease import BreakerSignals, Hold, Verdict
 from gateway.proxy.relay import StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
 from gateway.proxy.upstream import Transport, UpstreamFailure, response_headers
-from gateway.routing.policy import Router
+from gateway.routing.policies import Policy
 from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
 
 log = logging.getLogger("gateway.flow.pipeline")
@@ -71,7 +71,7 @@ class Pipeline:
         self,
         cfg: GatewayConfig,
         fleet: Fleet,
-        router: Router,
+        router: Policy,
         transport: Transport,
         signals: FleetSignals,
         accounting: Accounting,

@@ -1,4 +1,6 @@
-"""Load-aware backend choice and session affinity (pure: no I/O; clock injected).
+"""The gateway's own routing policy: load score, thermal hook, slow start, session affinity
+(pure: no I/O; clock injected). :class:`LoadThermalPolicy` is the ``load_thermal``
+implementation of :class:`gateway.routing.policies.Policy` (the default of ``routing.policy``).
 
 Score (lower wins) of a candidate backend, from its last vLLM scrape corrected by the
 gateway's own in-flight count since that scrape::
@@ -26,9 +28,11 @@ when it wins the pick, it keeps the request only with probability equal to its w
 otherwise the best other candidate takes it. Its share is thus its weight times what it
 would get at full weight.
 
-Thermal and power awareness (optional ``thermal`` hook, :mod:`gateway.routing.thermal`):
-hot backends are dropped from the candidates and warm, stale-telemetry, power-capped or
-over-budget-domain backends get a score penalty, plus a term for predicted temperature.
+Thermal and power awareness (optional ``thermal`` hook given at construction, in the live
+gateway :meth:`gateway.fleet.gpu_monitor.GpuMonitor.choose` over
+:func:`gateway.routing.thermal.choose`): hot backends are dropped from the candidates and
+warm, stale-telemetry, power-capped or over-budget-domain backends get a score penalty,
+plus a term for predicted temperature.
 
 Session affinity (header ``x-session-id`` by default) pins a session to the backend that
 served its first request, for prefix-cache reuse; when that backend stops being a candidate
@@ -47,12 +51,29 @@ from gateway.core.samples import LoadSample
 from gateway.fleet.lifecycle import slow_start_weight
 from gateway.routing.thermal import ThermalChoice
 
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "AffinityTable",
+    "C",
+    "Candidate",
+    "LoadThermalPolicy",
+    "SlowStart",
+    "ThermalHook",
+    "estimated_load",
+    "score",
+]
+
 DEFAULT_CAPACITY = 256  # vLLM's default --max-num-seqs
 _EPS = 1e-9
 
 
 class Candidate(Protocol):
-    """What the policy reads of a backend."""
+    """What a policy reads of a backend (:class:`gateway.fleet.backend.Backend` is one).
+
+    ``capacity``: vLLM ``--max-num-seqs`` when known; ``in_flight``: the gateway's requests
+    open there now; ``load``: the last vLLM scrape; ``warm_since``: monotonic seconds the
+    slow-start ramp began; ``recent_failures``: consecutive failures on its breaker.
+    """
 
     @property
     def id(self) -> str: ...
@@ -122,9 +143,11 @@ C = TypeVar("C", bound=Candidate)
 
 
 class ThermalHook(Protocol):
-    """``(candidates, now) -> ThermalChoice``: see :func:`gateway.routing.thermal.choose`."""
+    """``(candidates, now)`` (positional; ``now`` monotonic seconds) -> the candidates kept
+    (hot ones dropped) and their penalties: :func:`gateway.routing.thermal.choose` over the
+    fleet's current view (live: :meth:`gateway.fleet.gpu_monitor.GpuMonitor.choose`)."""
 
-    def __call__(self, candidates: Sequence[C], now: float) -> ThermalChoice[C]: ...
+    def __call__(self, candidates: Sequence[C], now: float, /) -> ThermalChoice[C]: ...
 
 
 class AffinityTable:
@@ -140,6 +163,7 @@ class AffinityTable:
         self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def get(self, key: str) -> str | None:
+        """The backend id ``key`` is pinned to, or None (never pinned, or expired)."""
         item = self._pins.get(key)
         if item is None:
             return None
@@ -150,6 +174,8 @@ class AffinityTable:
         return backend_id
 
     def pin(self, key: str, backend_id: str) -> None:
+        """Pin ``key`` to ``backend_id`` for ``ttl_s`` from now (the oldest pin goes when
+        over ``max_entries``)."""
         self._pins[key] = (backend_id, self._clock() + self._ttl)
         self._pins.move_to_end(key)
         while len(self._pins) > self._max:
@@ -159,9 +185,43 @@ class AffinityTable:
         return len(self._pins)
 
 
-class Router:
-    """Picks one backend among candidates: least score, affinity first, round-robin ties,
-    slow start for newly warm backends."""
+class SlowStart:
+    """The slow-start ramp every policy applies (Envoy's slow-start mode).
+
+    A backend that became warm ``slow_start_s`` ago or less has a weight in
+    [``min_weight``, 1) (:func:`gateway.fleet.lifecycle.slow_start_weight`); when a policy
+    picks it, it keeps the request only with probability equal to its weight (``rng``),
+    otherwise the policy picks among the others. Off with ``slow_start_s`` 0.
+    """
+
+    def __init__(self, slow_start_s: float, min_weight: float, rng: random.Random) -> None:
+        self.slow_start_s = slow_start_s
+        self.min_weight = min_weight
+        self._rng = rng
+
+    def weight(self, c: Candidate, now: float) -> float:
+        """Share multiplier (0-1] of ``c`` at ``now`` (monotonic seconds); 1 past the ramp."""
+        return slow_start_weight(c.warm_since, now, self.slow_start_s, self.min_weight)
+
+    def passes_over(self, c: Candidate, others: int, now: float) -> bool:
+        """Whether the pick of ``c`` goes to one of ``others`` other candidates instead:
+        never without others or with the ramp off; else a draw against ``c``'s weight."""
+        if others < 1 or self.slow_start_s <= 0:
+            return False
+        w = self.weight(c, now)
+        return w < 1.0 and self._rng.random() >= w
+
+
+class LoadThermalPolicy:
+    """The gateway's own policy (``routing.policy: load_thermal``): least load score
+    (:func:`score`) plus the ``thermal`` hook's penalties, hot backends dropped, session
+    affinity first, round-robin among equal scores, slow start for newly warm backends.
+
+    ``stale_after_s``: a load sample older than this is ignored (``telemetry``);
+    ``clock``: monotonic seconds; ``rng``: the slow-start draws (seeded in tests and in the
+    simulator); ``thermal``: ``(candidates, now) -> ThermalChoice`` or None (thermal
+    awareness off).
+    """
 
     def __init__(
         self,
@@ -175,48 +235,37 @@ class Router:
         thermal: ThermalHook | None = None,
     ) -> None:
         self.weights = weights
-        self.thermal = thermal
         self.stale_after_s = stale_after_s
         self.affinity = affinity
-        self.slow_start_s = slow_start_s
-        self.slow_start_min_weight = slow_start_min_weight
+        self._thermal = thermal
         self._clock = clock
-        self._rng = rng or random.Random()
+        self._slow = SlowStart(slow_start_s, slow_start_min_weight, rng or random.Random())
         self._rr = 0
+
+    @property
+    def thermal(self) -> ThermalHook | None:
+        """The thermal hook given at construction (read-only), or None."""
+        return self._thermal
 
     def weight(self, c: Candidate, now: float) -> float:
         """Slow-start share multiplier of ``c`` now (1 when past the ramp)."""
-        return slow_start_weight(c.warm_since, now, self.slow_start_s, self.slow_start_min_weight)
+        return self._slow.weight(c, now)
 
-    def pick(
-        self,
-        candidates: Sequence[C],
-        session_key: str | None = None,
-        penalties: Mapping[str, float] | None = None,
-    ) -> C | None:
-        """The backend for the next request, or None when ``candidates`` is empty.
+    def pick(self, candidates: Sequence[C], session_key: str | None = None) -> C | None:
+        """The backend for the next request, or None when no candidate is left.
 
         ``candidates`` are already filtered (routable, serving the model, not yet tried by
-        this request). With ``session_key``, a pinned backend still among the candidates
-        wins; otherwise the best one is chosen and pinned. ``penalties`` (backend id ->
-        score) are added to the load scores.
-
-        With a ``thermal`` hook (:func:`gateway.routing.thermal.choose` over the fleet's
-        current view), hot candidates are dropped first and its penalties added (a session
-        pinned to a warm backend stays there, for its prefix cache; never on a hot one).
+        this request). With a ``thermal`` hook, hot candidates are dropped first and its
+        penalties (backend id -> load-score units) added to the scores (every candidate
+        hot: the hook keeps them all). With ``session_key``, a pinned backend still among
+        the candidates wins (a session pinned to a warm backend stays there, for its prefix
+        cache; never on a hot one); otherwise the best one is chosen and pinned.
         """
-        if self.thermal is not None and candidates:
-            choice = self.thermal(candidates, self._clock())
+        penalties: Mapping[str, float] | None = None
+        if self._thermal is not None and candidates:
+            choice = self._thermal(candidates, self._clock())
             candidates = choice.candidates
-            if choice.penalties:
-                penalties = (
-                    choice.penalties
-                    if not penalties
-                    else {
-                        k: choice.penalties.get(k, 0.0) + penalties.get(k, 0.0)
-                        for k in {*choice.penalties, *penalties}
-                    }
-                )
+            penalties = choice.penalties
         if not candidates:
             return None
         if session_key is not None:
@@ -228,17 +277,15 @@ class Router:
                         return c
         now = self._clock()
         best = self._least_loaded(candidates, now, penalties)
-        if len(candidates) > 1 and self.slow_start_s > 0:
-            w = self.weight(best, now)
-            if w < 1.0 and self._rng.random() >= w:
-                rest = [c for c in candidates if c is not best]
-                best = self._least_loaded(rest, now, penalties)
+        if self._slow.passes_over(best, len(candidates) - 1, now):
+            rest = [c for c in candidates if c is not best]
+            best = self._least_loaded(rest, now, penalties)
         if session_key is not None:
             self.affinity.pin(session_key, best.id)
         return best
 
     def _least_loaded(
-        self, candidates: Sequence[C], now: float, penalties: Mapping[str, float] | None = None
+        self, candidates: Sequence[C], now: float, penalties: Mapping[str, float] | None
     ) -> C:
         if len(candidates) == 1:
             return candidates[0]

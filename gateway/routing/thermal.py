@@ -48,9 +48,8 @@ Public API
 :func:`power_pressure`
     Draw / budget of the least-loaded domain among a model's candidates: admission sheds
     by priority on it (``power_shed_levels``), once steering can no longer help.
-:func:`cooldown_done`
-    Whether a thermal cooldown may end: below ``resume_c`` and rested ``cooldown_s``, or
-    rested ``max_cooldown_s`` (the cap); then :meth:`ThermalTracker.end_cooldown`.
+
+When a hot backend is sent to rest, and when that rest ends: :mod:`gateway.routing.cooldown`.
 
 Use outside the gateway (e.g. simulated time)::
 
@@ -59,12 +58,12 @@ Use outside the gateway (e.g. simulated time)::
     trackers["b0"].observe(GpuSample(at=t, temp_c=71.0, power_w=520.0, power_limit_w=700.0))
     view = build_view(t, trackers, domain_of, {"rack1": 12_000.0}, cfg)
     choice = choose(candidates, lambda c: view.status(c.id, t), view.domains, cfg)
-    backend = router.pick(choice.candidates, penalties=choice.penalties)
-    # or once: Router(..., thermal=lambda cands, now: choose(cands, ..., view.domains, cfg))
-    hot_now = choice.hot  # -> the lifecycle's cooldown, ending when cooldown_done(...)
+    # the policy calls it per pick: LoadThermalPolicy(..., thermal=lambda cands, now:
+    #     choose(cands, lambda c: view.status(c.id, now), view.domains, cfg))
+    hot_now = choice.hot  # -> the lifecycle's cooldown (gateway.routing.cooldown)
 
 The live gateway wires it in :mod:`gateway.fleet.gpu_monitor` (the GPU telemetry loop) and
-:class:`gateway.routing.policy.Router` (the ``thermal`` hook); admission reads
+:class:`gateway.routing.policy.LoadThermalPolicy` (the ``thermal`` hook); admission reads
 :func:`power_pressure` (:mod:`gateway.flow.admission`), and the GPU health breaker (Xid / ECC) is
 :mod:`gateway.fleet.gpu_health`.
 
@@ -142,9 +141,10 @@ class ThermalTracker:
             self._hot = False
 
     def end_cooldown(self) -> None:
-        """A thermal cooldown ended (see :func:`cooldown_done`): the hot latch is re-read from
-        the last temperature, so a backend released by the ``max_cooldown_s`` cap between
-        ``resume_c`` and ``hot_c`` returns as warm instead of being sent straight back."""
+        """A thermal cooldown ended (:func:`gateway.routing.cooldown.rest_over`): the hot
+        latch is re-read from the last temperature, so a backend released by the
+        ``max_cooldown_s`` cap between ``resume_c`` and ``hot_c`` returns as warm instead of
+        being sent straight back."""
         s = self.latest
         self._hot = s is not None and s.temp_c is not None and s.temp_c >= self.cfg.hot_c
 
@@ -397,16 +397,3 @@ def power_pressure(
             return 0.0
         best = min(best, dom.utilisation)
     return 0.0 if best == math.inf else best
-
-
-def cooldown_done(tracker: ThermalTracker, rested_s: float, now: float, cfg: ThermalConfig) -> bool:
-    """Whether a thermal cooldown that has rested ``rested_s`` seconds may end at ``now``:
-    a fresh reading below ``resume_c`` and at least ``cooldown_s`` of rest, or the cap
-    ``max_cooldown_s`` reached (missing telemetry never counts as cooled down). When it
-    says True, call ``tracker.end_cooldown()`` as the backend returns."""
-    if rested_s >= cfg.max_cooldown_s:
-        return True
-    if rested_s < cfg.cooldown_s or not tracker.fresh(now):
-        return False
-    s = tracker.latest
-    return s is not None and s.temp_c is not None and s.temp_c < cfg.resume_c

@@ -15,23 +15,34 @@ facility caps it (every GPU in it is limited to ``budget / members`` W for
 ``facility_cap_hold_s``, so clocks drop), as the rack-level power capping TAPAS counts as
 power throttling.
 
-Policies (:data:`POLICIES`):
+Policies (:data:`POLICIES`, the ``routing.policy`` values), each the routing package's own
+implementation (:func:`gateway.routing.policies.build_policy`), driven by
+:class:`SimulatedGateway` over :class:`gateway.fleet.backend.Backend` records:
 
-* ``round-robin``: every backend in turn, blind to load and heat;
-* ``least-request``: fewest requests in flight (the gateway's own count, exact), ties in
+* ``round_robin``: every backend in turn, blind to load and heat;
+* ``least_request``: fewest requests in flight (the gateway's own count, exact), ties in
   turn: Envoy's ``LEAST_REQUEST`` / what most LLM routers do;
-* ``ours``: the gateway's own pure decision code, not a copy: load samples scraped every
-  ``load_scrape_s`` (0.5 s, as ``telemetry.scrape_interval_s``) into
-  :class:`gateway.fleet.backend.LoadSample`, GPU telemetry every ``gpu_scrape_s`` (2 s, as
+* ``load_thermal``: the gateway's own policy and thermal machinery, not a copy: load
+  samples scraped every ``load_scrape_s`` (0.5 s, as ``telemetry.scrape_interval_s``) into
+  :class:`gateway.core.samples.LoadSample`, GPU telemetry every ``gpu_scrape_s`` (2 s, as
   ``thermal.scrape_interval_s``; temperatures read as whole °C like DCGM) into
   :class:`gateway.routing.thermal.ThermalTracker`; per request
   :func:`gateway.traffic.admission.shed` on :func:`gateway.routing.thermal.power_pressure`
   (power admission), :func:`gateway.routing.thermal.choose` (tiers, trend, power caps,
-  domain budgets) and :class:`gateway.routing.policy.Router` (load score + penalties, slow
-  start); and the lifecycle's thermal cooldown with
-  :func:`gateway.fleet.lifecycle.apply_transition` / :func:`may_take_out`: a hot backend
-  drains, rests until :func:`gateway.routing.thermal.cooldown_done` (below ``resume_c`` and
-  at least ``cooldown_s``), then returns warm through the slow-start ramp.
+  domain budgets) as the thermal hook of :class:`gateway.routing.policy.LoadThermalPolicy`
+  (load score + penalties, slow start); and the thermal cooldown: a backend that
+  :func:`gateway.routing.cooldown.cooldown_due` names drains when
+  :func:`gateway.fleet.lifecycle.may_take_out` allows (through
+  :func:`gateway.fleet.lifecycle.apply_transition`), rests until
+  :func:`gateway.routing.cooldown.rest_over` (below ``resume_c`` and at least
+  ``cooldown_s``, or ``max_cooldown_s``), then returns warm through the slow-start ramp.
+
+The simple policies stand for a plain router in front of the same fleet: no GPU telemetry,
+power admission or cooldowns (the live gateway runs those whatever its ``routing.policy``).
+
+Modules: :mod:`gateway.sim.fleet_spec` (:class:`FleetSpec`: racks, engine, periods),
+:mod:`gateway.sim.fleet_gateway` (:class:`SimulatedGateway`), this one (the event loop
+:func:`simulate` and its :class:`PolicyResult`; the public names of all three).
 
 Reported per policy (:class:`PolicyResult`): max GPU temperature, GPU-seconds above
 ``hot_c``, thermal-throttling events (entries into throttling, summed over GPUs) and
@@ -45,354 +56,29 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config import (
-    BackendConfig,
-    LifecycleConfig,
-    RoutingWeights,
-    SLOConfig,
-    TelemetryConfig,
-    ThermalConfig,
-)
-from gateway.core.samples import GpuSample, LoadSample
-from gateway.core.vocab import BackendState, Prio
-from gateway.fleet.backend import Backend
-from gateway.fleet.lifecycle import apply_transition, may_take_out
-from gateway.routing.policy import AffinityTable, Router
-from gateway.routing.thermal import (
-    DomainStatus,
-    ThermalChoice,
-    ThermalStatus,
-    ThermalTracker,
-    choose,
-    cooldown_done,
-    domain_statuses,
-    power_pressure,
-)
 from gateway.sim.batch import BatchEngine, SimRequest
-from gateway.sim.engine import EngineParams
-from gateway.sim.thermal import H100_SXM, Cooling, GpuSpec, GpuThermal, step_time_factor
+from gateway.sim.fleet_gateway import POLICIES, FleetView, SimulatedGateway, routing_policy
+from gateway.sim.fleet_spec import FLEET_ENGINE, FleetSpec, RackSpec, capacity_rps
+from gateway.sim.thermal import Cooling, GpuThermal, step_time_factor
 from gateway.sim.thermal import utilisation as power_utilisation
 from gateway.sim.workload import Arrival
-from gateway.traffic.admission import Saturation, shed
 
-POLICIES: tuple[str, ...] = ("round-robin", "least-request", "ours")
-
-FLEET_ENGINE = EngineParams(
-    max_num_seqs=32,
-    kv_cache_tokens=131_072,
-    max_model_len=12_288,
-    itl_base_s=0.025,
-    itl_per_seq_s=0.0005,
-    prefill_base_s=0.010,
-    prefill_per_token_s=0.00012,
-)
-"""A 70B-class model in FP8 on one H100 80 GB: a decode step reads the ~70 GB of weights at
-3.35 TB/s HBM bandwidth (about 21 ms, so 25 ms with overheads) plus ~0.5 ms per sequence;
-prefill about 8,000 tokens/s. Capacity at a full batch of 32: about 780 tokens/s."""
-
-
-@dataclass(frozen=True, slots=True)
-class RackSpec:
-    """One rack = one power domain: ``backends`` GPUs at inlet ``ambient_c`` (°C) with
-    thermal resistance ``r_th_k_per_w`` (K/W), sharing ``budget_w`` (W)."""
-
-    name: str
-    backends: int
-    ambient_c: float
-    r_th_k_per_w: float
-    budget_w: float
-
-
-@dataclass(frozen=True)
-class FleetSpec:
-    """The simulated fleet and how it is observed (seconds, W, °C).
-
-    ``physics_dt_s``: GPU integration and engine-speed update period (exact within a step,
-    :mod:`gateway.sim.thermal`). ``gpu_scrape_s``: GPU telemetry period seen by "ours" (the
-    gateway's ``thermal.scrape_interval_s``); load scrapes follow
-    ``telemetry.scrape_interval_s``. ``facility_cap_hold_s``: how long a rack stays capped
-    once its 1-s draw exceeded its budget (an assumption: rack power-capping controllers,
-    e.g. Meta's Dynamo, Wu et al. ISCA 2016, act within seconds and hold caps for tens of
-    seconds). ``record_every_s``: period of the time series and of the power averages.
-    """
-
-    racks: tuple[RackSpec, ...]
-    engine: EngineParams = FLEET_ENGINE
-    gpu: GpuSpec = H100_SXM
-    slo: SLOConfig = field(default_factory=SLOConfig)
-    thermal: ThermalConfig = field(default_factory=ThermalConfig)
-    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
-    weights: RoutingWeights = field(default_factory=RoutingWeights)
-    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    physics_dt_s: float = 1.0
-    gpu_scrape_s: float = 2.0
-    facility_cap_hold_s: float = 30.0
-    record_every_s: float = 60.0
-    seed: int = 0
-
-    @property
-    def load_scrape_s(self) -> float:
-        """vLLM ``/metrics`` scrape period (s): the gateway's ``telemetry.scrape_interval_s``."""
-        return self.telemetry.scrape_interval_s
-
-    @property
-    def num_backends(self) -> int:
-        return sum(r.backends for r in self.racks)
-
-    def rack_of(self) -> list[int]:
-        """Rack index of each backend, in backend order."""
-        return [i for i, r in enumerate(self.racks) for _ in range(r.backends)]
-
-
-def capacity_rps(params: EngineParams, prompt_mean: float, output_mean: float) -> float:
-    """Requests/s one backend completes at a full batch: each request costs its prefill
-    stall plus its share of the decode steps (``output * step(B) / B``)."""
-    b = params.max_num_seqs
-    per_req = params.prefill_time_s(round(prompt_mean)) + output_mean * params.decode_time_s(b) / b
-    return 1.0 / per_req
-
-
-# ---- policies --------------------------------------------------------------------------------
-class _FleetView:
-    """What a policy sees of the simulated fleet (read-only by convention)."""
-
-    def __init__(self, engines: list[BatchEngine], gpus: list[GpuThermal]) -> None:
-        self.engines = engines
-        self.gpus = gpus
-
-
-class RoundRobin:
-    """Every backend in turn, blind to load and heat.
-
-    Also the base of the policy interface the loop drives: ``pick`` (backend index or None
-    to reject), ``dispatched``/``finished`` (in-flight bookkeeping), ``scrape_load`` /
-    ``scrape_gpus`` (telemetry ticks), ``control`` (lifecycle tick); ``cooldowns`` taken and
-    ``returned`` from cooldown are counted by policies that rest backends.
-    """
-
-    name = "round-robin"
-    cooldowns = 0
-    returned = 0
-
-    def __init__(self, n: int) -> None:
-        self._n = n
-        self._i = -1
-
-    def pick(self, now: float, req: SimRequest) -> int | None:
-        self._i = (self._i + 1) % self._n
-        return self._i
-
-    def dispatched(self, i: int) -> None:
-        """A request went to backend ``i``."""
-
-    def finished(self, i: int) -> None:
-        """A request on backend ``i`` finished."""
-
-    def scrape_load(self, now: float, view: _FleetView) -> None:
-        """Load telemetry tick (ignored: round-robin reads nothing)."""
-
-    def scrape_gpus(self, now: float, view: _FleetView) -> None:
-        """GPU telemetry tick (ignored)."""
-
-    def control(self, now: float) -> None:
-        """Lifecycle tick (nothing to do)."""
-
-
-class LeastRequest(RoundRobin):
-    """Fewest requests in flight (the gateway's own exact count); ties in turn."""
-
-    name = "least-request"
-
-    def __init__(self, n: int) -> None:
-        super().__init__(n)
-        self._inflight = [0] * n
-
-    def pick(self, now: float, req: SimRequest) -> int | None:
-        f = self._inflight
-        low = min(f)
-        n = self._n
-        for k in range(1, n + 1):
-            j = (self._i + k) % n
-            if f[j] == low:
-                self._i = j
-                return j
-        return None  # unreachable
-
-    def dispatched(self, i: int) -> None:
-        self._inflight[i] += 1
-
-    def finished(self, i: int) -> None:
-        self._inflight[i] -= 1
-
-
-class Ours:
-    """The gateway's own pure routing, admission and lifecycle code (module docstring)."""
-
-    name = "ours"
-
-    def __init__(self, spec: FleetSpec, rng: random.Random) -> None:
-        self.spec = spec
-        self.cfg = spec.thermal
-        racks = spec.rack_of()
-        self.backends = [
-            Backend(
-                config=BackendConfig(
-                    id=f"b{i}",
-                    url=f"http://sim-b{i}:8000",  # type: ignore[arg-type]
-                    models=["sim"],
-                    max_num_seqs=spec.engine.max_num_seqs,
-                    power_domain=spec.racks[r].name,
-                ),
-                state=BackendState.WARM,
-                models=("sim",),
-            )
-            for i, r in enumerate(racks)
-        ]
-        self._index = {b.id: i for i, b in enumerate(self.backends)}
-        self.budgets = {r.name: r.budget_w for r in spec.racks}
-        self.now = 0.0
-        self.router = Router(
-            spec.weights,
-            stale_after_s=spec.telemetry.stale_after_s,
-            affinity=AffinityTable(3600.0, 1, lambda: self.now),
-            clock=lambda: self.now,
-            slow_start_s=spec.lifecycle.slow_start_s,
-            slow_start_min_weight=spec.lifecycle.slow_start_min_weight,
-            rng=rng,
-        )
-        # Keep only the samples the trend window needs (the slope scans them all).
-        keep = math.ceil(self.cfg.trend_window_s / spec.gpu_scrape_s) + 4
-        self.trackers = [ThermalTracker(self.cfg, max_samples=keep) for _ in self.backends]
-        self.statuses: dict[str, ThermalStatus] = {}
-        self.domains: dict[str, DomainStatus] = {}
-        self._routable = list(self.backends)
-        self._rest_since: dict[int, float] = {}
-        self._choice: ThermalChoice[Backend] | None = None
-        self._shed_level: float | None = None
-        self.cooldowns = 0
-        self.returned = 0
-        self.shed = 0
-
-    # -- request path
-    def _status(self, b: Backend) -> ThermalStatus:
-        return self.statuses[b.id]
-
-    def pick(self, now: float, req: SimRequest) -> int | None:
-        self.now = now
-        cands = self._routable
-        if not cands:
-            return None
-        if self._choice is None:
-            self._refresh_choice()
-        if self._shed_level is not None and shed(
-            Prio.NORMAL, Saturation(self._shed_level), self.cfg.power_shed_levels
-        ):
-            self.shed += 1
-            return None
-        choice = self._choice
-        assert choice is not None
-        b = self.router.pick(choice.candidates, penalties=choice.penalties)
-        return None if b is None else self._index[b.id]
-
-    def _refresh_choice(self) -> None:
-        """Call the gateway's :func:`choose` and :func:`power_pressure` for the current
-        candidates and telemetry. Both are pure functions of inputs that change only when
-        GPU telemetry arrives (every ``gpu_scrape_s``) or a backend changes state, so the
-        simulator calls them once per change instead of once per request: same answers,
-        a fraction of the cost (the load score, which changes with every request, is
-        still computed by :meth:`Router.pick` per request)."""
-        cands = self._routable
-        if self.statuses:
-            self._choice = choose(cands, self._status, self.domains, self.cfg)
-        else:
-            self._choice = ThermalChoice(list(cands))
-        self._shed_level = (
-            power_pressure((b.config.power_domain for b in cands), self.domains)
-            if self.domains
-            else None
-        )
-
-    def dispatched(self, i: int) -> None:
-        b = self.backends[i]
-        b.in_flight += 1
-        b.requests_served += 1
-
-    def finished(self, i: int) -> None:
-        self.backends[i].in_flight -= 1
-
-    # -- telemetry
-    def scrape_load(self, now: float, view: _FleetView) -> None:
-        for b, e in zip(self.backends, view.engines, strict=True):
-            b.load = LoadSample(
-                float(e.num_waiting), float(e.num_running), e.kv_usage(), now, b.in_flight
-            )
-            b.last_scrape_ok_at = now
-
-    def scrape_gpus(self, now: float, view: _FleetView) -> None:
-        for tr, g in zip(self.trackers, view.gpus, strict=True):
-            tr.observe(
-                GpuSample(
-                    at=now,
-                    temp_c=float(round(g.temp_c)),  # DCGM reports whole °C
-                    power_w=round(g.power_w, 1),
-                    power_limit_w=g.power_limit_w,
-                    sm_clock_mhz=round(g.sm_clock_mhz),
-                )
-            )
-        self.statuses = {
-            b.id: tr.status(now, b.config.power_domain)
-            for b, tr in zip(self.backends, self.trackers, strict=True)
-        }
-        self.domains = domain_statuses(self.statuses.values(), self.budgets, self.cfg)
-        self._choice = None
-
-    # -- lifecycle: thermal cooldown
-    def control(self, now: float) -> None:
-        self.now = now
-        changed = False
-        for i, b in enumerate(self.backends):
-            st = self.statuses.get(b.id)
-            if b.state is BackendState.WARM:
-                if (
-                    st is not None
-                    and st.tier.value == "hot"
-                    and may_take_out(b, self.backends, self.spec.lifecycle)
-                ):
-                    apply_transition(b, BackendState.DRAINING, "thermal_hot", now)
-                    self.cooldowns += 1
-                    changed = True
-            elif b.state is BackendState.DRAINING:
-                if b.in_flight == 0:
-                    apply_transition(b, BackendState.COOLDOWN, "drained", now)
-                    self._rest_since[i] = now
-            elif b.state is BackendState.COOLDOWN and cooldown_done(
-                self.trackers[i], now - self._rest_since[i], now, self.cfg
-            ):
-                apply_transition(b, BackendState.WARM, "thermal_cooled", now)
-                self.returned += 1
-                b.warm_since = now
-                changed = True
-        if changed:
-            self._routable = [b for b in self.backends if b.state is BackendState.WARM]
-            self._choice = None
-
-
-def make_policy(name: str, spec: FleetSpec) -> Any:
-    """A fresh policy object by name (see :data:`POLICIES`)."""
-    n = spec.num_backends
-    if name == "round-robin":
-        return RoundRobin(n)
-    if name == "least-request":
-        return LeastRequest(n)
-    if name == "ours":
-        return Ours(spec, random.Random(spec.seed))
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+__all__ = [  # the simulator's entry point: its parts are re-exported here
+    "FLEET_ENGINE",
+    "POLICIES",
+    "FleetSpec",
+    "PolicyResult",
+    "RackSpec",
+    "Series",
+    "SimulatedGateway",
+    "capacity_rps",
+    "simulate",
+]
 
 
 # ---- results ---------------------------------------------------------------------------------
@@ -481,7 +167,7 @@ def simulate(
     """
     racks = spec.rack_of()
     n = len(racks)
-    policy = make_policy(policy_name, spec)
+    gateway = SimulatedGateway(spec, routing_policy(policy_name))
     engines = [BatchEngine(spec.engine) for _ in range(n)]
     gpus = [
         GpuThermal(
@@ -491,7 +177,7 @@ def simulate(
         )
         for r in racks
     ]
-    view = _FleetView(engines, gpus)
+    view = FleetView(engines, gpus)
     members: list[list[int]] = [[] for _ in spec.racks]
     for i, r in enumerate(racks):
         members[r].append(i)
@@ -529,7 +215,7 @@ def simulate(
     def account(i: int, done: list[SimRequest]) -> None:
         nonlocal good, completed
         for req in done:
-            policy.finished(i)
+            gateway.finished(i)
             completed += 1
             ttft = req.ttft_s
             tpot = req.tpot_s
@@ -625,13 +311,13 @@ def simulate(
                 physics(now)
                 t_phys += spec.physics_dt_s
             if t_load == now:
-                policy.scrape_load(now, view)
+                gateway.scrape_load(now, view)
                 t_load += spec.load_scrape_s
             if t_gpu == now:
-                policy.scrape_gpus(now, view)
+                gateway.scrape_gpus(now, view)
                 t_gpu += spec.gpu_scrape_s
             if t_ctl == now:
-                policy.control(now)
+                gateway.control(now)
                 t_ctl += spec.lifecycle.check_interval_s
             if t_rec == now:
                 record(now)
@@ -645,15 +331,15 @@ def simulate(
         arrived += 1
         req = SimRequest(nxt.t, nxt.prompt_tokens, nxt.output_tokens)
         nxt = next(it, None)
-        i = policy.pick(now, req)
-        if i is None:
+        chosen = gateway.pick(now, req)
+        if chosen is None:
             req.rejected = True
             rejected += 1
             continue
-        req.backend = i
-        policy.dispatched(i)
-        account(i, engines[i].submit(req, now))
-        reschedule(i)
+        req.backend = chosen
+        gateway.dispatched(chosen)
+        account(chosen, engines[chosen].submit(req, now))
+        reschedule(chosen)
 
     ttft_sorted = sorted(ttfts)
     tpot_sorted = sorted(tpots)
@@ -678,8 +364,8 @@ def simulate(
         domain_budget_w=dict(zip(names, budgets, strict=True)),
         power_cap_events=cap_events,
         power_capped_s=capped_s,
-        cooldowns=policy.cooldowns,
-        cooldowns_completed=policy.returned,
+        cooldowns=gateway.cooldowns,
+        cooldowns_completed=gateway.returned,
         energy_kwh=sum(g.energy_j for g in gpus) / 3.6e6,
         mean_utilisation=util_sum / util_n if util_n else 0.0,
         max_temp_by_domain_c=dict(zip(names, max_temp, strict=True)),

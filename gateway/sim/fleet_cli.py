@@ -43,18 +43,19 @@ FLEET_THERMAL = ThermalConfig(
     domain_target_ratio=0.9,
     power_shed_levels=(1.0, 1.0, 1.0),
 )
-"""The thermal settings "ours" runs with in the fleet simulator (see README, "Fleet
-simulator"). Penalties are in load-score units; with :data:`FLEET_WEIGHTS` one request
-running on a 32-slot backend scores 2/32 = 0.0625, so a warm backend (>= 75 °C, or cool but
-predicted from its trend to reach ``hot_c`` within a minute) is avoided until the cooler
-ones run about 2-3 more requests, and a domain above 90% of its budget until the others run
-16 more; admission sheds only once every candidate's domain is at its budget. Hot backends
-(>= 85 °C) drain and rest as configured by default. Why so light: at 70% load the cool racks
-sit close to their power budgets, so every request steered off a warm GPU raises a cool
-rack's draw; stronger steering (warm 0.6 and 0.02 per °C of predicted temperature above the
-coolest were tried) gave more facility power caps and lower goodput in simulation, and the
-gateway's defaults (8 for warm: eight *queued* requests; 0.1 per °C) pile queues on the
-cool backends (``benchmarks/thermal.py --with-defaults`` shows by how much)."""
+"""The thermal settings the gateway's policy (``load_thermal``) runs with in the fleet
+simulator (see README, "Fleet simulator"). Penalties are in load-score units; with
+:data:`FLEET_WEIGHTS` one request running on a 32-slot backend scores 2/32 = 0.0625, so a
+warm backend (>= 75 °C, or cool but predicted from its trend to reach ``hot_c`` within a
+minute) is avoided until the cooler ones run about 2-3 more requests, and a domain above 90%
+of its budget until the others run 16 more; admission sheds only once every candidate's
+domain is at its budget. Hot backends (>= 85 °C) drain and rest as configured by default.
+Why so light: at 70% load the cool racks sit close to their power budgets, so every request
+steered off a warm GPU raises a cool rack's draw; stronger steering (warm 0.6 and 0.02 per
+°C of predicted temperature above the coolest were tried) gave more facility power caps and
+lower goodput in simulation, and the gateway's defaults (8 for warm: eight *queued*
+requests; 0.1 per °C) pile queues on the cool backends (``benchmarks/thermal.py
+--with-defaults`` shows by how much)."""
 
 FLEET_WEIGHTS = RoutingWeights(waiting=1.0, running=2.0, kv_cache=0.1)
 """Load-score weights for the simulated fleet: with 32 slots and long requests the batch
@@ -180,7 +181,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gateway-defaults",
         action="store_true",
-        help="run 'ours' with the gateway's default thermal/routing settings",
+        help="run load_thermal with the gateway's default thermal/routing settings",
     )
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
     g.add_argument("--plot", metavar="PNG", help="write temperature/power over time (matplotlib)")

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gateway.config import RoutingPolicy
 from gateway.sim.fleet import PolicyResult
 
 TAPAS_REDUCTIONS: dict[str, float] = {
@@ -73,59 +74,67 @@ def results_table(results: Sequence[PolicyResult], title: str = "Fleet simulatio
     return t
 
 
-def reduction(ours: float, base: float) -> float:
-    """Relative reduction of ``ours`` against ``base`` (0.25 = 25% lower); 0 when both are
+def _split(results: Sequence[PolicyResult]) -> tuple[list[PolicyResult], list[PolicyResult]]:
+    """The runs of the gateway's own policy (``load_thermal``, whatever label follows) and
+    the baselines."""
+    own = RoutingPolicy.LOAD_THERMAL.value
+    gateway = [r for r in results if r.policy.startswith(own)]
+    return gateway, [r for r in results if not r.policy.startswith(own)]
+
+
+def reduction(value: float, base: float) -> float:
+    """Relative reduction of ``value`` against ``base`` (0.25 = 25% lower); 0 when both are
     0, ``-inf`` when only the baseline is 0."""
     if base == 0:
-        return 0.0 if ours == 0 else -math.inf
-    return 1.0 - ours / base
+        return 0.0 if value == 0 else -math.inf
+    return 1.0 - value / base
 
 
-def ratios(ours: PolicyResult, base: PolicyResult) -> dict[str, float]:
-    """Reductions of ours vs ``base`` for TAPAS's four measures, plus the goodput ratio."""
-    out = {k: reduction(float(getattr(ours, k)), float(getattr(base, k))) for k in TAPAS_REDUCTIONS}
-    out["goodput_ratio"] = ours.goodput_rps / base.goodput_rps if base.goodput_rps else math.nan
+def ratios(r: PolicyResult, base: PolicyResult) -> dict[str, float]:
+    """Reductions of ``r`` against the baseline ``base`` for TAPAS's four measures, plus the
+    goodput ratio (``r`` over ``base``)."""
+    out = {k: reduction(float(getattr(r, k)), float(getattr(base, k))) for k in TAPAS_REDUCTIONS}
+    out["goodput_ratio"] = r.goodput_rps / base.goodput_rps if base.goodput_rps else math.nan
     return out
 
 
-def ratios_table(ours: PolicyResult, bases: Sequence[PolicyResult]) -> Table:
-    """Reductions of ``ours`` against each baseline, next to TAPAS's figures."""
-    t = Table(title=f"{ours.policy}: reduction against each baseline (positive = better)")
+def ratios_table(r: PolicyResult, bases: Sequence[PolicyResult]) -> Table:
+    """Reductions of ``r`` against each baseline, next to TAPAS's figures."""
+    t = Table(title=f"{r.policy}: reduction against each baseline (positive = better)")
     t.add_column("measure")
     for b in bases:
         t.add_column(f"vs {b.policy}", justify="right")
     t.add_column("TAPAS", justify="right")
-    rs = [ratios(ours, b) for b in bases]
+    rs = [ratios(r, b) for b in bases]
 
     def cell(v: float) -> str:
         return f"{v:+.1%}" if math.isfinite(v) else "worse (base 0)"
 
     for key, tapas in TAPAS_REDUCTIONS.items():
         t.add_row(key, *(cell(r[key]) for r in rs), f"{tapas:+.0%}")
-    t.add_row("goodput (ours / base)", *(f"{r['goodput_ratio']:.3f}" for r in rs), "")
+    t.add_row("goodput (policy / base)", *(f"{x['goodput_ratio']:.3f}" for x in rs), "")
     return t
 
 
 def print_results(
     results: Sequence[PolicyResult], console: Console | None = None, title: str = ""
 ) -> None:
-    """Print the table, and ratios of ``ours`` against the others when present."""
+    """Print the table, and ratios of the gateway's policy against the baselines when both
+    are present."""
     c = console or Console()
     c.print(results_table(results, title or "Fleet simulation"))
-    ours = [r for r in results if r.policy.startswith("ours")]
-    bases = [r for r in results if not r.policy.startswith("ours")]
-    for o in ours:
+    gateway, bases = _split(results)
+    for g in gateway:
         if bases:
-            c.print(ratios_table(o, bases))
+            c.print(ratios_table(g, bases))
 
 
 def to_json(results: Sequence[PolicyResult], with_series: bool = False, **extra: Any) -> str:
     """JSON of every result (and ``extra`` top-level fields, e.g. the scenario)."""
     body: dict[str, Any] = dict(extra)
     body["results"] = [r.as_dict(with_series) for r in results]
-    ours = [r for r in results if r.policy.startswith("ours")]
-    bases = [r for r in results if not r.policy.startswith("ours")]
-    body["ratios"] = {o.policy: {b.policy: ratios(o, b) for b in bases} for o in ours}
+    gateway, bases = _split(results)
+    body["ratios"] = {g.policy: {b.policy: ratios(g, b) for b in bases} for g in gateway}
     return json.dumps(body, indent=2, default=float)
 
 

@@ -10,9 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config import RoutingPolicy
+from gateway.routing.policies import LeastRequestPolicy, RoundRobinPolicy
+from gateway.routing.policy import LoadThermalPolicy
 from gateway.sim.batch import BatchEngine, SimRequest
 from gateway.sim.engine import Engine, EngineParams, EngineRequest
-from gateway.sim.fleet import FleetSpec, PolicyResult, RackSpec, simulate
+from gateway.sim.fleet import (
+    POLICIES,
+    FleetSpec,
+    PolicyResult,
+    RackSpec,
+    SimulatedGateway,
+    simulate,
+)
 from gateway.sim.fleet_cli import FLEET_THERMAL, FLEET_WEIGHTS, main, trace_for_load, uneven_racks
 from gateway.sim.fleet_report import ratios, to_json
 from gateway.sim.workload import Arrival, TraceSpec, generate, read_csv
@@ -33,7 +43,7 @@ def small_run(policy: str, seed: int = 3, load: float = 0.6) -> PolicyResult:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, PolicyResult]:
-    return {p: small_run(p) for p in ("round-robin", "least-request", "ours")}
+    return {p: small_run(p) for p in ("round_robin", "least_request", "load_thermal")}
 
 
 def test_batch_engine_matches_the_token_engine_for_one_request() -> None:
@@ -95,31 +105,31 @@ def test_csv_trace_reader(tmp_path: Path) -> None:
     bad.write_text("time,prompt_tokens,output_tokens\n1,2,x\n")
     with pytest.raises(ValueError, match=r"bad.csv:2"):
         read_csv(bad)
-    r = simulate(small_spec(), "ours", rows, 60.0)
+    r = simulate(small_spec(), "load_thermal", rows, 60.0)
     assert (r.arrived, r.completed, r.rejected) == (3, 3, 0)
 
 
 def test_same_seed_same_result_other_seed_differs() -> None:
-    a = small_run("ours", seed=3, load=0.6)
-    b = small_run("ours", seed=3, load=0.6)
-    c = small_run("ours", seed=4, load=0.6)
+    a = small_run("load_thermal", seed=3, load=0.6)
+    b = small_run("load_thermal", seed=3, load=0.6)
+    c = small_run("load_thermal", seed=4, load=0.6)
     assert a.as_dict(with_series=True) == b.as_dict(with_series=True)
     assert a.as_dict() != c.as_dict()
 
 
-def test_round_robin_heats_the_badly_cooled_rack_more_than_ours(
+def test_round_robin_heats_the_badly_cooled_rack_more_than_load_thermal(
     runs: dict[str, PolicyResult],
 ) -> None:
-    rr, ours = runs["round-robin"], runs["ours"]
-    assert rr.arrived == ours.arrived > 1000
-    assert rr.max_temp_by_domain_c["rack-b"] > ours.max_temp_by_domain_c["rack-b"] + 1.0
+    rr, gw = runs["round_robin"], runs["load_thermal"]
+    assert rr.arrived == gw.arrived > 1000
+    assert rr.max_temp_by_domain_c["rack-b"] > gw.max_temp_by_domain_c["rack-b"] + 1.0
     assert rr.max_temp_by_domain_c["rack-b"] > rr.max_temp_by_domain_c["rack-a"] + 10.0
-    assert rr.max_temp_c > ours.max_temp_c + 1.0
-    assert ours.goodput_rps >= 0.98 * runs["least-request"].goodput_rps
+    assert rr.max_temp_c > gw.max_temp_c + 1.0
+    assert gw.goodput_rps >= 0.98 * runs["least_request"].goodput_rps
 
 
-def test_ours_cools_a_failing_rack_down_and_brings_it_back() -> None:
-    """A rack at 45 °C inlet with poor airflow: ours drains its hot GPUs, rests them below
+def test_load_thermal_cools_a_failing_rack_down_and_brings_it_back() -> None:
+    """A rack at 45 °C inlet with poor airflow: the gateway drains its hot GPUs, rests them below
     the resume temperature, and returns them (lifecycle transitions of the real Backend)."""
     racks = (
         RackSpec("good", 3, 22.0, 0.07, 3 * 700.0),
@@ -127,30 +137,51 @@ def test_ours_cools_a_failing_rack_down_and_brings_it_back() -> None:
     )
     spec = FleetSpec(racks=racks, thermal=FLEET_THERMAL, weights=FLEET_WEIGHTS)
     ts = trace_for_load(spec, 0.8, 1200.0, 1, start_hour=15.0)
-    ours = simulate(spec, "ours", generate(ts), 1200.0)
-    rr = simulate(spec, "round-robin", generate(ts), 1200.0)
-    assert ours.max_temp_by_domain_c["failing"] < rr.max_temp_by_domain_c["failing"]
-    assert rr.throttle_time_s > 2 * ours.throttle_time_s
-    assert ours.cooldowns >= 1 and ours.cooldowns_completed >= 1
-    assert ours.goodput_rps > rr.goodput_rps
+    gw = simulate(spec, "load_thermal", generate(ts), 1200.0)
+    rr = simulate(spec, "round_robin", generate(ts), 1200.0)
+    assert gw.max_temp_by_domain_c["failing"] < rr.max_temp_by_domain_c["failing"]
+    assert rr.throttle_time_s > 2 * gw.throttle_time_s
+    assert gw.cooldowns >= 1 and gw.cooldowns_completed >= 1
+    assert gw.goodput_rps > rr.goodput_rps
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "thermal"),
+    [
+        ("round_robin", RoundRobinPolicy, False),
+        ("least_request", LeastRequestPolicy, False),
+        ("load_thermal", LoadThermalPolicy, True),
+    ],
+)
+def test_the_simulator_runs_the_routing_packages_policies(
+    name: str, kind: type, thermal: bool
+) -> None:
+    """Each simulated policy is the routing package's own object (the `routing.policy`
+    values, in report order), with the gateway's thermal machinery for load_thermal only."""
+    gw = SimulatedGateway(small_spec(), RoutingPolicy(name))
+    assert type(gw.policy) is kind
+    assert gw.thermal_aware is thermal
+    assert POLICIES == ("round_robin", "least_request", "load_thermal")
+    with pytest.raises(ValueError, match="unknown policy 'ours'"):
+        simulate(small_spec(), "ours", [], 1.0)
 
 
 def test_report_json_and_ratios(runs: dict[str, PolicyResult]) -> None:
     body = json.loads(to_json(list(runs.values())))
-    assert [r["policy"] for r in body["results"]] == ["round-robin", "least-request", "ours"]
-    assert set(body["ratios"]["ours"]) == {"round-robin", "least-request"}
-    r = ratios(runs["ours"], runs["round-robin"])
+    assert [r["policy"] for r in body["results"]] == list(POLICIES)
+    assert set(body["ratios"]["load_thermal"]) == {"round_robin", "least_request"}
+    r = ratios(runs["load_thermal"], runs["round_robin"])
     assert r["max_temp_c"] == pytest.approx(
-        1 - runs["ours"].max_temp_c / runs["round-robin"].max_temp_c
+        1 - runs["load_thermal"].max_temp_c / runs["round_robin"].max_temp_c
     )
 
 
 def test_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "fleet.png"
     args = ["--backends", "2", "--racks", "2", "--duration", "120", "--json"]
-    assert main([*args, "--policies", "least-request,ours", "--plot", str(png)]) == 0
+    assert main([*args, "--policies", "least_request,load_thermal", "--plot", str(png)]) == 0
     body = json.loads(capsys.readouterr().out)
-    assert [r["policy"] for r in body["results"]] == ["least-request", "ours"]
+    assert [r["policy"] for r in body["results"]] == ["least_request", "load_thermal"]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert main([*args, "--policies", "nope"]) == 2
 

@@ -19,7 +19,7 @@ from gateway.fleet.lifecycle import (
     may_take_out,
     slow_start_weight,
 )
-from gateway.routing.policy import AffinityTable, Router
+from gateway.routing.policy import AffinityTable, LoadThermalPolicy
 
 S = BackendState
 CFG = LifecycleConfig()  # short 300 s, medium 1800 s / 10,000 requests, long 4 h
@@ -141,8 +141,8 @@ class Clock:
 
 def test_router_gives_a_ramping_backend_its_weight_times_its_share():
     clock = Clock(100.0)
-    r = Router(RoutingWeights(), 5.0, AffinityTable(60, 100, clock), clock,
-               slow_start_s=30.0, slow_start_min_weight=0.1, rng=random.Random(7))
+    r = LoadThermalPolicy(RoutingWeights(), 5.0, AffinityTable(60, 100, clock), clock,
+                          slow_start_s=30.0, slow_start_min_weight=0.1, rng=random.Random(7))
     old, new = fleet(2)
     new.warm_since = 100.0 - 15.0  # half-way through the ramp: weight 0.5
     picks = [r.pick([old, new]).id for _ in range(4000)]

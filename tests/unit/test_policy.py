@@ -1,4 +1,4 @@
-"""Load-aware routing and session affinity (pure, fake clock)."""
+"""The gateway's own policy (load_thermal): load score, ties, affinity (pure, fake clock)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gateway.config import RoutingWeights
 from gateway.core.samples import LoadSample
-from gateway.routing.policy import AffinityTable, Router, estimated_load, score
+from gateway.routing.policy import AffinityTable, LoadThermalPolicy, estimated_load, score
 
 
 class Clock:
@@ -31,8 +31,8 @@ def sample(waiting=0.0, running=0.0, kv=0.0, at=100.0, in_flight=0) -> LoadSampl
     return LoadSample(waiting, running, kv, at, in_flight)
 
 
-def router(clock: Clock) -> Router:
-    return Router(RoutingWeights(), 5.0, AffinityTable(60, 1000, clock), clock)
+def router(clock: Clock) -> LoadThermalPolicy:
+    return LoadThermalPolicy(RoutingWeights(), 5.0, AffinityTable(60, 1000, clock), clock)
 
 
 def test_least_loaded_wins():

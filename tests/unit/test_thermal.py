@@ -16,7 +16,6 @@ from gateway.routing.thermal import (
     ThermalTier,
     ThermalTracker,
     choose,
-    cooldown_done,
     domain_statuses,
     power_pressure,
 )
@@ -228,10 +227,10 @@ def test_disabled_keeps_everything_without_penalty() -> None:
     assert [c.id for c in ch.candidates] == ["a", "b"] and ch.penalties == {} and not ch.hot
 
 
-def test_router_pick_uses_the_penalties() -> None:
+def test_load_thermal_policy_adds_the_thermal_hooks_penalties() -> None:
     from gateway.config import RoutingWeights
     from gateway.core.samples import LoadSample
-    from gateway.routing.policy import AffinityTable, Router
+    from gateway.routing.policy import AffinityTable, LoadThermalPolicy
 
     @dataclass
     class B:
@@ -242,14 +241,23 @@ def test_router_pick_uses_the_penalties() -> None:
         warm_since: float | None = None
         recent_failures: int = 0
 
-    router = Router(RoutingWeights(), 5.0, AffinityTable(60, 10, lambda: 0.0), lambda: 0.0)
-    warm, cool = B("warm"), B("cool", in_flight=3)
-    st = {"warm": status(T.WARM, 80), "cool": status(T.COOL, 60)}
-    ch = choose([warm, cool], lambda c: st[c.id], {}, CFG)
+    st = {"warm": status(T.WARM, 80), "cool": status(T.COOL, 60), "hot": status(T.HOT, 90)}
+    router = LoadThermalPolicy(
+        RoutingWeights(), 5.0, AffinityTable(60, 10, lambda: 0.0), lambda: 0.0,
+        thermal=lambda cands, now: choose(cands, lambda c: st[c.id], {}, CFG),
+    )
+    warm, cool, hot = B("warm"), B("cool", in_flight=3), B("hot")
     # cool has 3 requests queued-equivalent more, still below the warm penalty: cool wins
-    assert router.pick(ch.candidates, penalties=ch.penalties) is cool
+    assert router.pick([warm, cool]) is cool
     cool.in_flight = 30  # far busier: the warm one takes it rather than pile up a queue
-    assert router.pick(ch.candidates, penalties=ch.penalties) is warm
+    assert router.pick([warm, cool]) is warm
+    assert router.pick([hot, cool]) is cool  # an idle hot backend is dropped, however busy
+    assert router.pick([hot]) is hot  # every candidate hot: kept (the GPU throttles itself)
+    unaware = LoadThermalPolicy(
+        RoutingWeights(), 5.0, AffinityTable(60, 10, lambda: 0.0), lambda: 0.0
+    )
+    cool.in_flight = 3
+    assert unaware.pick([warm, cool]) is warm  # without the hook: load alone
 
 
 # ---- power domains --------------------------------------------------------------------------
@@ -277,39 +285,6 @@ def test_power_pressure_is_the_roomiest_domain() -> None:
     assert power_pressure(["r1"], d) == pytest.approx(0.95)
     assert power_pressure(["r1", None], d) == 0.0  # a candidate outside any domain
     assert power_pressure([], d) == 0.0
-
-
-# ---- cooldown end ---------------------------------------------------------------------------
-def test_cooldown_waits_for_resume_temperature_and_minimum_rest() -> None:
-    cfg = ThermalConfig(cooldown_s=60, max_cooldown_s=300)
-    tr = ThermalTracker(cfg)
-    tr.observe(sample(0.0, 90.0))
-    assert not cooldown_done(tr, 10.0, 10.0, cfg)
-    tr.observe(sample(30.0, 65.0))  # cooled, but rested too little
-    assert not cooldown_done(tr, 30.0, 30.0, cfg)
-    tr.observe(sample(60.0, 66.0))
-    assert cooldown_done(tr, 60.0, 60.0, cfg)
-
-
-def test_cooldown_stays_while_hot_or_unknown_until_the_cap() -> None:
-    cfg = ThermalConfig(cooldown_s=60, max_cooldown_s=300)
-    tr = ThermalTracker(cfg)
-    tr.observe(sample(100.0, 72.0))  # below hot, above resume
-    assert not cooldown_done(tr, 100.0, 100.0, cfg)
-    assert not cooldown_done(tr, 200.0, 200.0, cfg)  # stale: unknown is not cool
-    assert cooldown_done(tr, 300.0, 300.0, cfg)  # the cap
-
-
-def test_end_of_cooldown_rereads_the_hot_latch() -> None:
-    tr = ThermalTracker(CFG)
-    tr.observe(sample(0.0, 90.0))
-    tr.observe(sample(1.0, 78.0))
-    assert tr.tier(1.0) is T.HOT
-    tr.end_cooldown()  # released by the cap at 78 °C: warm, not hot
-    assert tr.tier(1.0) is T.WARM
-    tr.observe(sample(2.0, 86.0))
-    tr.end_cooldown()
-    assert tr.tier(2.0) is T.HOT
 
 
 def test_config_rejects_inverted_thresholds() -> None:

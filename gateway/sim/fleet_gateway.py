@@ -1,0 +1,237 @@
+"""The gateway's decisions over the simulated fleet (:class:`SimulatedGateway`): the routing
+package's policies, and with ``load_thermal`` the gateway's GPU telemetry, power admission
+and thermal cooldowns, on :class:`gateway.fleet.backend.Backend` records. Pure, simulated
+time; :func:`gateway.sim.fleet.simulate` drives it."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.config import BackendConfig, RoutingConfig, RoutingPolicy
+from gateway.core.samples import GpuSample, LoadSample
+from gateway.core.vocab import BackendState, Prio
+from gateway.fleet.backend import Backend
+from gateway.fleet.lifecycle import apply_transition, may_take_out
+from gateway.routing.cooldown import cooldown_due, rest_over
+from gateway.routing.policies import Policy, build_policy
+from gateway.routing.policy import C
+from gateway.routing.thermal import (
+    UNMONITORED,
+    DomainStatus,
+    ThermalChoice,
+    ThermalStatus,
+    ThermalTracker,
+    choose,
+    domain_statuses,
+    power_pressure,
+)
+from gateway.sim.batch import BatchEngine, SimRequest
+from gateway.sim.fleet_spec import FleetSpec
+from gateway.sim.thermal import GpuThermal
+from gateway.traffic.admission import Saturation, shed
+
+POLICIES: tuple[str, ...] = tuple(
+    p.value
+    for p in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_REQUEST, RoutingPolicy.LOAD_THERMAL)
+)
+"""The ``routing.policy`` values the simulator runs, in the order it reports them."""
+
+
+class FleetView:
+    """What the gateway's telemetry reads of the simulated fleet (read-only by convention):
+    each backend's engine and GPU, by backend index."""
+
+    def __init__(self, engines: list[BatchEngine], gpus: list[GpuThermal]) -> None:
+        self.engines = engines
+        self.gpus = gpus
+
+
+class SimulatedGateway:
+    """The gateway's decisions over the simulated fleet, with one routing policy.
+
+    Every backend is a :class:`gateway.fleet.backend.Backend` (the routing package's
+    :class:`~gateway.routing.policy.Candidate`) whose in-flight count, load samples (every
+    ``load_scrape_s``) and state the loop keeps; the policy is the routing package's own,
+    built by :func:`gateway.routing.policies.build_policy` from the policy's name (a
+    ``routing.policy`` value). With ``load_thermal`` the gateway's thermal machinery runs
+    too (GPU telemetry, :func:`gateway.routing.thermal.choose` as the policy's thermal hook,
+    power admission, thermal cooldowns by :mod:`gateway.routing.cooldown`); the simple
+    policies stand for a plain router in front of the same fleet, without it.
+
+    The loop drives: ``pick`` (backend index, or None to reject), ``dispatched`` /
+    ``finished`` (in-flight bookkeeping), ``scrape_load`` / ``scrape_gpus`` (telemetry
+    ticks), ``control`` (lifecycle tick); ``cooldowns`` taken and ``returned`` from them
+    are counted.
+    """
+
+    def __init__(self, spec: FleetSpec, policy: RoutingPolicy) -> None:
+        self.spec = spec
+        self.cfg = spec.thermal
+        self.thermal_aware = policy is RoutingPolicy.LOAD_THERMAL
+        racks = spec.rack_of()
+        self.backends = [
+            Backend(
+                config=BackendConfig(
+                    id=f"b{i}",
+                    url=f"http://sim-b{i}:8000",  # type: ignore[arg-type]
+                    models=["sim"],
+                    max_num_seqs=spec.engine.max_num_seqs,
+                    power_domain=spec.racks[r].name,
+                ),
+                state=BackendState.WARM,
+                models=("sim",),
+            )
+            for i, r in enumerate(racks)
+        ]
+        self._index = {b.id: i for i, b in enumerate(self.backends)}
+        self.budgets = {r.name: r.budget_w for r in spec.racks}
+        self.now = 0.0
+        self.policy: Policy = build_policy(
+            RoutingConfig(policy=policy, weights=spec.weights, session_max_entries=1),
+            spec.lifecycle,
+            spec.telemetry.stale_after_s,
+            lambda: self.now,
+            thermal=self._thermal_choice if self.thermal_aware else None,
+            rng=random.Random(spec.seed),
+        )
+        # Keep only the samples the trend window needs (the slope scans them all).
+        keep = math.ceil(self.cfg.trend_window_s / spec.gpu_scrape_s) + 4
+        self.trackers = [ThermalTracker(self.cfg, max_samples=keep) for _ in self.backends]
+        self.statuses: dict[str, ThermalStatus] = {}
+        self.domains: dict[str, DomainStatus] = {}
+        self._routable = list(self.backends)
+        self._rest_since: dict[int, float] = {}
+        self._choice: ThermalChoice[Any] | None = None
+        self._shed_level: float | None = None
+        self.cooldowns = 0
+        self.returned = 0
+        self.shed = 0
+
+    # -- request path
+    def pick(self, now: float, req: SimRequest) -> int | None:
+        """The backend index for ``req`` arriving at ``now``, or None (rejected)."""
+        self.now = now
+        cands = self._routable
+        if not cands:
+            return None
+        if self.thermal_aware:
+            if self._choice is None:
+                self._refresh_choice()
+            if self._shed_level is not None and shed(
+                Prio.NORMAL, Saturation(self._shed_level), self.cfg.power_shed_levels
+            ):
+                self.shed += 1
+                return None
+        b = self.policy.pick(cands)
+        return None if b is None else self._index[b.id]
+
+    def _thermal_choice(self, candidates: Sequence[C], now: float) -> ThermalChoice[C]:
+        """The policy's thermal hook: :func:`choose` over the current telemetry, cached."""
+        if self._choice is None or candidates is not self._routable:
+            self._refresh_choice()
+        assert self._choice is not None and candidates is self._routable
+        return self._choice
+
+    def _refresh_choice(self) -> None:
+        """Call the gateway's :func:`choose` and :func:`power_pressure` for the current
+        candidates and telemetry. Both are pure functions of inputs that change only when
+        GPU telemetry arrives (every ``gpu_scrape_s``) or a backend changes state, so the
+        simulator calls them once per change instead of once per request: same answers,
+        a fraction of the cost (the load score, which changes with every request, is
+        still computed by the policy per request)."""
+        cands = self._routable
+        statuses = self.statuses
+        if statuses:
+            self._choice = choose(cands, lambda b: statuses[b.id], self.domains, self.cfg)
+        else:
+            self._choice = ThermalChoice(list(cands))
+        self._shed_level = (
+            power_pressure((b.config.power_domain for b in cands), self.domains)
+            if self.domains
+            else None
+        )
+
+    def dispatched(self, i: int) -> None:
+        """A request went to backend ``i``."""
+        b = self.backends[i]
+        b.in_flight += 1
+        b.requests_served += 1
+
+    def finished(self, i: int) -> None:
+        """A request on backend ``i`` finished."""
+        self.backends[i].in_flight -= 1
+
+    # -- telemetry
+    def scrape_load(self, now: float, view: FleetView) -> None:
+        """Load telemetry tick: each engine's queue, batch and KV use as a LoadSample."""
+        for b, e in zip(self.backends, view.engines, strict=True):
+            b.load = LoadSample(
+                float(e.num_waiting), float(e.num_running), e.kv_usage(), now, b.in_flight
+            )
+            b.last_scrape_ok_at = now
+
+    def scrape_gpus(self, now: float, view: FleetView) -> None:
+        """GPU telemetry tick (``load_thermal`` only; the simple policies read none)."""
+        if not self.thermal_aware:
+            return
+        for tr, g in zip(self.trackers, view.gpus, strict=True):
+            tr.observe(
+                GpuSample(
+                    at=now,
+                    temp_c=float(round(g.temp_c)),  # DCGM reports whole °C
+                    power_w=round(g.power_w, 1),
+                    power_limit_w=g.power_limit_w,
+                    sm_clock_mhz=round(g.sm_clock_mhz),
+                )
+            )
+        self.statuses = {
+            b.id: tr.status(now, b.config.power_domain)
+            for b, tr in zip(self.backends, self.trackers, strict=True)
+        }
+        self.domains = domain_statuses(self.statuses.values(), self.budgets, self.cfg)
+        self._choice = None
+
+    # -- lifecycle: thermal cooldown
+    def control(self, now: float) -> None:
+        """Lifecycle tick: hot backends drain and rest, rested ones return warm (the
+        gateway's :mod:`gateway.routing.cooldown` decisions, the lifecycle's staggering
+        and transitions); nothing to do for the simple policies."""
+        if not self.thermal_aware:
+            return
+        self.now = now
+        changed = False
+        for i, b in enumerate(self.backends):
+            if b.state is BackendState.WARM:
+                st = self.statuses.get(b.id, UNMONITORED)
+                if cooldown_due(b.state, st, self.cfg) and may_take_out(
+                    b, self.backends, self.spec.lifecycle
+                ):
+                    apply_transition(b, BackendState.DRAINING, "cooldown_thermal", now)
+                    self.cooldowns += 1
+                    changed = True
+            elif b.state is BackendState.DRAINING:
+                if b.in_flight == 0:
+                    apply_transition(b, BackendState.COOLDOWN, "drained", now)
+                    self._rest_since[i] = now
+            elif b.state is BackendState.COOLDOWN and rest_over(
+                self.trackers[i], now - self._rest_since[i], now, self.cfg
+            ):
+                apply_transition(b, BackendState.WARM, "cooldown_done", now)
+                self.returned += 1
+                b.warm_since = now
+                changed = True
+        if changed:
+            self._routable = [b for b in self.backends if b.state is BackendState.WARM]
+            self._choice = None
+
+
+def routing_policy(name: str) -> RoutingPolicy:
+    """The :class:`RoutingPolicy` a policy's name denotes (see :data:`POLICIES`); raises
+    ValueError for any other name."""
+    try:
+        return RoutingPolicy(name)
+    except ValueError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
