@@ -122,22 +122,6 @@ def after_probe(backend: Backend, ok: bool, cfg: HealthConfig) -> Decision | Non
 
 
 # ---- slow start --------------------------------------------------------------------------
-def slow_start_weight(
-    warm_since: float | None, now: float, slow_start_s: float, min_weight: float
-) -> float:
-    """Share multiplier (0-1] of a backend that became warm at ``warm_since`` (seconds).
-
-    Ramps linearly from ``min_weight`` to 1 over ``slow_start_s`` (Envoy's slow-start mode
-    ramps weights over a window the same way, with a minimum weight of 10% by default).
-    """
-    if warm_since is None or slow_start_s <= 0:
-        return 1.0
-    progress = (now - warm_since) / slow_start_s
-    if progress >= 1.0:
-        return 1.0
-    return max(min_weight, progress)
-
-
 # ---- maintenance cycles --------------------------------------------------------------------
 class CycleKind(StrEnum):
     SHORT = "short"

@@ -23,7 +23,7 @@ with it off, a failing backend keeps its share until ``breaker.consecutive_failu
 row open its breaker (each such request is retried elsewhere, within the retry budget).
 
 Slow start: a backend that just became warm (``warm_since``) takes a share of traffic that
-ramps linearly over ``slow_start_s`` (:func:`gateway.fleet.lifecycle.slow_start_weight`):
+ramps linearly over ``slow_start_s`` (:func:`slow_start_weight`):
 when it wins the pick, it keeps the request only with probability equal to its weight,
 otherwise the best other candidate takes it. Its share is thus its weight times what it
 would get at full weight.
@@ -48,7 +48,6 @@ from typing import Protocol, TypeVar
 
 from gateway.config import RoutingWeights
 from gateway.core.samples import LoadSample
-from gateway.fleet.lifecycle import slow_start_weight
 from gateway.routing.thermal import ThermalChoice
 
 __all__ = [
@@ -65,6 +64,22 @@ __all__ = [
 
 DEFAULT_CAPACITY = 256  # vLLM's default --max-num-seqs
 _EPS = 1e-9
+
+
+def slow_start_weight(
+    warm_since: float | None, now: float, slow_start_s: float, min_weight: float
+) -> float:
+    """Share multiplier (0-1] of a backend that became warm at ``warm_since`` (seconds).
+
+    Ramps linearly from ``min_weight`` to 1 over ``slow_start_s`` (Envoy's slow-start mode
+    ramps weights over a window the same way, with a minimum weight of 10% by default).
+    """
+    if warm_since is None or slow_start_s <= 0:
+        return 1.0
+    progress = (now - warm_since) / slow_start_s
+    if progress >= 1.0:
+        return 1.0
+    return max(min_weight, progress)
 
 
 class Candidate(Protocol):
@@ -189,7 +204,7 @@ class SlowStart:
     """The slow-start ramp every policy applies (Envoy's slow-start mode).
 
     A backend that became warm ``slow_start_s`` ago or less has a weight in
-    [``min_weight``, 1) (:func:`gateway.fleet.lifecycle.slow_start_weight`); when a policy
+    [``min_weight``, 1) (:func:`slow_start_weight`); when a policy
     picks it, it keeps the request only with probability equal to its weight (``rng``),
     otherwise the policy picks among the others. Off with ``slow_start_s`` 0.
     """

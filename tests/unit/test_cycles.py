@@ -17,9 +17,8 @@ from gateway.fleet.lifecycle import (
     initial_cycle_clock,
     max_unavailable,
     may_take_out,
-    slow_start_weight,
 )
-from gateway.routing.policy import AffinityTable, LoadThermalPolicy
+from gateway.routing.policy import AffinityTable, LoadThermalPolicy, slow_start_weight
 
 S = BackendState
 CFG = LifecycleConfig()  # short 300 s, medium 1800 s / 10,000 requests, long 4 h
