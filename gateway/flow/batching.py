@@ -50,13 +50,12 @@ from gateway.config import GatewayConfig
 from gateway.core.outcomes import Refusal, shutting_down
 from gateway.core.vocab import Prio
 from gateway.fleet.backend import Backend, Fleet
-from gateway.flow import merging
 from gateway.flow.admission import AdmissionGate, Evicted, ShuttingDown
-from gateway.flow.candidates import candidates
 from gateway.flow.context import Answer, RequestContext
 from gateway.flow.lease import BreakerSignals, Hold, RequestLease
 from gateway.flow.merged import UNMERGED, MergedRequests, Waiter, has_result
 from gateway.flow.pipeline import Pipeline
+from gateway.flow.placement import Placement
 from gateway.metrics import GatewayMetrics
 from gateway.routing.policies import Policy
 from gateway.traffic.admission import retry_after_s
@@ -65,7 +64,6 @@ from gateway.traffic.batcher import (
     Batcher,
     BucketSettings,
     Item,
-    merge_window_limit,
 )
 
 log = logging.getLogger("gateway.flow.batching")
@@ -109,29 +107,16 @@ class BatchDispatcher:
         self.fleet = fleet
         self.signals = signals
         self.pipeline = pipeline
-        self.merged = MergedRequests(
-            pipeline, metrics, self.new_lease, self._reserve, self._deliver
-        )
         self.router = router
         self.gate = gate
         self.metrics = metrics
         self.clock = clock
         self.queue_timeout_s = cfg.admission.max_queue_wait_s
-        self._per_seq = b.in_flight_per_seq
-        self._default_cap = b.default_capacity
-        self.pending: dict[str, int] = {}  # bound at dispatch, attempt not started yet
-        # merge window: embeddings upstream requests in flight per (backend id, merge key)
-        self.merge_flight: dict[Hashable, int] = {}
-        # backend id -> the request it is kept for: a request that needs several places
-        # (prompts x n) and found none with room for its wait budget; nothing of its
-        # priority or lower is bound there until it is placed or gone, so the backend
-        # drains to fit it (EASY backfilling's reservation, Lifka 1995). Without it, the
-        # single-place requests behind it took every freed place and it starved.
-        self.kept_for: dict[str, Waiter] = {}
         self.shut = False  # shutting down: nothing more is queued or dispatched
-        self._merge_window = b.merge_window
-        self._now = 0.0  # the pump's clock reading, for _bind
-        self._nagle_at = math.inf  # when a held group ripens (its wait budget ends)
+        self.placement = Placement(b, self.core, fleet, router)
+        self.merged = MergedRequests(
+            pipeline, metrics, self.new_lease, self.placement.reserve, self._deliver
+        )
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._tasks: set[asyncio.Task[None]] = set()
@@ -144,6 +129,16 @@ class BatchDispatcher:
             )
 
     # ---- the request's side ----------------------------------------------------------
+    @property
+    def pending(self) -> dict[str, int]:
+        """Places reserved per backend id for dispatched requests not yet started."""
+        return self.placement.pending
+
+    @property
+    def merge_flight(self) -> dict[Hashable, int]:
+        """Embeddings upstream requests in flight per (backend id, merge key)."""
+        return self.placement.merge_flight
+
     def new_lease(self) -> RequestLease:
         """A lease whose freed backend slots wake the queue (:meth:`slot_freed`)."""
         return RequestLease(self.signals, self.slot_freed)
@@ -276,26 +271,14 @@ class BatchDispatcher:
         if self.core.queued:
             self.pump()
 
-    # ---- merge window -------------------------------------------------------------------
-    def _full(self, prio: int) -> int:
-        """Size of a full merge group of bucket ``prio`` (requests)."""
-        return min(self.core.settings[prio].max_batch_size, self.core.merge_max)
-
-    def _merge_release_slot(self, slot: Hashable) -> None:
-        """An upstream request counted in ``slot``'s merge window ended (its lease)."""
-        left = self.merge_flight.get(slot, 0) - 1
-        if left > 0:
-            self.merge_flight[slot] = left
-        else:
-            self.merge_flight.pop(slot, None)
-
     def pump(self) -> None:
         """Dispatch whatever the batcher says is due, then arm the timer for the next."""
         core = self.core
-        now = self._now = self.clock()
-        self._nagle_at = math.inf
+        placement = self.placement
+        now = placement.now = self.clock()
+        placement.nagle_at = math.inf
         while True:
-            batches = core.dispatch(now, self._bind)
+            batches = core.dispatch(now, placement.bind)
             if not batches:
                 break
             for batch in batches:
@@ -331,7 +314,7 @@ class BatchDispatcher:
     def _arm(self, now: float) -> None:
         at = self.core.next_due_at()
         if self.core.blocked:  # a backend may become routable without any slot freeing
-            at = min(at if at is not None else math.inf, now + 0.05, self._nagle_at)
+            at = min(at if at is not None else math.inf, now + 0.05, self.placement.nagle_at)
         if at is None or at == math.inf or at >= self._timer_at:
             return
         if self._timer is not None:
@@ -343,134 +326,6 @@ class BatchDispatcher:
         self._timer = None
         self._timer_at = math.inf
         self.pump()
-
-    def _limit(self, b: Backend) -> float:
-        """Places on ``b`` (sequences; ``inf`` without a known capacity)."""
-        cap = b.capacity or self._default_cap
-        if cap is None:
-            return math.inf
-        return max(1, math.ceil(cap * self._per_seq))
-
-    def _room(self, b: Backend) -> float:
-        """Places left on ``b`` (sequences; ``inf`` without a known capacity)."""
-        return self._limit(b) - b.in_flight - self.pending.get(b.id, 0)
-
-    def _fits(self, b: Backend, need: int) -> bool:
-        """Whether ``need`` places fit on ``b`` (an idle backend takes even a request larger
-        than its capacity: it would never fit otherwise)."""
-        room = self._room(b)
-        return room >= need or (room >= 1 and room >= self._limit(b))
-
-    def _bind(self, unit: list[Item]) -> int:
-        """Reserve places on a backend with room for ``unit`` (a single request, or a merge
-        group sent as one upstream request): a request takes its ``places`` (sequences it
-        decodes: prompts x n), an embeddings request one, merged or not (its inputs are
-        prefill-only sequences of one engine step), and embeddings also take a place in
-        the backend's merge window of their merge key. A completions merge group is placed
-        as far as its members' prompts fit. Returns how many requests it placed."""
-        w: Waiter = unit[0].handle
-        ctx = w.ctx
-        cands = candidates(self.fleet, ctx.model, (), self._now)
-        if not cands:  # nothing can take the model at all: the pipeline answers 429/503
-            w.backend = None
-            return len(unit)
-        key = unit[0].merge_key
-        endpoint = merging.key_endpoint(key)
-        windowed = endpoint == merging.EMBEDDINGS and self._merge_window > 0
-        # Nagle: a backend with nothing of this key's window in flight takes any group at
-        # once; one with some in flight (below the window) a full group, or one whose
-        # oldest request has waited its wait budget
-        limit = 1
-        ripe_at = math.inf
-        if windowed:
-            first = unit[0]
-            budget = self.core.wait_budget(first.prio)
-            ripe_at = first.enqueued_at + budget
-            limit = merge_window_limit(
-                len(unit),
-                self._full(first.prio),
-                self._now - first.enqueued_at,
-                budget,
-                self._merge_window,
-            )
-        flight = self.merge_flight
-        need = 1 if endpoint == merging.EMBEDDINGS else ctx.places
-        prio = unit[0].prio
-        open_ = [c for c in cands if self._open_to(c, w, prio)]
-        b = self.router.pick(
-            [
-                c
-                for c in open_
-                if self._fits(c, need) and (not windowed or flight.get((c.id, key), 0) < limit)
-            ],
-            ctx.session_key,
-        )
-        if b is None:
-            if windowed and limit == 1:  # wake when it ripens
-                self._nagle_at = min(self._nagle_at, ripe_at)
-            if need > 1:
-                self._keep_backend(unit[0], open_)
-            return 0
-        if w.reserved is not None:  # placed: its kept backend is free again
-            if self.kept_for.get(w.reserved) is w:
-                del self.kept_for[w.reserved]
-            w.reserved = None
-        took, places = len(unit), 1
-        if endpoint != merging.EMBEDDINGS:
-            room = max(self._room(b), need)  # an idle backend takes the first one anyway
-            took = places = 0
-            for it in unit:
-                p = it.handle.ctx.places
-                if took and places + p > room:
-                    break
-                took += 1
-                places += p
-        self._reserve(b, places, ctx.lease)
-        w.backend = b
-        if windowed:  # one upstream request in b's window until its lease gives it back
-            slot = (b.id, key)
-            flight[slot] = flight.get(slot, 0) + 1
-            ctx.lease.hold(Hold.MERGE_SLOT, lambda: self._merge_release_slot(slot))
-        return took
-
-    def _open_to(self, b: Backend, w: Waiter, prio: int) -> bool:
-        """Whether ``b`` may take ``w``'s request (of bucket ``prio``): it is not kept for
-        another queued request of the same or a more urgent bucket."""
-        kept = self.kept_for.get(b.id)
-        if kept is None or kept is w:
-            return True
-        if kept.fut.done() or kept.riding:  # placed, timed out, evicted or gone
-            del self.kept_for[b.id]
-            kept.reserved = None
-            return True
-        return prio < kept.ctx.priority
-
-    def _keep_backend(self, head: Item, cands: list[Backend]) -> None:
-        """``head`` needs several places and none of ``cands`` has them: once it has waited
-        its wait budget, keep the candidate with the most room for it (one per request)."""
-        w: Waiter = head.handle
-        if w.reserved is not None or self._now - head.enqueued_at < self.core.wait_budget(
-            head.prio
-        ):
-            return
-        free = [c for c in cands if c.id not in self.kept_for]
-        if free:
-            b = max(free, key=self._room)
-            self.kept_for[b.id] = w
-            w.reserved = b.id
-
-    def _reserve(self, b: Backend, places: int, lease: RequestLease) -> None:
-        """Keep ``places`` on ``b`` for a dispatched request until its attempt starts
-        there (the lease gives them back then, or when the request ends first)."""
-        self.pending[b.id] = self.pending.get(b.id, 0) + places
-        lease.hold(Hold.RESERVATION, lambda: self._unreserve(b, places))
-
-    def _unreserve(self, b: Backend, n: int = 1) -> None:
-        left = self.pending.get(b.id, 0) - n
-        if left > 0:
-            self.pending[b.id] = left
-        else:
-            self.pending.pop(b.id, None)
 
     def _deliver(self, w: Waiter, result: Any) -> None:
         if not w.fut.done():
