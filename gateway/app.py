@@ -88,13 +88,19 @@ def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> Gatewa
                 await gw.batching.close()
             await gw.transport.close()
 
-    kwargs: dict[str, object] = dict(
-        title="llm-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
     try:  # FastAPI >= 0.16x wraps every request in OpenTelemetry hooks unless told not to
-        app = FastAPI(**kwargs, telemetry={"tracing": False, "metrics": False, "logs": False})
-    except TypeError:
-        app = FastAPI(**kwargs)
+        app = FastAPI(
+            title="llm-gateway",
+            lifespan=lifespan,
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+            telemetry={"tracing": False, "metrics": False, "logs": False},
+        )
+    except TypeError:  # an older FastAPI without the argument
+        app = FastAPI(
+            title="llm-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        )
     install_error_handlers(app)
     openai_api.install_routes(app, cfg.proxy.passthrough_paths)
     ops.install_routes(app)

@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
 import uvicorn
@@ -32,7 +33,7 @@ class EmbeddedServer(uvicorn.Server):
     """A uvicorn server that leaves signal handling to its host program."""
 
     @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # type: ignore[override]
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -48,7 +49,7 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
         server_header=False,
         lifespan="on",
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=s.keep_alive_s,
+        timeout_keep_alive=math.ceil(s.keep_alive_s),
     )
 
 
@@ -104,9 +105,9 @@ async def graceful_shutdown(gw: Gateway, grace_s: float, poll_s: float = 0.05) -
             await asyncio.sleep(poll_s)
 
 
-def run(main: Callable[[], Awaitable[None]], cfg: GatewayConfig) -> None:
+def run(main: Callable[[], Coroutine[Any, Any, None]], cfg: GatewayConfig) -> None:
     """Run ``main()`` on the event loop uvicorn would pick (uvloop when installed)."""
-    factory = uvicorn_config(None, cfg).get_loop_factory()  # type: ignore[arg-type]
+    factory = uvicorn_config(None, cfg).get_loop_factory()
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main())
 

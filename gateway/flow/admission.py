@@ -80,9 +80,9 @@ class AdmissionGate:
         self.clock = clock
         max_in_flight = a.max_in_flight
         if max_in_flight is None:
-            caps = [b.max_num_seqs for b in cfg.backends]
-            if caps and all(caps):
-                max_in_flight = max(1, math.ceil(sum(caps) * a.in_flight_per_seq))  # type: ignore[arg-type]
+            caps = [b.max_num_seqs for b in cfg.backends if b.max_num_seqs is not None]
+            if caps and len(caps) == len(cfg.backends):
+                max_in_flight = max(1, math.ceil(sum(caps) * a.in_flight_per_seq))
         capacity = max_in_flight
         if cfg.batcher.enabled:
             # The batcher's buckets are the queue (gateway.flow.batching): it bounds in-flight per

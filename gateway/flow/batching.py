@@ -42,7 +42,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,9 +124,7 @@ class BatchDispatcher:
             _Children(metrics.batch_size.labels(n), metrics.batch_wait.labels(n)) for n in BUCKETS
         ]
         for prio, name in enumerate(BUCKETS):
-            metrics.queue_depth.labels(name).set_function(
-                lambda q=self.core.queues[prio]: len(q)
-            )
+            metrics.queue_depth.labels(name).set_function(_length_of(self.core.queues[prio]))
 
     # ---- the request's side ----------------------------------------------------------
     @property
@@ -154,7 +152,7 @@ class BatchDispatcher:
             if got is UNMERGED:
                 ctx.merge_key = None  # the merge failed: again, alone
                 continue
-            return got  # type: ignore[no-any-return]
+            return got  # type: ignore[no-any-return]  # the waiter's future holds Any
 
     async def _wait_once(self, ctx: RequestContext) -> Any:
         core = self.core
@@ -355,3 +353,8 @@ class BatchDispatcher:
 
 def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+
+
+def _length_of(queue: Sized) -> Callable[[], float]:
+    """A gauge callback reading ``len(queue)``."""
+    return lambda: len(queue)

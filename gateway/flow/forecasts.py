@@ -75,7 +75,9 @@ class ArrivalForecasts:
             return
         self.buckets.tick(t, self._buckets_now.take())
         for prio, name in enumerate(BUCKETS):
-            f = self.buckets.get(name)
-            self.batcher.set_rate(prio, None if f is None else RateView(f.rate, f.low, f.high))
+            bucket = self.buckets.get(name)
+            self.batcher.set_rate(
+                prio, None if bucket is None else RateView(bucket.rate, bucket.low, bucket.high)
+            )
         if self.ttft_slack is not None:
             self.batcher.set_slack(self.ttft_slack())

@@ -131,7 +131,9 @@ class MergedRequests:
         try:
             # Whatever fails from here on (building the merged body too), every member is
             # answered: its share, or sent again alone; the lease gives the rest back.
-            parts = [w.ctx.merge_part for w in live]
+            parts = [w.ctx.merge_part for w in live if w.ctx.merge_part is not None]
+            if len(parts) != len(live):
+                raise RuntimeError("a merge group member without its part")
             headers = dict(first.upstream.headers)
             headers["accept-encoding"] = "identity"  # the answer is parsed to be split
             mctx = RequestContext(

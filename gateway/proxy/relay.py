@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import aiohttp
@@ -173,7 +173,7 @@ class RelayResponse(Response):
             return error_event(message, code) + DONE_EVENT
         return responses_error_event(message, code)
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         resp, framer, watch = self.resp, self.framer, self.watch
         first_sent_at: float | None = None
         finished = False
@@ -270,7 +270,7 @@ class RelayResponse(Response):
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": self._error(CUT_MESSAGES[outcome], outcome),
+                        "body": self._error(CUT_MESSAGES[Cut(outcome)], outcome),
                         "more_body": False,
                     }
                 )

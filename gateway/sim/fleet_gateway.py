@@ -76,7 +76,7 @@ class SimulatedGateway:
             Backend(
                 config=BackendConfig(
                     id=f"b{i}",
-                    url=f"http://sim-b{i}:8000",  # type: ignore[arg-type]
+                    url=f"http://sim-b{i}:8000",  # type: ignore[arg-type]  # pydantic coerces str to its URL type
                     models=["sim"],
                     max_num_seqs=spec.engine.max_num_seqs,
                     power_domain=spec.racks[r].name,
