@@ -66,10 +66,10 @@ class Gateway:
 
 def build_gateway(cfg: GatewayConfig) -> Gateway:
     """Wire the components for ``cfg`` (no I/O; the lifespan starts the loops)."""
-    fleet = Fleet(cfg.backends)
+    clock = time.monotonic
+    fleet = Fleet.from_config(cfg, clock)
     metrics = GatewayMetrics()
     metrics.attach_fleet(fleet)
-    clock = time.monotonic
     r = cfg.routing
     router = Router(
         r.weights,
@@ -103,7 +103,8 @@ def build_gateway(cfg: GatewayConfig) -> Gateway:
         forecasts = ArrivalForecasts(
             forecast_params(cfg), metrics, batching.core if batching else None, slack
         )
-        controller.forecast_rps = forecasts.rate_rps  # before a cycle takes a backend out
+        # read before a cycle takes a backend out
+        controller.maintenance.use_forecast(forecasts.rate_rps)
     return Gateway(
         cfg=cfg,
         fleet=fleet,

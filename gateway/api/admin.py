@@ -63,8 +63,8 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         "maintenance": b.maintenance,
         "deferred": None
         if b.deferred is None
-        else {"cycle": b.deferred[0], "for_s": round(now - b.deferred[1], 1),
-              "reason": b.deferred[2]},
+        else {"cycle": b.deferred.cycle, "for_s": round(now - b.deferred.since, 1),
+              "reason": b.deferred.reason},
         "capacity": {
             "concurrency": _r(b.service.concurrency),
             "service_rate_rps": _r(b.service.service_rate, 2),
@@ -109,7 +109,7 @@ def gpu_summary(gw: Gateway, b: Backend, now: float) -> dict[str, Any]:
 
     ``monitored`` False: no ``gpu_metrics_url`` configured (tier unknown by design).
     ``tier`` ``unknown`` with ``monitored`` True: telemetry missing or stale (``error``)."""
-    if b.thermal is None:
+    if b.thermal is None or b.gpu_health is None:
         return {"monitored": False, "tier": "unknown", "power_domain": b.config.power_domain}
     st = gw.controller.gpu.view.status(b.id, now)
     last = b.thermal.latest
