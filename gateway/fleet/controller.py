@@ -175,6 +175,11 @@ class FleetController:
     def api_keys(self) -> dict[str, str | None]:
         return {b.id: b.api_key for b in self.fleet}
 
+    @property
+    def longest_drain_s(self) -> float:
+        """The longest drain since start, seconds (reported by drills)."""
+        return self.drains.longest_drain_s
+
     # ---- what the admin API calls ---------------------------------------------------------
     def busy(self, backend: Backend) -> bool:
         """Whether a maintenance procedure (cycle, drain) is running on ``backend``."""
