@@ -25,7 +25,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
 
 from gateway.config import (
     BackendConfig,
@@ -36,76 +35,25 @@ from gateway.config import (
     ThermalConfig,
 )
 from gateway.core.samples import LoadSample
-from gateway.core.vocab import BackendState, Cut
+from gateway.core.vocab import BackendState
 from gateway.fleet.cycles import CycleClock, initial_cycle_clock, never_due
 from gateway.fleet.gpu_health import GpuHealth
 from gateway.fleet.liveness import Liveness
+from gateway.fleet.records import ControlRecord, Cuttable, Deferral, ModelCard, Transition
 from gateway.routing.thermal import ThermalTracker
 from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
 from gateway.traffic.capacity import EngineSample, ServiceModel
 
-
-@dataclass(slots=True, frozen=True)
-class Transition:
-    """One state change: wall-clock time (unix seconds), from, to, reason."""
-
-    at: float
-    from_state: BackendState
-    to_state: BackendState
-    reason: str
-
-
-@dataclass(slots=True, frozen=True)
-class ModelCard:
-    """One entry of a backend's ``/v1/models``, kept whole so vLLM's fields survive."""
-
-    id: str
-    raw: dict[str, object]
-
-
-class Cuttable(Protocol):
-    """What the fleet holds of a request open on a backend: a way to end it early
-    (:class:`gateway.proxy.relay.CutHandle` is the implementation)."""
-
-    def cut(self, reason: Cut) -> None:
-        """End the request now, for ``reason``."""
-
-
-class Deferral(NamedTuple):
-    """A due maintenance cycle held back because the others could not carry the load:
-    the cycle kind, the monotonic time it was first deferred, and why."""
-
-    cycle: str
-    since: float
-    reason: str
-
-
-@dataclass(slots=True, frozen=True)
-class ControlRecord:
-    """The control-plane state of one backend: what :class:`gateway.fleet.state.FleetState`
-    owns and its store keeps (the part replicas of a gateway would share). Times are
-    monotonic seconds.
-
-    ``hold``: kept out of rotation even when probes pass: ``admin_drain`` (until undrain),
-    ``preempted`` / ``restarting`` (until the instance goes away, or ``hold_until``
-    passes), ``gpu_fault`` (until undrained or the restart is seen). ``drained``: a manual
-    drain finished (nothing in flight, out of rotation). ``maintenance``: the procedure
-    running now (short/medium/long/drain/...). ``first_seen``: start of the cold-start
-    timer; ``warm_since``: start of the slow-start ramp. ``restart_seen_after``:
-    ``process_start_time_seconds`` before a restart hook (another value means it
-    restarted). ``config_error``: the backend refused the gateway's own key."""
-
-    state: BackendState
-    hold: str | None
-    hold_until: float | None
-    restart_seen_after: float | None
-    drained: bool
-    drain_deadline: float | None
-    warm_since: float | None
-    first_seen: float | None
-    maintenance: str | None
-    deferred: Deferral | None
-    config_error: str | None
+__all__ = [
+    "Backend",
+    "ControlRecord",
+    "Cuttable",
+    "Deferral",
+    "Fleet",
+    "ModelCard",
+    "Transition",
+    "breaker_config",
+]
 
 
 def _default_breaker() -> CircuitBreaker:

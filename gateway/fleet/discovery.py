@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable
 
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Fleet, ModelCard
+from gateway.fleet.backend import Backend, Fleet
 from gateway.fleet.clients import ControlClients
 from gateway.fleet.probes import fetch_models
+from gateway.fleet.records import ModelCard
 from gateway.fleet.state import FleetState
 
 S = BackendState

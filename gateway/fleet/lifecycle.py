@@ -38,7 +38,8 @@ from dataclasses import dataclass, replace
 from gateway.config import HealthConfig, LifecycleConfig
 from gateway.core.samples import LoadSample
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Transition
+from gateway.fleet.backend import Backend
+from gateway.fleet.records import Transition
 
 S = BackendState
 

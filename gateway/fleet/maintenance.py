@@ -27,7 +27,7 @@ from collections.abc import Callable
 from gateway.config import GatewayConfig
 from gateway.core.vocab import BackendState, Cut
 from gateway.fleet import lifecycle
-from gateway.fleet.backend import Backend, Deferral, Fleet
+from gateway.fleet.backend import Backend, Fleet
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
 from gateway.fleet.cycles import CycleKind, cycle_started, due_cycle
@@ -35,6 +35,7 @@ from gateway.fleet.drain import Drains
 from gateway.fleet.hooks import BackendHooks
 from gateway.fleet.probes import ProbeEndpoints, app_probe
 from gateway.fleet.procedures import Procedures
+from gateway.fleet.records import Deferral
 from gateway.fleet.state import FleetState
 from gateway.metrics import GatewayMetrics
 

@@ -14,11 +14,12 @@ import asyncio
 
 from gateway.config import LifecycleConfig
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Transition
+from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
 from gateway.fleet.discovery import ModelDiscovery
 from gateway.fleet.probes import ProbeEndpoints, warm_up
+from gateway.fleet.records import Transition
 from gateway.fleet.state import FleetState
 
 S = BackendState
