@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Fleet
 from gateway.fleet.controller import FleetController
+from gateway.fleet.feedback import FleetFeedback
 from gateway.flow.accounting import Accounting
 from gateway.flow.admission import AdmissionGate
 from gateway.flow.batching import BatchDispatcher
@@ -24,19 +25,6 @@ from gateway.flow.pipeline import Pipeline
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.upstream import Transport, UpstreamPool
 from gateway.routing.policies import Policy, build_policy
-
-
-class _ControllerSignals:
-    """What the request flow tells the fleet controller (breaker trips, refused keys)."""
-
-    def __init__(self, controller: FleetController) -> None:
-        self._c = controller
-
-    def breaker_tripped(self, backend: Backend) -> None:
-        self._c.on_breaker_trip(backend)
-
-    def auth_refused(self, backend: Backend, detail: str, status: int | None) -> None:
-        self._c._config_error(backend, detail, status)
 
 
 @dataclass
@@ -52,7 +40,7 @@ class Gateway:
     pipeline: Pipeline
     accounting: Accounting
     gate: AdmissionGate
-    signals: _ControllerSignals
+    signals: FleetFeedback
     client_keys: dict[str, ClientKey]
     admin_key: str | None
     shutting_down: bool = False
@@ -83,10 +71,10 @@ class Gateway:
 def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gateway:
     """Wire the components for ``cfg`` (no I/O; the lifespan starts the loops).
     ``transport``: how upstream requests are sent (default: the aiohttp pool)."""
-    fleet = Fleet(cfg.backends)
+    clock = time.monotonic
+    fleet = Fleet.from_config(cfg, clock)
     metrics = GatewayMetrics()
     metrics.attach_fleet(fleet)
-    clock = time.monotonic
     controller = FleetController(cfg, fleet, metrics, clock=clock)
     thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
     router = build_policy(
@@ -105,7 +93,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         if cfg.thermal.enabled and cfg.power_domains
         else None,
     )
-    signals = _ControllerSignals(controller)
+    signals: FleetFeedback = controller  # breaker trips and refused keys reach the fleet
     transport = transport if transport is not None else UpstreamPool(cfg.proxy)
     accounting = Accounting(metrics, clock, router.weight)
     pipeline = Pipeline(
@@ -127,7 +115,8 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         forecasts = ArrivalForecasts(
             forecast_params(cfg), metrics, batching.core if batching else None, slack
         )
-        controller.forecast_rps = forecasts.rate_rps  # before a cycle takes a backend out
+        # read before a cycle takes a backend out
+        controller.maintenance.use_forecast(forecasts.rate_rps)
     return Gateway(
         cfg=cfg,
         fleet=fleet,

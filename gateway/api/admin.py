@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api.errors import GatewayError
+from gateway.api.errors import Refusal
 from gateway.fleet.backend import Backend
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def _gateway(request: Request) -> Gateway:
         auth = request.headers.get("authorization", "")
         token = auth.partition(" ")[2].strip()
         if not hmac.compare_digest(token.encode(), gw.admin_key.encode()):
-            raise GatewayError(
+            raise Refusal(
                 401, "Admin API: missing or wrong admin key.", code="invalid_api_key"
             )
     return gw
@@ -63,8 +63,8 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         "maintenance": b.maintenance,
         "deferred": None
         if b.deferred is None
-        else {"cycle": b.deferred[0], "for_s": round(now - b.deferred[1], 1),
-              "reason": b.deferred[2]},
+        else {"cycle": b.deferred.cycle, "for_s": round(now - b.deferred.since, 1),
+              "reason": b.deferred.reason},
         "capacity": {
             "concurrency": _r(b.service.concurrency),
             "service_rate_rps": _r(b.service.service_rate, 2),
@@ -109,7 +109,7 @@ def gpu_summary(gw: Gateway, b: Backend, now: float) -> dict[str, Any]:
 
     ``monitored`` False: no ``gpu_metrics_url`` configured (tier unknown by design).
     ``tier`` ``unknown`` with ``monitored`` True: telemetry missing or stale (``error``)."""
-    if b.thermal is None:
+    if b.thermal is None or b.gpu_health is None:
         return {"monitored": False, "tier": "unknown", "power_domain": b.config.power_domain}
     st = gw.controller.gpu.view.status(b.id, now)
     last = b.thermal.latest
@@ -167,7 +167,7 @@ async def get_backend(backend_id: str, request: Request) -> Response:
     gw = _gateway(request)
     b = gw.fleet.get(backend_id)
     if b is None:
-        raise GatewayError(404, f"No backend with id '{backend_id}'.", code="backend_not_found")
+        raise Refusal(404, f"No backend with id '{backend_id}'.", code="backend_not_found")
     out = backend_summary(gw, b)
     out["history"] = [
         {"at": t.at, "from": t.from_state.value, "to": t.to_state.value, "reason": t.reason}
@@ -179,7 +179,7 @@ async def get_backend(backend_id: str, request: Request) -> Response:
 def _backend(gw: Gateway, backend_id: str) -> Backend:
     b = gw.fleet.get(backend_id)
     if b is None:
-        raise GatewayError(404, f"No backend with id '{backend_id}'.", code="backend_not_found")
+        raise Refusal(404, f"No backend with id '{backend_id}'.", code="backend_not_found")
     return b
 
 
@@ -196,12 +196,12 @@ async def _options(request: Request, allowed: frozenset[str]) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except ValueError:
-        raise GatewayError(400, "Body must be a JSON object.", code="invalid_json") from None
+        raise Refusal(400, "Body must be a JSON object.", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise GatewayError(400, "Body must be a JSON object.", code="invalid_json")
+        raise Refusal(400, "Body must be a JSON object.", code="invalid_json")
     unknown = sorted(set(data) - allowed)
     if unknown:
-        raise GatewayError(
+        raise Refusal(
             400,
             f"Unknown field '{unknown[0]}'; this action accepts: "
             f"{', '.join(sorted(allowed)) or 'no fields'}.",
@@ -221,7 +221,7 @@ def _number(opts: dict[str, Any], key: str, default: float) -> float:
         except OverflowError:
             ok = False
     if not ok:
-        raise GatewayError(
+        raise Refusal(
             400,
             f"'{key}' must be a number of seconds between 0 and {MAX_SECONDS:g}.",
             param=key,
@@ -233,7 +233,7 @@ def _number(opts: dict[str, Any], key: str, default: float) -> float:
 def _flag(opts: dict[str, Any], key: str) -> bool:
     value = opts.get(key, False)
     if not isinstance(value, bool):
-        raise GatewayError(400, f"'{key}' must be true or false.", param=key, code="invalid_value")
+        raise Refusal(400, f"'{key}' must be true or false.", param=key, code="invalid_value")
     return value
 
 
@@ -246,7 +246,7 @@ async def drain_backend(backend_id: str, request: Request) -> Response:
         await _options(request, _DEADLINE), "deadline_s", gw.cfg.lifecycle.drain_deadline_s
     )
     if not gw.controller.start_drain(b, deadline):
-        raise GatewayError(
+        raise Refusal(
             409,
             f"Backend '{backend_id}' is already draining or drained ({b.state.value}).",
             code="invalid_state",
@@ -263,7 +263,7 @@ async def preempt_backend(backend_id: str, request: Request) -> Response:
         await _options(request, _DEADLINE), "deadline_s", gw.cfg.lifecycle.preempt_deadline_s
     )
     if not gw.controller.start_drain(b, deadline, preempt=True):
-        raise GatewayError(
+        raise Refusal(
             409, f"Backend '{backend_id}' is already preempted.", code="invalid_state"
         )
     return JSONResponse(backend_summary(gw, b), status_code=202)
@@ -274,7 +274,7 @@ async def undrain_backend(backend_id: str, request: Request) -> Response:
     gw = _gateway(request)
     b = _backend(gw, backend_id)
     if not gw.controller.undrain(b):
-        raise GatewayError(
+        raise Refusal(
             409,
             f"Backend '{backend_id}' is {b.state.value}, not draining or in cooldown.",
             code="invalid_state",
@@ -291,7 +291,7 @@ async def cooldown_backend(backend_id: str, request: Request) -> Response:
     opts = await _options(request, frozenset({"min_rest_s", "force"}))
     rest = _number(opts, "min_rest_s", 0.0)
     if not gw.controller.request_cooldown(b.id, "admin", rest, force=_flag(opts, "force")):
-        raise GatewayError(
+        raise Refusal(
             409,
             f"Backend '{backend_id}' cannot start a cooldown now: it is "
             f"{b.state.value}{' and busy' if gw.controller.busy(b) else ''}, or "

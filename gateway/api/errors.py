@@ -167,5 +167,3 @@ def shutting_down_response(request_id: str | None, id_header: str = "x-request-i
     """The rendered :func:`gateway.core.outcomes.shutting_down` refusal (503, retry in 1 s)."""
     return render(shutting_down(), request_id, id_header)
 
-
-GatewayError = Refusal  # the name admin.py still uses (renamed when the fleet work merges)

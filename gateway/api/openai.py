@@ -38,8 +38,7 @@ from gateway.api.parsing import (
     sane_request_id,
 )
 from gateway.core.outcomes import BackendAnswer
-from gateway.core.vocab import BackendState, Cut
-from gateway.fleet.probes import fetch_models
+from gateway.core.vocab import Cut
 from gateway.flow.candidates import recovery_s
 from gateway.flow.context import Answer, Opened, RequestContext
 from gateway.flow.lease import RequestLease
@@ -325,7 +324,9 @@ async def proxy(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
-    """``GET /v1/models``: every routable backend asked now, each id once, vLLM fields kept.
+    """``GET /v1/models``: every backend in service asked now (model discovery,
+    :meth:`gateway.fleet.discovery.ModelDiscovery.list_live`), each id once, vLLM fields
+    kept.
 
     Order is deterministic: backends in config order, each backend's own order. A backend
     that fails to answer is skipped; with none answering: 503 + ``retry-after``.
@@ -337,29 +338,7 @@ async def list_models(request: Request) -> Response:
         check_client_key(gw, request.headers.get("authorization", "").encode("latin-1"))
     except Refusal as e:
         return render(e, rid, idh)
-    # Routable backends, and those only resting (draining, cooldown): the model is still
-    # the fleet's while they are out of rotation.
-    live = [
-        b
-        for b in gw.fleet.backends
-        if b.state in (BackendState.WARM, BackendState.DRAINING, BackendState.COOLDOWN)
-    ]
-    results = await asyncio.gather(
-        *(fetch_models(gw.controller.client, b, gw.controller.api_keys[b.id]) for b in live)
-    )
-    seen: dict[str, dict[str, Any]] = {}
-    answered = 0
-    for b, res in zip(live, results, strict=True):
-        if res.cards is None:
-            continue
-        answered += 1
-        b.model_cards = res.cards
-        if b.config.models is None:
-            b.models = tuple(c.id for c in res.cards)
-        for card in res.cards:
-            if b.config.models is not None and card.id not in b.config.models:
-                continue
-            seen.setdefault(card.id, card.raw)
+    answered = await gw.controller.discovery.list_live()
     if not answered:
         return error_response(
             503,
@@ -370,6 +349,12 @@ async def list_models(request: Request) -> Response:
             request_id=rid,
             id_header=idh,
         )
+    seen: dict[str, dict[str, Any]] = {}
+    for b, cards in answered:
+        for card in cards:
+            if b.config.models is not None and card.id not in b.config.models:
+                continue
+            seen.setdefault(card.id, card.raw)
     body = json.dumps({"object": "list", "data": list(seen.values())}).encode()
     return Response(body, media_type="application/json", headers={idh: rid})
 

@@ -1,8 +1,21 @@
-"""The Backend record, its states, and the Fleet that holds them.
+"""The Backend record, its parts, and the Fleet that holds them.
 
-A :class:`Backend` is mutable state owned by the app's lifespan: control loops write its
-load sample and state; the request path reads them and keeps its in-flight count. Pure
-decision code (:mod:`gateway.routing.policy`) only reads the attributes described by
+A :class:`Backend` is the live state of one backend, owned by the app's lifespan. Its
+fields change only through its own methods:
+
+* the request path's (:meth:`Backend.attempt_started`, :meth:`~Backend.answer_started`,
+  :meth:`~Backend.attempt_ended`, :meth:`~Backend.heard`, :meth:`~Backend.cool_until`,
+  :meth:`~Backend.count_served`, :meth:`~Backend.take`, :meth:`~Backend.give_back`,
+  :meth:`~Backend.note_error`);
+* the control loops' observations (:meth:`~Backend.scraped`, :meth:`~Backend.models_listed`,
+  :meth:`~Backend.count_probe`, calibration and GPU results, ...);
+* the control-plane record (state, holds, drains, maintenance markers, deferrals, config
+  errors: :class:`ControlRecord`), which only :class:`gateway.fleet.state.FleetState`
+  changes, through its store, with :meth:`Backend.apply_control`.
+
+Its parts (circuit breaker, cycle clock, GPU trackers, API key) are built with it, by
+:class:`Fleet` from the configuration, never attached later. Pure decision code
+(:mod:`gateway.routing.policy`) only reads the attributes described by
 :class:`gateway.routing.policy.Candidate`.
 """
 
@@ -10,42 +23,60 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from gateway.config import BackendConfig, BackendRole
+from gateway.config import (
+    BackendConfig,
+    BackendRole,
+    BreakerSettings,
+    GatewayConfig,
+    LifecycleConfig,
+    ThermalConfig,
+)
 from gateway.core.samples import LoadSample
 from gateway.core.vocab import BackendState
+from gateway.fleet.cycles import CycleClock, initial_cycle_clock, never_due
+from gateway.fleet.gpu_health import GpuHealth
 from gateway.fleet.liveness import Liveness
-from gateway.traffic.capacity import ServiceModel
+from gateway.fleet.records import ControlRecord, Cuttable, Deferral, ModelCard, Transition
+from gateway.routing.thermal import ThermalTracker
+from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
+from gateway.traffic.capacity import EngineSample, ServiceModel
+
+__all__ = [
+    "Backend",
+    "ControlRecord",
+    "Cuttable",
+    "Deferral",
+    "Fleet",
+    "ModelCard",
+    "Transition",
+    "breaker_config",
+]
 
 
-@dataclass(slots=True, frozen=True)
-class Transition:
-    """One state change: wall-clock time (unix seconds), from, to, reason."""
-
-    at: float
-    from_state: BackendState
-    to_state: BackendState
-    reason: str
-
-
-@dataclass(slots=True, frozen=True)
-class ModelCard:
-    """One entry of a backend's ``/v1/models``, kept whole so vLLM's fields survive."""
-
-    id: str
-    raw: dict
+def _default_breaker() -> CircuitBreaker:
+    return CircuitBreaker(BreakerConfig(), time.monotonic)
 
 
 @dataclass(eq=False)
 class Backend:
-    """Live state of one backend. Identity (``id``) never changes; everything else does."""
+    """Live state of one backend. Identity (``id``) never changes; everything else changes
+    through the methods below (module docstring)."""
 
     config: BackendConfig
     state: BackendState = BackendState.COLD
     models: tuple[str, ...] = ()
     model_cards: tuple[ModelCard, ...] = ()
+    # its circuit breaker (passive outlier detection from real traffic)
+    breaker: CircuitBreaker = field(default_factory=_default_breaker)
+    # when its maintenance cycles are next due
+    cycles: CycleClock = field(default_factory=never_due)
+    # GPU telemetry parts, present when ``gpu_metrics_url`` is configured: the thermal
+    # tracker and the Xid / ECC breaker
+    thermal: ThermalTracker | None = None
+    gpu_health: GpuHealth | None = None
     in_flight: int = 0
     load: LoadSample | None = None
     last_scrape_ok_at: float | None = None  # monotonic seconds
@@ -65,52 +96,46 @@ class Backend:
     scrape_peak: tuple[int, int] = (0, 0)
     history: deque[Transition] = field(default_factory=lambda: deque(maxlen=20))
     # Cut handles of the requests open on this backend (drain deadlines end them).
-    active: set[Any] = field(default_factory=set)
+    active: set[Cuttable] = field(default_factory=set)
     # Cut handles of the requests waiting here for their answer's start (nothing of it has
     # reached the client: safe to re-send elsewhere), with each one's model.
-    awaiting: dict[Any, str] = field(default_factory=dict)
+    awaiting: dict[Cuttable, str] = field(default_factory=dict)
     # What it owes the control plane and when it was last heard from (the hung watchdog,
     # gateway.fleet.liveness); ``suspected``: silent long enough that new requests go
     # elsewhere when another backend can take them.
     liveness: Liveness = field(default_factory=Liveness)
     suspected: bool = False
-    # Lifecycle bookkeeping (monotonic seconds unless said otherwise).
+    # The control-plane record (ControlRecord; monotonic seconds): FleetState's alone.
     first_seen: float | None = None  # when the gateway first knew it (cold start timer)
     warm_since: float | None = None  # start of the slow-start ramp
     drain_deadline: float | None = None
     drained: bool = False  # a manual drain finished: no in-flight left, out of rotation
-    # Kept out of rotation even when probes pass: "admin_drain" (until undrain),
-    # "preempted" / "restarting" (until the instance goes away, or hold_until passes).
     hold: str | None = None
     hold_until: float | None = None
-    maintenance: str | None = None  # the cycle running now (short/medium/long/drain/...)
-    cycles: Any = None  # lifecycle.CycleClock, set by the controller
+    maintenance: str | None = None  # the procedure running now (short/medium/long/drain/...)
+    restart_seen_after: float | None = None
+    deferred: Deferral | None = None
+    # Calibration (gateway.fleet.calibration)
     calibration_baseline: dict[str, object] | None = None
     # the engine endpoint its own baseline was taken on (answers are compared on it alone)
     calibration_endpoint: str | None = None
     calibration_score: float | None = None
     needs_calibration: bool = False  # drifted: must pass calibration before warm again
     probe_ttft_s: float | None = None  # last application probe's time to first token
-    breaker: Any = None  # traffic.breaker.CircuitBreaker, set by the controller
     cooling_until: float = 0.0  # monotonic; a 429/503 Retry-After keeps requests away
     busy_since: float = 0.0  # monotonic: when in-flight last went from 0 to 1
     last_answer_at: float = 0.0  # monotonic: the last answer (or first event) it gave
-    stall_probe: Any = None  # the running stall probe task, if any
-    # process_start_time_seconds before a restart hook: another value means it restarted
-    restart_seen_after: float | None = None
-    # GPU telemetry (set by the controller when ``gpu_metrics_url`` is configured):
-    thermal: Any = None  # routing.thermal.ThermalTracker
-    gpu_health: Any = None  # fleet.gpu_health.GpuHealth (Xid / ECC breaker)
     gpu_error: str | None = None  # last GPU telemetry scrape error (None: last one worked)
-    # Concurrency and service rate learned from the scrapes (written by the controller's
-    # scrape loop only; admission and the lifecycle read it)
+    # Concurrency and service rate learned from the scrapes (:meth:`scraped` only;
+    # admission and the lifecycle read it)
     service: ServiceModel = field(init=False)
-    # A due maintenance cycle held back because the others could not carry the load:
-    # (cycle kind, monotonic time it was first deferred, why); None when not deferred
-    deferred: tuple[str, float, str] | None = None
+    # the key the gateway sends it (resolved once; None: none configured). Raises
+    # ConfigError at construction when its ``api_key_env`` is unset.
+    api_key: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.service = ServiceModel(self.config.max_num_seqs)
+        self.api_key = self.config.resolved_api_key()
 
     @property
     def id(self) -> str:
@@ -131,7 +156,12 @@ class Backend:
 
     # ---- the request path's writes (gateway.flow.lease is their only caller) ----------
     def attempt_started(
-        self, cut: Any, places: int, pooled_extra: int, now: float, resendable_model: str | None
+        self,
+        cut: Cuttable,
+        places: int,
+        pooled_extra: int,
+        now: float,
+        resendable_model: str | None,
     ) -> None:
         """An attempt of a request (``cut``: its :class:`gateway.proxy.relay.CutHandle`) was
         sent here at monotonic ``now``: it takes ``places`` sequences and ``pooled_extra``
@@ -146,14 +176,14 @@ class Backend:
         if resendable_model is not None:
             self.awaiting[cut] = resendable_model
 
-    def answer_started(self, cut: Any, now: float) -> None:
+    def answer_started(self, cut: Cuttable, now: float) -> None:
         """The attempt's answer start came back (a whole body or a stream's first events) at
         monotonic ``now``: the backend is alive, and the request can no longer be re-sent."""
         self.awaiting.pop(cut, None)
         self.last_answer_at = now
         self.liveness.heard(now)
 
-    def attempt_ended(self, cut: Any, places: int, pooled_extra: int) -> None:
+    def attempt_ended(self, cut: Cuttable, places: int, pooled_extra: int) -> None:
         """Undo :meth:`attempt_started` (exactly once per attempt, by the request's lease)."""
         self.awaiting.pop(cut, None)
         self.give_back(places, pooled_extra)
@@ -189,6 +219,111 @@ class Backend:
         HTTP exchange allows (:func:`gateway.fleet.telemetry.scrape_load`)."""
         self.scrape_peak = (self.in_flight, self.pooled_extra)
 
+    # ---- the control loops' observations ----------------------------------------------
+    def count_probe(self, ok: bool) -> None:
+        """Count one ``/health`` probe result in the consecutive pass / fail counters."""
+        if ok:
+            self.consecutive_probe_failures = 0
+            self.consecutive_probe_successes += 1
+        else:
+            self.consecutive_probe_successes = 0
+            self.consecutive_probe_failures += 1
+
+    def ramp_from(self, now: float) -> None:
+        """Start the slow-start ramp at monotonic ``now`` (the fleet simulator, which moves
+        states with :func:`gateway.fleet.lifecycle.apply_transition` alone; the gateway's
+        :class:`gateway.fleet.state.FleetState` sets it on every return to warm)."""
+        self.warm_since = now
+
+    def scraped(self, load: LoadSample, now: float) -> None:
+        """A ``/metrics`` scrape answered at monotonic ``now`` with ``load``: the latest
+        sample, and one observation of the service model."""
+        self.load = load
+        self.last_scrape_ok_at = now
+        self.service.observe(
+            EngineSample(load.scraped_at, load.waiting, load.running, load.finished_total)
+        )
+
+    def models_listed(self, cards: tuple[ModelCard, ...]) -> None:
+        """Its ``/v1/models`` answered ``cards``: kept whole; they are what it serves unless
+        its configuration names the models."""
+        self.model_cards = cards
+        if self.config.models is None:
+            self.models = tuple(c.id for c in cards)
+
+    def gpu_scrape_result(self, error: str | None) -> None:
+        """The last GPU telemetry scrape's error (None: it worked)."""
+        self.gpu_error = error
+
+    def set_suspected(self, suspected: bool) -> bool:
+        """The hung watchdog's suspicion (new requests go elsewhere while set). Returns
+        whether it changed."""
+        if suspected == self.suspected:
+            return False
+        self.suspected = suspected
+        return True
+
+    def app_probe_passed(self, ttft_s: float | None) -> None:
+        """An application probe through the engine passed (``ttft_s``: its time to first
+        token, seconds, when measured)."""
+        self.probe_ttft_s = ttft_s
+
+    def stall_cleared(self, now: float) -> None:
+        """A stall probe passed at monotonic ``now``: the stall timer starts again."""
+        self.last_answer_at = now
+
+    def baseline_taken(self, answers: dict[str, object] | None, endpoint: str | None) -> None:
+        """Its calibration baseline (prompt -> answer) and the engine endpoint it was taken
+        on; None, None: forgotten (a new one is taken at the next chance)."""
+        self.calibration_baseline = answers
+        self.calibration_endpoint = endpoint
+
+    def calibrated(self, similarity: float) -> None:
+        """The last calibration's similarity to the baseline (0-1)."""
+        self.calibration_score = similarity
+
+    def set_needs_calibration(self, needed: bool) -> None:
+        """Whether it must pass calibration before it is warm again (it drifted)."""
+        self.needs_calibration = needed
+
+    # ---- the control-plane record (FleetState's store is the only caller) -------------
+    def control(self) -> ControlRecord:
+        """A snapshot of its control-plane record."""
+        return ControlRecord(
+            state=self.state,
+            hold=self.hold,
+            hold_until=self.hold_until,
+            restart_seen_after=self.restart_seen_after,
+            drained=self.drained,
+            drain_deadline=self.drain_deadline,
+            warm_since=self.warm_since,
+            first_seen=self.first_seen,
+            maintenance=self.maintenance,
+            deferred=self.deferred,
+            config_error=self.config_error,
+        )
+
+    def apply_control(self, record: ControlRecord, moved: Transition | None = None) -> None:
+        """Make ``record`` its control-plane record. ``moved``: the state change it carries
+        (appended to :attr:`history`; entering ``unhealthy`` restarts the passing-probe
+        count, so it comes back only after ``recover_threshold`` passes from now)."""
+        self.state = record.state
+        self.hold = record.hold
+        self.hold_until = record.hold_until
+        self.restart_seen_after = record.restart_seen_after
+        self.drained = record.drained
+        self.drain_deadline = record.drain_deadline
+        self.warm_since = record.warm_since
+        self.first_seen = record.first_seen
+        self.maintenance = record.maintenance
+        self.deferred = record.deferred
+        self.config_error = record.config_error
+        if moved is not None:
+            self.history.append(moved)
+            if moved.to_state is BackendState.UNHEALTHY:
+                self.consecutive_probe_successes = 0
+
+
     @property
     def base_url(self) -> str:
         return self.config.base_url
@@ -201,7 +336,7 @@ class Backend:
     @property
     def recent_failures(self) -> int:
         """Consecutive failures on this backend's breaker (0 when healthy)."""
-        return self.breaker.consecutive if self.breaker is not None else 0
+        return self.breaker.consecutive
 
     @property
     def is_standby(self) -> bool:
@@ -222,17 +357,62 @@ class Backend:
 
 
 class Fleet:
-    """The set of backends, in config order, with lookups by id and by model."""
+    """The set of backends, in config order, with lookups by id and by model.
 
-    def __init__(self, configs: list[BackendConfig]) -> None:
+    Builds each :class:`Backend` whole: its circuit breaker from ``breaker`` (thresholds;
+    the TTFT SLO ``ttft_slo_s`` arms its latency fuse), its cycle clock from ``lifecycle``
+    (first due times spread over each period from ``clock()`` now, monotonic seconds), its
+    GPU trackers from ``thermal`` when it has a ``gpu_metrics_url``, its cold-start timer
+    from now. Without those settings its parts are the defaults (a default breaker, no cycle
+    ever due, no GPU trackers). Raises ``ConfigError`` for an unset ``api_key_env``.
+    """
+
+    def __init__(
+        self,
+        configs: list[BackendConfig],
+        breaker: BreakerConfig | None = None,
+        lifecycle: LifecycleConfig | None = None,
+        thermal: ThermalConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.backends: list[Backend] = []
         self._by_id: dict[str, Backend] = {}
-        for c in configs:
-            b = Backend(config=c, models=tuple(c.models or ()))
+        now = clock()
+        for i, c in enumerate(configs):
+            monitored = thermal is not None and c.gpu_metrics_url is not None
+            b = Backend(
+                config=c,
+                models=tuple(c.models or ()),
+                breaker=CircuitBreaker(breaker or BreakerConfig(), clock),
+                cycles=(
+                    initial_cycle_clock(i, len(configs), now, lifecycle)
+                    if lifecycle is not None
+                    else never_due()
+                ),
+                thermal=ThermalTracker(thermal) if monitored and thermal else None,
+                gpu_health=(
+                    GpuHealth(thermal.xid_threshold, thermal.xid_window_s)
+                    if monitored and thermal
+                    else None
+                ),
+                first_seen=now,
+            )
             self.backends.append(b)
             self._by_id[c.id] = b
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    @classmethod
+    def from_config(cls, cfg: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> Fleet:
+        """The fleet of ``cfg.backends`` with the breaker, lifecycle and thermal settings of
+        ``cfg`` (``clock``: monotonic seconds)."""
+        return cls(
+            cfg.backends,
+            breaker_config(cfg.breaker, cfg.slo.ttft_s),
+            cfg.lifecycle,
+            cfg.thermal,
+            clock,
+        )
+
+    def __iter__(self) -> Iterator[Backend]:
         return iter(self.backends)
 
     def __len__(self) -> int:
@@ -253,3 +433,19 @@ class Fleet:
 
     def any_routable(self) -> bool:
         return any(b.routable for b in self.backends)
+
+
+def breaker_config(bc: BreakerSettings, ttft_slo_s: float) -> BreakerConfig:
+    """The circuit breaker's thresholds from the ``breaker:`` settings and the TTFT SLO
+    (seconds; the latency fuse trips at ``latency_fuse_factor`` times it, on P99)."""
+    return BreakerConfig(
+        consecutive_failures=bc.consecutive_failures,
+        error_rate=bc.error_rate,
+        min_requests=bc.min_requests,
+        window_s=bc.window_s,
+        open_base_s=bc.open_base_s,
+        open_max_s=bc.open_max_s,
+        half_open_max=bc.half_open_max,
+        ttft_slo_s=ttft_slo_s,
+        latency_fuse_factor=bc.latency_fuse_factor,
+    )

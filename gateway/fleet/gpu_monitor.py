@@ -8,69 +8,106 @@ restarting backend's GPUs are still read). Then, from the pure rules:
 * the fleet's :class:`~gateway.routing.thermal.ThermalView` is rebuilt; the request path
   (:meth:`GpuMonitor.choose`) and admission (:meth:`GpuMonitor.power_level`) read it;
 * a ``warm`` backend that is ``hot`` is sent to cooldown through the lifecycle's entry
-  point (:meth:`FleetController.request_cooldown`, staggered like every cycle) with a rest
-  that ends when :func:`~gateway.routing.cooldown.rest_over` says so: below
+  point (the ``request_cooldown`` callback:
+  :meth:`gateway.fleet.maintenance.Maintenance.request_cooldown`, staggered like every
+  cycle) with a rest that ends when :func:`~gateway.routing.cooldown.rest_over` says so:
+  below
   ``resume_c`` after at least ``cooldown_s``, or ``max_cooldown_s`` (the cap);
-* new Xid / double-bit ECC errors (:class:`~gateway.fleet.gpu_health.GpuHealth`) make the
-  backend ``unhealthy`` (``gpu_xid`` / ``gpu_ecc``) and run the restart hook. After a
-  successful hook it is held out until the restart is seen (as the long cycle does); without
-  a hook, or when it fails, it is held (``hold: gpu_fault``) until an operator undrains it,
-  since passing probes say nothing about a GPU that raised Xid errors.
+* new Xid / double-bit ECC errors (:class:`~gateway.fleet.gpu_health.GpuHealth`) are a
+  GPU fault (the ``gpu_fault`` callback:
+  :meth:`gateway.fleet.maintenance.Maintenance.gpu_fault`): the backend goes ``unhealthy``
+  (``gpu_xid`` / ``gpu_ecc``) and the restart hook runs. After a successful hook it is held
+  out until the restart is seen (as the long cycle does); without a hook, or when it fails,
+  it is held (``hold: gpu_fault``) until an operator undrains it, since passing probes say
+  nothing about a GPU that raised Xid errors.
 
 A backend without ``gpu_metrics_url`` has no tracker: its tier is ``unknown`` by design
 and it is routed as before thermal awareness (it is never scraped, never counted unknown).
+The trackers are the backends' own parts (built by :class:`gateway.fleet.backend.Fleet`);
+the monitor takes what it needs through its constructor, never the controller.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx
 
+from gateway.config import PowerDomainConfig, ThermalConfig
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend
-from gateway.fleet.gpu_health import GpuHealth
+from gateway.fleet.backend import Backend, Fleet
 from gateway.fleet.telemetry import scrape_gpus
+from gateway.metrics import GatewayMetrics
 from gateway.routing.cooldown import cooldown_due, rest_over
 from gateway.routing.thermal import (
     C,
     ThermalChoice,
     ThermalTier,
-    ThermalTracker,
     ThermalView,
     build_view,
     choose,
     power_pressure,
 )
 
-if TYPE_CHECKING:
-    from gateway.fleet.controller import FleetController
-
 S = BackendState
 log = logging.getLogger("gateway.fleet.gpu")
 
 
-class GpuMonitor:
-    """GPU telemetry of the fleet, owned by the :class:`FleetController`."""
+# The end condition of a rest (argument: seconds rested).
+RestDone = Callable[[float], bool]
 
-    def __init__(self, controller: FleetController) -> None:
-        self.controller = controller
-        self.cfg = controller.cfg.thermal
-        self.metrics = controller.metrics
-        self.budgets_w = {d.name: d.budget_w for d in controller.cfg.power_domains}
-        self.domain_of = {b.id: b.config.power_domain for b in controller.fleet}
-        for b in controller.fleet:
-            if b.config.gpu_metrics_url is not None:
-                b.thermal = ThermalTracker(self.cfg)
-                b.gpu_health = GpuHealth(self.cfg.xid_threshold, self.cfg.xid_window_s)
-        self.monitored = [b for b in controller.fleet if b.thermal is not None]
-        self.view: ThermalView = self._build(controller.clock())  # all unknown until scraped
+
+class RequestCooldown(Protocol):
+    """Start a medium cycle on a backend now; whether it started."""
+
+    def __call__(self, backend_id: str, reason: str, *, rest_done: RestDone | None = None) -> bool:
+        """``backend_id``: which; ``reason``: e.g. ``thermal``; ``rest_done``: when the
+        rest ends (argument: seconds rested)."""
+
+
+class GpuMonitor:
+    """GPU telemetry of ``fleet`` under ``cfg`` (``power_domains``: the rack budgets).
+
+    ``client``: the control-plane HTTP client (called per scrape: it is opened when the
+    controller starts); ``busy``: whether a maintenance procedure runs on a backend;
+    ``request_cooldown(backend_id, reason, rest_done=...)``: start a medium cycle, True
+    when it started; ``gpu_fault(backend, reason)``: a GPU fault (``gpu_xid`` /
+    ``gpu_ecc``) to act on; ``medium_cooldown_s``: the fixed rest of a medium cycle
+    without telemetry (seconds); ``clock``: monotonic seconds."""
+
+    def __init__(
+        self,
+        cfg: ThermalConfig,
+        power_domains: Sequence[PowerDomainConfig],
+        fleet: Fleet,
+        metrics: GatewayMetrics,
+        client: Callable[[], httpx.AsyncClient],
+        busy: Callable[[Backend], bool],
+        request_cooldown: RequestCooldown,
+        gpu_fault: Callable[[Backend, str], None],
+        medium_cooldown_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.metrics = metrics
+        self.client = client
+        self.busy = busy
+        self.request_cooldown = request_cooldown
+        self.on_fault = gpu_fault
+        self.medium_cooldown_s = medium_cooldown_s
+        self.clock = clock
+        self.budgets_w = {d.name: d.budget_w for d in power_domains}
+        self.domain_of = {b.id: b.config.power_domain for b in fleet}
+        self.monitored = [b for b in fleet if b.thermal is not None]
+        self.view: ThermalView = self._build(clock())  # all unknown until scraped
         self._last_tier: dict[str, ThermalTier] = {}
         if self.monitored or self.budgets_w:
-            self.metrics.attach_thermal(lambda: self.view, controller.clock)
+            self.metrics.attach_thermal(lambda: self.view, clock)
 
     # ---- the loop ------------------------------------------------------------------------
     async def round(self) -> None:
@@ -81,7 +118,7 @@ class GpuMonitor:
 
     def refresh(self) -> None:
         """Rebuild the view from the trackers now; count backends that turned unknown."""
-        now = self.controller.clock()
+        now = self.clock()
         self.view = self._build(now)
         for b in self.monitored:
             tier = self.view.status(b.id, now).tier
@@ -96,27 +133,30 @@ class GpuMonitor:
             self._last_tier[b.id] = tier
 
     def _build(self, now: float) -> ThermalView:
-        trackers = {b.id: b.thermal for b in self.controller.fleet}
+        trackers = {b.id: b.thermal for b in self.fleet}
         return build_view(now, trackers, self.domain_of, self.budgets_w, self.cfg)
 
     async def scrape_one(self, backend: Backend) -> None:
+        """Scrape ``backend``'s GPU telemetry once: its trackers observe the sample; a new
+        Xid burst or ECC DBE is a GPU fault (:meth:`gpu_fault`). A failure is counted
+        (``gateway_gpu_scrape_errors_total``) and kept as the backend's GPU error."""
         url = str(backend.config.gpu_metrics_url)
-        c = self.controller
+        tracker, health = backend.thermal, backend.gpu_health
+        assert tracker is not None and health is not None, "not a monitored backend"
         try:
             sample = await scrape_gpus(
-                c.client,
+                self.client(),
                 url,
-                c.clock,
+                self.clock,
                 backend.config.gpu_indices,
                 timeout_s=self.cfg.scrape_timeout_s,
             )
         except (httpx.HTTPError, ValueError) as e:
-            backend.gpu_error = f"{type(e).__name__}: {e}".rstrip(": ")
+            backend.gpu_scrape_result(f"{type(e).__name__}: {e}".rstrip(": "))
             self.metrics.gpu_scrape_errors.labels(backend.id).inc()
             return
-        backend.gpu_error = None
-        backend.thermal.observe(sample)
-        health: GpuHealth = backend.gpu_health
+        backend.gpu_scrape_result(None)
+        tracker.observe(sample)
         xids, ecc = health.total_xids, health.total_ecc
         reason = health.observe(sample)
         if health.total_xids > xids:
@@ -131,13 +171,12 @@ class GpuMonitor:
         """Send every warm, hot backend to a thermal cooldown (when staggering allows)."""
         if not self.cfg.enabled:
             return
-        c = self.controller
-        now = c.clock()
+        now = self.clock()
         for b in self.monitored:
             st = self.view.status(b.id, now)
-            if not cooldown_due(b.state, st, self.cfg) or c.busy(b):
+            if not cooldown_due(b.state, st, self.cfg) or self.busy(b):
                 continue
-            if c.request_cooldown(b.id, "thermal", rest_done=self.rest_done(b)):
+            if self.request_cooldown(b.id, "thermal", rest_done=self.rest_done(b)):
                 self.metrics.thermal_cooldowns.labels(b.id).inc()
                 log.warning(
                     "backend %s: GPU at %.1f °C (hot >= %.0f °C): thermal cooldown until "
@@ -149,16 +188,17 @@ class GpuMonitor:
                     self.cfg.cooldown_s,
                 )
 
-    def rest_done(self, backend: Backend) -> Callable[[float], bool]:
+    def rest_done(self, backend: Backend) -> RestDone:
         """The end condition of ``backend``'s thermal rest (argument: seconds rested)."""
-        c = self.controller
+        tracker = backend.thermal
+        assert tracker is not None, "not a monitored backend"
 
         def done(rested_s: float) -> bool:  # the cap may release it between 70 and 85 °C
-            return rest_over(backend.thermal, rested_s, c.clock(), self.cfg)
+            return rest_over(tracker, rested_s, self.clock(), self.cfg)
 
         return done
 
-    def scheduled_rest_done(self, backend: Backend) -> Callable[[float], bool] | None:
+    def scheduled_rest_done(self, backend: Backend) -> RestDone | None:
         """The end condition of a *scheduled* medium cycle's rest on ``backend`` (argument:
         seconds rested), or None without GPU telemetry (then the fixed
         ``lifecycle.medium.cooldown_s`` applies): the rest lasts as long as the GPU needs and
@@ -168,14 +208,13 @@ class GpuMonitor:
         tracker = backend.thermal
         if tracker is None or not self.cfg.enabled:
             return None
-        c = self.controller
-        fallback_s = c.cfg.lifecycle.medium.cooldown_s
+        fallback_s = self.medium_cooldown_s
 
         def done(rested_s: float) -> bool:
             if rested_s >= self.cfg.max_cooldown_s:
                 return True
             s = tracker.latest
-            if not tracker.fresh(c.clock()) or s is None or s.temp_c is None:
+            if not tracker.fresh(self.clock()) or s is None or s.temp_c is None:
                 return rested_s >= fallback_s  # no temperature to wait for
             return s.temp_c < self.cfg.resume_c
 
@@ -183,8 +222,8 @@ class GpuMonitor:
 
     # ---- GPU health breaker -------------------------------------------------------------------
     def gpu_fault(self, backend: Backend, reason: str, xid_last: tuple[int, ...]) -> None:
-        """New Xid burst or ECC DBE: ``unhealthy`` now, then the restart hook."""
-        c = self.controller
+        """New Xid burst or ECC DBE: noted, logged, then the ``gpu_fault`` callback
+        (``unhealthy`` now, then the restart hook)."""
         what = (
             f"{self.cfg.xid_threshold} or more new Xid errors within "
             f"{self.cfg.xid_window_s:g} s (last codes {list(xid_last)})"
@@ -193,17 +232,7 @@ class GpuMonitor:
         )
         backend.note_error(f"GPU fault: {what}")
         log.error("backend %s: GPU fault (%s): %s", backend.id, reason, what)
-        if backend.state in (S.WARM, S.WARMING, S.DRAINING, S.COOLDOWN):
-            c.transition(backend, S.UNHEALTHY, reason)
-        backend.hold = "gpu_fault"  # out until the restart is seen or an admin undrains
-        backend.hold_until = None
-        c._run(backend, "gpu_restart", self._restart(backend))
-
-    async def _restart(self, backend: Backend) -> None:
-        c = self.controller
-        if await c.run_restart_hook(backend):
-            backend.hold = "restarting"
-            backend.hold_until = c.clock() + c.cfg.lifecycle.restart_hold_s
+        self.on_fault(backend, reason)
 
     # ---- what the request path and admission read ---------------------------------------------
     def choose(self, candidates: Sequence[C], now: float) -> ThermalChoice[C]:

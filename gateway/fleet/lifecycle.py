@@ -13,15 +13,16 @@ Maintenance cycles (seed 000), all periods configurable (:class:`LifecycleConfig
   -> rest -> calibration -> slow-start return;
 * long (4 h): drain -> restart hook -> cold -> warming.
 
-:func:`initial_cycle_clock` spreads first due times over the period so backends do not
-all come due together, and :func:`may_take_out` keeps at most ``max_unavailable`` backends
-of a model out of rotation and never its last warm one (Kubernetes' ``maxUnavailable``
-with the percentage rounded down, at least 1). A scheduled cycle that takes a backend out
-also waits until the others can carry the load (:func:`can_carry_without`): maintenance
-never costs capacity the load needs; it is deferred to the next quiet moment instead.
+When each cycle is due is :mod:`gateway.fleet.cycles`' arithmetic. :func:`may_take_out`
+keeps at most ``max_unavailable`` backends of a model out of rotation and never its last
+warm one (Kubernetes' ``maxUnavailable`` with the percentage rounded down, at least 1). A
+scheduled cycle that takes a backend out also waits until the others can carry the load
+(:func:`can_carry_without`): maintenance never costs capacity the load needs; it is
+deferred to the next quiet moment instead.
 
-Every change goes through :func:`apply_transition`, which rejects illegal moves with
-:class:`IllegalTransition` and appends to the backend's history. Health decisions
+Every change is checked against :data:`LEGAL` (:func:`transition_of` builds it and rejects
+an illegal move with :class:`IllegalTransition`; :class:`gateway.fleet.state.FleetState`
+applies it, :func:`apply_transition` too for a backend outside a gateway). Health decisions
 (:func:`after_probe`) are pure functions of the counters and the
 thresholds in :class:`gateway.config.HealthConfig`: fail after ``fail_threshold`` failed
 probes in a row, recover after ``recover_threshold`` passing ones (Envoy's active health
@@ -32,13 +33,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
+from dataclasses import dataclass, replace
 
 from gateway.config import HealthConfig, LifecycleConfig
 from gateway.core.samples import LoadSample
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Transition
+from gateway.fleet.backend import Backend
+from gateway.fleet.records import Transition
 
 S = BackendState
 
@@ -62,20 +63,24 @@ def check_transition(frm: BackendState, to: BackendState) -> None:
         raise IllegalTransition(f"illegal backend transition {frm} -> {to}")
 
 
-def apply_transition(backend: Backend, to: BackendState, reason: str, now: float) -> Transition:
-    """Move ``backend`` to ``to``; ``now`` is wall-clock unix seconds (for the history).
-
-    Returns the :class:`Transition` (the caller logs it and counts it in metrics).
-    Raises :class:`IllegalTransition` for a move outside :data:`LEGAL`.
-    """
+def transition_of(backend: Backend, to: BackendState, reason: str, now: float) -> Transition:
+    """The :class:`Transition` of ``backend`` to ``to`` (``now``: wall-clock unix seconds,
+    for the history), applied by nobody yet. Raises :class:`IllegalTransition` for a move
+    outside :data:`LEGAL`."""
     check_transition(backend.state, to)
-    t = Transition(at=now, from_state=backend.state, to_state=to, reason=reason)
-    backend.state = to
-    if to is S.UNHEALTHY:
-        # whatever made it unhealthy (probes, warm-up, breaker, stall, GPU), it comes back
-        # only after ``recover_threshold`` passing probes from now
-        backend.consecutive_probe_successes = 0
-    backend.history.append(t)
+    return Transition(at=now, from_state=backend.state, to_state=to, reason=reason)
+
+
+def apply_transition(backend: Backend, to: BackendState, reason: str, now: float) -> Transition:
+    """Move ``backend`` to ``to`` at once (its own :meth:`~Backend.apply_control`), with no
+    other effect: for a backend outside any gateway (the fleet simulator, tests); the
+    gateway's transitions go through :meth:`gateway.fleet.state.FleetState.transition`.
+
+    Returns the :class:`Transition`; raises :class:`IllegalTransition` for a move outside
+    :data:`LEGAL`.
+    """
+    t = transition_of(backend, to, reason, now)
+    backend.apply_control(replace(backend.control(), state=to), t)
     return t
 
 
@@ -88,7 +93,8 @@ class Decision:
 
 
 def after_probe(backend: Backend, ok: bool, cfg: HealthConfig) -> Decision | None:
-    """Update probe counters of ``backend`` with one probe result; return a wanted change.
+    """Count one probe result in ``backend``'s counters (:meth:`~Backend.count_probe`);
+    return the change it asks for.
 
     * a failing probe: after ``cfg.fail_threshold`` in a row, a backend that was serving
       (warming/warm/draining/cooldown) becomes ``unhealthy`` (reason ``probe_failed``);
@@ -98,9 +104,8 @@ def after_probe(backend: Backend, ok: bool, cfg: HealthConfig) -> Decision | Non
       is held out of rotation (``backend.hold``: an admin drain, a spot preemption or a
       restart that has not happened yet).
     """
+    backend.count_probe(ok)
     if ok:
-        backend.consecutive_probe_failures = 0
-        backend.consecutive_probe_successes += 1
         if backend.hold is not None:
             return None  # held out of rotation (admin drain, preemption, restart)
         if backend.state is S.COLD:
@@ -111,8 +116,6 @@ def after_probe(backend: Backend, ok: bool, cfg: HealthConfig) -> Decision | Non
         ):
             return Decision(S.WARMING, "probe_recovered")
         return None
-    backend.consecutive_probe_successes = 0
-    backend.consecutive_probe_failures += 1
     if (
         backend.state in (S.WARMING, S.WARM, S.DRAINING, S.COOLDOWN)
         and backend.consecutive_probe_failures >= cfg.fail_threshold
@@ -121,70 +124,7 @@ def after_probe(backend: Backend, ok: bool, cfg: HealthConfig) -> Decision | Non
     return None
 
 
-# ---- slow start --------------------------------------------------------------------------
-# ---- maintenance cycles --------------------------------------------------------------------
-class CycleKind(StrEnum):
-    SHORT = "short"
-    MEDIUM = "medium"
-    LONG = "long"
-
-
-@dataclass(slots=True)
-class CycleClock:
-    """When each cycle of one backend is next due (monotonic seconds), and the request count
-    at its last medium cycle (for the every-N-requests trigger)."""
-
-    next_short: float
-    next_medium: float
-    next_long: float
-    requests_at_medium: int = 0
-
-
-def _first(now: float, every: float, index: int, count: int) -> float:
-    if every <= 0:
-        return math.inf
-    return now + every * (index + 1) / max(1, count)
-
-
-def initial_cycle_clock(index: int, count: int, now: float, cfg: LifecycleConfig) -> CycleClock:
-    """First due times of backend ``index`` of ``count``, spread evenly over each period."""
-    return CycleClock(
-        next_short=_first(now, cfg.short.every_s, index, count),
-        next_medium=_first(now, cfg.medium.every_s, index, count),
-        next_long=_first(now, cfg.long.every_s, index, count),
-    )
-
-
-def due_cycle(
-    clock: CycleClock, now: float, requests_served: int, cfg: LifecycleConfig
-) -> CycleKind | None:
-    """The most thorough cycle now due for one backend (long > medium > short), or None."""
-    if now >= clock.next_long:
-        return CycleKind.LONG
-    every_n = cfg.medium.every_requests
-    if now >= clock.next_medium or (
-        every_n > 0 and requests_served - clock.requests_at_medium >= every_n
-    ):
-        return CycleKind.MEDIUM
-    if now >= clock.next_short:
-        return CycleKind.SHORT
-    return None
-
-
-def cycle_started(
-    clock: CycleClock, kind: CycleKind, now: float, requests_served: int, cfg: LifecycleConfig
-) -> None:
-    """Book a started cycle: its next due time moves one period on. A long cycle also
-    counts as a medium and a short one (it does more than both)."""
-    inf = math.inf
-    if kind is CycleKind.LONG:
-        clock.next_long = now + cfg.long.every_s if cfg.long.every_s > 0 else inf
-    if kind in (CycleKind.LONG, CycleKind.MEDIUM):
-        clock.next_medium = now + cfg.medium.every_s if cfg.medium.every_s > 0 else inf
-        clock.requests_at_medium = requests_served
-    clock.next_short = now + cfg.short.every_s if cfg.short.every_s > 0 else inf
-
-
+# ---- staggering ------------------------------------------------------------------------
 def max_unavailable(model_backends: int, cfg: LifecycleConfig) -> int:
     """How many of a model's ``model_backends`` may be out of rotation at once."""
     if cfg.max_unavailable is not None:

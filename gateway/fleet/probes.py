@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 import httpx
 
-from gateway.fleet.backend import Backend, ModelCard
+from gateway.fleet.backend import Backend
+from gateway.fleet.records import ModelCard
 
 ProbeStatus = Literal["ok", "fail", "auth"]
 

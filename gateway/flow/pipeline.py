@@ -65,7 +65,7 @@ class NoCandidate(Exception):
 class Pipeline:
     """Runs requests' attempts against the fleet; one per app, built by
     :func:`gateway.wiring.build_gateway`. ``clock``: monotonic seconds; ``wall``: Unix
-    seconds (for ``Retry-After`` dates); ``api_key(backend)``: the gateway's key for it."""
+    seconds (for ``Retry-After`` dates)."""
 
     def __init__(
         self,
@@ -77,7 +77,6 @@ class Pipeline:
         accounting: Accounting,
         clock: Callable[[], float],
         wall: Callable[[], float] = time.time,
-        api_key: Callable[[Backend], str | None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.fleet = fleet
@@ -87,8 +86,6 @@ class Pipeline:
         self.accounting = accounting
         self.clock = clock
         self.wall = wall
-        keys = {b.id: b.config.resolved_api_key() for b in fleet}
-        self.api_key = api_key or (lambda b: keys.get(b.id))
         self.id_header = cfg.server.request_id_header.lower()
         r = cfg.retry
         self.retry = RetryPolicy(r.backoff_base_s, r.backoff_max_s)
@@ -193,7 +190,7 @@ class Pipeline:
             opened = await send_attempt(
                 self.transport,
                 backend,
-                self.api_key(backend),
+                backend.api_key,
                 ctx,
                 self.cfg.proxy,
                 self.id_header,

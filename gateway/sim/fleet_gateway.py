@@ -157,21 +157,23 @@ class SimulatedGateway:
     def dispatched(self, i: int) -> None:
         """A request went to backend ``i``."""
         b = self.backends[i]
-        b.in_flight += 1
-        b.requests_served += 1
+        b.take(1, 0)
+        b.count_served()
 
     def finished(self, i: int) -> None:
         """A request on backend ``i`` finished."""
-        self.backends[i].in_flight -= 1
+        self.backends[i].give_back(1, 0)
 
     # -- telemetry
     def scrape_load(self, now: float, view: FleetView) -> None:
         """Load telemetry tick: each engine's queue, batch and KV use as a LoadSample."""
         for b, e in zip(self.backends, view.engines, strict=True):
-            b.load = LoadSample(
-                float(e.num_waiting), float(e.num_running), e.kv_usage(), now, b.in_flight
+            b.scraped(
+                LoadSample(
+                    float(e.num_waiting), float(e.num_running), e.kv_usage(), now, b.in_flight
+                ),
+                now,
             )
-            b.last_scrape_ok_at = now
 
     def scrape_gpus(self, now: float, view: FleetView) -> None:
         """GPU telemetry tick (``load_thermal`` only; the simple policies read none)."""
@@ -221,7 +223,7 @@ class SimulatedGateway:
             ):
                 apply_transition(b, BackendState.WARM, "cooldown_done", now)
                 self.returned += 1
-                b.warm_since = now
+                b.ramp_from(now)
                 changed = True
         if changed:
             self._routable = [b for b in self.backends if b.state is BackendState.WARM]

@@ -435,7 +435,7 @@ def test_fast_restart_is_seen_from_the_new_process_not_after_the_hold(sims, lc_g
         t0 = time.monotonic()
         assert gw.gateway.cfg.lifecycle.restart_hold_s == 120
         ctl = gw.gateway.controller
-        gw.run(ctl.long_cycle(gw.gateway.fleet.get("a"), "test"))
+        gw.run(ctl.maintenance.long_cycle(gw.gateway.fleet.get("a"), "test"))
         wait_state(gw.url, "a", "warm", timeout=15)
         assert time.monotonic() - t0 < 30
         assert ("draining", "cold", "restarted") in history(gw.url, "a")

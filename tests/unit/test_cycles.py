@@ -10,14 +10,8 @@ import pytest
 from gateway.config import BackendConfig, LifecycleConfig, RoutingWeights
 from gateway.core.vocab import BackendState
 from gateway.fleet.backend import Backend
-from gateway.fleet.lifecycle import (
-    CycleKind,
-    cycle_started,
-    due_cycle,
-    initial_cycle_clock,
-    max_unavailable,
-    may_take_out,
-)
+from gateway.fleet.cycles import CycleKind, cycle_started, due_cycle, initial_cycle_clock
+from gateway.fleet.lifecycle import max_unavailable, may_take_out
 from gateway.routing.policy import AffinityTable, LoadThermalPolicy, slow_start_weight
 
 S = BackendState

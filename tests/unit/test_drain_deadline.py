@@ -1,4 +1,4 @@
-"""Drain and its deadline in the controller, with a fake clock (no network)."""
+"""Drain and its deadline (gateway.fleet.drain), with a fake clock (no network)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ class Handle:
 def controller() -> tuple[FleetController, Clock]:
     cfg = load_config(None, backends=[{"id": "a", "url": "http://h:1"},
                                       {"id": "b", "url": "http://h:2"}])
-    fleet = Fleet(cfg.backends)
+    clock = Clock()
+    fleet = Fleet.from_config(cfg, clock)
     for b in fleet:
         b.state, b.models = BackendState.WARM, ("m",)
-    clock = Clock()
     return FleetController(cfg, fleet, GatewayMetrics(), clock=clock, wall=clock), clock
 
 
@@ -43,7 +43,7 @@ async def test_drain_waits_for_in_flight_then_reports_drained():
     c, _clock = controller()
     b = c.fleet.get("a")
     b.in_flight = 2
-    task = asyncio.create_task(c.drain(b, 60.0, "test"))
+    task = asyncio.create_task(c.drains.drain(b, 60.0, "test"))
     await asyncio.sleep(0.12)
     assert b.state is BackendState.DRAINING and not task.done()
     b.in_flight = 0
@@ -57,7 +57,7 @@ async def test_deadline_expiry_cuts_remaining_requests_then_completes():
     handles = [Handle(), Handle()]
     b.active.update(handles)
     b.in_flight = 2
-    task = asyncio.create_task(c.drain(b, 30.0, "test"))
+    task = asyncio.create_task(c.drains.drain(b, 30.0, "test"))
     await asyncio.sleep(0.12)
     assert all(h.reason is None for h in handles)  # before the deadline nothing is cut
     clock.t += 29.9
@@ -69,14 +69,14 @@ async def test_deadline_expiry_cuts_remaining_requests_then_completes():
     assert not task.done()  # still waiting for the cut requests to leave
     b.in_flight = 0
     assert await asyncio.wait_for(task, 1) is True
-    assert c.longest_drain_s >= 30.0
+    assert c.drains.longest_drain_s >= 30.0
 
 
 async def test_drain_gives_up_when_state_changes():
     c, _clock = controller()
     b = c.fleet.get("a")
     b.in_flight = 1
-    task = asyncio.create_task(c.drain(b, 60.0, "test"))
+    task = asyncio.create_task(c.drains.drain(b, 60.0, "test"))
     await asyncio.sleep(0.12)
-    c.transition(b, BackendState.UNHEALTHY, "probe_failed")
+    c.state.transition(b, BackendState.UNHEALTHY, "probe_failed")
     assert await asyncio.wait_for(task, 1) is False
