@@ -33,7 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gateway.core.vocab import Prio
-from gateway.sim.engine import Engine, EngineParams, EngineRequest
+from gateway.sim.engine import Engine, EngineParams
+from gateway.sim.engine_types import EngineRequest
 from gateway.traffic.batcher import Batcher, BucketSettings, Item, RateView
 from gateway.traffic.forecast import ForecastParams, HoltWinters
 from gateway.traffic.scheduler import Scheduler

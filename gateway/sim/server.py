@@ -44,7 +44,7 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import LoraAdapter, SimConfig
 from gateway.sim.embeddings import embedding_vector, parse_embedding
-from gateway.sim.engine import EngineEvent, EngineRequest
+from gateway.sim.engine_types import EngineEvent, EngineRequest
 from gateway.sim.faults import FaultConfig, FaultDecision, FaultInjector
 from gateway.sim.gpu import GpuTicker, SimGpus, render_dcgm
 from gateway.sim.metrics import SimMetrics
