@@ -8,7 +8,7 @@ gateway's own CPU cost is measured separately, through real HTTP, by ``batcher.p
 
 Modes: ``off`` (FIFO without the batcher: every request goes to the least-loaded backend
 on arrival and waits in vLLM's FCFS queue), ``admission`` (the gateway without the batcher:
-the admission scheduler of :mod:`gateway.traffic.admission`, with the gateway's defaults,
+the admission scheduler of :mod:`gateway.traffic.scheduler`, with the gateway's defaults,
 lets the fleet's ``max_num_seqs`` be in flight, queues the rest by priority and refuses a
 request whose predicted wait exceeds the queue timeout), ``fixed`` (the batcher
 without forecast dispatch: a bucket goes when full or when its oldest request waited
@@ -33,10 +33,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gateway.core.vocab import Prio
-from gateway.sim.engine import Engine, EngineParams, EngineRequest
-from gateway.traffic.admission import Scheduler
+from gateway.sim.engine import Engine, EngineParams
+from gateway.sim.engine_types import EngineRequest
 from gateway.traffic.batcher import Batcher, BucketSettings, Item, RateView
 from gateway.traffic.forecast import ForecastParams, HoltWinters
+from gateway.traffic.scheduler import Scheduler
 
 BUCKET_SETTINGS = [  # the gateway's defaults (config.BatcherConfig)
     BucketSettings(4, 0.002),

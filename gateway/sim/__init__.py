@@ -6,7 +6,8 @@ For the demo, tests and benchmarks; never imported by the request path.
 """
 
 from gateway.sim.config import LoraAdapter, SimConfig
-from gateway.sim.engine import Engine, EngineEvent, EngineParams, EngineRequest, EngineStats
+from gateway.sim.engine import Engine, EngineParams
+from gateway.sim.engine_types import EngineEvent, EngineRequest, EngineStats
 from gateway.sim.faults import FaultConfig
 from gateway.sim.runner import SimServerThread, run_sim_server
 from gateway.sim.server import create_sim_app

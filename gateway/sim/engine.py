@@ -21,249 +21,30 @@ KV-cache manager (``vllm/v1/core/kv_cache_manager.py``, ``block_pool.py``):
 
   so inter-token latency grows with the batch and a prefill stalls the whole batch
   (no chunked prefill).
-* Paged KV cache of ``kv_cache_tokens // block_size`` blocks. A running request holds
-  ``ceil((prompt + generated + 1) / block_size)`` blocks; growth that does not fit
-  preempts the most recently admitted request (recompute mode: it returns to the
-  front of the waiting queue and re-prefills prompt + generated tokens later), and
-  ``num_preemptions`` counts it.
-* Prefix cache. Full prompt blocks carry chained hashes (hash of parent hash + block
-  tokens, salted by ``cache_salt`` such as a LoRA name). Blocks whose reference count
-  drops to zero stay cached in an LRU of free blocks and are evicted only when a fresh
-  block is needed. A lookup may hit at most ``prompt_tokens - 1`` tokens (vLLM always
-  recomputes the last prompt token), rounded down to whole blocks. Counters are in
-  tokens, as vLLM's ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``.
-  Only prompt blocks are hashed; generated-token blocks are private.
-* KV usage (0-1) is ``used_blocks / total_blocks``; cached-but-free blocks count as
-  free, as in vLLM's ``vllm:kv_cache_usage_perc``.
+* Paged KV cache and prefix cache: :mod:`gateway.sim.kv_cache` (blocks, chained prompt
+  hashes, LRU of cached free blocks). Growth that does not fit preempts the most recently
+  admitted request (recompute mode: it returns to the front of the waiting queue and
+  re-prefills prompt + generated tokens later), and ``num_preemptions`` counts it.
 
-Per-request latencies follow vLLM's definitions (``vllm/v1/metrics/stats.py``):
-queue time = first scheduled - arrival; TTFT = first token - arrival; prefill time =
-first token - first scheduled; decode time = last token - first token; e2e = finish -
-arrival; ITL = gap between consecutive tokens of one request.
+Its inputs, outputs and per-request state, with vLLM's latency definitions:
+:mod:`gateway.sim.engine_types`.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
-from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from collections import deque
 
 from gateway.config import EngineParams as EngineParams  # declared with the config schema
-
-FinishReason = Literal["stop", "length", "abort"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """A generation request as the engine sees it.
-
-    ``prompt_token_ids`` drive the prefix-cache hashes and the prompt length (tokens).
-    The request ends after ``max_tokens`` tokens (finish "length") or, when
-    ``eos_after`` is set and not above ``max_tokens``, after ``eos_after`` tokens, the
-    last being EOS (finish "stop"). ``cache_salt`` separates prefix-cache namespaces
-    (e.g. a LoRA adapter name).
-    """
-
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    max_tokens: int
-    eos_after: int | None = None
-    cache_salt: str = ""
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt length in tokens."""
-        return len(self.prompt_token_ids)
-
-    @property
-    def target_tokens(self) -> int:
-        """Number of tokens this request will generate if not aborted."""
-        if self.eos_after is not None and self.eos_after <= self.max_tokens:
-            return max(1, self.eos_after)
-        return self.max_tokens
-
-    @property
-    def natural_finish(self) -> FinishReason:
-        """Finish reason when the request runs to completion."""
-        if self.eos_after is not None and self.eos_after <= self.max_tokens:
-            return "stop"
-        return "length"
-
-
-@dataclass(frozen=True)
-class EngineEvent:
-    """Something that happened to a request at ``time`` (seconds).
-
-    ``new_token`` is true when the request emitted its token number ``num_tokens``
-    (1-based count of tokens so far). ``finish_reason`` is set on the request's last
-    event ("stop", "length", or "abort" for an engine-side abort).
-    """
-
-    request_id: str
-    time: float
-    num_tokens: int
-    new_token: bool
-    finish_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class RequestMetrics:
-    """Latency observations (seconds) and sizes (tokens) of one finished request.
-
-    Definitions follow vLLM's ``RequestStateStats`` / ``FinishedRequestStats``.
-    """
-
-    request_id: str
-    finish_reason: str
-    prompt_tokens: int
-    generation_tokens: int
-    cached_tokens: int
-    max_tokens: int
-    num_preemptions: int
-    queue_time_s: float
-    ttft_s: float | None
-    prefill_time_s: float
-    decode_time_s: float
-    inference_time_s: float
-    e2e_s: float
-    itl_s: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Snapshot of gauges (now) and cumulative counters (since start) of one engine."""
-
-    time: float
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_blocks: int
-    used_blocks: int
-    cached_free_blocks: int
-    prompt_tokens_total: int
-    prompt_tokens_cached_total: int
-    generation_tokens_total: int
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    num_preemptions_total: int
-    request_success_total: dict[str, int]
-    num_client_aborts_total: int
-    steps_total: int
-    busy_time_s: float
-
-
-@dataclass(eq=False)
-class _Seq:
-    """Mutable state of one request inside the engine (compared by identity)."""
-
-    req: EngineRequest
-    arrival: float
-    block_hashes: list[int]
-    target: int = 0  # tokens to generate (max_tokens clipped to the context)
-    finish: str = "length"
-    state: Literal["waiting", "running", "done"] = "waiting"
-    generated: int = 0
-    hashed_blocks: list[int] = field(default_factory=list)  # hashes held (ref-counted)
-    private_blocks: int = 0
-    cached_tokens: int = 0
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    num_preemptions: int = 0
-    prompt_counted: bool = False
-    itl: list[float] = field(default_factory=list)
-
-    @property
-    def held_blocks(self) -> int:
-        return len(self.hashed_blocks) + self.private_blocks
-
-
-def _salt_hash(salt: str) -> int:
-    return zlib.crc32(salt.encode("utf-8"))
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
-    """Chained hashes of the full ``block_size``-token blocks of ``token_ids``.
-
-    Each hash covers its parent hash and the block's tokens (vLLM's
-    ``hash_block_tokens``), so equal hashes mean equal prefixes. Deterministic across
-    processes (integer-tuple hashing does not depend on ``PYTHONHASHSEED``).
-    """
-    parent = _salt_hash(salt)
-    out: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
-        out.append(parent)
-    return out
-
-
-class _BlockPool:
-    """Counts KV blocks; keeps ref counts of hashed blocks and an LRU of free cached ones."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.used = 0  # blocks held by requests (hashed or private)
-        self.refs: dict[int, int] = {}  # hash -> ref count (> 0), blocks in use
-        self.cached_free: OrderedDict[int, None] = OrderedDict()  # LRU: first = oldest
-
-    @property
-    def free(self) -> int:
-        """Blocks not held by any request (cached-free blocks count as free)."""
-        return self.num_blocks - self.used
-
-    def lookup(self, hashes: Sequence[int], max_blocks: int) -> int:
-        """Number of leading ``hashes`` present in the cache, at most ``max_blocks``."""
-        n = 0
-        for h in hashes[:max_blocks]:
-            if h in self.refs or h in self.cached_free:
-                n += 1
-            else:
-                break
-        return n
-
-    def can_allocate(self, hit_hashes: Sequence[int], new_blocks: int) -> bool:
-        """Whether ``new_blocks`` fresh blocks fit once ``hit_hashes`` are reused."""
-        revived = sum(1 for h in hit_hashes if h in self.cached_free)
-        return new_blocks + revived <= self.free
-
-    def take_hit(self, h: int) -> None:
-        if h in self.cached_free:
-            del self.cached_free[h]
-            self.used += 1
-        self.refs[h] = self.refs.get(h, 0) + 1
-
-    def allocate_fresh(self, n: int) -> None:
-        """Take ``n`` fresh blocks, evicting the least recently freed cached blocks."""
-        for _ in range(n):
-            if self.num_blocks - self.used - len(self.cached_free) <= 0:
-                self.cached_free.popitem(last=False)
-            self.used += 1
-
-    def register(self, h: int) -> bool:
-        """Give a just-computed fresh block the hash ``h``; False if ``h`` already cached."""
-        if h in self.refs or h in self.cached_free:
-            return False
-        self.refs[h] = 1
-        return True
-
-    def release_hashed(self, h: int) -> None:
-        n = self.refs[h] - 1
-        if n:
-            self.refs[h] = n
-        else:
-            del self.refs[h]
-            self.cached_free[h] = None
-            self.used -= 1
-
-    def release_private(self, n: int) -> None:
-        self.used -= n
-
-    def reset(self) -> None:
-        self.cached_free.clear()
+from gateway.sim.engine_types import (
+    FINISH_REASONS,
+    EngineEvent,
+    EngineRequest,
+    EngineStats,
+    RequestMetrics,
+    Seq,
+)
+from gateway.sim.kv_cache import BlockPool, block_hashes
 
 
 class Engine:
@@ -276,14 +57,14 @@ class Engine:
 
     def __init__(self, params: EngineParams | None = None) -> None:
         self.params = params or EngineParams()
-        self._pool = _BlockPool(self.params.num_blocks)
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []  # admission order
-        self._by_id: dict[str, _Seq] = {}
+        self._pool = BlockPool(self.params.num_blocks)
+        self._waiting: deque[Seq] = deque()
+        self._running: list[Seq] = []  # admission order
+        self._by_id: dict[str, Seq] = {}
         self._now = 0.0
         self._step_end: float | None = None
         self._step_start = 0.0
-        self._step_batch: list[_Seq] = []
+        self._step_batch: list[Seq] = []
         self._pending_start: float | None = None
         self._finished: deque[RequestMetrics] = deque(maxlen=self.params.max_pending_metrics)
         # counters
@@ -324,7 +105,7 @@ class Engine:
             if self.params.enable_prefix_caching
             else []
         )
-        seq = _Seq(req=request, arrival=now, block_hashes=hashes)
+        seq = Seq(req=request, arrival=now, block_hashes=hashes)
         room = self.params.max_model_len - request.num_prompt_tokens
         seq.target = min(request.target_tokens, room)  # vLLM clips max_tokens to the context
         seq.finish = request.natural_finish if request.target_tokens <= room else "length"
@@ -471,7 +252,7 @@ class Engine:
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.params.block_size)
 
-    def _free(self, seq: _Seq) -> None:
+    def _free(self, seq: Seq) -> None:
         # vLLM frees in reverse so that a chain's tail is evicted first.
         for h in reversed(seq.hashed_blocks):
             self._pool.release_hashed(h)
@@ -479,7 +260,7 @@ class Engine:
         seq.hashed_blocks = []
         seq.private_blocks = 0
 
-    def _grow(self, seq: _Seq) -> bool:
+    def _grow(self, seq: Seq) -> bool:
         need = self._blocks_for(seq.req.num_prompt_tokens + seq.generated + 1) - seq.held_blocks
         if need <= 0:
             return True
@@ -489,7 +270,7 @@ class Engine:
         seq.private_blocks += need
         return True
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: Seq) -> None:
         self._running.remove(seq)
         self._free(seq)
         seq.state = "waiting"
@@ -497,7 +278,7 @@ class Engine:
         self._preemptions += 1
         self._waiting.appendleft(seq)
 
-    def _try_admit(self, seq: _Seq) -> int | None:
+    def _try_admit(self, seq: Seq) -> int | None:
         """Allocate blocks for ``seq``; return its uncached tokens to prefill, or None."""
         p = self.params
         prompt = seq.req.num_prompt_tokens
@@ -591,28 +372,8 @@ class Engine:
                 self._finish(seq, t, reason or "length")
         self._step_batch = []
 
-    def _finish(self, seq: _Seq, t: float, reason: str) -> None:
+    def _finish(self, seq: Seq, t: float, reason: str) -> None:
         seq.state = "done"
         self._by_id.pop(seq.req.request_id, None)
         self._success[reason] = self._success.get(reason, 0) + 1
-        sched = seq.first_scheduled if seq.first_scheduled is not None else t
-        first = seq.first_token
-        last = seq.last_token if seq.last_token is not None else t
-        self._finished.append(
-            RequestMetrics(
-                request_id=seq.req.request_id,
-                finish_reason=reason,
-                prompt_tokens=seq.req.num_prompt_tokens,
-                generation_tokens=seq.generated,
-                cached_tokens=seq.cached_tokens,
-                max_tokens=seq.req.max_tokens,
-                num_preemptions=seq.num_preemptions,
-                queue_time_s=sched - seq.arrival,
-                ttft_s=None if first is None else first - seq.arrival,
-                prefill_time_s=(first if first is not None else t) - sched,
-                decode_time_s=0.0 if first is None else last - first,
-                inference_time_s=last - sched,
-                e2e_s=t - seq.arrival,
-                itl_s=tuple(seq.itl),
-            )
-        )
+        self._finished.append(seq.metrics(t, reason))

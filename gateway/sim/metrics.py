@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.sim.engine import FINISH_REASONS, EngineParams, EngineStats, RequestMetrics
+from gateway.sim.engine import EngineParams
+from gateway.sim.engine_types import FINISH_REASONS, EngineStats, RequestMetrics
 
 TTFT_BUCKETS = (
     0.001,

@@ -18,7 +18,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway.sim.config import SimConfig
-from gateway.sim.server import SimState, create_sim_app
+from gateway.sim.server import create_sim_app
+from gateway.sim.state import SimState
 
 
 class _EmbeddedServer(uvicorn.Server):

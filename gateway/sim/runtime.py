@@ -13,7 +13,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from gateway.sim.engine import Engine, EngineEvent, EngineParams, EngineRequest, RequestMetrics
+from gateway.sim.engine import Engine, EngineParams
+from gateway.sim.engine_types import EngineEvent, EngineRequest, RequestMetrics
 
 log = logging.getLogger(__name__)
 

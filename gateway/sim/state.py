@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.sim.config import SimConfig
-from gateway.sim.engine import EngineStats
+from gateway.sim.engine_types import EngineStats
 from gateway.sim.faults import FaultInjector
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.runtime import EngineRunner

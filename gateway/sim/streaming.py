@@ -12,7 +12,7 @@ from fastapi import Request
 from gateway.sim import protocol as P
 from gateway.sim import text as tx
 from gateway.sim.asgi import TRANSPORT_KEY, DroppedConnection
-from gateway.sim.engine import EngineEvent
+from gateway.sim.engine_types import EngineEvent
 from gateway.sim.state import SimState
 
 

@@ -29,7 +29,7 @@ once. Requests that may be merged into one upstream request (same ``merge_key``)
 as one unit.
 
 Queue bound: at most ``max_queued`` requests wait in all buckets together; each class may
-fill only its share of it (:data:`gateway.traffic.admission.QUEUE_SHARE`), and when the
+fill only its share of it (:data:`gateway.traffic.scheduler.QUEUE_SHARE`), and when the
 queue is full a more urgent request takes the place of the newest lower one
 (:meth:`Batcher.evict_lowest`), exactly as the admission scheduler does without the
 batcher: with the batcher on, this queue *is* the admission queue.
@@ -42,7 +42,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.traffic.admission import QUEUE_SHARE
+from gateway.traffic.scheduler import QUEUE_SHARE
 
 BUCKETS = ("high", "normal", "low")  # index = Prio value
 

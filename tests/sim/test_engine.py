@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from gateway.sim.engine import Engine, EngineEvent, EngineParams, EngineRequest, block_hashes
+from gateway.sim.engine import Engine, EngineParams
+from gateway.sim.engine_types import EngineEvent, EngineRequest
+from gateway.sim.kv_cache import block_hashes
 
 # Round numbers so expected times can be written down.
 P = EngineParams(

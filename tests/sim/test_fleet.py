@@ -14,7 +14,8 @@ from gateway.config import RoutingPolicy
 from gateway.routing.policies import LeastRequestPolicy, RoundRobinPolicy
 from gateway.routing.policy import LoadThermalPolicy
 from gateway.sim.batch import BatchEngine, SimRequest
-from gateway.sim.engine import Engine, EngineParams, EngineRequest
+from gateway.sim.engine import Engine, EngineParams
+from gateway.sim.engine_types import EngineRequest
 from gateway.sim.fleet import (
     POLICIES,
     FleetSpec,

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from gateway.sim.engine import Engine, EngineParams, EngineRequest
+from gateway.sim.engine import Engine, EngineParams
+from gateway.sim.engine_types import EngineRequest
 from gateway.sim.faults import FaultConfig
 from gateway.sim.gpu import GpuConfig, SimGpus, render_dcgm
 from gateway.sim.thermal import (

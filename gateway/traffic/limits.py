@@ -1,0 +1,134 @@
+"""The entry layer of admission (pure): per-client-key token buckets for requests per
+minute and tokens per minute, the way OpenAI's own ``x-ratelimit-*`` limits work.
+
+A request costs one request and its estimated tokens
+(:func:`gateway.traffic.admission.estimate_tokens`: the prompt at 4 bytes per token plus
+``max_tokens``). Times are monotonic seconds passed in; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class TokenBucket:
+    """A token bucket of ``capacity`` refilled at ``capacity / period_s`` per second.
+
+    ``per_minute=60`` means 60 per minute with bursts up to 60. Times are seconds.
+    """
+
+    __slots__ = ("_at", "capacity", "rate", "tokens")
+
+    def __init__(self, capacity: float, period_s: float, now: float) -> None:
+        self.capacity = capacity
+        self.rate = capacity / period_s
+        self.tokens = capacity
+        self._at = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._at:
+            self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
+            self._at = now
+
+    def wait_for(self, n: float, now: float) -> float:
+        """Seconds until ``n`` could be taken (0: now). ``inf`` if ``n`` exceeds capacity."""
+        self._refill(now)
+        if n <= self.tokens:
+            return 0.0
+        if n > self.capacity:
+            return math.inf
+        return (n - self.tokens) / self.rate
+
+    def take(self, n: float, now: float) -> None:
+        self._refill(now)
+        self.tokens -= n
+
+    def give(self, n: float, now: float) -> None:
+        """Return ``n`` taken tokens (never above capacity)."""
+        self._refill(now)
+        self.tokens = min(self.capacity, self.tokens + n)
+
+    def reset_in(self, now: float) -> float:
+        """Seconds until the bucket is full again (OpenAI's ``x-ratelimit-reset-*``)."""
+        self._refill(now)
+        return (self.capacity - self.tokens) / self.rate
+
+
+@dataclass(frozen=True, slots=True)
+class EntryVerdict:
+    """Outcome of the entry layer. ``retry_after_s`` is 0 when admitted; the limit fields
+    feed the ``x-ratelimit-*`` headers (None when that limit is not configured)."""
+
+    admitted: bool
+    retry_after_s: float
+    limit_requests: int | None
+    remaining_requests: int | None
+    reset_requests_s: float | None
+    limit_tokens: int | None
+    remaining_tokens: int | None
+    reset_tokens_s: float | None
+    reason: str = ""
+
+
+class KeyLimiter:
+    """Requests-per-minute and tokens-per-minute buckets of one client key."""
+
+    def __init__(self, rpm: int | None, tpm: int | None, now: float) -> None:
+        self.rpm = rpm
+        self.tpm = tpm
+        self.requests = TokenBucket(rpm, 60.0, now) if rpm else None
+        self.tokens = TokenBucket(tpm, 60.0, now) if tpm else None
+
+    def full(self, now: float) -> bool:
+        """True when every bucket is full again: this limiter is then the same as a new
+        one, so it may be dropped (a client seen once does not hold memory forever)."""
+        return all(b is None or b.reset_in(now) <= 0.0 for b in (self.requests, self.tokens))
+
+    def refund(self, tokens: int, now: float) -> None:
+        """Give back what an admitted request was charged, when a later layer refused it
+        (or its client left before it was sent): a refusal must not use up the quota."""
+        if self.requests:
+            self.requests.give(1, now)
+        if self.tokens:
+            self.tokens.give(tokens, now)
+
+    def check(self, tokens: int, now: float) -> EntryVerdict:
+        """Admit (and charge) one request costing ``tokens``, or say when to come back."""
+        wait_r = self.requests.wait_for(1, now) if self.requests else 0.0
+        wait_t = self.tokens.wait_for(tokens, now) if self.tokens else 0.0
+        admitted = wait_r == 0.0 and wait_t == 0.0
+        if admitted:
+            if self.requests:
+                self.requests.take(1, now)
+            if self.tokens:
+                self.tokens.take(tokens, now)
+        reason = ""
+        if wait_t == math.inf:
+            reason = (
+                f"the request's estimated {tokens} tokens exceed the key's tokens-per-minute limit"
+            )
+        elif not admitted:
+            reason = "requests per minute" if wait_r >= wait_t else "tokens per minute"
+        r, t = self.requests, self.tokens
+        return EntryVerdict(
+            admitted,
+            0.0 if admitted else max(wait_r, wait_t),
+            self.rpm,
+            None if r is None else max(0, math.floor(r.tokens)),
+            None if r is None else r.reset_in(now),
+            self.tpm,
+            None if t is None else max(0, math.floor(t.tokens)),
+            None if t is None else t.reset_in(now),
+            reason,
+        )
+
+
+def ratelimit_duration(seconds: float) -> str:
+    """OpenAI's reset format: ``"20ms"``, ``"1.5s"``, ``"6m0s"``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    m, s = divmod(round(seconds), 60)
+    return f"{m}m{s}s"
