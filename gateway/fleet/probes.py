@@ -160,11 +160,11 @@ def engine_answer(endpoint: str, data: Any) -> object:
     (embeddings: ``data[0].embedding``). ``ValueError`` when it is not shaped so."""
     try:
         if endpoint == COMPLETIONS:
-            return data["choices"][0]["text"]  # type: ignore[no-any-return]
+            return data["choices"][0]["text"]
         if endpoint == CHAT:
-            return data["choices"][0]["message"]["content"]  # type: ignore[no-any-return]
+            return data["choices"][0]["message"]["content"]
         if endpoint == EMBEDDINGS:
-            return data["data"][0]["embedding"]  # type: ignore[no-any-return]
+            return data["data"][0]["embedding"]
     except (KeyError, IndexError, TypeError) as e:
         raise ValueError(f"unexpected {endpoint} answer ({type(e).__name__}: {e})") from None
     raise ValueError(f"not an engine endpoint: {endpoint!r}")

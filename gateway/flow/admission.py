@@ -33,17 +33,15 @@ from gateway.flow.shaping import ratelimit_headers
 from gateway.metrics import GatewayMetrics
 from gateway.routing.policy import estimated_load
 from gateway.traffic.admission import (
-    QUEUE_FULL,
     DegradedMode,
-    EntryVerdict,
-    KeyLimiter,
     Saturation,
-    Scheduler,
     pool_wait,
     shed,
     shed_retry_after,
     wait_level,
 )
+from gateway.traffic.limits import EntryVerdict, KeyLimiter
+from gateway.traffic.scheduler import QUEUE_FULL, Scheduler
 
 log = logging.getLogger("gateway.admission")
 

@@ -58,13 +58,13 @@ from gateway.flow.pipeline import Pipeline
 from gateway.flow.placement import Placement
 from gateway.metrics import GatewayMetrics
 from gateway.routing.policies import Policy
-from gateway.traffic.admission import retry_after_s
 from gateway.traffic.batcher import (
     BUCKETS,
     Batcher,
     BucketSettings,
     Item,
 )
+from gateway.traffic.retry_after import retry_after_s
 
 log = logging.getLogger("gateway.flow.batching")
 

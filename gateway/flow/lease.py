@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Protocol
 
 from gateway.fleet.backend import Backend
+from gateway.fleet.records import Cuttable
 from gateway.traffic.breaker import BreakerState
 
 log = logging.getLogger("gateway.flow.lease")
@@ -63,7 +64,7 @@ class Attempt:
     backend: Backend
     places: int
     pooled_extra: int
-    cut: object  # the request's gateway.proxy.relay.CutHandle
+    cut: Cuttable  # the request's gateway.proxy.relay.CutHandle
 
 
 class RequestLease:
@@ -128,7 +129,7 @@ class RequestLease:
     def start_attempt(
         self,
         backend: Backend,
-        cut: object,
+        cut: Cuttable,
         places: int,
         pooled_extra: int,
         now: float,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from gateway.traffic.admission import EntryVerdict, as_count, ratelimit_duration
+from gateway.traffic.admission import as_count
+from gateway.traffic.limits import EntryVerdict, ratelimit_duration
 
 
 def ratelimit_headers(v: EntryVerdict) -> dict[str, str]:

@@ -30,16 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gateway.core.vocab import Prio
-
-# Re-exported for gateway.flow, which imports them from here (their homes are
-# gateway.traffic.limits, .scheduler and .retry_after); drop once it imports those.
-from gateway.traffic.limits import EntryVerdict as EntryVerdict
-from gateway.traffic.limits import KeyLimiter as KeyLimiter
-from gateway.traffic.limits import ratelimit_duration as ratelimit_duration
 from gateway.traffic.retry_after import clamp_retry_after
-from gateway.traffic.retry_after import retry_after_s as retry_after_s
-from gateway.traffic.scheduler import QUEUE_FULL as QUEUE_FULL
-from gateway.traffic.scheduler import Scheduler as Scheduler
 
 
 # ---- cost estimates ------------------------------------------------------------------------
