@@ -2,7 +2,10 @@
 
 Everything mutable (fleet state, metrics registry, pools, loops) is built here, inside the
 app's lifespan, and hangs off ``app.state.gateway``; nothing lives in module globals. Each
-component gets what it needs through its constructor: no hooks are set from outside.
+component gets what it needs through its constructor, but for one late binding: the
+maintenance planner reads the arrival forecast (``Maintenance.use_forecast``), which is built
+after the controller because it depends, through the routing policy and the accounting, on
+the controller's GPU monitor.
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
-from gateway.fleet.backend import Fleet
 from gateway.fleet.controller import FleetController
-from gateway.fleet.feedback import FleetFeedback
+from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
 from gateway.flow.admission import AdmissionGate
 from gateway.flow.batching import BatchDispatcher
@@ -40,7 +42,6 @@ class Gateway:
     pipeline: Pipeline
     accounting: Accounting
     gate: AdmissionGate
-    signals: FleetFeedback
     client_keys: dict[str, ClientKey]
     admin_key: str | None
     shutting_down: bool = False
@@ -65,7 +66,7 @@ class Gateway:
         on, the backend slots it frees wake the queue."""
         if self.batching is not None:
             return self.batching.new_lease()
-        return RequestLease(self.signals)
+        return RequestLease(self.controller)
 
 
 def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gateway:
@@ -93,15 +94,14 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         if cfg.thermal.enabled and cfg.power_domains
         else None,
     )
-    signals: FleetFeedback = controller  # breaker trips and refused keys reach the fleet
     transport = transport if transport is not None else UpstreamPool(cfg.proxy)
     accounting = Accounting(metrics, clock, router.weight)
     pipeline = Pipeline(
-        cfg, fleet, router, transport, signals, accounting, clock, wall=controller.wall
+        cfg, fleet, router, transport, controller, accounting, clock, wall=controller.wall
     )
     keys = {k.resolve(): k for k in cfg.auth.client_keys}
     batching = (
-        BatchDispatcher(cfg, fleet, pipeline, router, gate, metrics, signals, clock)
+        BatchDispatcher(cfg, fleet, pipeline, router, gate, metrics, controller, clock)
         if cfg.batcher.enabled
         else None
     )
@@ -127,7 +127,6 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         pipeline=pipeline,
         accounting=accounting,
         gate=gate,
-        signals=signals,
         client_keys=keys,
         admin_key=cfg.auth.resolved_admin_key(),
         forecasts=forecasts,

@@ -19,9 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from gateway.core.outcomes import INVALID_REQUEST, SERVER_ERROR, Refusal, shutting_down
-
-MIN_RETRY_AFTER_S = 1.0
-MAX_RETRY_AFTER_S = 60.0
+from gateway.traffic.retry_after import clamp_retry_after
 
 __all__ = [
     "INVALID_REQUEST",
@@ -69,8 +67,7 @@ def retry_after_headers(seconds: float) -> dict[str, str]:
     """``retry-after`` (integer seconds, rounded up) and ``retry-after-ms``, for a wait of
     ``seconds`` bounded to [1, 60] s (openai-python honours 0 < value <= 60; a NaN or
     infinite estimate reads as 60). The only place the header's value is computed."""
-    seconds = MAX_RETRY_AFTER_S if not math.isfinite(seconds) else seconds
-    seconds = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, seconds))
+    seconds = clamp_retry_after(seconds)
     whole = max(1, math.ceil(seconds - 1e-9))
     return {"retry-after": str(whole), "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}
 

@@ -212,7 +212,7 @@ async def model_response(
             if isinstance(got, Answer):
                 watch.stop()
                 answered(metrics, endpoint, model, got.status, started)
-                return _render_answer(got, ctx, idh)
+                return _render_answer(got, idh, rid, ctx.extra_headers)
             bound = got
         opened = await gw.pipeline.open(ctx, bound)
     except Refusal as e:
@@ -223,7 +223,7 @@ async def model_response(
     except BackendAnswer as e:
         watch.stop()
         answered(metrics, endpoint, model, e.status, started)
-        return _render_answer(Answer(e.status, e.body, e.headers), None, idh, rid)
+        return _render_answer(Answer(e.status, e.body, e.headers), idh, rid)
     except asyncio.CancelledError:
         watch.stop()
         if ctx.cut.reason is None:
@@ -239,20 +239,19 @@ async def model_response(
     watch.stop()
     answer = gw.pipeline.finish_body(ctx, opened)
     answered(metrics, endpoint, model, answer.status, started)
-    return _render_answer(answer, ctx, idh)
+    return _render_answer(answer, idh, rid, ctx.extra_headers)
 
 
 def _render_answer(
-    answer: Answer, ctx: RequestContext | None, idh: str, rid: str | None = None
+    answer: Answer, idh: str, rid: str, extra: list[tuple[bytes, bytes]] | None = None
 ) -> Response:
-    """A finished non-stream answer: its headers, the request id, the key's rate-limit
-    headers (``ctx.extra_headers``) and the body's length."""
+    """A finished non-stream answer: its headers, the request id ``rid`` in header ``idh``,
+    ``extra`` headers (the key's rate limits) and the body's length."""
     r = Response(answer.body, status_code=answer.status)
-    rid = ctx.request_id if ctx is not None else rid
     r.raw_headers = [
         *answer.headers,
-        (idh.encode(), (rid or "").encode()),
-        *(ctx.extra_headers if ctx is not None else ()),
+        (idh.encode(), rid.encode()),
+        *(extra or ()),
         (b"content-length", str(len(answer.body)).encode()),
     ]
     return r

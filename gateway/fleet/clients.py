@@ -15,7 +15,8 @@ from collections.abc import Callable
 import httpx
 
 from gateway.config import HealthConfig, LifecycleConfig
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
 
 
 class ControlClients:

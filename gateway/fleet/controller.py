@@ -34,11 +34,12 @@ from collections.abc import Callable
 
 from gateway.config import GatewayConfig
 from gateway.fleet import liveness
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
 from gateway.fleet.discovery import ModelDiscovery
 from gateway.fleet.drain import Drains
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.gpu_monitor import GpuMonitor, RestDone
 from gateway.fleet.health import HealthChecks
 from gateway.fleet.hooks import BackendHooks

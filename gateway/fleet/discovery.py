@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
 from gateway.fleet.clients import ControlClients
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.probes import fetch_models
 from gateway.fleet.records import ModelCard
 from gateway.fleet.state import FleetState

@@ -23,7 +23,7 @@ restarting backend's GPUs are still read). Then, from the pure rules:
 
 A backend without ``gpu_metrics_url`` has no tracker: its tier is ``unknown`` by design
 and it is routed as before thermal awareness (it is never scraped, never counted unknown).
-The trackers are the backends' own parts (built by :class:`gateway.fleet.backend.Fleet`);
+The trackers are the backends' own parts (built by :class:`gateway.fleet.fleet.Fleet`);
 the monitor takes what it needs through its constructor, never the controller.
 """
 
@@ -39,7 +39,8 @@ import httpx
 
 from gateway.config import PowerDomainConfig, ThermalConfig
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.telemetry import scrape_gpus
 from gateway.metrics import GatewayMetrics
 from gateway.routing.cooldown import cooldown_due, rest_over

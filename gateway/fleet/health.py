@@ -22,8 +22,9 @@ from collections.abc import Callable
 from gateway.config import HealthConfig
 from gateway.core.vocab import BackendState, Cut
 from gateway.fleet import lifecycle, liveness
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
 from gateway.fleet.clients import ControlClients
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.probes import probe_health
 from gateway.fleet.state import FleetState
 from gateway.metrics import GatewayMetrics

@@ -27,11 +27,12 @@ from collections.abc import Callable
 from gateway.config import GatewayConfig
 from gateway.core.vocab import BackendState, Cut
 from gateway.fleet import lifecycle
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
 from gateway.fleet.cycles import CycleKind, cycle_started, due_cycle
 from gateway.fleet.drain import Drains
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.hooks import BackendHooks
 from gateway.fleet.probes import ProbeEndpoints, app_probe
 from gateway.fleet.procedures import Procedures

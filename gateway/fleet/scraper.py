@@ -17,8 +17,9 @@ import httpx
 
 from gateway.config import TelemetryConfig
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
 from gateway.fleet.clients import ControlClients
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.state import FleetState
 from gateway.fleet.telemetry import scrape_load
 from gateway.metrics import GatewayMetrics

@@ -35,7 +35,8 @@ from typing import Protocol
 
 from gateway.core.vocab import BackendState
 from gateway.fleet import lifecycle
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.records import ControlRecord, Deferral, Transition
 from gateway.metrics import GatewayMetrics
 

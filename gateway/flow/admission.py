@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from gateway.config import ClientKey, GatewayConfig
 from gateway.core.outcomes import Refusal, shutting_down
 from gateway.core.vocab import BackendState, Prio
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
 from gateway.flow.lease import Hold, RequestLease
 from gateway.flow.shaping import ratelimit_headers
 from gateway.metrics import GatewayMetrics

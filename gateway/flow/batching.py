@@ -49,10 +49,12 @@ from typing import Any
 from gateway.config import GatewayConfig
 from gateway.core.outcomes import Refusal, shutting_down
 from gateway.core.vocab import Prio
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.feedback import FleetFeedback
+from gateway.fleet.fleet import Fleet
 from gateway.flow.admission import AdmissionGate, Evicted, ShuttingDown
 from gateway.flow.context import Answer, RequestContext
-from gateway.flow.lease import BreakerSignals, Hold, RequestLease
+from gateway.flow.lease import Hold, RequestLease
 from gateway.flow.merged import UNMERGED, MergedRequests, Waiter, has_result
 from gateway.flow.pipeline import Pipeline
 from gateway.flow.placement import Placement
@@ -88,7 +90,7 @@ class BatchDispatcher:
         router: Policy,
         gate: AdmissionGate,
         metrics: GatewayMetrics,
-        signals: BreakerSignals,
+        signals: FleetFeedback,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         b = cfg.batcher

@@ -18,6 +18,7 @@ from gateway.traffic.forecast import ArrivalCounter, ForecastBank, ForecastParam
 
 
 def forecast_params(cfg: GatewayConfig) -> ForecastParams:
+    """The Holt-Winters parameters of the ``forecast:`` settings."""
     f = cfg.forecast
     return ForecastParams(
         alpha=f.alpha,

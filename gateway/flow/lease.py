@@ -6,8 +6,12 @@ was dispatched, a place in a backend's merge window (embeddings), and, per attem
 backend slot (its in-flight counts, the drain and hung watchdogs' handles) and a circuit
 breaker slot (a half-open probe place), plus the upstream response once one answered.
 :class:`RequestLease` is the one owner of all of them: the flow records each thing when it
-is taken and the lease gives it back, once, whatever the exit (answer, error, client
-hang-up, cancellation, shutdown). No other code releases them.
+is taken, with the function that gives it back, and the lease calls that function once,
+whatever the exit (answer, error, client hang-up, cancellation, shutdown). No other code
+releases them: a hold only moves between leases (:meth:`RequestLease.hand_over`, a merge
+group's places going to the merged request's own lease), or is taken off a lease by the
+code that has just given the thing back itself (the upstream response, released at its
+answer's end; a dispatch whose request left in the meantime).
 
 Use it as an async context manager around the whole request, the answer's sending
 included (:func:`gateway.api.openai.serve`); :meth:`close` gives back whatever is left
@@ -24,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
-from typing import Protocol
 
 from gateway.fleet.backend import Backend
+from gateway.fleet.feedback import FleetFeedback
 from gateway.fleet.records import Cuttable
 from gateway.traffic.breaker import BreakerState
 
@@ -50,12 +54,6 @@ class Verdict(Enum):
     NEUTRAL = "neutral"  # not about the backend's health (4xx, 429, client gone, ours)
 
 
-class BreakerSignals(Protocol):
-    """Who hears of a breaker that just opened (the fleet's health side)."""
-
-    def breaker_tripped(self, backend: Backend) -> None: ...
-
-
 @dataclass(slots=True)
 class Attempt:
     """One attempt's hold on ``backend``: ``places`` sequences and ``pooled_extra`` engine
@@ -70,7 +68,8 @@ class Attempt:
 class RequestLease:
     """Owner of one request's holds (see the module docstring).
 
-    ``signals``: told when an attempt's failure opens its backend's breaker.
+    ``signals``: the fleet's control plane, told when an attempt's failure opens its
+    backend's breaker.
     ``slot_freed``: called after a backend slot (or a reservation) is given back, so that
     queued requests may be dispatched into it (the batcher's pump), or None.
     """
@@ -79,7 +78,7 @@ class RequestLease:
 
     def __init__(
         self,
-        signals: BreakerSignals | None = None,
+        signals: FleetFeedback | None = None,
         slot_freed: Callable[[], None] | None = None,
     ) -> None:
         self.signals = signals

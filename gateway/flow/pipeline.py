@@ -24,22 +24,24 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from gateway.config import GatewayConfig
 from gateway.core.outcomes import SERVER_ERROR, BackendAnswer, Refusal
 from gateway.core.vocab import Cut, FailureKind
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.feedback import FleetFeedback
+from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
 from gateway.flow.attempt import parse_retry_after, send_attempt
 from gateway.flow.candidates import availability_s, candidates, recovery_s
 from gateway.flow.context import Answer, Opened, RequestContext
-from gateway.flow.lease import BreakerSignals, Hold, Verdict
+from gateway.flow.lease import Hold, Verdict
 from gateway.proxy.relay import StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
 from gateway.proxy.upstream import Transport, UpstreamFailure, response_headers
 from gateway.routing.policies import Policy
 from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
+from gateway.traffic.retry_after import clamp_retry_after
 
 log = logging.getLogger("gateway.flow.pipeline")
 
@@ -49,13 +51,6 @@ _NEUTRAL_FAILURES = frozenset(
 )
 # Stream ends the gateway caused (not the backend's fault)
 _OURS = frozenset({Cut.DRAIN_DEADLINE, Cut.SHUTDOWN, Cut.BACKEND_HUNG})
-
-
-class FleetSignals(BreakerSignals, Protocol):
-    """What the attempts tell the fleet's health side: a breaker that opened, and a
-    backend refusing the gateway's own key (401/403 while the probes see it too)."""
-
-    def auth_refused(self, backend: Backend, detail: str, status: int | None) -> None: ...
 
 
 class NoCandidate(Exception):
@@ -73,7 +68,7 @@ class Pipeline:
         fleet: Fleet,
         router: Policy,
         transport: Transport,
-        signals: FleetSignals,
+        signals: FleetFeedback,
         accounting: Accounting,
         clock: Callable[[], float],
         wall: Callable[[], float] = time.time,
@@ -302,7 +297,7 @@ class Pipeline:
             return Refusal(
                 429,
                 f"Every backend serving model '{model}' is rate-limited or recovering; retry "
-                f"in {max(1, math.ceil(min(soon, 60.0)))} s.",
+                f"in {math.ceil(clamp_retry_after(soon))} s.",
                 "requests",
                 "rate_limit_exceeded",
                 retry_after_s=soon,

@@ -17,7 +17,8 @@ import math
 from collections.abc import Hashable
 
 from gateway.config import BatcherConfig
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
 from gateway.flow import merging
 from gateway.flow.candidates import candidates
 from gateway.flow.lease import Hold, RequestLease

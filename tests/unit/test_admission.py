@@ -99,7 +99,7 @@ def test_gate_forgets_clients_whose_limits_are_full_again():
     once their buckets are full again, so a stream of one-off clients cannot grow the
     table without bound; a client still being limited keeps its limiter."""
     from gateway.config import load_config
-    from gateway.fleet.backend import Fleet
+    from gateway.fleet.fleet import Fleet
     from gateway.flow.admission import LIMITER_SWEEP_MIN, AdmissionGate
     from gateway.metrics import GatewayMetrics
 

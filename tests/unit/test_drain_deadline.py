@@ -6,8 +6,8 @@ import asyncio
 
 from gateway.config import load_config
 from gateway.core.vocab import BackendState, Cut
-from gateway.fleet.backend import Fleet
 from gateway.fleet.controller import FleetController
+from gateway.fleet.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 
 

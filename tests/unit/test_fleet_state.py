@@ -1,5 +1,5 @@
 """The fleet-state service (gateway.fleet.state) and the parts a Backend is built with
-(gateway.fleet.backend.Fleet): fake clocks, no network."""
+(gateway.fleet.fleet.Fleet): fake clocks, no network."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 
 from gateway.config import load_config
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.lifecycle import IllegalTransition
 from gateway.fleet.records import ControlRecord, Deferral, Transition
 from gateway.fleet.state import FleetState

@@ -11,7 +11,8 @@ from pathlib import Path
 from gateway.config import load_config
 from gateway.core.samples import GpuSample
 from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend, Fleet
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.gpu_monitor import GpuMonitor
 from gateway.metrics import GatewayMetrics
 

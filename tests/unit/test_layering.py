@@ -59,6 +59,9 @@ PURE = (
     "gateway.traffic.*",
     "gateway.fleet.lifecycle",
     "gateway.fleet.liveness",
+    "gateway.fleet.cycles",
+    "gateway.fleet.gpu_health",
+    "gateway.proxy.sse",
 )
 """No I/O: these take time and data as arguments."""
 IO_LIBRARIES = ("aiohttp", "httpx", "fastapi", "starlette", "uvicorn", "redis", "socket")
