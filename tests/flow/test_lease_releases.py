@@ -38,6 +38,23 @@ def sse() -> ScriptedResponse:
     return ScriptedResponse(200, "text/event-stream")
 
 
+class Streams(list[ScriptedResponse]):
+    """A handler answering every request with a stream that has sent its first event; the
+    streams it opened, in order, for the test to end (:func:`end_stream`) when it likes."""
+
+    async def __call__(self, t: Target, req: UpstreamRequest) -> ScriptedResponse:
+        r = sse()
+        r.feed(EVENT)
+        self.append(r)
+        return r
+
+
+def end_stream(r: ScriptedResponse) -> None:
+    """The backend finishes ``r``: ``[DONE]``, then the body's end."""
+    r.feed(b"data: [DONE]\n\n")
+    r.end()
+
+
 def test_answer_gives_back_everything():
     async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
         return json_response(ANSWER)
@@ -54,13 +71,7 @@ def test_answer_gives_back_everything():
 
 
 def test_stream_end_gives_back_everything():
-    responses: list[ScriptedResponse] = []
-
-    async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
-        r = sse()
-        r.feed(EVENT)
-        responses.append(r)
-        return r
+    responses = handler = Streams()
 
     async def main() -> None:
         gw = make_gateway(handler)
@@ -68,8 +79,7 @@ def test_stream_end_gives_back_everything():
         await call.started.wait()
         b = gw.fleet.backends[0]
         assert b.in_flight == 1 and gw.gate.scheduler.in_flight == 1  # held while streaming
-        responses[0].feed(b"data: [DONE]\n\n")
-        responses[0].end()
+        end_stream(responses[0])
         await call.task
         assert call.body.endswith(b"data: [DONE]\n\n")
         assert responses[0].released
@@ -130,13 +140,7 @@ def test_client_hang_up_while_waiting_for_the_backend():
 
 
 def test_client_hang_up_mid_stream():
-    responses: list[ScriptedResponse] = []
-
-    async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
-        r = sse()
-        r.feed(EVENT)
-        responses.append(r)
-        return r
+    responses = handler = Streams()
 
     async def main() -> None:
         gw = make_gateway(handler)
@@ -172,13 +176,7 @@ def test_cancellation_gives_back_everything():
 
 
 def test_shutdown_cut_mid_stream():
-    responses: list[ScriptedResponse] = []
-
-    async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
-        r = sse()
-        r.feed(EVENT)
-        responses.append(r)
-        return r
+    responses = handler = Streams()
 
     async def main() -> None:
         gw = make_gateway(handler)
@@ -194,13 +192,7 @@ def test_shutdown_cut_mid_stream():
 
 
 def test_queued_request_shed_at_shutdown():
-    first: list[ScriptedResponse] = []
-
-    async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
-        r = sse()
-        r.feed(EVENT)
-        first.append(r)
-        return r
+    first = handler = Streams()
 
     async def main() -> None:
         gw = make_gateway(handler, admission={"max_in_flight": 1})
@@ -212,8 +204,7 @@ def test_queued_request_shed_at_shutdown():
         assert gw.gate.shed_queued() == 1
         await queued.task
         assert queued.status == 503 and queued.json()["error"]["code"] == "gateway_shutting_down"
-        first[0].feed(b"data: [DONE]\n\n")
-        first[0].end()
+        end_stream(first[0])
         await running.task
         assert_nothing_held(gw)
 
@@ -221,13 +212,7 @@ def test_queued_request_shed_at_shutdown():
 
 
 def test_client_hang_up_in_the_batcher_queue():
-    first: list[ScriptedResponse] = []
-
-    async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
-        r = sse()
-        r.feed(EVENT)
-        first.append(r)
-        return r
+    first = handler = Streams()
 
     async def main() -> None:
         gw = make_gateway(
@@ -244,8 +229,7 @@ def test_client_hang_up_in_the_batcher_queue():
         queued.hang_up.set()
         await queued.task
         assert queued.status == 499 and gw.batching.core.queued == 0
-        first[0].feed(b"data: [DONE]\n\n")
-        first[0].end()
+        end_stream(first[0])
         await running.task
         assert len(first) == 1  # the one that left was never sent
         assert_nothing_held(gw)
@@ -256,13 +240,7 @@ def test_client_hang_up_in_the_batcher_queue():
 def test_dispatched_request_released_when_its_slot_frees():
     """A queued request is dispatched into the slot a finished one gives back (the lease
     wakes the queue), and its reservation turns into its attempt."""
-    first: list[ScriptedResponse] = []
-
-    async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
-        r = sse()
-        r.feed(EVENT)
-        first.append(r)
-        return r
+    first = handler = Streams()
 
     async def main() -> None:
         gw = make_gateway(
@@ -276,15 +254,13 @@ def test_dispatched_request_released_when_its_slot_frees():
         b = start(gw, {**CHAT, "stream": True})
         await settle()
         assert gw.batching.core.queued == 1
-        first[0].feed(b"data: [DONE]\n\n")
-        first[0].end()
+        end_stream(first[0])
         await a.task
         await settle()  # a few loop turns, far less than the batcher's 50 ms re-check
         assert len(first) == 2, "the freed slot did not wake the queue"
         await b.started.wait()  # dispatched into the freed slot
         assert gw.batching.pending == {}
-        first[1].feed(b"data: [DONE]\n\n")
-        first[1].end()
+        end_stream(first[1])
         await b.task
         assert_nothing_held(gw)
 
@@ -295,10 +271,7 @@ def test_request_gone_between_dispatch_and_attempt_gives_back_its_reservation():
     """Dispatched (places reserved on a backend) and cancelled before its attempt starts:
     the reservation goes back with its lease."""
 
-    async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
-        r = sse()
-        r.feed(EVENT)
-        return r
+    handler = Streams()
 
     async def main() -> None:
         gw = make_gateway(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,25 +20,7 @@ from gateway.routing.policies import (
 )
 from gateway.routing.policy import C, LoadThermalPolicy, SlowStart
 from gateway.routing.thermal import ThermalChoice
-
-
-class Clock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@dataclass(eq=False)
-class B:
-    id: str
-    capacity: int | None = 16
-    in_flight: int = 0
-    load: LoadSample | None = None
-    warm_since: float | None = None
-    recent_failures: int = 0
-
+from tests.unit.test_policy import B, Clock  # the same fake candidates and clock
 
 NO_RAMP = LifecycleConfig(slow_start_s=0.0)
 

@@ -10,8 +10,10 @@ from gateway.routing.policy import AffinityTable, LoadThermalPolicy, estimated_l
 
 
 class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
+    """A settable monotonic clock (seconds)."""
+
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
 
     def __call__(self) -> float:
         return self.t
