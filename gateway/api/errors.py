@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,9 +59,13 @@ def render(
     )
     if not refusal.retryable:
         r.raw_headers.append((b"x-should-retry", b"false"))
-    for k, v in refusal.headers:
-        r.raw_headers.append((k.encode("latin-1"), v.encode("latin-1")))
+    r.raw_headers.extend(encoded_headers(refusal.headers))
     return r
+
+
+def encoded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """Header (name, value) pairs as the raw bytes ASGI sends (latin-1, RFC 9110)."""
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
 
 
 def retry_after_headers(seconds: float) -> dict[str, str]:

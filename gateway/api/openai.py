@@ -10,6 +10,7 @@ OpenAI-shaped with the status OpenAI would use (see :mod:`gateway.api.errors`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from gateway.api.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
     Refusal,
+    encoded_headers,
     error_response,
     render,
     shutting_down_response,
@@ -45,7 +47,7 @@ from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.flow.shaping import cap_max_tokens, ratelimit_headers
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
-from gateway.proxy.sse import DONE_TERMINATED, EventFramer
+from gateway.proxy.sse import DONE_TERMINATED
 from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
 from gateway.traffic.admission import completion_budget, estimate_tokens
 
@@ -192,9 +194,7 @@ async def model_response(
             client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
             verdict = await gate.admit(model, client, key, prio, est, len(body) // 4, rid, lease)
             if verdict is not None:
-                ctx.extra_headers = [
-                    (k.encode(), v.encode()) for k, v in ratelimit_headers(verdict).items()
-                ]
+                ctx.ratelimit = list(ratelimit_headers(verdict).items())
             cap = gate.max_tokens_cap()
             if cap is not None and (capped := cap_max_tokens(payload, cap)) is not None:
                 ctx.upstream.body = capped
@@ -212,7 +212,7 @@ async def model_response(
             if isinstance(got, Answer):
                 watch.stop()
                 answered(metrics, endpoint, model, got.status, started)
-                return _render_answer(got, idh, rid, ctx.extra_headers)
+                return _render_answer(got, idh, rid, ctx.ratelimit)
             bound = got
         opened = await gw.pipeline.open(ctx, bound)
     except Refusal as e:
@@ -239,19 +239,19 @@ async def model_response(
     watch.stop()
     answer = gw.pipeline.finish_body(ctx, opened)
     answered(metrics, endpoint, model, answer.status, started)
-    return _render_answer(answer, idh, rid, ctx.extra_headers)
+    return _render_answer(answer, idh, rid, ctx.ratelimit)
 
 
 def _render_answer(
-    answer: Answer, idh: str, rid: str, extra: list[tuple[bytes, bytes]] | None = None
+    answer: Answer, idh: str, rid: str, ratelimit: list[tuple[str, str]] | None = None
 ) -> Response:
     """A finished non-stream answer: its headers, the request id ``rid`` in header ``idh``,
-    ``extra`` headers (the key's rate limits) and the body's length."""
+    the key's ``ratelimit`` headers and the body's length."""
     r = Response(answer.body, status_code=answer.status)
     r.raw_headers = [
         *answer.headers,
         (idh.encode(), rid.encode()),
-        *(extra or ()),
+        *encoded_headers(ratelimit or ()),
         (b"content-length", str(len(answer.body)).encode()),
     ]
     return r
@@ -263,13 +263,8 @@ def _relay(gw: Gateway, ctx: RequestContext, opened: Opened, watch: ClientWatch)
     idh = gw.cfg.server.request_id_header
     headers = response_headers(opened.resp, idh.lower())
     headers.append((idh.encode(), ctx.request_id.encode()))
-    headers.extend(ctx.extra_headers)
+    headers.extend(encoded_headers(ctx.ratelimit))
     assert opened.framer is not None
-    pipeline = gw.pipeline
-
-    def on_done(outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
-        pipeline.stream_done(ctx, opened, outcome, framer, first_sent_at)
-
     return RelayResponse(
         opened.resp,
         headers,
@@ -278,7 +273,7 @@ def _relay(gw: Gateway, ctx: RequestContext, opened: Opened, watch: ClientWatch)
         watch,
         ctx.cut,
         gw.cfg.proxy.idle_timeout_s,
-        on_done,
+        functools.partial(gw.pipeline.stream_done, ctx, opened),
         ends_with_done=ctx.endpoint in DONE_TERMINATED,
         heard=opened.backend.heard,
     )

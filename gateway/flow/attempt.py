@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import time
 
 import aiohttp
 
@@ -49,13 +50,12 @@ def parse_retry_after(value: str | None, now_unix: float) -> float | None:
 async def send_attempt(
     transport: Transport,
     backend: Backend,
-    api_key: str | None,
     ctx: RequestContext,
     proxy: ProxyConfig,
     id_header: str,
-    sent_at: float,
 ) -> Opened:
-    """Run one attempt of ``ctx`` on ``backend`` (``sent_at``: ``time.perf_counter()``).
+    """Run one attempt of ``ctx`` on ``backend`` with the gateway's key for it (its
+    :attr:`Opened.sent_at` is ``time.perf_counter()`` at the send).
 
     One timer covers it: ``proxy.ttfb_timeout_s`` until the response (for streams: its
     first event) arrives, then ``proxy.idle_timeout_s`` re-armed at every chunk of a body.
@@ -65,9 +65,10 @@ async def send_attempt(
     """
     resp: UpstreamResponse | None = None
     waiting_first_byte = True
+    sent_at = time.perf_counter()
     try:
         async with asyncio.timeout(proxy.ttfb_timeout_s) as timer:
-            resp = await transport.send(backend, ctx.upstream, api_key)
+            resp = await transport.send(backend, ctx.upstream, backend.api_key)
             status = resp.status
             if ctx.stream and status == 200 and resp.content_type == EVENT_STREAM:
                 framer = EventFramer()

@@ -232,7 +232,7 @@ class BatchDispatcher:
     @staticmethod
     def _shutting_down(ctx: RequestContext) -> Refusal:
         r = shutting_down()
-        r.headers.extend(_str_headers(ctx.extra_headers))
+        r.headers.extend(ctx.ratelimit)
         return r
 
     def _predicted_wait(self, prio: int, model: str, now: float) -> float:
@@ -261,7 +261,7 @@ class BatchDispatcher:
             )
         )
         r = self.gate.refusal("scheduler", Prio(ctx.priority), message, retry, None, ctx.request_id)
-        r.headers.extend(_str_headers(ctx.extra_headers))
+        r.headers.extend(ctx.ratelimit)
         return r
 
     # ---- dispatch ------------------------------------------------------------------------
@@ -351,10 +351,6 @@ class BatchDispatcher:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
 
 
 def _length_of(queue: Sized) -> Callable[[], float]:

@@ -38,8 +38,8 @@ class RequestContext:
     lease: RequestLease
     session_key: str | None = None
     started: float = field(default_factory=time.perf_counter)
-    # the answer's x-ratelimit-* headers (the client key's limits), added to its answer
-    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # the x-ratelimit-* headers (name, value) of the client key's limits, on every answer
+    ratelimit: list[tuple[str, str]] = field(default_factory=list)
     priority: Prio = Prio.NORMAL  # the batcher's bucket
     merge_key: Hashable | None = None  # set when the batcher may merge this request
     merge_part: Part | None = None  # its part of a merged body

@@ -32,7 +32,6 @@ from types import TracebackType
 from gateway.fleet.backend import Backend
 from gateway.fleet.feedback import FleetFeedback
 from gateway.fleet.records import Cuttable
-from gateway.traffic.breaker import BreakerState
 
 log = logging.getLogger("gateway.flow.lease")
 
@@ -109,10 +108,6 @@ class RequestLease:
             raise RuntimeError(f"lease already holds {what.value}")
         self._holds[what] = release
 
-    def holds(self, what: Hold) -> bool:
-        """Whether ``what`` is held now."""
-        return what in self._holds
-
     def release(self, what: Hold) -> None:
         """Give ``what`` back now, if held (idempotent)."""
         release = self._holds.pop(what, None)
@@ -142,9 +137,7 @@ class RequestLease:
         backend.breaker.acquire()
         backend.attempt_started(cut, places, pooled_extra, now, resendable_model)
         self.attempt = Attempt(backend, places, pooled_extra, cut)
-        reservation = self._holds.pop(Hold.RESERVATION, None)
-        if reservation is not None:
-            reservation()
+        self.release(Hold.RESERVATION)
 
     def end_attempt(self, verdict: Verdict, ttft_s: float | None = None) -> None:
         """End the open attempt (no-op without one): its breaker hears ``verdict``
@@ -161,10 +154,7 @@ class RequestLease:
             if verdict is Verdict.SUCCESS:
                 breaker.on_success(ttft_s)
             elif verdict is Verdict.FAILURE:
-                was = breaker.state
-                breaker.on_failure()
-                tripped = breaker.state is BreakerState.OPEN and was is not BreakerState.OPEN
-                if tripped and self.signals is not None:
+                if breaker.on_failure() and self.signals is not None:
                     self.signals.breaker_tripped(b)
             else:
                 breaker.on_neutral()

@@ -91,25 +91,21 @@ class MergedRequests:
         merged request's lease."""
         reservation, slot = holds
         live: list[Waiter] = [it.handle for it in unit if not it.handle.fut.done()]
-        if len(live) <= 1:
-            if reservation is not None:
-                reservation()
-            if not live:
-                if slot is not None:
-                    slot()
-                return
-            alone = live[0].ctx  # goes alone, with the group's place in the window
-            self.reserve(backend, alone.places, alone.lease)
-            if slot is not None:
-                alone.lease.hold(Hold.MERGE_SLOT, slot)
-            self.deliver(live[0], backend)
-            return
-        async with self.new_lease() as lease:
+        async with self.new_lease() as lease:  # its end wakes the queue for what it frees
             if reservation is not None:
                 lease.hold(Hold.RESERVATION, reservation)
             if slot is not None:
                 lease.hold(Hold.MERGE_SLOT, slot)
-            await self._send(live, backend, lease)
+            if len(live) > 1:
+                await self._send(live, backend, lease)
+            elif live:  # one left: it goes alone, with the group's place in the window
+                alone = live[0].ctx
+                lease.release(Hold.RESERVATION)
+                self.reserve(backend, alone.places, alone.lease)
+                moved = lease.hand_over(Hold.MERGE_SLOT)
+                if moved is not None:
+                    alone.lease.hold(Hold.MERGE_SLOT, moved)
+                self.deliver(live[0], backend)
 
     async def _send(self, live: list[Waiter], backend: Backend, lease: RequestLease) -> None:
         first = live[0].ctx

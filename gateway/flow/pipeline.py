@@ -183,13 +183,7 @@ class Pipeline:
         lease.start_attempt(backend, ctx.cut, ctx.places, ctx.pooled_extra, now, resendable)
         try:
             opened = await send_attempt(
-                self.transport,
-                backend,
-                backend.api_key,
-                ctx,
-                self.cfg.proxy,
-                self.id_header,
-                time.perf_counter(),
+                self.transport, backend, ctx, self.cfg.proxy, self.id_header
             )
         except UpstreamFailure as f:
             if f.status is not None:  # it answered, with an error: alive

@@ -158,23 +158,26 @@ class CircuitBreaker:
                 self._buckets.clear()
                 self._ttfts.clear()
 
-    def on_failure(self) -> None:
-        """A request failed because of the backend (5xx, connect, timeout, broken stream)."""
+    def on_failure(self) -> bool:
+        """A request failed because of the backend (5xx, connect, timeout, broken stream).
+        Returns True if this failure opened the breaker (as :meth:`evaluate` does)."""
         self._record(True)
         self.consecutive += 1
         if self.state is BreakerState.HALF_OPEN:
             self._trip("half_open_probe_failed")
-            return
+            return True
         if self.state is not BreakerState.CLOSED:
-            return
+            return False
         if self.consecutive >= self.cfg.consecutive_failures:
             self._trip("consecutive_failures")
-            return
+            return True
         requests = sum(x[1] for x in self._buckets)
         if requests >= self.cfg.min_requests:
             failures = sum(x[2] for x in self._buckets)
             if failures / requests >= self.cfg.error_rate:
                 self._trip("error_rate")
+                return True
+        return False
 
     def on_neutral(self) -> None:
         """An answer that says nothing about the backend's health (4xx, 429, client gone):
