@@ -5,7 +5,6 @@ and the admission layer's 429 with Retry-After when the queue timeout passes."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -61,10 +60,9 @@ def long_stream(url: str, done: list[str]) -> threading.Thread:
 
 
 def wait_running(sim_url: str, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while engine(sim_url)["running"] < n:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    """Wait until the simulated engine runs ``n`` sequences."""
+    assert wait_for(lambda: engine(sim_url)["running"] >= n, timeout=10, interval=0.01), (
+        engine(sim_url))
 
 
 def wait_queued(url: str, bucket: str) -> None:

@@ -20,6 +20,7 @@ import openai
 from tests.batching.conftest import MODEL
 from tests.batching.test_flow import samples
 from tests.batching.test_merging import concurrently, direct, normalised, upstream_count
+from tests.support.scripted import wait_for
 
 PREDICTIVE = {"batcher": {"enabled": True}}
 
@@ -103,11 +104,9 @@ def test_under_load_the_window_bounds_upstream_and_the_rest_merge(sim, batching_
     # nothing left counted: the window and the merged-sequence correction are back at 0
     disp = gw.gateway.batching
     assert disp is not None
-    deadline = time.monotonic() + 5
-    while disp.merge_flight or gw.gateway.fleet.backends[0].in_flight:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert gw.gateway.fleet.backends[0].pooled_extra == 0
+    assert wait_for(lambda: not disp.merge_flight and not backend.in_flight, 5, 0.01), (
+        disp.merge_flight, backend.in_flight)
+    assert backend.pooled_extra == 0
     assert not disp.pending
 
 
@@ -199,10 +198,9 @@ def test_a_merged_request_is_cancelled_when_every_client_hangs_up(
 
     assert concurrently(call, 4) == ["gave up"] * 4
     backend = gw.gateway.fleet.backends[0]
-    deadline = time.monotonic() + 3
-    while backend.in_flight or httpx.get(s.url + "/sim/stats").json()["engine"]["running"]:
-        assert time.monotonic() < deadline, "the merged generation went on without clients"
-        time.sleep(0.02)
+    stopped = wait_for(lambda: not backend.in_flight
+                       and not httpx.get(s.url + "/sim/stats").json()["engine"]["running"], 3)
+    assert stopped, "the merged generation went on without clients"
     cancelled = samples(gw.url, "gateway_merged_requests_total")
     assert cancelled[(("endpoint", "/v1/completions"), ("outcome", "cancelled"))] == 4
 
@@ -295,18 +293,23 @@ def test_a_request_needing_many_places_is_not_starved_by_small_ones(
     threads = [threading.Thread(target=chat, daemon=True) for _ in range(16)]
     for t in threads:
         t.start()
+    backend = gw.gateway.fleet.backends[0]
+    disp = gw.gateway.batching
+    assert disp is not None
     try:
-        time.sleep(1.0)  # the backend is full, the queue never empty
+        # the backend is full, requests wait in the gateway's queue, the clients loop
+        loaded = wait_for(lambda: backend.in_flight >= 8 and disp.core.queued >= 1
+                          and served[0] >= 16, 10, 0.01)
+        assert loaded, (backend.in_flight, disp.core.queued, served[0])
         t0 = time.monotonic()
         r = client.completions.create(model=MODEL, prompt=[[50 + i] * 3 for i in range(9)],
                                       max_tokens=5, extra_body={"ignore_eos": True})
         took = time.monotonic() - t0
         assert len(r.choices) == 9
         assert took < 5.0, took  # the queue timeout is 10 s
-        time.sleep(0.5)
         before = served[0]
-        time.sleep(1.0)
-        assert served[0] > before  # the small requests flow again afterwards
+        # the small requests flow again afterwards
+        assert wait_for(lambda: served[0] > before, 5), (before, served[0])
     finally:
         stop.set()
         for t in threads:

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim import SimConfig, SimServerThread
 from gateway.sim.engine import EngineParams
+from tests.support.scripted import wait_for
 
 MODEL = "m1"
 LINES = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
@@ -241,14 +242,16 @@ def history(base_url: str, backend: str) -> list[tuple[str, str, str]]:
 def wait_state(base_url: str, backend: str, state: str, timeout: float = 10,
                **fields: Any) -> dict[str, Any]:
     """Poll ``GET /admin/backends/{id}`` until its state is ``state`` (and ``fields`` match)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        b = admin(base_url, backend)
-        if b["state"] == state and all(b.get(k) == v for k, v in fields.items()):
-            return b  # type: ignore[no-any-return]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{backend} not {state} {fields} in {timeout} s: {b}")
-        time.sleep(0.02)
+    seen: list[dict[str, Any]] = []
+
+    def reached() -> bool:
+        seen.append(admin(base_url, backend))
+        b = seen[-1]
+        return b["state"] == state and all(b.get(k) == v for k, v in fields.items())
+
+    if not wait_for(reached, timeout):
+        raise AssertionError(f"{backend} not {state} {fields} in {timeout} s: {seen[-1]}")
+    return seen[-1]
 
 
 class Monitor:
@@ -271,6 +274,11 @@ class Monitor:
 
         self._t = threading.Thread(target=run, daemon=True)
         self._t.start()
+
+    def wait_latest(self, pred: Callable[[dict[str, dict[str, Any]]], bool],
+                    timeout: float = 5) -> bool:
+        """Wait until the latest sample (``{backend id: its summary}``) satisfies ``pred``."""
+        return wait_for(lambda: bool(self.samples) and pred(self.samples[-1][1]), timeout)
 
     def stop(self) -> list[tuple[float, dict[str, dict[str, Any]]]]:
         self._stop.set()

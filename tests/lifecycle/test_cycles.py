@@ -110,7 +110,7 @@ def test_medium_cycle_via_admin_cooldown(sims, lc_gateway, caplog):
     during = [fp[sdk(url).chat.completions.create(**sdk_kwargs(2)).system_fingerprint]
               for _ in range(3)]
     wait_state(url, "a", "warm", timeout=10)
-    time.sleep(0.1)
+    assert monitor.wait_latest(lambda x: x["a"]["state"] == "warm"), "no sample of A back"
     samples = monitor.stop()
     results = [s.result() for s in streams]
 

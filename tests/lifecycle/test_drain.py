@@ -36,6 +36,24 @@ from tests.lifecycle.support import (
 )
 from tests.support.scripted import wait_for
 
+HELD_PROBES = 7
+"""Passing probes a held-out backend must sit through (what 1.5 s of the test config's
+0.2 s interval gives; ``recover_threshold`` is 2): far more than would bring back a backend
+that nothing holds."""
+
+
+def passing_probes(url: str, backend: str) -> float:
+    """How many of ``backend``'s probes have passed (``gateway_probe_results_total``)."""
+    return metric(metric_samples(url), "gateway_probe_results_total", backend=backend,
+                  result="ok") or 0.0
+
+
+def sit_through_probes(url: str, backend: str, n: int = HELD_PROBES) -> None:
+    """Wait until ``n`` more of ``backend``'s probes have passed."""
+    target = passing_probes(url, backend) + n
+    assert wait_for(lambda: passing_probes(url, backend) >= target, 10), (
+        passing_probes(url, backend), target)
+
 
 def pin_on_a(url: str, start: list[Any], expect_in_flight: int) -> list[Background]:
     """Start ``start`` (callables) while only ``a`` is routable, so they all land on ``a``:
@@ -44,10 +62,8 @@ def pin_on_a(url: str, start: list[Any], expect_in_flight: int) -> list[Backgrou
     assert post_admin(url, "b", "drain").status_code == 202
     wait_state(url, "b", "draining", drained=True)
     running = [Background(fn) for fn in start]
-    deadline = time.monotonic() + 10
-    while admin(url, "a")["in_flight"] < expect_in_flight:
-        assert time.monotonic() < deadline, admin(url, "a")
-        time.sleep(0.01)
+    assert wait_for(lambda: admin(url, "a")["in_flight"] >= expect_in_flight, 10, 0.01), (
+        admin(url, "a"))
     assert post_admin(url, "b", "undrain").status_code == 200
     wait_state(url, "b", "warm")
     return running
@@ -109,7 +125,7 @@ def test_BUG_21_drain_lets_streams_finish_and_sends_new_work_elsewhere(sims, lc_
     old_results: list[StreamResult] = [x.result() for x in old]
     new_results: list[StreamResult] = [x.result() for x in new]
     wait_state(url, "a", "draining", drained=True, timeout=5)
-    time.sleep(0.15)  # a few more samples of the drained state
+    assert monitor.wait_latest(lambda x: x["a"]["drained"]), "no sample of the drained state"
     samples = [(t, x["a"]["state"], x["a"]["in_flight"], x["a"]["drained"])
                for t, x in monitor.stop()]
 
@@ -182,8 +198,10 @@ def test_BUG_21_drain_deadline_ends_streams_with_an_error_event(sims, lc_gateway
     fp = {a.fingerprint: "A", b.fingerprint: "B"}
     body = chat_body(60, stream=True)
 
+    got: list[Any] = []  # what the SDK stream has received so far
+    raw_first: list[int] = []  # the raw streams that have sent their first event
+
     def sdk_stream() -> tuple[list[Any], BaseException | None]:
-        got: list[Any] = []
         try:
             for chunk in sdk(url).chat.completions.create(
                     **sdk_kwargs(60, stream=True), extra_headers={"x-request-id": "cut-sdk"}):
@@ -196,9 +214,12 @@ def test_BUG_21_drain_deadline_ends_streams_with_an_error_event(sims, lc_gateway
         return sdk(url).chat.completions.create(**sdk_kwargs(60),
                                                 extra_headers={"x-request-id": "cut-ns"})
 
-    calls = [lambda i=i: stream_chat(url, body, f"cut-{i}") for i in range(2)]
+    calls = [lambda i=i: stream_chat(url, body, f"cut-{i}",
+                                     on_first_event=lambda i=i: raw_first.append(i))
+             for i in range(2)]
     running = pin_on_a(url, [*calls, sdk_stream, non_stream], 4)
-    time.sleep(0.5)
+    # the streams have sent tokens to their clients (the SDK's more than 2 chunks)
+    assert wait_for(lambda: len(raw_first) == 2 and len(got) > 2, 10), (raw_first, len(got))
     asked_at = time.monotonic()  # the deadline runs from when the gateway took the drain,
     assert post_admin(url, "a", "drain", {"deadline_s": 1.0}).status_code == 202
     drain_at = time.monotonic()  # somewhere between these two
@@ -280,7 +301,7 @@ def test_preempt_drains_with_30s_deadline_then_cold_then_back(sims, lc_gateway):
     r = s.result()
     assert r.problem() is None and not r.errors and r.finish_reason == "length"
     wait_state(url, "a", "cold", timeout=10)
-    time.sleep(1.5)  # several passing probes: still held out
+    sit_through_probes(url, "a")  # several passing probes: still held out
     detail = admin(url, "a")
     assert detail["state"] == "cold" and detail["hold"] == "preempted", detail
     a.kill()  # the spot instance goes away...
@@ -313,7 +334,7 @@ def test_admin_drain_is_sticky(sims, lc_gateway):
     a.kill()  # the operator restarts it...
     wait_state(url, "a", "unhealthy", timeout=5)
     a.restart()  # ...it answers again, but stays out: it is still drained
-    time.sleep(1.5)
+    sit_through_probes(url, "a")
     detail = admin(url, "a")
     assert detail["state"] == "unhealthy" and detail["hold"] == "admin_drain", detail
     assert post_admin(url, "a", "undrain").status_code == 200
