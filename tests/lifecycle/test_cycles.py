@@ -97,10 +97,12 @@ def test_medium_cycle_via_admin_cooldown(sims, lc_gateway, caplog):
     assert prefix_hits_after(a.url) > 0  # the prefix cache works
 
     streams = []
+    first: list[int] = []  # one entry per stream that has sent its first event
     while admin(url, "a")["in_flight"] == 0:  # least-loaded routing: one lands on A soon
         assert len(streams) < 6, "no stream landed on A"
-        streams.append(Background(lambda: stream_chat(url, chat_body(30, stream=True))))
-        time.sleep(0.1)
+        streams.append(Background(lambda: stream_chat(
+            url, chat_body(30, stream=True), on_first_event=lambda: first.append(1))))
+        assert wait_for(lambda: len(first) == len(streams), 10), "a stream did not start"
     monitor = Monitor(url)
     r = post_admin(url, "a", "cooldown")
     assert r.status_code == 202, r.text

@@ -184,7 +184,9 @@ def test_a_frozen_backend_is_out_in_seconds_and_its_waiting_requests_go_elsewher
     b = sims("B", itl_s=0.005)
     gw = lc_gateway({"a": a.url, "b": b.url}, health=PROD_HEALTH, telemetry=PROD_SCRAPE)
     url = gw.url
-    time.sleep(1.0)  # a scrape of each: both idle
+    since = time.monotonic()  # a scrape of each: both idle
+    fleet = gw.gateway.fleet
+    assert wait_for(lambda: all((x.last_scrape_ok_at or 0.0) > since for x in fleet), 5)
     before = [call(url, f"before-{i}", stream=False, max_tokens=40) for i in range(6)]
     assert wait_for(lambda: admin(url, "a")["in_flight"] >= 2, 10), admin(url, "a")
     frozen_at = a.freeze()

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tests.lifecycle.support import Background, chat_body, sdk_kwargs, stream_chat
-from tests.support.scripted import read_json_answer
+from tests.support.scripted import read_json_answer, wait_for
 
 CLI = Path(sys.executable).with_name("llm-gateway")
 
@@ -198,10 +198,8 @@ def test_sigterm_answers_queued_requests_in_openai_shape(sims, gateway_process, 
     threads = [threading.Thread(target=call) for _ in range(10)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while a.stats()["open_requests"] < 2:  # two reached the backend and hang there
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # two reached the backend and hang there
+    assert wait_for(lambda: a.stats()["open_requests"] >= 2, 10), a.stats()
     time.sleep(0.5)  # the other 8 are queued in the gateway
     os.kill(gw.proc.pid, signal.SIGTERM)
     t_sig = time.monotonic()
@@ -242,11 +240,9 @@ def test_sigterm_lets_a_request_in_retry_backoff_finish(sims, gateway_process):
     threads = [threading.Thread(target=call, args=(c,)) for c in clients]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
     # distinct request ids: a retry on B must not stand for a request still on its way
-    while not a.recent_ids() or len(a.recent_ids() | b.recent_ids()) < 6:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    assert wait_for(lambda: bool(a.recent_ids()) and len(a.recent_ids() | b.recent_ids()) >= 6,
+                    10, 0.01), (a.recent_ids(), b.recent_ids())
     os.kill(gw.proc.pid, signal.SIGTERM)
     for t in threads:
         t.join(20)

@@ -10,7 +10,7 @@ import time
 import openai
 
 from tests.lifecycle.support import admin, history, metric, metric_samples, sdk_kwargs, wait_state
-from tests.support.scripted import Conn, Received, completion_obj
+from tests.support.scripted import Conn, Received, completion_obj, wait_for
 
 ANSWER_S = 0.3  # the scripted backend's answer time for a warm-up completion
 
@@ -116,8 +116,10 @@ def test_slow_start_ramps_a_restarted_backends_share(sims, lc_gateway):
     while "A" not in ramp + later and time.monotonic() - t_warm < SLOW_START_S - 1.0:
         later.append(who())
     assert "A" in ramp + later, "A served nothing during its ramp"
-    time.sleep(max(0.0, t_warm + SLOW_START_S + 0.1 - time.monotonic()))
-    assert admin(url, "a")["slow_start_weight"] == 1.0
+    # the ramp is over by SLOW_START_S after A came back
+    ramped = wait_for(lambda: admin(url, "a")["slow_start_weight"] == 1.0,
+                      max(0.0, t_warm + SLOW_START_S + 0.1 - time.monotonic()))
+    assert ramped, admin(url, "a")
     full = [who() for _ in range(40)]
 
     ramp_share = ramp.count("A") / len(ramp)

@@ -8,10 +8,11 @@ the test sets, and counts scrapes so a test can wait for the gateway to have see
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.support.scripted import wait_for
 
 
 @dataclass
@@ -96,11 +97,8 @@ class DcgmStub:
     def wait_scraped(self, times: int = 2, timeout: float = 10.0) -> None:
         """Wait until the gateway has scraped ``times`` more times (it saw the change)."""
         target = self.scrapes + times
-        deadline = time.monotonic() + timeout
-        while self.scrapes < target:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the gateway did not scrape the GPU metrics")
-            time.sleep(0.02)
+        if not wait_for(lambda: self.scrapes >= target, timeout):
+            raise TimeoutError("the gateway did not scrape the GPU metrics")
 
     def stop(self) -> None:
         self._server.shutdown()

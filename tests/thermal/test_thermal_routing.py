@@ -121,7 +121,8 @@ def test_when_every_backend_is_hot_the_model_keeps_one(
     assert wait_for(lambda: states() == {"warm", "cooldown"}, timeout=10)
     resting = next(x["id"] for x in admin(gw.url) if x["state"] == "cooldown")
     serving = "b" if resting == "a" else "a"
-    time.sleep(0.5)
+    ea.wait_scraped(3)  # a few more readings of both: each a chance to rest the other
+    eb.wait_scraped(3)
     assert admin(gw.url, serving)["state"] == "warm"  # never the last warm backend
     send(gw, 3)
     assert {"a": a, "b": b}[serving].chat_requests() >= 3
