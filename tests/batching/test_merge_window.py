@@ -171,40 +171,6 @@ def test_a_merged_request_slower_than_the_queue_timeout_still_answers(
     assert upstream_count(s, "/v1/embeddings") - before == 1  # they did ride together
 
 
-def test_a_merged_request_is_cancelled_when_every_client_hangs_up(
-    sim, batching_gateway
-) -> None:
-    s = sim(itl_s=0.01)
-    # the 4 requests go out together (a barrier) and fill the batch, so they ride one
-    # merged request; the wait budget only has to cover a slow thread start
-    cfg: dict[str, Any] = {
-        "batcher": {"enabled": True, "predictive": False,
-                    "normal": {"max_batch_size": 4, "max_wait_ms": 800}},
-    }
-    gw = batching_gateway([("a", s.url, 16)], **cfg)
-    impatient = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0,
-                              timeout=1.0)
-    completions = impatient.completions  # (the SDK's lazy resource, before the barrier)
-    start = threading.Barrier(4, timeout=10)
-
-    def call(i: int) -> str:
-        start.wait()
-        try:
-            completions.create(model=MODEL, prompt="go on", max_tokens=1000,
-                               extra_body={"ignore_eos": True})  # about 10 s
-        except openai.APITimeoutError:
-            return "gave up"
-        return "answered"
-
-    assert concurrently(call, 4) == ["gave up"] * 4
-    backend = gw.gateway.fleet.backends[0]
-    stopped = wait_for(lambda: not backend.in_flight
-                       and not httpx.get(s.url + "/sim/stats").json()["engine"]["running"], 3)
-    assert stopped, "the merged generation went on without clients"
-    cancelled = samples(gw.url, "gateway_merged_requests_total")
-    assert cancelled[(("endpoint", "/v1/completions"), ("outcome", "cancelled"))] == 4
-
-
 def test_list_prompts_take_a_place_each(sim, batching_gateway) -> None:
     s = sim(max_num_seqs=4)
     cfg: dict[str, Any] = {
