@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from gateway.proxy.upstream import Target, UpstreamRequest
 from tests.flow.support import MODEL, assert_nothing_held, make_gateway, settle, start
 from tests.support.transport import ScriptedResponse
 
-MERGING = {
+MERGING: dict[str, Any] = {
     "batcher": {"enabled": True, "predictive": False,
                 "normal": {"max_batch_size": 4, "max_wait_ms": 800}},
 }
 
 
-def test_a_merged_request_is_cancelled_when_every_client_hangs_up():
+def test_a_merged_request_is_cancelled_when_every_client_hangs_up() -> None:
     """4 non-streaming completions fill the batch and ride one merged request; the backend
     is still generating when all 4 clients hang up: the upstream request is cancelled (the
     generation does not go on without clients), the 4 are counted as cancelled members
