@@ -215,15 +215,16 @@ async def model_response(
                 return _render_answer(got, idh, rid, ctx.ratelimit)
             bound = got
         opened = await gw.pipeline.open(ctx, bound)
-    except Refusal as e:
+    except Refusal as e:  # (admission's own carry the key's limits; later ones get them here)
         watch.stop()
         answered(metrics, endpoint, model, e.status, started)
         log_refusal(e, endpoint, rid)
+        e.headers.extend(ctx.ratelimit)
         return render(e, rid, idh)
     except BackendAnswer as e:
         watch.stop()
         answered(metrics, endpoint, model, e.status, started)
-        return _render_answer(Answer(e.status, e.body, e.headers), idh, rid)
+        return _render_answer(Answer(e.status, e.body, e.headers), idh, rid, ctx.ratelimit)
     except asyncio.CancelledError:
         watch.stop()
         if ctx.cut.reason is None:

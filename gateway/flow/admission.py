@@ -316,7 +316,8 @@ class AdmissionGate:
                     request_id,
                 )
             assert isinstance(evicted, asyncio.Future)
-            evicted.set_exception(Evicted())
+            if not evicted.done():  # (one whose request just left has its place freed anyway)
+                evicted.set_exception(Evicted())
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         sched.enqueue(prio, fut)
         started = now

@@ -161,7 +161,7 @@ class BatchDispatcher:
         prio = ctx.priority
         now = self.clock()
         if self.shut:  # (a merged request's member, sent back to be sent alone)
-            raise self._shutting_down(ctx)
+            raise shutting_down()
         if core.blocked:  # requests already wait for room: would this one wait too long?
             wait = self._predicted_wait(prio, ctx.model, now)
             if wait > self.queue_timeout_s:
@@ -203,7 +203,7 @@ class BatchDispatcher:
                         self.clock(),
                     ) from None
             except ShuttingDown:
-                raise self._shutting_down(ctx) from None
+                raise shutting_down() from None
             except Evicted:
                 raise self._reject(
                     ctx,
@@ -228,12 +228,6 @@ class BatchDispatcher:
             if not fut.done():
                 fut.set_exception(ShuttingDown())
         return len(items)
-
-    @staticmethod
-    def _shutting_down(ctx: RequestContext) -> Refusal:
-        r = shutting_down()
-        r.headers.extend(ctx.ratelimit)
-        return r
 
     def _predicted_wait(self, prio: int, model: str, now: float) -> float:
         """Seconds until a new request of ``prio`` for ``model`` would be dispatched: the
@@ -260,9 +254,9 @@ class BatchDispatcher:
                 self.gate.scheduler.service_rate(now),
             )
         )
-        r = self.gate.refusal("scheduler", Prio(ctx.priority), message, retry, None, ctx.request_id)
-        r.headers.extend(ctx.ratelimit)
-        return r
+        return self.gate.refusal(
+            "scheduler", Prio(ctx.priority), message, retry, None, ctx.request_id
+        )
 
     # ---- dispatch ------------------------------------------------------------------------
     def slot_freed(self) -> None:

@@ -56,12 +56,14 @@ class Verdict(Enum):
 @dataclass(slots=True)
 class Attempt:
     """One attempt's hold on ``backend``: ``places`` sequences and ``pooled_extra`` engine
-    requests in its in-flight counts, and a breaker slot until a verdict is given."""
+    requests in its in-flight counts, and a breaker slot until a verdict is given
+    (``probe``: the breaker's probe number when it was booked while half-open)."""
 
     backend: Backend
     places: int
     pooled_extra: int
     cut: Cuttable  # the request's gateway.proxy.relay.CutHandle
+    probe: int | None
 
 
 class RequestLease:
@@ -134,9 +136,9 @@ class RequestLease:
         ``RuntimeError`` while another attempt is open."""
         if self.attempt is not None:
             raise RuntimeError("an attempt is already open on this lease")
-        backend.breaker.acquire()
+        probe = backend.breaker.acquire()
         backend.attempt_started(cut, places, pooled_extra, now, resendable_model)
-        self.attempt = Attempt(backend, places, pooled_extra, cut)
+        self.attempt = Attempt(backend, places, pooled_extra, cut, probe)
         self.release(Hold.RESERVATION)
 
     def end_attempt(self, verdict: Verdict, ttft_s: float | None = None) -> None:
@@ -152,12 +154,12 @@ class RequestLease:
         try:
             breaker = b.breaker
             if verdict is Verdict.SUCCESS:
-                breaker.on_success(ttft_s)
+                breaker.on_success(ttft_s, a.probe)
             elif verdict is Verdict.FAILURE:
-                if breaker.on_failure() and self.signals is not None:
+                if breaker.on_failure(a.probe) and self.signals is not None:
                     self.signals.breaker_tripped(b)
             else:
-                breaker.on_neutral()
+                breaker.on_neutral(a.probe)
         finally:
             b.attempt_ended(a.cut, a.places, a.pooled_extra)
             self.release(Hold.MERGE_SLOT)

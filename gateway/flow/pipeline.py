@@ -50,7 +50,7 @@ _NEUTRAL_FAILURES = frozenset(
     {FailureKind.RATE_LIMITED, FailureKind.DRAINED, FailureKind.AUTH, FailureKind.BACKEND_HUNG}
 )
 # Stream ends the gateway caused (not the backend's fault)
-_OURS = frozenset({Cut.DRAIN_DEADLINE, Cut.SHUTDOWN, Cut.BACKEND_HUNG})
+_OURS = frozenset({Cut.DRAIN_DEADLINE, Cut.SHUTDOWN, Cut.BACKEND_HUNG, StreamOutcome.CANCELLED})
 
 
 class NoCandidate(Exception):

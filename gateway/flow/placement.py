@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from typing import TypeVar
 
 from gateway.config import BatcherConfig
 from gateway.fleet.backend import Backend
@@ -25,6 +26,9 @@ from gateway.flow.lease import Hold, RequestLease
 from gateway.flow.merged import Waiter
 from gateway.routing.policies import Policy
 from gateway.traffic.batcher import Batcher, Item, merge_window_limit
+from gateway.traffic.breaker import BreakerState
+
+K = TypeVar("K", bound=Hashable)
 
 
 class Placement:
@@ -40,6 +44,9 @@ class Placement:
         self.default_cap = b.default_capacity
         self.merge_window = b.merge_window
         self.pending: dict[str, int] = {}  # bound at dispatch, attempt not started yet
+        # of those, the ones bound while the backend's breaker was half-open: each will be
+        # a probe, so together with the probes in flight they stay within half_open_max
+        self.pending_probes: dict[str, int] = {}
         # merge window: embeddings upstream requests in flight per (backend id, merge key)
         self.merge_flight: dict[Hashable, int] = {}
         # backend id -> the request it is kept for: a request that needs several places
@@ -57,11 +64,7 @@ class Placement:
 
     def merge_release_slot(self, slot: Hashable) -> None:
         """An upstream request counted in ``slot``'s merge window ended (its lease)."""
-        left = self.merge_flight.get(slot, 0) - 1
-        if left > 0:
-            self.merge_flight[slot] = left
-        else:
-            self.merge_flight.pop(slot, None)
+        _decrement(self.merge_flight, slot)
 
     def limit(self, b: Backend) -> float:
         """Places on ``b`` (sequences; ``inf`` without a known capacity)."""
@@ -115,7 +118,7 @@ class Placement:
         flight = self.merge_flight
         need = 1 if endpoint == merging.EMBEDDINGS else ctx.places
         prio = unit[0].prio
-        open_ = [c for c in cands if self.open_to(c, w, prio)]
+        open_ = [c for c in cands if self.open_to(c, w, prio) and self.may_probe(c)]
         b = self.router.pick(
             [
                 c
@@ -178,15 +181,39 @@ class Placement:
             self.kept_for[b.id] = w
             w.reserved = b.id
 
+    def may_probe(self, b: Backend) -> bool:
+        """Whether one more request may be bound to ``b``: always, unless its breaker is
+        half-open and its probe slots are taken by probes in flight or bound already."""
+        br = b.breaker
+        if br.current() is not BreakerState.HALF_OPEN:
+            return True
+        return br.half_open_in_flight + self.pending_probes.get(b.id, 0) < br.cfg.half_open_max
+
     def reserve(self, b: Backend, places: int, lease: RequestLease) -> None:
         """Keep ``places`` on ``b`` for a dispatched request until its attempt starts
-        there (the lease gives them back then, or when the request ends first)."""
+        there (the lease gives them back then, or when the request ends first); bound
+        while ``b``'s breaker is half-open, it also keeps one of its probe slots."""
         self.pending[b.id] = self.pending.get(b.id, 0) + places
-        lease.hold(Hold.RESERVATION, lambda: self.unreserve(b, places))
+        if b.breaker.current() is BreakerState.HALF_OPEN:
+            self.pending_probes[b.id] = self.pending_probes.get(b.id, 0) + 1
+
+            def release() -> None:
+                self.unreserve(b, places)
+                _decrement(self.pending_probes, b.id)
+
+            lease.hold(Hold.RESERVATION, release)
+        else:
+            lease.hold(Hold.RESERVATION, lambda: self.unreserve(b, places))
 
     def unreserve(self, b: Backend, n: int = 1) -> None:
-        left = self.pending.get(b.id, 0) - n
-        if left > 0:
-            self.pending[b.id] = left
-        else:
-            self.pending.pop(b.id, None)
+        """Give back ``n`` places reserved on ``b``."""
+        _decrement(self.pending, b.id, n)
+
+
+def _decrement(counts: dict[K, int], key: K, n: int = 1) -> None:
+    """Lower ``counts[key]`` by ``n``, dropping the key at zero."""
+    left = counts.get(key, 0) - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

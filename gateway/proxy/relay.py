@@ -126,6 +126,7 @@ class StreamOutcome:
 
     OK = "ok"
     CLIENT_GONE = Cut.CLIENT_GONE
+    CANCELLED = "cancelled"  # the request's task was cancelled with no cut reason
 
 
 class RelayResponse(Response):
@@ -262,7 +263,8 @@ class RelayResponse(Response):
                     }
                 )
         except asyncio.CancelledError:
-            if self.cut.reason is None:
+            if self.cut.reason is None:  # the server's own cancellation: not the backend's
+                outcome = StreamOutcome.CANCELLED
                 raise
             outcome = self.cut.absorb()
             finish(outcome)

@@ -9,6 +9,13 @@ States (Nygard, *Release It!*, "Circuit Breaker"; the same three as Envoy/Hystri
 * ``half_open``: after the open time, at most ``half_open_max`` probe requests at a time go
   through; ``half_open_successes`` successes close it, any failure re-opens it.
 
+A probe is a request booked (:meth:`CircuitBreaker.acquire`) while half-open: it gets the
+number of that half-open period, and only an outcome carrying it frees a probe slot or
+counts toward closing. A request sent while closed that ends during half-open is counted in
+the window like any other, but is no evidence of recovery and holds no slot (without the
+number, its success closed the breaker while the probe was still out, and its hang-up freed
+a slot that a probe held, letting a second probe through).
+
 It opens on ``consecutive_failures`` failures in a row, or on an error rate of at least
 ``error_rate`` over the last ``window_s`` seconds with at least ``min_requests`` requests,
 or (checked by :meth:`CircuitBreaker.evaluate`, from a control loop) on a latency fuse:
@@ -71,6 +78,7 @@ class CircuitBreaker:
         "_half_open_inflight",
         "_half_open_ok",
         "_open_until",
+        "_period",
         "_ttfts",
         "cfg",
         "consecutive",
@@ -90,6 +98,7 @@ class CircuitBreaker:
         self._closed_at = clock()
         self._half_open_inflight = 0
         self._half_open_ok = 0
+        self._period = 0  # the number of the current (or last) half-open period
         # 1-second buckets over the window: [second, requests, failures]
         self._buckets: deque[list[float]] = deque()
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=512)
@@ -99,6 +108,7 @@ class CircuitBreaker:
         """The state now (an expired ``open`` reads as ``half_open``)."""
         if self.state is BreakerState.OPEN and self._clock() >= self._open_until:
             self.state = BreakerState.HALF_OPEN
+            self._period += 1
             self._half_open_inflight = 0
             self._half_open_ok = 0
         return self.state
@@ -124,10 +134,22 @@ class CircuitBreaker:
         return 0.0
 
     # ---- request path -------------------------------------------------------------------------
-    def acquire(self) -> None:
-        """Book a request chosen for this backend (takes a half-open probe slot)."""
+    def acquire(self) -> int | None:
+        """Book a request chosen for this backend. While half-open it is a probe: it takes
+        a probe slot, and the number returned is passed back with its outcome (``probe=``);
+        None otherwise (an ordinary request)."""
         if self.current() is BreakerState.HALF_OPEN:
             self._half_open_inflight += 1
+            return self._period
+        return None
+
+    def _probe_ended(self, probe: int | None) -> bool:
+        """Whether ``probe`` is a probe of the half-open period now running (its slot is
+        freed); False for ordinary requests and for probes of an earlier period."""
+        if probe is None or probe != self._period or self.state is not BreakerState.HALF_OPEN:
+            return False
+        self._half_open_inflight = max(0, self._half_open_inflight - 1)
+        return True
 
     def _record(self, failed: bool) -> None:
         now = self._clock()
@@ -142,25 +164,28 @@ class CircuitBreaker:
         while b and b[0][0] < horizon:
             b.popleft()
 
-    def on_success(self, ttft_s: float | None = None) -> None:
-        """A request succeeded (``ttft_s``: its time to first token, for the fuse)."""
+    def on_success(self, ttft_s: float | None = None, probe: int | None = None) -> None:
+        """A request succeeded (``ttft_s``: its time to first token, for the fuse;
+        ``probe``: what :meth:`acquire` returned for it)."""
         self._record(False)
         self.consecutive = 0
         if ttft_s is not None:
             self._ttfts.append((self._clock(), ttft_s))
-        if self.state is BreakerState.HALF_OPEN:
-            self._half_open_inflight = max(0, self._half_open_inflight - 1)
+        if self._probe_ended(probe):
             self._half_open_ok += 1
             if self._half_open_ok >= self.cfg.half_open_successes:
                 self.state = BreakerState.CLOSED
                 self._closed_at = self._clock()
+                self._half_open_inflight = 0  # the other probes' outcomes count as ordinary
                 self.consecutive = 0
                 self._buckets.clear()
                 self._ttfts.clear()
 
-    def on_failure(self) -> bool:
-        """A request failed because of the backend (5xx, connect, timeout, broken stream).
-        Returns True if this failure opened the breaker (as :meth:`evaluate` does)."""
+    def on_failure(self, probe: int | None = None) -> bool:
+        """A request failed because of the backend (5xx, connect, timeout, broken stream;
+        ``probe``: what :meth:`acquire` returned for it). Any failure while half-open
+        re-opens the breaker. Returns True if this failure opened it (as :meth:`evaluate`
+        does)."""
         self._record(True)
         self.consecutive += 1
         if self.state is BreakerState.HALF_OPEN:
@@ -179,11 +204,11 @@ class CircuitBreaker:
                 return True
         return False
 
-    def on_neutral(self) -> None:
-        """An answer that says nothing about the backend's health (4xx, 429, client gone):
-        frees a half-open slot without counting."""
-        if self.state is BreakerState.HALF_OPEN:
-            self._half_open_inflight = max(0, self._half_open_inflight - 1)
+    def on_neutral(self, probe: int | None = None) -> None:
+        """An answer that says nothing about the backend's health (4xx, 429, client gone;
+        ``probe``: what :meth:`acquire` returned for it): frees its probe slot, if it held
+        one, without counting."""
+        self._probe_ended(probe)
 
     # ---- control loop ---------------------------------------------------------------------------
     def evaluate(self) -> bool:

@@ -14,8 +14,9 @@ from gateway.api.openai import serve
 from gateway.config import load_config
 from gateway.core.vocab import BackendState
 from gateway.fleet import lifecycle
+from gateway.proxy.upstream import Target, UpstreamRequest
 from gateway.wiring import Gateway, build_gateway
-from tests.support.transport import Handler, ScriptedTransport
+from tests.support.transport import Handler, ScriptedResponse, ScriptedTransport
 
 MODEL = "m"
 
@@ -120,3 +121,34 @@ def assert_nothing_held(gw: Gateway) -> None:
     transport = gw.transport
     assert isinstance(transport, ScriptedTransport)
     assert all(r.settled for r in transport.responses), "an upstream response leaked"
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+
+
+def run(coro: Any) -> Any:
+    """Run one test's event loop."""
+    return asyncio.run(coro)
+
+
+def sse() -> ScriptedResponse:
+    """An event-stream answer whose body the test feeds."""
+    return ScriptedResponse(200, "text/event-stream")
+
+
+class Streams(list[ScriptedResponse]):
+    """A handler answering every request with a stream that has sent its first event; the
+    streams it opened, in order, for the test to end (:func:`end_stream`) when it likes."""
+
+    async def __call__(self, t: Target, req: UpstreamRequest) -> ScriptedResponse:
+        r = sse()
+        r.feed(EVENT)
+        self.append(r)
+        return r
+
+
+def end_stream(r: ScriptedResponse) -> None:
+    """The backend finishes ``r``: ``[DONE]``, then the body's end."""
+    r.feed(b"data: [DONE]\n\n")
+    r.end()

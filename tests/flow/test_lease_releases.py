@@ -10,51 +10,31 @@ any one release from the lease makes at least one of them fail.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
 from gateway.core.vocab import BackendState, Cut
 from gateway.fleet import lifecycle
 from gateway.proxy.upstream import Target, UpstreamRequest
-from tests.flow.support import MODEL, assert_nothing_held, make_gateway, settle, start
+from tests.flow.support import (
+    CHAT,
+    EVENT,
+    Streams,
+    assert_nothing_held,
+    end_stream,
+    make_gateway,
+    run,
+    settle,
+    start,
+)
 from tests.support.transport import ScriptedResponse, json_response
 
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 ANSWER = {
     "id": "x",
     "object": "chat.completion",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
 }
-EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-def sse() -> ScriptedResponse:
-    return ScriptedResponse(200, "text/event-stream")
-
-
-class Streams(list[ScriptedResponse]):
-    """A handler answering every request with a stream that has sent its first event; the
-    streams it opened, in order, for the test to end (:func:`end_stream`) when it likes."""
-
-    async def __call__(self, t: Target, req: UpstreamRequest) -> ScriptedResponse:
-        r = sse()
-        r.feed(EVENT)
-        self.append(r)
-        return r
-
-
-def end_stream(r: ScriptedResponse) -> None:
-    """The backend finishes ``r``: ``[DONE]``, then the body's end."""
-    r.feed(b"data: [DONE]\n\n")
-    r.end()
-
-
 def test_answer_gives_back_everything():
     async def handler(t: Target, req: UpstreamRequest) -> ScriptedResponse:
         return json_response(ANSWER)

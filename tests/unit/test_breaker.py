@@ -76,9 +76,10 @@ def test_half_open_lets_one_probe_through_and_closes_on_success():
     clock.t += 0.2
     assert br.current() is BreakerState.HALF_OPEN
     assert br.can_take()
-    br.acquire()  # the probe request
+    probe = br.acquire()  # the probe request
+    assert probe is not None
     assert not br.can_take(), "only one probe at a time, not all traffic"
-    br.on_success()
+    br.on_success(probe=probe)
     assert br.current() is BreakerState.CLOSED
     assert br.can_take()
 
@@ -90,13 +91,13 @@ def test_failed_probes_reopen_for_longer_up_to_cap():
     for _ in range(4):
         clock.t += br.retry_in() + 0.01
         assert br.current() is BreakerState.HALF_OPEN
-        br.acquire()
-        br.on_failure()  # the probe fails: open again, for longer
+        probe = br.acquire()
+        br.on_failure(probe)  # the probe fails: open again, for longer
         seen.append(br.retry_in())
     assert [round(x) for x in seen] == [5, 10, 20, 30, 30]
     clock.t += br.retry_in() + 0.01
-    br.acquire()
-    br.on_success()
+    probe = br.acquire()
+    br.on_success(probe=probe)
     assert br.current() is BreakerState.CLOSED
 
 
@@ -104,18 +105,54 @@ def test_neutral_frees_half_open_slot_without_closing():
     br, clock = make(consecutive_failures=1, open_base_s=1)
     br.on_failure()
     clock.t += 1.5
-    br.acquire()
+    probe = br.acquire()
     assert not br.can_take()
-    br.on_neutral()  # the probe met a 400: says nothing, frees the slot
+    br.on_neutral(probe)  # the probe met a 400: says nothing, frees the slot
     assert br.current() is BreakerState.HALF_OPEN and br.can_take()
+
+
+def test_only_probes_free_slots_and_close_the_breaker():
+    """A request booked while closed that ends during half-open holds no probe slot: its
+    hang-up frees none and its success does not close the breaker while the probe is out;
+    a probe of an earlier half-open period frees none of the next one's slots."""
+    br, clock = make(consecutive_failures=1, open_base_s=1, half_open_max=1)
+    old = br.acquire()  # an ordinary request, sent while closed
+    assert old is None
+    br.on_failure()  # another request fails: open
+    clock.t += 1.5
+    probe = br.acquire()
+    assert probe is not None and not br.can_take()
+    br.on_neutral(old)  # the old request's client hangs up
+    assert not br.can_take(), "a slot freed that no probe gave back"
+    br.on_success(probe=old)  # or it ends well
+    assert br.current() is BreakerState.HALF_OPEN and not br.can_take()
+    br.on_failure(probe)  # the probe fails: open again (longer), then half-open again
+    clock.t += br.retry_in() + 0.01
+    fresh = br.acquire()
+    assert fresh is not None and fresh != probe and br.half_open_in_flight == 1
+    br.on_neutral(probe)  # a late outcome of the earlier period's probe
+    assert br.half_open_in_flight == 1 and not br.can_take()
+    br.on_success(probe=fresh)
+    assert br.current() is BreakerState.CLOSED and br.half_open_in_flight == 0
+
+
+def test_closing_forgets_the_other_probes_slots():
+    br, clock = make(consecutive_failures=1, open_base_s=1, half_open_max=2)
+    br.on_failure()
+    clock.t += 1.5
+    first, second = br.acquire(), br.acquire()
+    br.on_success(probe=first)
+    assert br.current() is BreakerState.CLOSED and br.half_open_in_flight == 0
+    br.on_success(probe=second)  # counted like any success now
+    assert br.current() is BreakerState.CLOSED and br.half_open_in_flight == 0
 
 
 def test_trip_count_resets_after_a_long_healthy_period():
     br, clock = make(consecutive_failures=1, open_base_s=5, open_max_s=60)
     br.on_failure()
     clock.t += 5.1
-    br.acquire()
-    br.on_success()
+    probe = br.acquire()
+    br.on_success(probe=probe)
     clock.t += 61  # closed for longer than open_max_s
     br.on_failure()
     assert br.retry_in() == pytest.approx(5.0)
