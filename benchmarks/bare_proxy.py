@@ -1,4 +1,5 @@
-"""The floor for proxy overhead: a bare FastAPI + aiohttp pass-through (DESIGN.md's reference).
+"""The floor for proxy overhead: a bare FastAPI + aiohttp pass-through (the reference
+that benchmarks/proxy_overhead.py measures the gateway against).
 
 Reads the body, forwards it to ``--upstream`` with one shared aiohttp ``ClientSession`` and
 answers with a ``Response`` (or a ``StreamingResponse`` of ``resp.content.iter_any()`` for

@@ -5,7 +5,7 @@ route, 405 wrong method, 413 body too large, 415 compressed body, 429 rate limit
 ``retry-after``), 502 backend failure, 503 nothing can serve now (with ``retry-after``),
 504 backend timeout.
 A client mistake is never answered with a 5xx: SDKs retry 5xx, which turns bad input into a
-retry storm (cases BUG-07 in ../shared/cases).
+retry storm (case BUG-07, tests/cases/test_request_validation.py).
 """
 
 from __future__ import annotations

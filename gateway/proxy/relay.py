@@ -9,7 +9,7 @@ nobody). It costs one small task per request.
 :class:`RelayResponse` is an ASGI response that relays a backend's event stream as it
 arrives: no buffering beyond one incomplete event, no compression, LF framing. After the
 first byte reached the client nothing is retried; a failure ends the stream with one
-OpenAI-shaped error event then ``data: [DONE]`` (DESIGN.md decision, as vLLM does).
+OpenAI-shaped error event then ``data: [DONE]`` (as vLLM does).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The relay forwards upstream bytes unchanged, with two exceptions that keep clien
 * it releases only *complete* events (up to the last blank line), holding an incomplete
   tail, so an error event added after an upstream failure never lands inside a half event;
 * CR and CRLF line endings (legal in SSE, https://html.spec.whatwg.org/multipage/server-sent-events.html)
-  are rewritten to LF, the framing OpenAI clients expect (DESIGN.md decision). JSON payloads
+  are rewritten to LF, the framing OpenAI clients expect. JSON payloads
   cannot contain a raw CR, so this never changes a payload.
 
 Nothing is decoded: multi-byte UTF-8 split across chunks passes through intact.

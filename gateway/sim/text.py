@@ -7,7 +7,7 @@ up to 3 UTF-8 bytes, one token each. English prose lands near the 4 characters p
 token of real BPE tokenizers; ``detokenize(tokenize(s)) == s`` for any string.
 
 Chat prompts are rendered with a ChatML template (the one in
-``shared/real-vllm/make_tiny_model.py``) with a BOS token in front, so
+``scripts/vllm-cpu/make_tiny_model.py``) with a BOS token in front, so
 ``[{"role": "user", "content": "hello world"}]`` counts 11 prompt tokens and the
 completion prompt ``"hello world"`` counts 3, as the real tiny-llama server does.
 

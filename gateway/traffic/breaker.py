@@ -21,7 +21,7 @@ It opens on ``consecutive_failures`` failures in a row, or on an error rate of a
 or (checked by :meth:`CircuitBreaker.evaluate`, from a control loop) on a latency fuse:
 P99 TTFT over the window above ``latency_fuse_factor`` times the TTFT SLO (seed 000).
 
-What counts (DESIGN.md decisions): failures are 5xx, connect errors, timeouts and broken
+What counts: failures are 5xx, connect errors, timeouts and broken
 streams; a 4xx caused by the request, a 429 and a client disconnect are never failures
 (:meth:`on_neutral`). All methods are O(1) on the request path except :meth:`evaluate`.
 """

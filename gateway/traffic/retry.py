@@ -19,7 +19,7 @@ same backend, and only for failures that say nothing about the request itself:
 
 Not retried: ``ttfb_timeout``/``idle_timeout`` (the backend may still be generating;
 re-sending doubles load at the worst moment) and every 4xx caused by the request (cases
-BUG-06/BUG-07 in ../shared/cases).
+BUG-06/BUG-07, tests/cases/test_resilience.py and test_request_validation.py).
 
 **Backoff**: exponential with full jitter (AWS Architecture Blog, "Exponential Backoff And
 Jitter", 2015): before retry *n*, sleep ``uniform(0, min(max, base * 2**(n-1)))``. Retries
