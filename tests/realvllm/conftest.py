@@ -21,6 +21,8 @@ from tests.support.vllm import (
 )
 
 BACKEND_KEY = "backend-secret"
+# vLLM keeps Responses API objects (for ``previous_response_id`` and GET by id) only with this
+RESPONSES_STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +34,9 @@ def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vl
     model = ensure_tiny_model(venv)
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = {
-        "a": VllmServer(venv, model, log_path=logs / "a.log"),
-        "b": VllmServer(venv, model, api_key=BACKEND_KEY, log_path=logs / "b.log"),
+        "a": VllmServer(venv, model, log_path=logs / "a.log", env=RESPONSES_STORE),
+        "b": VllmServer(venv, model, api_key=BACKEND_KEY, log_path=logs / "b.log",
+                        env=RESPONSES_STORE),
         "embed": VllmServer(venv, model, log_path=logs / "embed.log",
                             extra_args=["--runner", "pooling", "--convert", "embed"]),
     }
