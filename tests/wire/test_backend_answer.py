@@ -177,6 +177,18 @@ def assert_key_limits_fill_in(r: httpx.Response, answer: tuple[int, bytes, str, 
             assert len(r.headers.get_list(names[2])) == 1
 
 
+def nothing_held(gw: GatewayThread) -> bool:
+    """Every request's holds are given back: backend slots, admission tickets, batcher
+    reservations, merge-window places and queue (read from the test thread: polled)."""
+    g = gw.gateway
+    if any(b.in_flight or b.pooled_extra or b.active or b.awaiting for b in g.fleet):
+        return False
+    if g.gate.scheduler.in_flight:
+        return False
+    b = g.batching
+    return b is None or (not b.pending and not b.merge_flight and b.core.queued == 0)
+
+
 @pytest.fixture
 def fleet() -> Iterator[Callable[..., GatewayThread]]:
     """Factory ``fleet([(id, backend, extra config)], **sections)``: a started gateway in
@@ -222,6 +234,7 @@ def test_backend_answer_reaches_client_as_sent(backends, gateway, route, batcher
     assert_relayed(r, answer)
     assert_key_limits_fill_in(r, answer)
     assert len(a.data_requests) == 1
+    assert wait_for(lambda: nothing_held(gw)), "a hold leaked"
 
 
 @pytest.mark.parametrize("route", ["chat", "chat_stream", "embeddings", "responses_stream"])
@@ -373,6 +386,7 @@ def test_backend_answer_reaches_each_merged_member_as_sent(backends, gateway, en
         assert_key_limits_fill_in(r, answer)
     expected = 1 if status != "500" else 1 + MEMBERS  # cooling: nobody asked again
     assert len(a.data_requests) == expected
+    assert wait_for(lambda: nothing_held(gw)), "a hold leaked"
 
 
 # ---- good answers keep their headers too ------------------------------------------------
