@@ -24,7 +24,6 @@ from gateway.api.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
     Refusal,
-    encoded_headers,
     error_response,
     render,
     shutting_down_response,
@@ -45,7 +44,7 @@ from gateway.flow.candidates import recovery_s
 from gateway.flow.context import Answer, Opened, RequestContext
 from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
-from gateway.flow.shaping import cap_max_tokens, ratelimit_headers
+from gateway.flow.shaping import cap_max_tokens, key_limits_for, ratelimit_headers
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
 from gateway.proxy.sse import DONE_TERMINATED
 from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
@@ -247,24 +246,26 @@ def _render_answer(
     answer: Answer, idh: str, rid: str, ratelimit: list[tuple[str, str]] | None = None
 ) -> Response:
     """A finished non-stream answer: its headers, the request id ``rid`` in header ``idh``,
-    the key's ``ratelimit`` headers and the body's length."""
+    the key's ``ratelimit`` headers where the answer has none of their family
+    (:func:`key_limits_for`) and the body's length."""
     r = Response(answer.body, status_code=answer.status)
     r.raw_headers = [
         *answer.headers,
         (idh.encode(), rid.encode()),
-        *encoded_headers(ratelimit or ()),
+        *key_limits_for(answer.headers, ratelimit or ()),
         (b"content-length", str(len(answer.body)).encode()),
     ]
     return r
 
 
 def _relay(gw: Gateway, ctx: RequestContext, opened: Opened, watch: ClientWatch) -> RelayResponse:
-    """The streaming answer: the backend's headers, the request id and rate-limit headers;
-    its end is recorded and the lease closed by :meth:`Pipeline.stream_done`."""
+    """The streaming answer: the backend's headers, the request id and the key's rate-limit
+    headers (:func:`key_limits_for`); its end is recorded and the lease closed by
+    :meth:`Pipeline.stream_done`."""
     idh = gw.cfg.server.request_id_header
     headers = response_headers(opened.resp, idh.lower())
+    headers.extend(key_limits_for(headers, ctx.ratelimit))
     headers.append((idh.encode(), ctx.request_id.encode()))
-    headers.extend(encoded_headers(ctx.ratelimit))
     assert opened.framer is not None
     return RelayResponse(
         opened.resp,

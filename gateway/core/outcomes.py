@@ -7,8 +7,8 @@ written out in one place.
 
 - :class:`Refusal`: the gateway answers itself (a 4xx/5xx in OpenAI's error shape), e.g.
   a 429 from admission with the seconds until a retry may succeed.
-- :class:`BackendAnswer`: a backend's own error answer (a 5xx after the last attempt),
-  passed to the client unchanged (status, body, headers).
+- :class:`BackendAnswer`: a backend's own error answer (a 429 or a 5xx) when no backend
+  took the request, passed to the client as the backend sent it (status, body, headers).
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ def shutting_down() -> Refusal:
 
 
 class BackendAnswer(Exception):
-    """A backend's own error answer after the last attempt, passed on unchanged:
-    ``status``, raw ``body`` bytes and the response headers to forward (hop-by-hop ones
-    already dropped)."""
+    """A backend's own error answer (a 429 or a 5xx) that ends a request no backend took,
+    relayed as sent: ``status``, raw ``body`` bytes and the response headers to forward
+    in the order received, repeated names kept (hop-by-hop ones already dropped,
+    :func:`gateway.proxy.upstream.response_headers`)."""
 
     def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         super().__init__(f"backend answered {status}")

@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gateway.core.outcomes import BackendAnswer
 from gateway.core.vocab import Prio
 from gateway.fleet.backend import Backend
 from gateway.flow.lease import RequestLease
@@ -27,7 +28,9 @@ class RequestContext:
     ``lease`` owns what the request holds (:mod:`gateway.flow.lease`). ``places``: the
     in-flight places it takes (sequences decoding: prompts x n; 1 for embeddings);
     ``pooled_extra``: the extra prefill-only engine requests of an embeddings request
-    (inputs - 1). ``started``: ``time.perf_counter()`` at arrival (seconds)."""
+    (inputs - 1). ``started``: ``time.perf_counter()`` at arrival (seconds).
+    ``answered``: the last answer a backend gave this request without taking it (a 429
+    or a 5xx; a merged request's, for its members), relayed when no backend takes it."""
 
     endpoint: str
     model: str
@@ -45,6 +48,7 @@ class RequestContext:
     merge_part: Part | None = None  # its part of a merged body
     places: int = 1
     pooled_extra: int = 0
+    answered: BackendAnswer | None = None
 
 
 @dataclass(slots=True)

@@ -5,8 +5,9 @@ The batcher (:mod:`gateway.flow.batching`) dispatches a group of mergeable reque
 them as one request through the attempts (:class:`gateway.flow.pipeline.Pipeline`) under a
 lease of its own, then gives each member its share of the answer. When the merged request
 fails in any way, each member is sent again alone (so one bad input cannot fail its
-neighbours); when every member's client has gone, the merged request is cancelled (and
-with it the generation on the backend).
+neighbours), carrying the backend's answer (a 429, a 5xx): a member that no backend takes
+then gets that answer as the backend sent it. When every member's client has gone, the
+merged request is cancelled (and with it the generation on the backend).
 """
 
 from __future__ import annotations
@@ -158,7 +159,11 @@ class MergedRequests:
                 answers = merging.split_answer(endpoint, answer.body, parts)
                 outcome = "ok"
                 shared = answer.headers
-        except (Refusal, BackendAnswer):
+        except BackendAnswer as e:
+            # each member goes alone; if no backend takes it, it gets this answer as sent
+            for w in live:
+                w.ctx.answered = e
+        except Refusal:
             pass  # no good answer: each member goes alone
         except merging.SplitError as e:
             log.warning("merged %s answer could not be split (%s); retrying unmerged", endpoint, e)

@@ -11,10 +11,10 @@ connect error, a broken connection or a 5xx is retried on another backend
 (:mod:`gateway.traffic.retry`). Every attempt's outcome feeds the passive health check
 (the breaker, through the request's lease) and the metrics.
 
-What the attempts cannot turn into an answer is raised typed: a
-:class:`gateway.core.outcomes.Refusal` (the gateway's own 429/502/503/504) or a
-:class:`gateway.core.outcomes.BackendAnswer` (a backend's own 5xx, unchanged); the HTTP
-edge renders both.
+What the attempts cannot turn into an answer is raised typed: the last answer a backend
+gave (its 429 or 5xx, :class:`gateway.core.outcomes.BackendAnswer`, relayed as sent), or,
+when no backend answered, a :class:`gateway.core.outcomes.Refusal` (the gateway's own
+429/502/503/504); the HTTP edge renders both.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ log = logging.getLogger("gateway.flow.pipeline")
 _NEUTRAL_FAILURES = frozenset(
     {FailureKind.RATE_LIMITED, FailureKind.DRAINED, FailureKind.AUTH, FailureKind.BACKEND_HUNG}
 )
+# Failures that carry a backend's answer for the client (429, 5xx); not AUTH: a 401/403 to
+# the gateway's own backend key is the gateway's configuration error, not the client's
+_RELAYED = frozenset({FailureKind.RATE_LIMITED, FailureKind.STATUS})
 # Stream ends the gateway caused (not the backend's fault)
 _OURS = frozenset({Cut.DRAIN_DEADLINE, Cut.SHUTDOWN, Cut.BACKEND_HUNG, StreamOutcome.CANCELLED})
 
@@ -95,8 +98,9 @@ class Pipeline:
         ``bound``: the backend the batcher dispatched the request to (its first attempt
         goes there). Returns :class:`Opened` (its attempt stays open on ``ctx.lease``, and
         the lease holds the response). Raises :class:`Refusal` (no backend can take the
-        model now: 429/503 with the seconds until one may; the last attempt failed:
-        502/503/504) or :class:`BackendAnswer` (a backend's own 5xx, passed on).
+        model now: 429/503 with the seconds until one may; the last attempt failed
+        without an answer: 502/503/504) or :class:`BackendAnswer` (the last 429 or 5xx a
+        backend answered, passed on as sent).
         Cancellation (client gone) propagates; the lease gives everything back.
 
         The first attempt runs plainly (most requests need no other); retries go through
@@ -212,11 +216,14 @@ class Pipeline:
         return opened
 
     def _failed(self, backend: Backend, f: UpstreamFailure, ctx: RequestContext) -> None:
-        """One failed attempt: honour a Retry-After, end the attempt on the lease with the
-        breaker's verdict, count it, remember the error, and tell the fleet of an auth
+        """One failed attempt: honour a Retry-After, keep the backend's answer (its 429 or
+        5xx: relayed if no backend takes the request), end the attempt on the lease with
+        the breaker's verdict, count it, remember the error, and tell the fleet of an auth
         refusal."""
         if f.status in (429, 503):
             self._cool(backend, _header(f.headers, b"retry-after"), f.status == 429)
+        if f.kind in _RELAYED and f.status is not None:
+            ctx.answered = BackendAnswer(f.status, f.body, f.headers)
         ctx.lease.end_attempt(Verdict.NEUTRAL if f.kind in _NEUTRAL_FAILURES else Verdict.FAILURE)
         self.accounting.attempt(backend, f.kind)
         backend.note_error(f"{ctx.endpoint}: {f.message}")
@@ -244,11 +251,19 @@ class Pipeline:
 
     # ---- what cannot be answered ------------------------------------------------------
     def _give_up(self, ctx: RequestContext, f: UpstreamFailure | None) -> Refusal | BackendAnswer:
-        """The typed outcome when no attempt (``f``: the last failure) gave an answer."""
-        if f is None or f.kind == FailureKind.RATE_LIMITED:
+        """The typed outcome when no attempt (``f``: the last failure, None: none was made)
+        gave an answer the client can have.
+
+        The last answer a backend gave (``ctx.answered``: a 429 or a 5xx, even before a
+        later attempt that got no answer at all) is relayed as sent. Only when no backend
+        answered does the gateway answer itself: :meth:`unavailable` when it asked none,
+        else from the last failure (a refused gateway key 502, a drained or hung backend
+        503, a timeout 504, a broken connection 502). A 401/403 to the gateway's own key is
+        never relayed: it would tell the client that its own key is wrong."""
+        if ctx.answered is not None:
+            return ctx.answered
+        if f is None:
             return self.unavailable(ctx.model)
-        if f.kind == FailureKind.STATUS and f.status is not None:
-            return BackendAnswer(f.status, f.body, f.headers)
         if f.kind == FailureKind.AUTH:
             return Refusal(
                 502,
@@ -283,7 +298,7 @@ class Pipeline:
 
     def unavailable(self, model: str) -> Refusal:
         """The gateway's own answer when no backend of ``model`` can take a request now,
-        sent without contacting any: 429 when one is warm but cooling after a 429/503 or
+        given without asking any backend: 429 when one is warm but cooling after a 429/503 or
         with an open breaker (retry when the first is back), else 503 (unhealthy,
         draining, gone) with the probe-recovery estimate."""
         soon = availability_s(self.fleet, model, self.clock())

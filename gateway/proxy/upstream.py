@@ -184,14 +184,17 @@ def forward_headers(
 def response_headers(
     resp: UpstreamResponse, own: str = "x-request-id"
 ) -> list[tuple[bytes, bytes]]:
-    """Backend response headers to pass to the client: hop-by-hop, length, and ``own`` (the
-    request-id header, which the gateway sets itself) dropped."""
+    """Backend response headers to pass to the client, in the order received with repeated
+    names kept (two ``set-cookie`` stay two): hop-by-hop ones (RFC 9110 section 7.6.1,
+    with every name listed in any ``Connection`` header), length, and ``own`` (the
+    request-id header, which the gateway sets itself) dropped. Names lower-case."""
+    raw = resp.raw_headers
     extra_drop: set[str] = {own.lower()}
-    conn = resp.headers.get("connection")
-    if conn:
-        extra_drop |= {t.strip().lower() for t in conn.split(",")}
+    for k, v in raw:
+        if k.lower() == b"connection":  # every Connection line, not only the first
+            extra_drop |= {t.strip().lower() for t in v.decode("latin-1").split(",")}
     out = []
-    for k, v in resp.raw_headers:
+    for k, v in raw:
         name = k.decode("latin-1").lower()
         if name in _DROP_RESPONSE or name in extra_drop:
             continue

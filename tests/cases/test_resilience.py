@@ -87,26 +87,31 @@ def test_BUG_04_backend_429_fails_over_and_cools(backends, gateway):
 
 def test_BUG_05_gateway_429_when_every_backend_cools(backends, gateway):
     """BUG-05: A 429 ``Retry-After: 7``, B 429 ``Retry-After: 3``. At t=0 the gateway tries
-    both and answers 429 ``retry-after: 3`` (the earliest availability, integer seconds)
-    with ``retry-after-ms`` and the OpenAI error shape; at t=1 it answers 429 itself without
-    contacting either, ``retry-after`` in {2, 3}; at t=4 B is contacted again."""
+    both and, since it asked them, relays the last one's 429 as that backend sent it
+    (``retry-after`` its own, OpenAI error shape; issue 13: a backend's own answer reaches
+    the client as sent); at t=1 it answers 429 itself without contacting either: the
+    earliest availability, ``retry-after`` in {2, 3} (integer seconds) with
+    ``retry-after-ms``, code ``rate_limit_exceeded``; at t=4 B is contacted again."""
     a, b = backends(rate_limited("7")), backends(rate_limited("3"))
     gw = gateway({"a": a, "b": b})
     url = gw.url + "/v1/chat/completions"
     t0 = time.monotonic()
     r = httpx.post(url, json=BODY, timeout=10)
     assert r.status_code == 429
-    assert r.headers["retry-after"] == "3"
-    assert 2000 <= float(r.headers["retry-after-ms"]) <= 3000
+    assert (len(a.data_requests), len(b.data_requests)) == (1, 1)
+    last_was_a = a.data_requests[0].at > b.data_requests[0].at
+    assert r.headers["retry-after"] == ("7" if last_was_a else "3")
+    assert "retry-after-ms" not in r.headers, "the backend sent none"
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == "rate_limit_exceeded"
-    assert (len(a.data_requests), len(b.data_requests)) == (1, 1)
+    assert err == error_obj("Rate limit reached", 429, "RateLimitError")["error"]
 
     time.sleep(max(0.0, t0 + 1.0 - time.monotonic()))
     r = httpx.post(url, json=BODY, timeout=10)
     assert r.status_code == 429
     assert r.headers["retry-after"] in ("2", "3")
+    assert 1000 <= float(r.headers["retry-after-ms"]) <= 3000
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
     assert (len(a.data_requests), len(b.data_requests)) == (1, 1), "backends not contacted"
 
     time.sleep(max(0.0, t0 + 4.0 - time.monotonic()))
@@ -222,12 +227,15 @@ def test_BUG_06_control_5xx_do_open_the_breaker(backends, gateway):
 
 
 def test_backend_retry_after_beyond_a_minute_is_capped_and_still_a_429(backends, gateway):
-    """A backend answering 429 ``Retry-After: 3600``: it cools for at most
-    ``retry.max_cooling_s`` (60 s), and while it does the gateway answers 429 "rate-limited"
-    with ``retry-after`` <= 60, never a 503 claiming the backends are unhealthy."""
+    """A backend answering 429 ``Retry-After: 3600``: that answer reaches the client as
+    sent (the backend's word), but the backend cools for at most ``retry.max_cooling_s``
+    (60 s), and while it does the gateway answers 429 "rate-limited" with ``retry-after``
+    <= 60, never a 503 claiming the backends are unhealthy."""
     a = backends(rate_limited("3600"))
     gw = gateway({"a": a})
     url = gw.url + "/v1/chat/completions"
+    r = httpx.post(url, json=BODY, timeout=10)
+    assert r.status_code == 429 and r.headers["retry-after"] == "3600", r.text
     for _ in range(2):
         r = httpx.post(url, json=BODY, timeout=10)
         assert r.status_code == 429, r.text

@@ -155,8 +155,8 @@ def test_the_batcher_binds_no_more_probes_than_half_open_max():
 
 
 def test_every_answer_after_admission_carries_the_rate_limits():
-    """OpenAI sends ``x-ratelimit-*`` on every answer: also on a backend's own 5xx passed
-    through and on the gateway's refusal after the attempts, not only on successes."""
+    """OpenAI sends ``x-ratelimit-*`` on every answer: also on a backend's own 5xx and 429
+    passed through and on the gateway's own refusal, not only on successes."""
     status = [500]
 
     async def handler(t, req):  # type: ignore[no-untyped-def]
@@ -168,11 +168,15 @@ def test_every_answer_after_admission_carries_the_rate_limits():
         await passed.task
         assert passed.status == 500
         assert passed.headers["x-ratelimit-limit-requests"] == "60"
-        status[0] = 429  # the backend is rate-limited: the gateway answers 429 itself
-        refused = start(gw, CHAT)
+        status[0] = 429  # the backend is rate-limited: its 429 is passed on
+        limited = start(gw, CHAT)
+        await limited.task
+        assert limited.status == 429 and limited.json() == {"error": {"message": "boom"}}
+        assert limited.headers["x-ratelimit-remaining-requests"] == "58"
+        refused = start(gw, CHAT)  # it cools: the gateway answers 429 itself
         await refused.task
         assert refused.status == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
-        assert refused.headers["x-ratelimit-remaining-requests"] == "58"
+        assert refused.headers["x-ratelimit-remaining-requests"] == "57"
         assert_nothing_held(gw)
 
     run(main())
