@@ -449,13 +449,16 @@ def test_truncated_answer_is_not_a_success(backends, gateway):
         assert client.chat.completions.create(**CHAT).choices[0].message.content == "ok"
 
 
-@pytest.mark.parametrize("value", ["nan", "-5", "1e999", "Wed, 21 Oct 2015 07:28:00 GMT",
-                                   "soon", "\u00e9"])
+@pytest.mark.parametrize("value", ["nan", "-5", "1e999", "9" * 5000,
+                                   "Wed, 21 Oct 2015 07:28:00 GMT", "soon", "\u00e9"],
+                         ids=["nan", "negative", "infinite", "5000-digits", "past-date", "word",
+                              "latin-1"])
 def test_degenerate_retry_after_still_fails_over(backends, gateway, value):
     """A 429 whose ``Retry-After`` is NaN, negative, infinite, a past date, a word or a
     non-ASCII byte: no crash, the request goes to the other backend, and the cooling stays
-    within ``retry.max_cooling_s``. Reports: BerriAI/litellm#30192 (router stuck after a
-    burst of failures), vllm-project/production-stack#749."""
+    within ``retry.max_cooling_s``. Reports: vm0-ai/vm0#33424 / vm0-ai/vm0#33455 (oversized
+    and invalid Retry-After values), BerriAI/litellm#20722 and BerriAI/litellm#5355 (provider
+    Retry-After ignored), BerriAI/litellm#30192 (router stuck after a burst of failures)."""
 
     async def limited(req: Received, conn: Conn) -> None:
         raw = value.encode("latin-1")
