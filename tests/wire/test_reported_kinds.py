@@ -485,7 +485,8 @@ def test_degenerate_usage_numbers_are_not_counted(backends, gateway, stream):
     never becomes NaN and does not take the absurd number. Reports: BerriAI/litellm#12970
     (inflated prompt tokens), songquanpeng/one-api#1391 (usage present with empty values),
     bestruirui/octopus#208 (200 with all-zero usage and no content)."""
-    usage = (b'{"prompt_tokens": -7, "completion_tokens": NaN, "total_tokens": 1e400}')
+    usage = (b'{"prompt_tokens": ' + str(10**30).encode()
+             + b', "completion_tokens": -7, "total_tokens": NaN, "cached_tokens": 1e400}')
 
     async def script(req: Received, conn: Conn) -> None:
         if stream:
