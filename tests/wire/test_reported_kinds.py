@@ -28,6 +28,7 @@ from tests.support.scripted import (
     Received,
     chunk_obj,
     completion_obj,
+    default_script,
     wait_for,
 )
 from tests.support.servers import GatewayThread
@@ -511,6 +512,47 @@ def test_degenerate_usage_numbers_are_not_counted(backends, gateway, stream):
     for kind in ("prompt", "completion"):
         v = counted.get(kind, 0.0)
         assert v == v and 0 <= v < 1e9, counted
+
+
+def test_non_finite_backend_gauges_read_as_no_load(backends, gateway):
+    """A backend whose ``/metrics`` says ``-nan`` or ``+Inf`` for some gauges (an exporter
+    before its first request, a division by zero) still has a usable load sample: the
+    finite gauges as sent, the others as no load, finite numbers in
+    ``/admin/backends`` and in the gateway's own gauges, the backend warm and answering.
+    Reports: ggml-org/llama.cpp#11868 (metrics return ``-nan``),
+    kubernetes-sigs/gateway-api-inference-extension#2900 and llm-d/llm-d-router#926 (the
+    endpoint picker failed when a vLLM metric family was missing)."""
+
+    async def control(req: Received, conn: Conn) -> None:
+        if req.path == "/metrics":
+            await conn.send_response(200, b'vllm:num_requests_running{engine="0"} -nan\n'
+                                          b'vllm:num_requests_waiting{engine="0"} 2.0\n'
+                                          b'vllm:kv_cache_usage_perc{engine="0"} +Inf\n',
+                                     content_type="text/plain")
+        else:
+            await default_script(req, conn)
+
+    a = backends(answer, control=control)
+    gw = gateway({"a": a})
+
+    def row() -> dict[str, Any]:
+        rows = httpx.get(gw.url + "/admin/backends", timeout=5).json()["backends"]
+        return next(r for r in rows if r["id"] == "a")
+
+    assert wait_for(lambda: row()["last_scrape_age_s"] is not None), row()
+    load = row()["load"]
+    assert load is not None and load["waiting"] == 2.0, load
+    assert all(
+        isinstance(load[k], (int, float)) and 0 <= load[k] < 1e9
+        for k in ("waiting", "running", "kv_cache_usage")), load
+    assert row()["state"] == "warm"
+    text = httpx.get(gw.url + "/metrics", timeout=5).text
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name.startswith("gateway_backend_") and sample.labels.get("backend") == "a":
+                assert sample.value == sample.value and abs(sample.value) != float("inf"), sample
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    assert client.chat.completions.create(**CHAT).choices[0].message.content == "ok"
 
 
 def test_usage_on_a_final_chunk_with_choices_is_counted(backends, gateway):
