@@ -6,6 +6,7 @@ Counting only: no release of anything (that is the lease's job) and no decision.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -14,6 +15,15 @@ from typing import Any
 from gateway.fleet.backend import Backend
 from gateway.metrics import GatewayMetrics
 from gateway.traffic.breaker import windowed_p99
+
+log = logging.getLogger("gateway.flow")
+
+
+MAX_REPORTED_TOKENS = 10_000_000
+"""The most tokens (prompt or completion) one answer's ``usage`` may report and be counted:
+the longest context window of an open model vLLM serves (Llama 4 Scout, 10M tokens, Meta's
+model card). A larger number is a broken backend's, and a Prometheus counter cannot take it
+back once added (BerriAI/litellm#12970, docs/wire-reports.md)."""
 
 
 class Accounting:
@@ -53,10 +63,14 @@ class Accounting:
             m.warm_pool_hits += 1
 
     def usage(self, model: str, usage: tuple[int, int] | None) -> None:
-        """Count an answer's (prompt, completion) tokens, when it reported them."""
+        """Count an answer's (prompt, completion) tokens, when it reported them; a report
+        with a count outside ``[0, MAX_REPORTED_TOKENS]`` is not counted at all (logged)."""
         if usage is None:
             return
         prompt, completion = usage
+        if not (0 <= prompt <= MAX_REPORTED_TOKENS and 0 <= completion <= MAX_REPORTED_TOKENS):
+            log.warning("model %s: usage (%d, %d) not counted: out of range", model, *usage)
+            return
         self.metrics.tokens.labels(model, "prompt").inc(prompt)
         self.metrics.tokens.labels(model, "completion").inc(completion)
 

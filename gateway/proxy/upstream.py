@@ -14,9 +14,11 @@ Streams ask the backend for ``identity`` so that the relay can frame events.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -202,8 +204,55 @@ def response_headers(
     return out
 
 
+STALE_RETRIES = 2
+"""How many times one send is re-sent after a pooled keep-alive connection turned out
+closed under it (a backend's keep-alive timeout racing the reuse: RFC 9112 section 9.3.1,
+"retrying requests"; aiohttp#7297, aiohttp#9138). Each retry takes another connection, a
+fresh one once the pool's stale ones are gone; a failure on a fresh connection is never
+re-sent here (the pipeline decides about other backends)."""
+
+
+class _Reuse:
+    """What the connector says about one send: whether its connection came from the pool
+    (set by :class:`_ReuseAwareConnector` through :data:`_SEND`)."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+_SEND: ContextVar[_Reuse | None] = ContextVar("gateway_upstream_send", default=None)
+
+
+class _ReuseAwareConnector(aiohttp.TCPConnector):
+    """A ``TCPConnector`` that tells the running send whether the connection it hands out
+    already carried a request (aiohttp reuses the same protocol object for a pooled
+    connection). It costs one weak-set lookup per send, where aiohttp's tracing signals
+    would cost about ten awaited callbacks."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._used: weakref.WeakSet[object] = weakref.WeakSet()
+
+    async def connect(self, req: Any, *args: Any, **kwargs: Any) -> Any:
+        conn = await super().connect(req, *args, **kwargs)
+        note = _SEND.get()
+        proto = conn.protocol
+        if note is not None and proto is not None:
+            note.reused = proto in self._used
+            self._used.add(proto)
+        return conn
+
+
 class UpstreamPool:
-    """One pooled aiohttp session per backend, created lazily inside the running loop."""
+    """One pooled aiohttp session per backend, created lazily inside the running loop.
+
+    A send whose pooled keep-alive connection the backend had already closed (the
+    ``ServerDisconnectedError`` / connection reset of a stale connection, before any byte
+    of an answer) is re-sent on another connection, at most :data:`STALE_RETRIES` times:
+    the backend never saw that request, so the client must not see the failure either.
+    """
 
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
@@ -218,7 +267,7 @@ class UpstreamPool:
     def session(self, backend: Target) -> aiohttp.ClientSession:
         s = self._sessions.get(backend.id)
         if s is None or s.closed:
-            connector = aiohttp.TCPConnector(
+            connector = _ReuseAwareConnector(
                 limit=self.cfg.pool_size_per_backend,
                 limit_per_host=self.cfg.pool_size_per_backend,
                 keepalive_timeout=self.cfg.keepalive_timeout_s,
@@ -254,16 +303,28 @@ class UpstreamPool:
         """Send ``req`` to ``backend`` and return once the response headers are in.
 
         Raises :class:`UpstreamFailure` (``connect``, ``disconnected``) when no response
-        could be had. The time to first byte is bounded by the caller's timer. The caller
-        owns the returned response and must ``release()`` or ``close()`` it.
+        could be had. A stale pooled connection is retried on another one first (see the
+        class). The time to first byte is bounded by the caller's timer. The caller owns
+        the returned response and must ``release()`` or ``close()`` it.
         """
         headers = req.headers
         if api_key:
             headers = {**headers, "authorization": f"Bearer {api_key}"}
+        session = self.session(backend)
+        note = _Reuse()
+        token = _SEND.set(note)
         try:
-            return await self.session(backend).request(
-                req.method, req.path, data=req.body, headers=headers
-            )
+            for _ in range(STALE_RETRIES):
+                note.reused = False
+                try:
+                    return await session.request(
+                        req.method, req.path, data=req.body, headers=headers
+                    )
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                    # a connect error (a ClientOSError too) has no connection: never reused
+                    if not note.reused:
+                        raise
+            return await session.request(req.method, req.path, data=req.body, headers=headers)
         except aiohttp.ConnectionTimeoutError as e:
             raise UpstreamFailure(backend, FailureKind.CONNECT, f"connect timeout: {e}") from None
         except aiohttp.ClientConnectorError as e:
@@ -276,3 +337,5 @@ class UpstreamPool:
             raise UpstreamFailure(
                 backend, FailureKind.DISCONNECTED, f"upstream error: {e!r}"
             ) from None
+        finally:
+            _SEND.reset(token)
