@@ -24,8 +24,10 @@ from gateway.api.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
     Refusal,
+    encoded_headers,
     error_response,
     render,
+    retry_after_headers,
     shutting_down_response,
 )
 from gateway.api.parsing import (
@@ -223,7 +225,10 @@ async def model_response(
     except BackendAnswer as e:
         watch.stop()
         answered(metrics, endpoint, model, e.status, started)
-        return _render_answer(Answer(e.status, e.body, e.headers), idh, rid, ctx.ratelimit)
+        headers = e.headers
+        if e.retry_after_s is not None:  # a 429 that said not when: the gateway's estimate
+            headers = [*headers, *encoded_headers(retry_after_headers(e.retry_after_s).items())]
+        return _render_answer(Answer(e.status, e.body, headers), idh, rid, ctx.ratelimit)
     except asyncio.CancelledError:
         watch.stop()
         if ctx.cut.reason is None:

@@ -71,10 +71,19 @@ class BackendAnswer(Exception):
     """A backend's own error answer (a 429 or a 5xx) that ends a request no backend took,
     relayed as sent: ``status``, raw ``body`` bytes and the response headers to forward
     in the order received, repeated names kept (hop-by-hop ones already dropped,
-    :func:`gateway.proxy.upstream.response_headers`)."""
+    :func:`gateway.proxy.upstream.response_headers`). ``retry_after_s``: seconds the
+    gateway adds as ``retry-after`` / ``retry-after-ms`` to a 429 that came without a
+    ``Retry-After`` of its own (None: nothing added)."""
 
-    def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"backend answered {status}")
         self.status = status
         self.body = body
         self.headers = headers
+        self.retry_after_s = retry_after_s

@@ -223,7 +223,8 @@ class Pipeline:
         if f.status in (429, 503):
             self._cool(backend, _header(f.headers, b"retry-after"), f.status == 429)
         if f.kind in _RELAYED and f.status is not None:
-            ctx.answered = BackendAnswer(f.status, f.body, f.headers)
+            new = BackendAnswer(f.status, f.body, f.headers)
+            ctx.answered = self._kept_answer(ctx.answered, new)
         ctx.lease.end_attempt(Verdict.NEUTRAL if f.kind in _NEUTRAL_FAILURES else Verdict.FAILURE)
         self.accounting.attempt(backend, f.kind)
         backend.note_error(f"{ctx.endpoint}: {f.message}")
@@ -236,6 +237,18 @@ class Pipeline:
             f.message,
             ctx.request_id,
         )
+
+    def _kept_answer(self, kept: BackendAnswer | None, new: BackendAnswer) -> BackendAnswer:
+        """Which backend answer to relay if no backend takes the request: the last one,
+        except that between two 429s with a ``Retry-After`` each the one that comes back
+        sooner is kept (a client that waits what it was told then finds a backend ready:
+        case BUG-05, A ``Retry-After: 7`` then B ``3`` is answered with B's 429)."""
+        if kept is None or not (kept.status == new.status == 429):
+            return new
+        now = self.wall()
+        was = parse_retry_after(_header(kept.headers, b"retry-after"), now)
+        now_s = parse_retry_after(_header(new.headers, b"retry-after"), now)
+        return kept if was is not None and now_s is not None and was < now_s else new
 
     def _cool(self, backend: Backend, retry_after: str | None, always: bool) -> None:
         """Honour a backend's ``Retry-After``: no request goes to it before then. A 429
@@ -255,13 +268,21 @@ class Pipeline:
         gave an answer the client can have.
 
         The last answer a backend gave (``ctx.answered``: a 429 or a 5xx, even before a
-        later attempt that got no answer at all) is relayed as sent. Only when no backend
+        later attempt that got no answer at all; between 429s the sooner ``Retry-After``,
+        :meth:`_kept_answer`) is relayed as sent; a 429 without ``Retry-After`` gets the
+        gateway's estimate of when a backend of the model is back added. Only when no backend
         answered does the gateway answer itself: :meth:`unavailable` when it asked none,
         else from the last failure (a refused gateway key 502, a drained or hung backend
         503, a timeout 504, a broken connection 502). A 401/403 to the gateway's own key is
         never relayed: it would tell the client that its own key is wrong."""
-        if ctx.answered is not None:
-            return ctx.answered
+        answer = ctx.answered
+        if answer is not None:
+            if answer.status == 429 and _header(answer.headers, b"retry-after") is None:
+                # the backend said not when: the gateway tells when one of the model's
+                # backends takes requests again (never a 429 without it: case BUG-05)
+                soon = availability_s(self.fleet, ctx.model, self.clock())
+                return BackendAnswer(answer.status, answer.body, answer.headers, soon)
+            return answer
         if f is None:
             return self.unavailable(ctx.model)
         if f.kind == FailureKind.AUTH:

@@ -452,3 +452,42 @@ def test_backend_answer_reaches_client_as_sent_when_good(backends, gateway, kind
         for name in ("set-cookie", "x-foo", "x-ratelimit-remaining-requests"):
             assert r.headers.get_list(name) == [v for k, v in OK_HEADERS if k == name], name
         assert_key_limits_fill_in(r, answer)
+
+
+# ---- which 429, and when to come back -------------------------------------------------------
+
+def rate_limited_after(retry_after: str | None) -> Callable[[Received, Conn], Any]:
+    """A data-plane script answering vLLM-style 429s, with ``Retry-After`` when given."""
+    body = vllm_error("Rate limit reached", "RateLimitError", 429)
+    headers: Headers = [] if retry_after is None else [("retry-after", retry_after)]
+    return answering((429, body, "application/json", headers))
+
+
+@pytest.mark.parametrize("order", ["sooner_first", "sooner_last"])
+def test_backend_answer_429_that_comes_back_sooner_is_relayed(backends, fleet, order):
+    """Both backends answer 429, one ``Retry-After: 7``, one ``Retry-After: 3``, whatever
+    the order they were asked in: the client gets the ``3`` as that backend sent it (a
+    client that waits what it was told then finds a backend ready: case BUG-05)."""
+    first, second = ("3", "7") if order == "sooner_first" else ("7", "3")
+    a, b = backends(rate_limited_after(first)), backends(rate_limited_after(second))
+    gw = fleet([("a", a, {}), ("b", b, {"role": "standby"})])
+    r = post(gw, "chat")
+    assert r.status_code == 429
+    assert (len(a.data_requests), len(b.data_requests)) == (1, 1)
+    assert r.headers.get_list("retry-after") == ["3"]
+    assert r.json() == json.loads(vllm_error("Rate limit reached", "RateLimitError", 429))
+
+
+@pytest.mark.parametrize("route", ["chat", "chat_stream", "embeddings"])
+def test_backend_answer_429_without_retry_after_gets_the_gateways(backends, gateway, route):
+    """A backend's 429 that says not when to come back is relayed as sent, plus the
+    gateway's ``retry-after`` / ``retry-after-ms``: when the backend it now cools is back
+    (never a 429 without ``retry-after``: case BUG-05)."""
+    a = backends(rate_limited_after(None))
+    gw = gateway({"a": a})
+    r = post(gw, route)
+    assert r.status_code == 429
+    assert r.json() == json.loads(vllm_error("Rate limit reached", "RateLimitError", 429))
+    assert len(r.headers.get_list("retry-after")) == 1
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    assert 1 <= int(r.headers["retry-after-ms"]) <= 60_000
