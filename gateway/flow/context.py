@@ -45,6 +45,9 @@ class RequestContext:
     merge_part: Part | None = None  # its part of a merged body
     places: int = 1
     pooled_extra: int = 0
+    # the one backend this request may go to (it holds the Responses API state the request
+    # names: gateway.flow.responses); no other is tried
+    pinned: Backend | None = None
 
 
 @dataclass(slots=True)
