@@ -1,10 +1,12 @@
 """The OpenAI-compatible surface: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/embeddings``, ``/v1/models`` and pass-through of vLLM routes that carry a ``model``.
+``/v1/embeddings``, the audio uploads, ``/v1/models`` and pass-through of vLLM routes that
+carry a ``model``.
 
-The raw JSON body is read once and forwarded byte for byte: only ``model`` and ``stream``
-(and the presence of the endpoint's required field) are looked at, so unknown fields such
-as ``top_k``, ``guided_json``, ``tools`` or ``stream_options`` survive. Errors are
-OpenAI-shaped with the status OpenAI would use (see :mod:`gateway.api.errors`).
+The raw body is read once and forwarded byte for byte: only ``model`` and ``stream`` (and
+the presence of the endpoint's required field) are looked at, so unknown fields such as
+``top_k``, ``guided_json``, ``tools`` or ``stream_options`` survive (a multipart form:
+:mod:`gateway.api.forms`; a Responses follow-up's backend: :mod:`gateway.flow.responses`).
+Errors are OpenAI-shaped with the status OpenAI would use (see :mod:`gateway.api.errors`).
 """
 
 from __future__ import annotations
@@ -64,8 +66,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-# every route served by default: the JSON model routes and the multipart upload routes
-SERVED_ROUTES = (*MODEL_ROUTES, *FORM_ROUTES)
+SERVED_ROUTES = (*MODEL_ROUTES, *FORM_ROUTES)  # always served: JSON and multipart routes
 
 def _gateway(request: Request) -> Gateway:
     gw: Gateway = request.app.state.gateway  # starlette's State holds untyped attributes
@@ -143,19 +144,13 @@ async def model_response(
         check_content_encoding(encoding)
         body = await read_body_counted(gw, receive, declared)
         # a form (audio uploads) is read for its fields and forwarded as it came
-        if endpoint in FORM_ROUTES or (endpoint not in MODEL_ROUTES and is_form(ctype)):
-            form = True
-            payload = form_payload(body, ctype, endpoint)
-        else:
-            form = False
-            payload = parse_payload(body, endpoint)
+        form = endpoint in FORM_ROUTES or (endpoint not in MODEL_ROUTES and is_form(ctype))
+        payload = form_payload(body, ctype, endpoint) if form else parse_payload(body, endpoint)
         model: str = payload["model"]
         await check_model(gw, model)
-        pinned = None
-        if endpoint == RESPONSES:  # a follow-up goes where its previous response lives
-            previous = payload.get("previous_response_id")
-            if isinstance(previous, str):
-                pinned = gw.responses.follow_up(previous)
+        # a follow-up goes where its previous response lives (gateway.flow.responses)
+        previous = payload.get("previous_response_id") if endpoint == RESPONSES else None
+        pinned = gw.responses.follow_up(previous) if isinstance(previous, str) else None
     except Refusal as e:
         answered(metrics, endpoint, "", e.status, started)
         log_refusal(e, endpoint, rid)
