@@ -16,8 +16,10 @@ from fastapi import FastAPI
 
 from gateway.api import admin, ops
 from gateway.api import openai as openai_api
+from gateway.api import responses as responses_api
 from gateway.api.errors import install_error_handlers
 from gateway.config import GatewayConfig, check_secrets
+from gateway.flow.responses import RESPONSES
 from gateway.proxy.upstream import Transport
 from gateway.wiring import build_gateway
 
@@ -27,13 +29,13 @@ log = logging.getLogger("gateway.app")
 class GatewayApp:
     """The ASGI app: model requests take a direct path, everything else goes to FastAPI.
 
-    ``POST`` to the model routes (chat, completions, embeddings, the vLLM pass-through
-    routes) is the data path, so it skips the framework's routing, dependency injection
-    and middleware layers: measured on this machine kind they cost about 0.1 ms of CPU per
-    request, a third of a bare pass-through's whole budget (benchmarks/proxy_overhead.py).
-    The same handler serves the FastAPI routes, so behaviour is identical either way;
-    unexpected errors still become an OpenAI-shaped 500. Attribute access falls through to
-    the FastAPI app (``app.state``, ``app.routes``, ...).
+    ``POST`` to the model routes (chat, completions, embeddings, the audio uploads, the
+    vLLM pass-through routes) is the data path, so it skips the framework's routing,
+    dependency injection and middleware layers: measured on this machine kind they cost
+    about 0.1 ms of CPU per request, a third of a bare pass-through's whole budget
+    (benchmarks/proxy_overhead.py). The same handler serves the FastAPI routes, so
+    behaviour is identical either way; unexpected errors still become an OpenAI-shaped 500.
+    Attribute access falls through to the FastAPI app (``app.state``, ``app.routes``, ...).
     """
 
     def __init__(self, app: FastAPI, hot_paths: set[str]) -> None:
@@ -103,6 +105,8 @@ def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> Gatewa
         )
     install_error_handlers(app)
     openai_api.install_routes(app, cfg.proxy.passthrough_paths)
+    if RESPONSES in cfg.proxy.passthrough_paths:  # the Responses API's calls by response id
+        responses_api.install_routes(app)
     ops.install_routes(app)
     admin.install_routes(app)
-    return GatewayApp(app, set(openai_api.MODEL_ROUTES) | set(cfg.proxy.passthrough_paths))
+    return GatewayApp(app, set(openai_api.SERVED_ROUTES) | set(cfg.proxy.passthrough_paths))

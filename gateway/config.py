@@ -217,6 +217,20 @@ class RoutingConfig(_Strict):
     session_header: str = Field("x-session-id", description="header that pins a session")
     session_ttl_s: float = Field(3600.0, gt=0)
     session_max_entries: int = Field(100_000, gt=0)
+    responses_ttl_s: float = Field(
+        86_400.0,
+        gt=0,
+        description="seconds the gateway remembers which backend created a Responses API "
+        "response (follow-ups with previous_response_id and GET/DELETE/cancel by id go "
+        "there); after it the id is unknown: a follow-up is routed as usual, a by-id call "
+        "asks every backend",
+    )
+    responses_max_entries: int = Field(
+        100_000,
+        gt=0,
+        description="response ids remembered at most (the oldest learned goes first; about "
+        "200 bytes each)",
+    )
     weights: RoutingWeights = Field(default_factory=RoutingWeights)
 
 

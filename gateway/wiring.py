@@ -24,9 +24,11 @@ from gateway.flow.batching import BatchDispatcher
 from gateway.flow.forecasts import ArrivalForecasts, forecast_params
 from gateway.flow.lease import RequestLease
 from gateway.flow.pipeline import Pipeline
+from gateway.flow.responses import ResponseRouting
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.upstream import Transport, UpstreamPool
 from gateway.routing.policies import Policy, build_policy
+from gateway.routing.response_owners import ResponseOwners
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Gateway:
     pipeline: Pipeline
     accounting: Accounting
     gate: AdmissionGate
+    responses: ResponseRouting  # which backend holds each Responses API response
     client_keys: dict[str, ClientKey]
     admin_key: str | None
     shutting_down: bool = False
@@ -100,6 +103,12 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         cfg, fleet, router, transport, controller, accounting, clock, wall=controller.wall
     )
     keys = {k.resolve(): k for k in cfg.auth.client_keys}
+    responses = ResponseRouting(
+        ResponseOwners(cfg.routing.responses_ttl_s, cfg.routing.responses_max_entries, clock),
+        fleet,
+        clock,
+    )
+    controller.state.listen(responses.on_transition)  # a restart loses a backend's store
     batching = (
         BatchDispatcher(cfg, fleet, pipeline, router, gate, metrics, controller, clock)
         if cfg.batcher.enabled
@@ -127,6 +136,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         pipeline=pipeline,
         accounting=accounting,
         gate=gate,
+        responses=responses,
         client_keys=keys,
         admin_key=cfg.auth.resolved_admin_key(),
         forecasts=forecasts,

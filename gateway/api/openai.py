@@ -1,10 +1,12 @@
 """The OpenAI-compatible surface: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/embeddings``, ``/v1/models`` and pass-through of vLLM routes that carry a ``model``.
+``/v1/embeddings``, the audio uploads, ``/v1/models`` and pass-through of vLLM routes that
+carry a ``model``.
 
-The raw JSON body is read once and forwarded byte for byte: only ``model`` and ``stream``
-(and the presence of the endpoint's required field) are looked at, so unknown fields such
-as ``top_k``, ``guided_json``, ``tools`` or ``stream_options`` survive. Errors are
-OpenAI-shaped with the status OpenAI would use (see :mod:`gateway.api.errors`).
+The raw body is read once and forwarded byte for byte: only ``model`` and ``stream`` (and
+the presence of the endpoint's required field) are looked at, so unknown fields such as
+``top_k``, ``guided_json``, ``tools`` or ``stream_options`` survive (a multipart form:
+:mod:`gateway.api.forms`; a Responses follow-up's backend: :mod:`gateway.flow.responses`).
+Errors are OpenAI-shaped with the status OpenAI would use (see :mod:`gateway.api.errors`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from gateway.api.errors import (
     retry_after_headers,
     shutting_down_response,
 )
+from gateway.api.forms import FORM_ROUTES, form_payload, is_form
 from gateway.api.parsing import (
     ClientGone,
     UploadCut,
@@ -46,6 +49,7 @@ from gateway.flow.candidates import recovery_s
 from gateway.flow.context import Answer, Opened, RequestContext
 from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
+from gateway.flow.responses import RESPONSES
 from gateway.flow.shaping import cap_max_tokens, key_limits_for, ratelimit_headers
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
 from gateway.proxy.sse import DONE_TERMINATED
@@ -63,6 +67,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+SERVED_ROUTES = (*MODEL_ROUTES, *FORM_ROUTES)  # always served: JSON and multipart routes
 
 def _gateway(request: Request) -> Gateway:
     gw: Gateway = request.app.state.gateway  # starlette's State holds untyped attributes
@@ -115,12 +120,14 @@ async def model_response(
     started = time.perf_counter()
     # one pass over the headers for what the gateway reads
     id_key, session_key_name, priority_key = gw.header_keys
-    authorization = declared = rid_value = session = prio_value = encoding = None
+    authorization = declared = rid_value = session = prio_value = encoding = ctype = None
     for k, v in scope["headers"]:
         if k == b"authorization":
             authorization = v
         elif k == b"content-length":
             declared = v
+        elif k == b"content-type":
+            ctype = v
         elif k == b"content-encoding":
             encoding = v
         elif k == id_key:
@@ -137,9 +144,14 @@ async def model_response(
         key = check_client_key(gw, authorization)
         check_content_encoding(encoding)
         body = await read_body_counted(gw, receive, declared)
-        payload = parse_payload(body, endpoint)
+        # a form (audio uploads) is read for its fields and forwarded as it came
+        form = endpoint in FORM_ROUTES or (endpoint not in MODEL_ROUTES and is_form(ctype))
+        payload = form_payload(body, ctype, endpoint) if form else parse_payload(body, endpoint)
         model: str = payload["model"]
         await check_model(gw, model)
+        # a follow-up goes where its previous response lives (gateway.flow.responses)
+        previous = payload.get("previous_response_id") if endpoint == RESPONSES else None
+        pinned = gw.responses.follow_up(previous) if isinstance(previous, str) else None
     except Refusal as e:
         answered(metrics, endpoint, "", e.status, started)
         log_refusal(e, endpoint, rid)
@@ -177,6 +189,7 @@ async def model_response(
         session_key=session.decode("latin-1") if session is not None else None,
         started=started,
         priority=prio,
+        pinned=pinned,
     )
     if seqs > 1:
         if endpoint == EMBEDDINGS:
@@ -197,7 +210,7 @@ async def model_response(
             if verdict is not None:
                 ctx.ratelimit = list(ratelimit_headers(verdict).items())
             cap = gate.max_tokens_cap()
-            if cap is not None and (capped := cap_max_tokens(payload, cap)) is not None:
+            if cap is not None and not form and (capped := cap_max_tokens(payload, cap)):
                 ctx.upstream.body = capped
         batching = gw.batching
         bound = None
@@ -216,6 +229,8 @@ async def model_response(
                 return _render_answer(got, idh, rid, ctx.ratelimit)
             bound = got
         opened = await gw.pipeline.open(ctx, bound)
+        if endpoint == RESPONSES:
+            gw.responses.learn(opened, model)
     except Refusal as e:  # (admission's own carry the key's limits; later ones get them here)
         watch.stop()
         answered(metrics, endpoint, model, e.status, started)
@@ -383,7 +398,7 @@ def install_routes(app_router: FastAPI, passthrough: list[str]) -> None:
 
     Routes go straight on the app (no included routers): one less dispatch layer per
     request on the hot path."""
-    for path in (*MODEL_ROUTES, *passthrough):
+    for path in (*SERVED_ROUTES, *passthrough):
         app_router.add_api_route(path, proxy, methods=["POST"], include_in_schema=False)
     app_router.add_api_route("/v1/models", list_models, methods=["GET"], include_in_schema=False)
     app_router.add_api_route(

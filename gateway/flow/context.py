@@ -49,6 +49,9 @@ class RequestContext:
     places: int = 1
     pooled_extra: int = 0
     answered: BackendAnswer | None = None
+    # the one backend this request may go to (it holds the Responses API state the request
+    # names: gateway.flow.responses); no other is tried
+    pinned: Backend | None = None
 
 
 @dataclass(slots=True)

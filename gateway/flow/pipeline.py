@@ -109,7 +109,7 @@ class Pipeline:
         """
         self.budget.record_request()
         tried: list[str] = []
-        max_attempts = self.cfg.proxy.max_attempts
+        max_attempts = self._max_attempts(ctx)
         try:
             return await self._one(ctx, tried, bound)
         except UpstreamFailure as f:
@@ -163,27 +163,35 @@ class Pipeline:
         self.accounting.metrics.retry_budget_exhausted.inc()
         return False
 
+    def _max_attempts(self, ctx: RequestContext) -> int:
+        """Attempts ``ctx`` may take: one for a request pinned to its backend."""
+        return 1 if ctx.pinned is not None else self.cfg.proxy.max_attempts
+
     async def _one(
         self, ctx: RequestContext, tried: list[str], bound: Backend | None = None
     ) -> Opened:
-        """Pick a backend this request has not tried and run one attempt on it.
+        """Pick a backend this request has not tried and run one attempt on it (a pinned
+        request's own backend, ``ctx.pinned``, unless bound by the batcher).
 
         Raises :class:`NoCandidate` when none is left, :class:`UpstreamFailure` when the
         attempt fails (its attempt already ended on the lease, recorded in the metrics).
         """
         now = self.clock()
-        backend = (
-            bound
-            if bound is not None  # bound by the batcher at dispatch
-            else self.router.pick(candidates(self.fleet, ctx.model, tried, now), ctx.session_key)
-        )
+        if bound is not None:  # bound by the batcher at dispatch
+            backend: Backend | None = bound
+        elif ctx.pinned is not None:
+            backend = ctx.pinned if ctx.pinned.id not in tried else None
+        else:
+            backend = self.router.pick(
+                candidates(self.fleet, ctx.model, tried, now), ctx.session_key
+            )
         if backend is None:
             raise NoCandidate
         tried.append(backend.id)
         lease = ctx.lease
         # an attempt left: a hung backend's watchdog may cut this one to re-send it (one
         # without would only turn a wait into a 503)
-        resendable = ctx.model if len(tried) < self.cfg.proxy.max_attempts else None
+        resendable = ctx.model if len(tried) < self._max_attempts(ctx) else None
         lease.start_attempt(backend, ctx.cut, ctx.places, ctx.pooled_extra, now, resendable)
         try:
             opened = await send_attempt(

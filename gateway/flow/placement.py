@@ -93,6 +93,8 @@ class Placement:
         w: Waiter = unit[0].handle
         ctx = w.ctx
         cands = candidates(self.fleet, ctx.model, (), self.now)
+        if ctx.pinned is not None:  # only its own backend (gateway.flow.responses)
+            cands = [c for c in cands if c is ctx.pinned]
         if not cands:  # nothing can take the model at all: the pipeline answers 429/503
             w.backend = None
             return len(unit)

@@ -133,5 +133,13 @@ def responses_error_event(message: str, code: str) -> bytes:
 
 
 # Streams that end with ``data: [DONE]`` (OpenAI chat and legacy completions, and vLLM's
-# own); other event streams (the Responses API) end when the body ends.
-DONE_TERMINATED = frozenset({"/v1/chat/completions", "/v1/completions"})
+# own, its streamed transcriptions and translations too); other event streams (the
+# Responses API) end when the body ends.
+DONE_TERMINATED = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+    }
+)

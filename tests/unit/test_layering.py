@@ -27,15 +27,17 @@ from pathlib import Path
 LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: shared vocabulary, the config schema, metric declarations
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics"),
-    # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity
+    # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
+    #    the Responses API's response-id table (gateway.routing.response_owners)
     ("gateway.routing.*", "gateway.traffic.*"),
     # 2: the fleet's state and control loops; the upstream transport (siblings)
     ("gateway.fleet.*", "gateway.proxy.*"),
-    # 3: the request flow: lease, admission I/O, queue/batching, attempts
+    # 3: the request flow: lease, admission I/O, queue/batching, attempts, Responses API
+    #    pinning (gateway.flow.responses)
     ("gateway.flow.*",),
     # 4: the component container (Gateway) and build_gateway
     ("gateway.wiring",),
-    # 5: the HTTP edge
+    # 5: the HTTP edge (gateway.api.forms: multipart bodies; gateway.api.responses: by-id)
     ("gateway.api.*",),
     # 6: the ASGI app and its lifespan
     ("gateway.app",),

@@ -1,0 +1,246 @@
+"""The Responses API's calls by response id, sent to the backend that holds the response.
+
+``GET /v1/responses/{id}`` (vLLM also streams it with ``?stream=true&starting_after=N``),
+``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` and
+``GET /v1/responses/{id}/input_items`` (OpenAI API reference, "Responses"; vLLM serves the
+first and the cancel, and answers the others itself). Installed when ``/v1/responses`` is
+served (``proxy.passthrough_paths``, the default).
+
+Each call runs through the request flow's lease and attempts
+(:meth:`gateway.flow.pipeline.Pipeline.open`, pinned to one backend: no retry elsewhere)
+and the backend's answer is relayed unchanged, a stream as a stream. Not through admission:
+these calls start no generation (a cancel must never queue behind the work it cancels),
+and the client's key is still checked. Which backend
+(:class:`gateway.flow.responses.ResponseRouting`):
+
+- a known id: its owner; a gone owner gets a 404 on ``response_id``;
+- an unknown one (created before a gateway restart, expired, evicted): every backend that
+  may hold it, in config order, until one answers other than 404 (remembered when it
+  found it); failures (unreachable, a 5xx) move on to the next; when all answered 404 the
+  last backend's own 404 is relayed, else the last failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from gateway.api.errors import SERVER_ERROR, Refusal, error_response, render, shutting_down_response
+from gateway.api.openai import (
+    Receive,
+    Scope,
+    Send,
+    _relay,
+    _render_answer,
+    answered,
+    log_refusal,
+)
+from gateway.api.parsing import (
+    ClientGone,
+    UploadCut,
+    check_client_key,
+    read_body_counted,
+    sane_request_id,
+)
+from gateway.core.outcomes import BackendAnswer
+from gateway.core.vocab import Cut
+from gateway.flow.candidates import recovery_s
+from gateway.flow.context import Answer, RequestContext
+from gateway.flow.lease import RequestLease
+from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
+from gateway.proxy.upstream import UpstreamRequest, forward_headers
+
+if TYPE_CHECKING:
+    from gateway.fleet.backend import Backend
+    from gateway.wiring import Gateway
+
+log = logging.getLogger("gateway.api")
+
+# (method, route): the route is also the endpoint label of the metrics (never the id)
+BY_ID_ROUTES = (
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/v1/responses/{response_id}/cancel"),
+    ("GET", "/v1/responses/{response_id}/input_items"),
+)
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})  # vLLM's query bool (pydantic)
+
+
+def _streams(query: bytes) -> bool:
+    """Whether a ``GET`` asks for the stream (``?stream=true``)."""
+    values = parse_qs(query.decode("latin-1")).get("stream")
+    return values is not None and values[-1].strip().lower() in _TRUE
+
+
+async def by_id_response(
+    gw: Gateway, response_id: str, label: str, scope: Scope, receive: Receive, lease: RequestLease
+) -> Response:
+    """Run one by-id call (see the module docstring) under ``lease``; the answer to send.
+    ``label``: the route, for the metrics."""
+    metrics = gw.metrics
+    idh = gw.cfg.server.request_id_header
+    started = time.perf_counter()
+    id_key = gw.header_keys[0]
+    authorization = declared = rid_value = None
+    for k, v in scope["headers"]:
+        if k == b"authorization":
+            authorization = v
+        elif k == b"content-length":
+            declared = v
+        elif k == id_key:
+            rid_value = v
+    rid = sane_request_id(rid_value)
+    if gw.shutting_down:
+        answered(metrics, label, "", 503, started)
+        return shutting_down_response(rid, idh)
+    try:
+        check_client_key(gw, authorization)
+        body = await read_body_counted(gw, receive, declared)
+        held = gw.responses.holder(response_id)
+        targets: list[Backend] = [held[0]] if held is not None else gw.responses.askable()
+        if not targets:
+            raise Refusal(
+                503,
+                "No backend is running to ask for this response.",
+                SERVER_ERROR,
+                "no_backend_available",
+                retry_after_s=recovery_s(gw.cfg.health),
+            )
+    except Refusal as e:
+        answered(metrics, label, "", e.status, started)
+        log_refusal(e, label, rid)
+        return render(e, rid, idh)
+    except ClientGone:
+        metrics.client_disconnects.labels(label).inc()
+        answered(metrics, label, "", 499, started)
+        return Response(status_code=499)
+    except UploadCut:
+        answered(metrics, label, "", 503, started)
+        return shutting_down_response(rid, idh)
+    model = held[1] if held is not None else ""
+    method: str = scope["method"]
+    query: bytes = scope.get("query_string", b"")
+    stream = method == "GET" and _streams(query)
+    path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+    cut = CutHandle()
+    watch = ClientWatch(receive, cut)
+    failure: Refusal | BackendAnswer | None = None
+    not_found: Answer | None = None
+    for backend in targets:
+        ctx = RequestContext(
+            endpoint=label,
+            model=model,
+            stream=stream,
+            upstream=UpstreamRequest(
+                method, path, forward_headers(scope["headers"], idh, rid, stream), body, stream
+            ),
+            request_id=rid,
+            cut=cut,
+            lease=lease,
+            started=started,
+            pinned=backend,
+        )
+        try:
+            opened = await gw.pipeline.open(ctx)
+        except (Refusal, BackendAnswer) as e:
+            failure = e
+            continue
+        except asyncio.CancelledError:
+            watch.stop()
+            if cut.reason is None:
+                raise
+            if cut.absorb() == Cut.CLIENT_GONE:
+                metrics.client_disconnects.labels(label).inc()
+                answered(metrics, label, model, 499, started)
+                return Response(status_code=499)
+            answered(metrics, label, model, 503, started)
+            return shutting_down_response(rid, idh)
+        status = opened.resp.status
+        if held is None and status == 404 and opened.framer is None:
+            not_found = gw.pipeline.finish_body(ctx, opened)  # not there: ask the next
+            continue
+        if status < 400:
+            if method == "DELETE":
+                gw.responses.forget(response_id)
+            elif held is None:
+                gw.responses.learned(response_id, backend, model)
+        if opened.framer is not None:
+            return _relay(gw, ctx, opened, watch)
+        watch.stop()
+        answer = gw.pipeline.finish_body(ctx, opened)
+        answered(metrics, label, model, answer.status, started)
+        return _render_answer(answer, idh, rid)
+    watch.stop()
+    if not_found is not None and failure is None:
+        answered(metrics, label, model, 404, started)
+        return _render_answer(not_found, idh, rid)
+    if isinstance(failure, BackendAnswer):
+        answered(metrics, label, model, failure.status, started)
+        return _render_answer(Answer(failure.status, failure.body, failure.headers), idh, rid)
+    assert failure is not None
+    answered(metrics, label, model, failure.status, started)
+    log_refusal(failure, label, rid)
+    return render(failure, rid, idh)
+
+
+async def serve_by_id(
+    gw: Gateway, response_id: str, label: str, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Answer one by-id call under its request lease (closed before a non-stream answer
+    goes out, at a stream's end, and on every other exit)."""
+    started = time.perf_counter()
+    async with gw.new_lease() as lease:
+        try:
+            response = await by_id_response(gw, response_id, label, scope, receive, lease)
+        except Exception as e:
+            log.exception("unexpected error on %s", scope["path"])
+            response = error_response(
+                500,
+                f"Internal gateway error: {type(e).__name__}",
+                SERVER_ERROR,
+                "internal_error",
+            )
+            answered(gw.metrics, label, "", 500, started)
+        if not isinstance(response, RelayResponse):
+            lease.close()
+        await response(scope, receive, send)
+
+
+class _ById(Response):
+    """The framework route's answer: :func:`serve_by_id` runs when the framework sends it."""
+
+    def __init__(self, gw: Gateway, response_id: str, label: str) -> None:
+        self.gw = gw
+        self.response_id = response_id
+        self.label = label
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_by_id(self.gw, self.response_id, self.label, scope, receive, send)
+
+
+def _route(label: str) -> Callable[[Request], Awaitable[Response]]:
+    async def by_id(request: Request) -> Response:
+        gw: Gateway = request.app.state.gateway
+        return _ById(gw, request.path_params["response_id"], label)
+
+    return by_id
+
+
+def install_routes(app: FastAPI) -> None:
+    """Register the by-id routes on ``app``."""
+    for method, route in BY_ID_ROUTES:
+        app.add_api_route(
+            route,
+            _route(route),
+            methods=[method],
+            include_in_schema=False,
+        )

@@ -1,0 +1,161 @@
+"""Routing the stateful Responses API: each stored response is served where it was created.
+
+vLLM (like OpenAI) stores a response on the server that created it, in its process memory:
+a follow-up (``POST /v1/responses`` with ``previous_response_id``) or a by-id call
+(``GET``/``DELETE /v1/responses/{id}``, ``POST .../cancel``, ``GET .../input_items``) sent
+to another backend gets that backend's 404. :class:`ResponseRouting` is the one owner of
+that state (built by :func:`gateway.wiring.build_gateway`): it learns each response id's
+backend from the answer that created it (:meth:`learn`: a non-stream answer's ``id``, or a
+stream's first event ``response.created``, read before the client sees anything, so the
+relay is not touched) and decides where a request naming one must go.
+
+The rules (README, "The Responses API"):
+
+- **Follow-up** (:meth:`follow_up`): pinned to the owner (no other backend is tried). The
+  owner must serve now: ``warm``; cooling after a 429 or with its breaker open, the
+  gateway answers 429 with the seconds until it takes requests again; no longer in the
+  fleet, restarted since it created the response (it passed through ``cold``, and vLLM's
+  store is in memory), or in any other state (draining, cooldown, unhealthy, warming): a
+  404 ``invalid_request_error`` on ``previous_response_id`` saying the backend that holds
+  it is gone or not serving. An id the gateway does not know (created before a gateway
+  restart, expired, evicted) is routed like any request.
+- **By-id call** (:meth:`holder`): pinned to the owner in any state but ``cold`` (its state
+  lives there and reading or cancelling it costs no generation: a draining, cooling or even
+  unhealthy backend is still asked, and a failure to reach it is the usual 502); gone as
+  above: 404 on ``response_id``. An unknown id is asked of every backend that may hold one
+  (:meth:`askable`) in turn by :mod:`gateway.api.responses`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from gateway.core.outcomes import INVALID_REQUEST, Refusal
+from gateway.core.vocab import BackendState
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
+from gateway.fleet.records import Transition
+from gateway.flow.context import Opened
+from gateway.routing.response_owners import ResponseOwners, id_in_body, id_in_events
+
+RESPONSES = "/v1/responses"
+
+# States in which a backend runs a process that may hold stored responses and answers
+_ASKABLE = frozenset(
+    {BackendState.WARMING, BackendState.WARM, BackendState.DRAINING, BackendState.COOLDOWN}
+)
+
+
+class ResponseRouting:
+    """The response-id table (:class:`gateway.routing.response_owners.ResponseOwners`) and
+    the decisions that read the fleet. ``clock``: monotonic seconds (the table's too)."""
+
+    def __init__(self, owners: ResponseOwners, fleet: Fleet, clock: Callable[[], float]) -> None:
+        self.owners = owners
+        self.fleet = fleet
+        self.clock = clock
+        # backend id -> when it last entered ``cold`` (restarted or preempted: its
+        # in-memory store is gone): responses learned before then are lost
+        self.lost_at: dict[str, float] = {}
+
+    # ---- learning ---------------------------------------------------------------------
+    def learn(self, opened: Opened, model: str) -> None:
+        """Remember the backend of the response ``opened`` starts, if it created one: a
+        200 whose body (non-stream, not content-encoded) has an ``id``, or whose first
+        events hold ``response.created``."""
+        resp = opened.resp
+        if resp.status != 200:
+            return
+        if opened.framer is None:
+            if resp.headers.get("content-encoding") is not None:
+                return
+            rid = id_in_body(opened.data)
+        else:
+            rid = id_in_events(opened.data)
+        if rid is not None:
+            self.owners.remember(rid, opened.backend.id, model)
+
+    def learned(self, response_id: str, backend: Backend, model: str) -> None:
+        """``backend`` answered a by-id call on ``response_id`` (found it)."""
+        self.owners.remember(response_id, backend.id, model)
+
+    def forget(self, response_id: str) -> None:
+        """``response_id`` was deleted on its backend."""
+        self.owners.forget(response_id)
+
+    def on_transition(self, backend: Backend, t: Transition) -> None:
+        """A :class:`gateway.fleet.state.FleetState` listener: a backend entering ``cold``
+        (restarted, preempted) lost the responses it stored."""
+        if t.to_state is BackendState.COLD:
+            self.lost_at[backend.id] = self.clock()
+
+    # ---- routing ----------------------------------------------------------------------
+    def follow_up(self, response_id: str) -> Backend | None:
+        """The backend a request continuing ``response_id`` must go to, or None when the
+        id is unknown (route it as usual). Raises :class:`Refusal`: 404 when its backend
+        is gone or not serving, 429 while it is cooling or its breaker is open."""
+        owner = self.owners.owner(response_id)
+        if owner is None:
+            return None
+        b = self._present(response_id, owner.backend_id, owner.learned_at, "previous_response_id")
+        if b.state is not BackendState.WARM:
+            raise _gone(
+                response_id,
+                b.id,
+                f"is not serving (state {b.state.value})",
+                "previous_response_id",
+            )
+        now = self.clock()
+        wait = max(0.0, b.cooling_until - now, b.breaker.retry_in())
+        if wait > 0 or not b.breaker.can_take():
+            raise Refusal(
+                429,
+                f"The backend holding response '{response_id}' ({b.id}) is rate-limited or "
+                f"recovering; retry in {max(1, math.ceil(wait))} s.",
+                "requests",
+                "rate_limit_exceeded",
+                retry_after_s=wait,
+            )
+        return b
+
+    def holder(self, response_id: str) -> tuple[Backend, str] | None:
+        """The backend to ask about ``response_id`` and its model, or None when unknown.
+        Raises a 404 :class:`Refusal` when that backend is gone (not in the fleet,
+        restarted since, or ``cold``)."""
+        owner = self.owners.owner(response_id)
+        if owner is None:
+            return None
+        b = self._present(response_id, owner.backend_id, owner.learned_at, "response_id")
+        if b.state is BackendState.COLD:
+            raise _gone(response_id, b.id, "is not running (state cold)", "response_id")
+        return b, owner.model
+
+    def askable(self) -> list[Backend]:
+        """Backends that may hold a response the gateway does not know of, in config
+        order: those running (warming, warm, draining, cooldown)."""
+        return [b for b in self.fleet.backends if b.state in _ASKABLE]
+
+    def _present(self, response_id: str, backend_id: str, learned_at: float, param: str) -> Backend:
+        b = self.fleet.get(backend_id)
+        if b is None:
+            raise _gone(response_id, backend_id, "is no longer in the fleet", param)
+        if self.lost_at.get(b.id, -math.inf) >= learned_at:
+            raise _gone(
+                response_id, b.id, "was restarted since and lost its stored responses", param
+            )
+        return b
+
+
+def _gone(response_id: str, backend_id: str, why: str, param: str) -> Refusal:
+    """404 for a response whose backend is gone: OpenAI's ``invalid_request_error`` on
+    ``param``, as vLLM and OpenAI answer an unknown response id."""
+    return Refusal(
+        404,
+        f"Response with id '{response_id}' is held by backend '{backend_id}', which {why}; "
+        "start a new response.",
+        INVALID_REQUEST,
+        "response_not_found",
+        param=param,
+        retryable=False,
+    )
