@@ -69,6 +69,7 @@ class FailureKind(StrEnum):
     STATUS = "status"  # the backend answered 5xx
     RATE_LIMITED = "rate_limited"  # the backend answered 429
     AUTH = "auth"  # 401/403 to the gateway's own (misconfigured) key
+    BAD_ANSWER = "bad_answer"  # a 200 whose body is not the JSON it must be (empty, HTML, ...)
     DRAINED = "drained"  # the gateway ended it: its backend's drain deadline passed
     BACKEND_HUNG = "backend_hung"  # the gateway ended it: its backend hung
 

@@ -47,6 +47,29 @@ def parse_retry_after(value: str | None, now_unix: float) -> float | None:
 
 
 
+# Routes whose every 200 is a JSON object (OpenAI's API reference; vLLM's own routes)
+JSON_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
+)
+
+
+def is_json_answer(endpoint: str, resp: UpstreamResponse, body: bytes) -> bool:
+    """False for a 200 that cannot be the answer it claims to be: on a JSON route (or
+    answered with a JSON ``content-type``), a body that is empty or does not start (after
+    whitespace) with ``{`` or ``[`` (an HTML page from a proxy in front of vLLM, an empty
+    body, bytes that are not UTF-8). A compressed body is not looked into (its bytes are
+    not JSON text) and other content types on other routes (an audio transcription's
+    ``text/plain``) are taken as they are. Reports: docs/wire-reports.md ("status")."""
+    headers = resp.headers
+    coding = headers.get("content-encoding")
+    if coding is not None and coding.strip().lower() not in ("", "identity"):
+        return True
+    if endpoint not in JSON_ROUTES and "json" not in headers.get("content-type", ""):
+        return True
+    head = body[:64].lstrip()
+    return head[:1] in (b"{", b"[")
+
+
 async def send_attempt(
     transport: Transport,
     backend: Backend,
@@ -61,7 +84,9 @@ async def send_attempt(
     first event) arrives, then ``proxy.idle_timeout_s`` re-armed at every chunk of a body.
     A 429, a 5xx, and a 401/403 from a backend whose key the probes found refused
     (``config_error``) are failures carrying the backend's answer (``status``, ``body``,
-    ``headers``); every other answer is :class:`Opened`.
+    ``headers``); a 200 that is not the JSON it must be (:func:`is_json_answer`) is a
+    ``bad_answer`` failure (retried elsewhere, never the client's answer); every other
+    answer is :class:`Opened`.
     """
     resp: UpstreamResponse | None = None
     waiting_first_byte = True
@@ -76,6 +101,14 @@ async def send_attempt(
                 return Opened(backend, resp, first, framer, sent_at)
             waiting_first_byte = False
             body = await _read_body(resp, timer, proxy.idle_timeout_s)
+            if status == 200 and not is_json_answer(ctx.endpoint, resp, body):
+                resp.release()
+                raise UpstreamFailure(
+                    backend,
+                    FailureKind.BAD_ANSWER,
+                    f"backend answered 200 without a JSON body ({len(body)} bytes, "
+                    f"content-type {resp.headers.get('content-type')!r})",
+                )
             # 401/403: the gateway's own key is wrong only when the probes found this
             # backend refusing it (``config_error``); then another backend may be set up
             # right. Otherwise it is about this request (case BUG-06): passed through

@@ -67,7 +67,16 @@ from collections.abc import Callable
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 RETRYABLE_KINDS = frozenset(
-    {"connect", "disconnected", "status", "rate_limited", "auth", "drained", "backend_hung"}
+    {
+        "connect",
+        "disconnected",
+        "status",
+        "bad_answer",
+        "rate_limited",
+        "auth",
+        "drained",
+        "backend_hung",
+    }
 )
 
 

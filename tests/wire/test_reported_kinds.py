@@ -607,12 +607,6 @@ def test_error_answer_without_content_type_keeps_its_status(backends, gateway):
     assert (r.status_code, r.content) == (403, bodies["/v1/embeddings"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a 200 without a JSON body is relayed as a success; the check belongs in "
-    "flow/attempt.py send_attempt (being changed for issue 13 items 1-2), see "
-    "docs/wire-reports.md",
-)
 @pytest.mark.parametrize("body", [b"", b"<html><body>upstream is sleeping</body></html>",
                                   b"\xff\xfe not utf-8"],
                          ids=["empty", "html", "not-utf8"])
@@ -639,3 +633,22 @@ def test_success_status_without_an_answer_is_a_backend_failure(backends, gateway
         assert r.status_code == 200 and r.content != body, (r.status_code, r.content)
         assert "error" not in r.json(), r.text
 
+
+
+def test_success_status_without_an_answer_alone_is_an_openai_shaped_502(backends, gateway):
+    """The only backend answers 200 with an HTML page: the client gets the gateway's 502 in
+    OpenAI's error shape (an SDK raises it, and may retry), counted as a ``bad_answer``
+    attempt, never a 200 it cannot read."""
+
+    async def broken(req: Received, conn: Conn) -> None:
+        await conn.send_response(200, b"<html><body>upstream is sleeping</body></html>")
+
+    a = backends(broken)
+    gw = gateway({"a": a})
+    r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "upstream_unavailable" and "without a JSON body" in err["message"]
+    attempts = gw.gateway.metrics.upstream_attempts
+    assert attempts.labels("a", "bad_answer")._value.get() == 1
