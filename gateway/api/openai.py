@@ -35,7 +35,9 @@ from gateway.api.parsing import (
     check_client_key,
     check_content_encoding,
     check_model,
-    parse_payload,
+    check_payload,
+    model_label,
+    parse_object,
     read_body_counted,
     sane_request_id,
 )
@@ -132,15 +134,16 @@ async def model_response(
     if gw.shutting_down:
         answered(metrics, endpoint, "", 503, started)
         return shutting_down_response(rid, idh)
+    payload: dict[str, Any] | None = None
     try:
         key = check_client_key(gw, authorization)
         check_content_encoding(encoding)
         body = await read_body_counted(gw, receive, declared)
-        payload = parse_payload(body, endpoint)
-        model: str = payload["model"]
+        payload = parse_object(body)
+        model = check_payload(payload, endpoint)
         await check_model(gw, model)
-    except Refusal as e:
-        answered(metrics, endpoint, "", e.status, started)
+    except Refusal as e:  # counted under the body's model when a backend serves it
+        answered(metrics, endpoint, model_label(gw, payload), e.status, started)
         log_refusal(e, endpoint, rid)
         return render(e, rid, idh)
     except ClientGone:
