@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from gateway.config import (
     ConfigError,
@@ -24,16 +25,45 @@ from gateway.config import (
     require_backends,
     with_server_overrides,
 )
+from gateway.core.listening import CannotListen
+from gateway.core.wording import plural
 
-DEFAULT_CONFIG = Path("config/gateway.yaml")
-_REPO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
+CONFIG_ENV = "LLM_GATEWAY_CONFIG"
+"""Environment variable naming the config file when ``--config`` is not given."""
+DEFAULT_CONFIGS = (Path("config/gateway.yaml"), Path("gateway.yaml"))
+"""Looked for in the current directory, in this order, when neither ``--config`` nor
+``LLM_GATEWAY_CONFIG`` names a file."""
 
 
-def find_default_config() -> Path:
-    """``config/gateway.yaml`` in the current directory, else the one beside the sources."""
-    if DEFAULT_CONFIG.exists():
-        return DEFAULT_CONFIG
-    return _REPO_CONFIG
+def find_config(
+    explicit: str | None, environ: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> Path | None:
+    """The config file a command reads: ``explicit`` (``--config``), else the file named by
+    ``$LLM_GATEWAY_CONFIG``, else the first of :data:`DEFAULT_CONFIGS` that exists in
+    ``cwd`` (default: the current directory); None when none of these applies. A named
+    file is returned even when missing (loading it then says it cannot be read). Never
+    looks beside the installed sources: a file is read only where the user points or works.
+    """
+    if explicit:
+        return Path(explicit)
+    named = (os.environ if environ is None else environ).get(CONFIG_ENV, "").strip()
+    if named:
+        return Path(named)
+    here = Path.cwd() if cwd is None else cwd
+    for candidate in DEFAULT_CONFIGS:
+        if (here / candidate).is_file():
+            return here / candidate
+    return None
+
+
+def no_config_error() -> ConfigError:
+    """What ``serve`` and ``check-config`` say when :func:`find_config` found nothing."""
+    looked = " or ".join(f"./{p}" for p in DEFAULT_CONFIGS)
+    return ConfigError(
+        f"no config file: pass --config PATH or set {CONFIG_ENV}=PATH (no {looked} in "
+        f"{Path.cwd()}); config/vllm-example.yaml in the repository is a start, and "
+        "'llm-gateway demo' needs none"
+    )
 
 
 def setup_logging(level: str) -> None:
@@ -46,10 +76,20 @@ def setup_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _load(args: argparse.Namespace) -> GatewayConfig:
-    """The config file (default: config/gateway.yaml), env overrides, then the command
-    line's --host/--port, which win over both. Refuses a fleet with no backends."""
-    path = Path(args.config) if args.config else find_default_config()
+def _load(
+    args: argparse.Namespace, builtin: Path | None = None, out: TextIO | None = None
+) -> GatewayConfig:
+    """The config file (:func:`find_config`; else ``builtin``, else :func:`no_config_error`),
+    env overrides, then the command line's --host/--port, which win over both. Says which
+    file it reads (``config: /abs/path.yaml``, links resolved, on ``out``, default stderr).
+    Refuses a fleet with no backends."""
+    path = find_config(args.config)
+    note = ""
+    if path is None:
+        if builtin is None:
+            raise no_config_error()
+        path, note = builtin, " (built-in demo fleet: no --config, no ./config/gateway.yaml)"
+    print(f"config: {path.resolve()}{note}", file=out or sys.stderr, flush=True)
     server: dict[str, object] = {}
     if getattr(args, "host", None):
         server["host"] = args.host
@@ -72,9 +112,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    cfg = _load(args, out=sys.stdout)
     check_secrets(cfg)
-    print(f"ok: {len(cfg.backends)} backends, listening on {cfg.server.host}:{cfg.server.port}")
+    fleet = plural(len(cfg.backends), "backend")
+    print(f"ok: {fleet}, listening on {cfg.server.host}:{cfg.server.port}")
     for b in cfg.backends:
         models = ", ".join(b.models) if b.models else "(discovered from /v1/models)"
         print(f"  {b.id:<16} {b.base_url:<32} {b.role.value:<8} {models}")
@@ -82,9 +123,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gateway.demo import run_demo
+    from gateway.demo import BUILTIN_FLEET, run_demo
 
-    cfg = _load(args)
+    cfg = _load(args, builtin=BUILTIN_FLEET)
     setup_logging(cfg.server.log_level)
     return run_demo(cfg, fast_cycles=getattr(args, "fast_cycles", False))
 
@@ -166,8 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Subcommand)
 
-    def with_config(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--config", "-c", help="YAML config (default: config/gateway.yaml)")
+    def with_config(sp: argparse.ArgumentParser, demo: bool = False) -> None:
+        sp.add_argument(
+            "--config",
+            "-c",
+            help=f"YAML config (default: ${CONFIG_ENV}, else ./config/gateway.yaml or "
+            "./gateway.yaml in the current directory"
+            + (", else the built-in demo fleet)" if demo else ")"),
+        )
         sp.add_argument("--host", help="listen address (overrides server.host)")
         sp.add_argument("--port", type=int, help="listen port (overrides server.port)")
 
@@ -176,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_serve)
 
     sp = sub.add_parser("demo", help="start simulated backends and the gateway (no GPU needed)")
-    with_config(sp)
+    with_config(sp, demo=True)
     sp.add_argument(
         "--fast-cycles",
         action="store_true",
@@ -212,13 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default: ``sys.argv[1:]``); returns the exit status (2: bad
-    config, 3: an OS error such as a port in use, 130: interrupted)."""
+    or no config, 3: an address it cannot listen on, or another OS error, 130:
+    interrupted). Failures print one line on stderr."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except ConfigError as e:
         print(f"llm-gateway: {e}", file=sys.stderr)
         return 2
+    except CannotListen as e:
+        print(f"llm-gateway: {e}", file=sys.stderr)
+        return 3
     except OSError as e:  # e.g. a port already in use
         print(
             f"llm-gateway: {e.strerror or e}"

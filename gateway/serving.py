@@ -16,6 +16,7 @@ import gc
 import logging
 import math
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
@@ -23,7 +24,9 @@ from typing import Any
 import uvicorn
 
 from gateway.config import GatewayConfig
+from gateway.core.listening import CannotListen, host_port
 from gateway.core.vocab import Cut
+from gateway.core.wording import plural
 from gateway.wiring import Gateway
 
 log = logging.getLogger("gateway.serving")
@@ -53,6 +56,22 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
     )
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (``host``, ``port``) for uvicorn to listen on, made the way
+    ``uvicorn.Config.bind_socket`` makes it (IPv6 when ``host`` has a colon,
+    ``SO_REUSEADDR``, inheritable). A failed bind raises :class:`CannotListen` naming the
+    address (uvicorn's own logs a bare ``[Errno 98] Address already in use`` and exits)."""
+    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise CannotListen(host, port, e) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def in_flight(gw: Gateway) -> int:
     """Requests the gateway still owes an answer beyond its queues: sent to a backend."""
     return sum(b.in_flight for b in gw.fleet.backends)
@@ -77,8 +96,8 @@ async def graceful_shutdown(gw: Gateway, grace_s: float, poll_s: float = 0.05) -
     500."""
     gw.shutting_down = True
     log.warning(
-        "shutting down: /ready is 503; %d request(s) in flight and %d queued get %g s",
-        in_flight(gw),
+        "shutting down: /ready is 503; %s in flight and %d queued get %g s",
+        plural(in_flight(gw), "request"),
         queued(gw),
         grace_s,
     )
@@ -93,8 +112,8 @@ async def graceful_shutdown(gw: Gateway, grace_s: float, poll_s: float = 0.05) -
         shed += 1
     if shed or in_flight(gw) > 0:
         log.warning(
-            "grace period over: %d queued request(s) refused, ending %d in flight",
-            shed,
+            "grace period over: %s refused, ending %d in flight",
+            plural(shed, "queued request"),
             in_flight(gw),
         )
         for b in gw.fleet.backends:
@@ -113,24 +132,26 @@ def run(main: Callable[[], Coroutine[Any, Any, None]], cfg: GatewayConfig) -> No
 
 
 async def serve(
-    app: Any, cfg: GatewayConfig, on_started: Callable[[], Awaitable[None] | None] | None = None
+    app: Any,
+    cfg: GatewayConfig,
+    on_started: Callable[[], Awaitable[None] | None] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve ``app`` until SIGTERM/SIGINT, then shut down gracefully.
+
+    ``sock``: the socket to listen on, bound beforehand by :func:`listen_socket` (the demo
+    binds it before it starts anything else); None: bind ``server.host``:``server.port``
+    now, raising :class:`CannotListen` when that fails.
 
     Once started, everything allocated so far (modules, config, the app) is moved out of
     the garbage collector's reach (``gc.freeze()``, as the CPython docs suggest for servers):
     later collections then scan only per-request objects.
     """
     config = uvicorn_config(app, cfg)
-    # Bind first: a port in use (or a bad host) fails here, as one OSError, before the
-    # lifespan probes and warms any backend.
-    try:
-        sock = config.bind_socket()
-    except SystemExit:  # uvicorn logs the bind error and exits 1
-        raise OSError(
-            f"cannot listen on {cfg.server.host}:{cfg.server.port} (in use, or not an "
-            "address of this machine)"
-        ) from None
+    # Bind first: a port in use (or a bad host) fails here, before the lifespan probes and
+    # warms any backend.
+    if sock is None:
+        sock = listen_socket(cfg.server.host, cfg.server.port)
     server = EmbeddedServer(config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -153,6 +174,11 @@ async def serve(
         except SystemExit as e:  # uvicorn's startup failure (logged above by uvicorn)
             raise OSError(f"the gateway failed to start (exit status {e.code})") from None
         return
+    # the line uvicorn logs when it binds the socket itself
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s (Press CTRL+C to quit)",
+        host_port(cfg.server.host, sock.getsockname()[1]),
+    )
     gc.collect()
     gc.freeze()
     if on_started is not None:

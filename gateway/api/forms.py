@@ -107,7 +107,7 @@ def form_fields(body: bytes, content_type: bytes) -> dict[str, str]:
 
 def form_payload(body: bytes, content_type: bytes | None, endpoint: str) -> dict[str, Any]:
     """What the gateway reads of a multipart model request, shaped like a JSON body's
-    (:func:`gateway.api.parsing.parse_payload`): the text fields, with ``model`` (required)
+    (:func:`gateway.api.parsing.check_payload`): the text fields, with ``model`` (required)
     and ``stream`` (a boolean; False when absent). 400 for a body that is not a form, a
     missing ``model`` or an unreadable ``stream``."""
     if not is_form(content_type):

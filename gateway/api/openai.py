@@ -39,7 +39,9 @@ from gateway.api.parsing import (
     check_client_key,
     check_content_encoding,
     check_model,
-    parse_payload,
+    check_payload,
+    model_label,
+    parse_object,
     read_body_counted,
     sane_request_id,
 )
@@ -140,20 +142,25 @@ async def model_response(
     if gw.shutting_down:
         answered(metrics, endpoint, "", 503, started)
         return shutting_down_response(rid, idh)
+    payload: dict[str, Any] | None = None
     try:
         key = check_client_key(gw, authorization)
         check_content_encoding(encoding)
         body = await read_body_counted(gw, receive, declared)
         # a form (audio uploads) is read for its fields and forwarded as it came
         form = endpoint in FORM_ROUTES or (endpoint not in MODEL_ROUTES and is_form(ctype))
-        payload = form_payload(body, ctype, endpoint) if form else parse_payload(body, endpoint)
-        model: str = payload["model"]
+        if form:
+            payload = form_payload(body, ctype, endpoint)
+            model: str = payload["model"]
+        else:
+            payload = parse_object(body)
+            model = check_payload(payload, endpoint)
         await check_model(gw, model)
         # a follow-up goes where its previous response lives (gateway.flow.responses)
         previous = payload.get("previous_response_id") if endpoint == RESPONSES else None
         pinned = gw.responses.follow_up(previous) if isinstance(previous, str) else None
-    except Refusal as e:
-        answered(metrics, endpoint, "", e.status, started)
+    except Refusal as e:  # counted under the body's model when a backend serves it
+        answered(metrics, endpoint, model_label(gw, payload), e.status, started)
         log_refusal(e, endpoint, rid)
         return render(e, rid, idh)
     except ClientGone:

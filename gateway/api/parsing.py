@@ -133,8 +133,8 @@ def check_content_encoding(value: bytes | None) -> None:
     )
 
 
-def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
-    """The JSON object of a request; raises 400 for bad JSON or a missing field."""
+def parse_object(body: bytes) -> dict[str, Any]:
+    """The JSON object of a request body; raises 400 ``invalid_json`` for anything else."""
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -147,6 +147,12 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
         ) from None
     if not isinstance(payload, dict):
         raise Refusal(400, "Request body must be a JSON object.", code="invalid_json")
+    return payload
+
+
+def check_payload(payload: dict[str, Any], endpoint: str) -> str:
+    """The request's model; raises 400 for a missing or non-string ``model``, a missing
+    field the endpoint requires, or a non-boolean ``stream``."""
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise Refusal(
@@ -166,7 +172,19 @@ def parse_payload(body: bytes, endpoint: str) -> dict[str, Any]:
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise Refusal(400, "'stream' must be a boolean.", code="invalid_type", param="stream")
-    return payload
+    return model
+
+
+def model_label(gw: Gateway, payload: dict[str, Any] | None) -> str:
+    """The ``model`` label of a request the gateway refused itself: the body's ``model``
+    when the body parsed to an object whose ``model`` is a string some backend serves now,
+    else "" (no body read yet, not JSON, or a model no backend lists: a client's arbitrary
+    string never becomes a label value, which would let clients grow the metrics without
+    bound)."""
+    model = payload.get("model") if payload is not None else None
+    if isinstance(model, str) and any(model in b.models for b in gw.fleet.backends):
+        return model
+    return ""
 
 
 async def check_model(gw: Gateway, model: str) -> None:
@@ -179,9 +197,14 @@ async def check_model(gw: Gateway, model: str) -> None:
         return
     misconfigured = [b.id for b in gw.fleet.backends if b.config_error and not b.models]
     if misconfigured:
+        who = (
+            f"Backend {misconfigured[0]} rejects"
+            if len(misconfigured) == 1
+            else f"Backends {', '.join(misconfigured)} reject"
+        )
         raise Refusal(
             502,
-            f"Backends {', '.join(misconfigured)} reject the gateway's credentials, so the "
+            f"{who} the gateway's credentials, so the "
             f"model '{model}' cannot be looked up: the gateway's backend key is misconfigured "
             "(backends[].api_key / api_key_env).",
             SERVER_ERROR,

@@ -15,7 +15,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 
+from gateway.core.listening import CannotListen
 from gateway.sim.config import LoraAdapter, SimConfig
 from gateway.sim.engine import EngineParams
 from gateway.sim.faults import FaultConfig
@@ -133,7 +135,9 @@ async def _serve(config: SimConfig, host: str, port: int, log_level: str) -> Non
 
 
 def run_sim_from_args(args: argparse.Namespace) -> None:
-    """Serve until SIGINT/SIGTERM (blocking); Ctrl-C ends open streams and exits cleanly."""
+    """Serve until SIGINT/SIGTERM (blocking); Ctrl-C ends open streams and exits cleanly.
+    Raises :class:`gateway.core.listening.CannotListen` when ``--host``/``--port`` cannot be
+    bound."""
     config = sim_config_from_args(args)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(config, args.host, args.port, args.log_level))
@@ -143,7 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     """Stand-alone entry point: ``python -m gateway.sim.cli --port 8001``."""
     parser = argparse.ArgumentParser(description="Simulated vLLM OpenAI server")
     add_sim_arguments(parser)
-    run_sim_from_args(parser.parse_args(argv))
+    try:
+        run_sim_from_args(parser.parse_args(argv))
+    except CannotListen as e:
+        sys.exit(f"vLLM simulator: {e}")
 
 
 if __name__ == "__main__":

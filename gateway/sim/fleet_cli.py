@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 
 from gateway.config import RoutingWeights, ThermalConfig
+from gateway.core.wording import plural
 from gateway.sim.fleet import (
     FLEET_ENGINE,
     POLICIES,
@@ -131,7 +132,7 @@ def run_policies(
         r = simulate(spec, p, trace(), duration_s)
         if console is not None:
             console.log(
-                f"{p}: {r.arrived} requests over {duration_s / 3600:.2f} simulated h "
+                f"{p}: {plural(r.arrived, 'request')} over {duration_s / 3600:.2f} simulated h "
                 f"in {time.perf_counter() - t0:.1f} s"
             )
         out.append(r)
@@ -260,8 +261,8 @@ def run_fleet_from_args(args: argparse.Namespace) -> int:
         print_results(
             results,
             console,
-            title=f"sim-fleet: {args.backends} backends, "
-            f"{args.racks} racks, {duration:.0f} s, load {args.load}",
+            title=f"sim-fleet: {plural(args.backends, 'backend')}, "
+            f"{plural(args.racks, 'rack')}, {duration:.0f} s, load {args.load}",
         )
     if args.plot:
         write_plot(results, args.plot)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Generator
 import uvicorn
 from fastapi import FastAPI
 
+from gateway.core.listening import CannotListen
 from gateway.sim.config import SimConfig
 from gateway.sim.server import create_sim_app
 from gateway.sim.state import SimState
@@ -37,12 +38,17 @@ def _bind(host: str, port: int) -> socket.socket:
     only when ``sock.proto == IPPROTO_TCP``; with the default ``proto=0`` Nagle stays on
     and every keep-alive response (headers and body are two writes) waits ~40 ms for
     the client's delayed ACK. ``TCP_NODELAY`` on the listener is inherited as well.
+    A failed bind raises :class:`CannotListen` naming the address.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise CannotListen(host, port, e) from None
     sock.listen(2048)
     sock.setblocking(False)
     return sock
@@ -91,8 +97,10 @@ async def run_sim_server(
 ) -> AsyncIterator[str]:
     """Serve a simulator on the current event loop; yields its base URL (``http://h:p``).
 
-    ``port=0`` picks a free port. ``app`` (from ``create_sim_app``) may be passed to keep
-    a handle on ``app.state.sim``. On exit, open streams end and the server stops.
+    ``port=0`` picks a free port; a port that cannot be bound raises
+    :class:`gateway.core.listening.CannotListen`. ``app`` (from ``create_sim_app``) may be
+    passed to keep a handle on ``app.state.sim``. On exit, open streams end and the server
+    stops.
     """
     app = app or create_sim_app(config or SimConfig())
     sock = _bind(host, port)
