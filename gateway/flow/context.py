@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING
 from gateway.core.vocab import Prio
 from gateway.fleet.backend import Backend
 from gateway.flow.lease import RequestLease
+from gateway.flow.shaping import ratelimit_headers
 from gateway.proxy.relay import CutHandle
 from gateway.proxy.sse import EventFramer
 from gateway.proxy.upstream import UpstreamRequest, UpstreamResponse
 
 if TYPE_CHECKING:
+    from gateway.flow.admission import Charge
     from gateway.flow.merging import Part
 
 
@@ -27,7 +29,9 @@ class RequestContext:
     ``lease`` owns what the request holds (:mod:`gateway.flow.lease`). ``places``: the
     in-flight places it takes (sequences decoding: prompts x n; 1 for embeddings);
     ``pooled_extra``: the extra prefill-only engine requests of an embeddings request
-    (inputs - 1). ``started``: ``time.perf_counter()`` at arrival (seconds)."""
+    (inputs - 1). ``started``: ``time.perf_counter()`` at arrival (seconds). ``charge``:
+    what admission charged the client key (None without key limits), settled by
+    :meth:`settle` when the answer's usage is known."""
 
     endpoint: str
     model: str
@@ -45,6 +49,17 @@ class RequestContext:
     merge_part: Part | None = None  # its part of a merged body
     places: int = 1
     pooled_extra: int = 0
+    charge: Charge | None = None
+
+    def settle(self, usage: tuple[int, int] | None) -> None:
+        """The answer reported ``usage`` (prompt, completion tokens; None: not reported):
+        the client key is charged that instead of admission's estimate
+        (:meth:`gateway.flow.admission.AdmissionGate.settle`, once), and the answer's
+        ``x-ratelimit-*`` headers show the key's buckets after it."""
+        if self.charge is not None:
+            verdict = self.charge.settle(usage)
+            if verdict is not None:
+                self.ratelimit = list(ratelimit_headers(verdict).items())
 
 
 @dataclass(slots=True)
