@@ -19,9 +19,10 @@ again) and counts:
   or URL. An item is a content part whose ``type`` names a medium (chat
   ``messages[].content[]``: ``image_url``, ``input_audio``, ``audio_url``, ``video_url``,
   ``file``, vLLM's ``image_embeds`` / ``audio_embeds`` / ``prompt_embeds``; the Responses
-  API's ``input`` items: ``input_image``, ``input_file``), a field of such a name without a
-  ``type`` (vLLM also reads ``{"image_url": "..."}``), or any other string that is a
-  ``data:`` URL (its MIME type picks the medium).
+  API's ``input`` items: ``input_image``, ``input_file``; Anthropic-shaped ``image`` and
+  ``document`` blocks), a field of such a name without a ``type`` (vLLM also reads
+  ``{"image_url": "..."}``), or any other string that is a ``data:`` URL (its MIME type
+  picks the medium).
 
 vLLM reads the same part types (``MM_PARSER_MAP`` in ``vllm/entrypoints/chat_utils.py``).
 The walk uses an explicit stack (no recursion limit on deep JSON) and touches each JSON
@@ -36,21 +37,40 @@ TEXT_BYTES_PER_TOKEN = 4
 
 IMAGE, AUDIO, VIDEO, FILE = 0, 1, 2, 3
 
-# Content-part types (and field names) that carry a medium, as OpenAI's Chat Completions
-# and Responses APIs and vLLM's chat parser (vllm/entrypoints/chat_utils.py MM_PARSER_MAP)
-# name them.
+# Content-part types that carry a medium, as OpenAI's Chat Completions and Responses APIs,
+# vLLM's chat parser (vllm/entrypoints/chat_utils.py MM_PARSER_MAP) and Anthropic's
+# Messages API (which vLLM also serves: image, document) name them.
 MEDIA_PARTS: dict[str, int] = {
     "image_url": IMAGE,
     "input_image": IMAGE,
+    "image_embeds": IMAGE,
+    "image_pil": IMAGE,
+    "image": IMAGE,
+    "input_audio": AUDIO,
+    "audio_url": AUDIO,
+    "audio_embeds": AUDIO,
+    "audio": AUDIO,
+    "video_url": VIDEO,
+    "input_video": VIDEO,
+    "video": VIDEO,
+    "file": FILE,
+    "input_file": FILE,
+    "document": FILE,
+    "prompt_embeds": FILE,
+}
+
+# Fields that carry a medium in a part without a ``type`` (vLLM reads
+# ``{"image_url": ...}``, ``{"audio_url": ...}``...; vLLM's completions take
+# ``prompt_embeds``; OpenAI's file parts ``file_data``). Narrower than MEDIA_PARTS: a tool's
+# JSON schema with a property named ``image`` is text.
+MEDIA_FIELDS: dict[str, int] = {
+    "image_url": IMAGE,
     "image_embeds": IMAGE,
     "image_pil": IMAGE,
     "input_audio": AUDIO,
     "audio_url": AUDIO,
     "audio_embeds": AUDIO,
     "video_url": VIDEO,
-    "input_video": VIDEO,
-    "file": FILE,
-    "input_file": FILE,
     "file_data": FILE,
     "prompt_embeds": FILE,
 }
@@ -83,11 +103,12 @@ def data_url_kind(url: str) -> int:
 def prompt_tokens(payload: object, costs: MediaCosts) -> int:
     """Estimated prompt tokens of a parsed JSON request body ``payload`` (see the module
     docstring): text bytes / :data:`TEXT_BYTES_PER_TOKEN` (rounded up), plus one token per
-    token id, plus ``costs`` per media item. Every field counts (the model name, roles and
-    part types add a token or so each, about what a chat template adds per message);
-    numbers outside token-id lists, booleans, nulls and keys count nothing."""
+    token id, plus ``costs`` per media item. Every field counts, keys too (a tool schema's
+    property names are rendered; the model name, keys, roles and part types add a few
+    tokens a message, about what a chat template adds); numbers outside token-id lists,
+    booleans and nulls count nothing."""
     cost = costs.by_kind()
-    media = MEDIA_PARTS
+    media, fields = MEDIA_PARTS, MEDIA_FIELDS
     text = 0  # UTF-8 bytes of text
     tokens = 0
     stack: list[object] = [payload]
@@ -106,8 +127,9 @@ def prompt_tokens(payload: object, costs: MediaCosts) -> int:
                 tokens += cost[kind]  # a typed media part: nothing in it is text
                 continue
             for k, x in v.items():
-                kind = media.get(k)
+                kind = fields.get(k)
                 if kind is None:
+                    text += len(k)  # (a tool schema's property names are rendered too)
                     push(x)
                 elif x is not None:
                     tokens += cost[kind]

@@ -100,14 +100,18 @@ class KeyLimiter:
         """An admitted request charged ``charged`` estimated tokens reported using ``used``
         (prompt + completion tokens, from the answer's ``usage``): the tokens-per-minute
         bucket is given the difference back when the estimate was high, and charged it
-        when low (the bucket may then go below zero: the key waits until it has refilled
-        what it used, as it would have had the estimate been exact)."""
-        if self.tokens is None or used == charged:
+        when low. The bucket may then go below zero (the key waits until it has refilled
+        what it used, as it would have had the estimate been exact), by at most one
+        minute's limit: a degenerate usage (a backend reporting 10**12 tokens) cannot lock
+        a key out for more than two minutes."""
+        b = self.tokens
+        if b is None or used == charged:
             return
         if used < charged:
-            self.tokens.give(charged - used, now)
+            b.give(charged - used, now)
         else:
-            self.tokens.take(used - charged, now)
+            b.take(used - charged, now)
+            b.tokens = max(b.tokens, -b.capacity)
 
     def state(self, now: float) -> EntryVerdict:
         """The buckets now, as an admitting verdict (for the ``x-ratelimit-*`` headers of an

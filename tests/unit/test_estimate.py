@@ -20,22 +20,28 @@ COSTS = MediaCosts(image=700, audio=1500, video=4000, file=900)
 BIG = base64.b64encode(bytes(300_000)).decode()  # 400,000 characters of base64
 
 
+def tokens_of(*texts: str) -> int:
+    """Text tokens of these keys and values together: UTF-8 bytes / 4, rounded up."""
+    return -(-sum(len(t.encode()) for t in texts) // 4)
+
+
 def test_text_counts_its_utf8_bytes_over_four():
-    assert prompt_tokens({"messages": [{"role": "user", "content": "x" * 400}]}, COSTS) == 101
-    assert prompt_tokens({"prompt": "abcd" * 10}, COSTS) == 10
-    assert prompt_tokens({"prompt": "a"}, COSTS) == 1  # rounded up
-    assert prompt_tokens({"prompt": "漢" * 100}, COSTS) == 75  # 3 bytes each
+    body = {"messages": [{"role": "user", "content": "x" * 400}]}
+    assert prompt_tokens(body, COSTS) == tokens_of("messages", "role", "user", "content",
+                                                   "x" * 400) == 106
+    assert prompt_tokens({"p": "abc" * 5}, COSTS) == 4  # 16 bytes
+    assert prompt_tokens({"p": "a"}, COSTS) == 1  # rounded up
+    assert prompt_tokens({"p": "漢" * 100}, COSTS) == tokens_of("p", "漢" * 100) == 76
     assert prompt_tokens({}, COSTS) == 0
-    # numbers, booleans and nulls outside token-id lists count nothing; keys neither
-    assert prompt_tokens({"temperature": 0.5, "max_tokens": 9, "stream": True, "x": None},
-                         COSTS) == 0
+    # numbers, booleans and nulls outside token-id lists count nothing (their keys do)
+    assert prompt_tokens({"t": 0.5, "m": 9, "s": True, "x": None}, COSTS) == 1
 
 
 def test_token_id_lists_count_their_length():
-    assert prompt_tokens({"prompt": list(range(60_000))}, COSTS) == 60_000
-    assert prompt_tokens({"prompt": [[1, 2, 3], [4, 5]]}, COSTS) == 5
-    assert prompt_tokens({"input": [[7] * 10, "abcdefgh"]}, COSTS) == 12
-    assert prompt_tokens({"input": [True, False]}, COSTS) == 0  # not ids
+    assert prompt_tokens({"p": list(range(60_000))}, COSTS) == 60_001  # + the key
+    assert prompt_tokens([[1, 2, 3], [4, 5]], COSTS) == 5
+    assert prompt_tokens([[7] * 10, "abcdefgh"], COSTS) == 12
+    assert prompt_tokens([True, False], COSTS) == 0  # not ids
 
 
 def test_chat_media_parts_cost_per_item_never_by_their_data():
@@ -50,8 +56,8 @@ def test_chat_media_parts_cost_per_item_never_by_their_data():
         {"type": "image_embeds", "image_embeds": BIG},
     ]
     body = {"messages": [{"role": "user", "content": parts}]}
-    # "user", "text" and 20 bytes of text: 28 bytes, 7 tokens
-    assert prompt_tokens(body, COSTS) == 7 + 3 * 700 + 2 * 1500 + 4000 + 900
+    text = tokens_of("messages", "role", "user", "content", "type", "text", "text", "abcd" * 5)
+    assert prompt_tokens(body, COSTS) == text + 3 * 700 + 2 * 1500 + 4000 + 900
 
 
 def test_untyped_parts_and_other_fields_of_media_names():
@@ -65,7 +71,6 @@ def test_untyped_parts_and_other_fields_of_media_names():
 
 def test_responses_api_input_items():
     body = {
-        "model": "abcd",
         "instructions": "abcd" * 3,
         "input": [
             {"role": "user", "content": [
@@ -77,8 +82,23 @@ def test_responses_api_input_items():
             ]},
         ],
     }
-    # "abcd", 12 + "user" 4 + "input_text" 10 + 16 bytes: 46 bytes, 12 tokens
-    assert prompt_tokens(body, COSTS) == 12 + 2 * 700 + 900
+    text = tokens_of("instructions", "abcd" * 3, "input", "role", "user", "content", "type",
+                     "input_text", "text", "abcd" * 4)
+    assert prompt_tokens(body, COSTS) == text + 2 * 700 + 900
+
+
+def test_anthropic_shaped_blocks_and_tool_schemas():
+    """vLLM also serves Anthropic's Messages API: its ``image`` / ``document`` blocks are
+    items; a tool's schema with a property named ``image`` is text, not an item."""
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": BIG}},
+              {"type": "document", "source": {"type": "base64", "data": BIG}}]
+    assert prompt_tokens(blocks, COSTS) == 700 + 900
+    tool = {"type": "function", "function": {"name": "look", "parameters": {
+        "type": "object", "properties": {"image": {"type": "string"}}}}}
+    assert prompt_tokens(tool, COSTS) == tokens_of(
+        "type", "function", "function", "name", "look", "parameters", "type", "object",
+        "properties", "image", "type", "string")
 
 
 def test_any_other_data_url_is_an_item_of_its_mime_type():
@@ -86,13 +106,14 @@ def test_any_other_data_url_is_an_item_of_its_mime_type():
     assert data_url_kind("data:audio/wav;base64,AAAA") == AUDIO
     assert data_url_kind("data:video/mp4;base64,AAAA") == VIDEO
     assert data_url_kind("data:application/pdf;base64,AAAA") == FILE
-    assert prompt_tokens({"custom": {"picture": "data:image/png;base64," + BIG}}, COSTS) == 700
+    assert prompt_tokens(["data:image/png;base64," + BIG, "data:text/plain,hi"], COSTS) == (
+        700 + 900)
 
 
 def test_deep_json_does_not_recurse():
     deep: object = "abcd"
     for _ in range(10_000):
-        deep = {"a": [deep]}
+        deep = [[deep]]
     assert prompt_tokens(deep, COSTS) == 1
 
 

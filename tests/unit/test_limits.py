@@ -86,6 +86,8 @@ def test_settle_charges_the_reported_usage_instead_of_the_estimate():
     assert lim.check(10, 0.0).retry_after_s == pytest.approx((10 + 804) / (1000 / 60))
     lim.settle(10_000, 0, 0.0)
     assert lim.state(0.0).remaining_tokens == 1000, "never above capacity"
+    lim.settle(0, 10**12, 0.0)  # a degenerate report: at most one minute's limit owed
+    assert lim.check(1, 0.0).retry_after_s == pytest.approx(1001 / (1000 / 60))
     only_rpm = KeyLimiter(rpm=2, tpm=None, now=0.0)
     only_rpm.settle(100, 5, 0.0)  # no tokens bucket: nothing to settle
     assert only_rpm.state(0.0).remaining_requests == 2
