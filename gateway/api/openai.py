@@ -50,7 +50,7 @@ from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
 from gateway.proxy.sse import DONE_TERMINATED
 from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
 from gateway.traffic.admission import completion_budget, estimate_tokens
-from gateway.traffic.estimate import prompt_tokens
+from gateway.traffic.estimate import GENERATES_NOTHING, prompt_tokens
 
 if TYPE_CHECKING:
     from gateway.metrics import GatewayMetrics
@@ -191,7 +191,7 @@ async def model_response(
                 prompt,
                 completion_budget(payload),
                 cfg.admission.default_max_tokens,
-                0 if endpoint == EMBEDDINGS else seqs,
+                0 if endpoint in GENERATES_NOTHING else seqs,
             )
             client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
             charge = await gate.admit(model, client, key, prio, est, prompt, rid, lease)

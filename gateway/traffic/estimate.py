@@ -77,6 +77,23 @@ MEDIA_FIELDS: dict[str, int] = {
 
 _DATA_URL_MEDIA = {"image": IMAGE, "audio": AUDIO, "video": VIDEO}
 
+# vLLM routes that generate nothing (pooling models and the tokenizer, vLLM's OpenAI-compatible
+# server): a request to them has no completion budget to charge, whatever ``max_tokens``.
+GENERATES_NOTHING = frozenset(
+    {
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
+        "/v1/score",
+        "/score",
+        "/v1/rerank",
+        "/rerank",
+        "/v2/rerank",
+        "/pooling",
+        "/classify",
+    }
+)
+
 
 @dataclass(frozen=True, slots=True)
 class MediaCosts:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -108,6 +109,10 @@ async def reporting(req: Received, conn: Conn) -> None:
                      for i in range(n)],
             "usage": {"prompt_tokens": PROMPT * n, "total_tokens": PROMPT * n,
                       "completion_tokens": 0, "prompt_tokens_details": None}})
+    elif req.path not in ("/v1/responses", "/v1/chat/completions"):  # pooling, tokenizer
+        await conn.send_json(200, {"id": "x-1", "object": "list", "model": "m1", "data": [],
+                                   "usage": {"prompt_tokens": PROMPT,
+                                             "total_tokens": PROMPT}})
     elif req.path == "/v1/responses" and not stream:
         await conn.send_json(200, _response("completed", RESPONSES_USAGE))
     else:  # a Responses API stream: created, one delta, completed (with the usage)
@@ -302,6 +307,27 @@ def test_token_estimate_is_settled_for_each_member_of_a_merged_request(
         assert [r.status_code for r in answers] == [200] * N_MERGED
     assert len(a.data_requests) < 2 * N_MERGED, "merged upstream"
     assert remaining_tokens(gw) >= 3000 - (2 * N_MERGED + 1) * (PROMPT + COMPLETION)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/score", {"text_1": "a question", "text_2": ["one answer", "another"]}),
+    ("/v1/rerank", {"query": "a question", "documents": ["one answer", "another"]}),
+    ("/pooling", {"input": "some text"}),
+    ("/classify", {"input": ["some text"]}),
+    ("/tokenize", {"prompt": "some text"}),
+], ids=["score", "rerank", "pooling", "classify", "tokenize"])
+def test_token_estimate_charges_no_completion_to_routes_that_generate_nothing(
+        backends, gateway, path, body):
+    """vLLM's pooling and tokenizer routes (pass-through) generate nothing: a few words
+    are estimated at a few tokens, not at the 256-token default completion budget, so a
+    key with ``tpm`` 200 may send them (before: 'estimated 264 tokens exceed' for good)."""
+    a = backends(reporting)
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "tpm": 200}]})
+    r = httpx.post(gw.url + path, json={"model": "m1", **body},
+                   headers={"authorization": f"Bearer {KEY}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 200 - PROMPT
+    assert [q.path for q in a.data_requests] == [path]
 
 
 def test_token_estimate_stands_when_the_answer_reports_no_usage(backends, gateway):
