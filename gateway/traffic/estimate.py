@@ -26,7 +26,8 @@ again) and counts:
 
 vLLM reads the same part types (``MM_PARSER_MAP`` in ``vllm/entrypoints/chat_utils.py``).
 The walk uses an explicit stack (no recursion limit on deep JSON) and touches each JSON
-node once; ``len`` of a string is O(1), so a typical chat body costs microseconds.
+node once; the length of an ASCII string is O(1) (other text is encoded to UTF-8, in C), so
+a typical chat body costs a few microseconds (4.6 us measured for a four-message chat).
 """
 
 from __future__ import annotations
