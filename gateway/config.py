@@ -485,6 +485,39 @@ class RetrySettings(_Strict):
         return self
 
 
+class TokenEstimateConfig(_Strict):
+    """How admission estimates a request's prompt tokens before it is sent
+    (:mod:`gateway.traffic.estimate`): text at 4 UTF-8 bytes per token, token-id lists at
+    their length, and each media item at a fixed cost below, never by the size of its
+    base64 data. The estimate only decides admission: after the answer the client key is
+    charged the ``usage`` the backend reported, when it reported one."""
+
+    image_tokens: int = Field(
+        765,
+        ge=0,
+        description="tokens per image: OpenAI's vision pricing for a 1024x1024 image at high "
+        "detail, 85 + 170 per 512 px tile x 4 tiles (LLaVA-1.5 in vLLM: 576)",
+    )
+    audio_tokens: int = Field(
+        1500,
+        ge=0,
+        description="tokens per audio item: one 30 s window of a Whisper-style encoder, "
+        "1500 positions (Whisper's encoder; vLLM's Whisper and Qwen2-Audio models)",
+    )
+    video_tokens: int = Field(
+        4608,
+        ge=0,
+        description="tokens per video: LLaVA-NeXT-Video in vLLM, 32 frames x 144 tokens "
+        "(a 24x24 CLIP patch grid pooled by 2)",
+    )
+    file_tokens: int = Field(
+        765,
+        ge=0,
+        description="tokens per file part (and other binary input: prompt_embeds): one page "
+        "given as an image (OpenAI file inputs pass each PDF page as an image and its text)",
+    )
+
+
 class AdmissionConfig(_Strict):
     """Admission control (see :mod:`gateway.traffic.admission`).
 
@@ -508,6 +541,10 @@ class AdmissionConfig(_Strict):
     default_rpm: int | None = Field(None, ge=1)
     default_tpm: int | None = Field(None, ge=1)
     default_max_tokens: int = Field(256, ge=1, description="token estimate when not given")
+    estimate: TokenEstimateConfig = Field(
+        default_factory=TokenEstimateConfig,
+        description="per-item token costs of images, audio, video and files in the estimate",
+    )
     priority_header: str = "x-priority"
     max_in_flight: int | None = Field(None, ge=1)
     in_flight_per_seq: float = Field(1.0, gt=0)

@@ -57,6 +57,7 @@ from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
 from gateway.proxy.sse import DONE_TERMINATED
 from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
 from gateway.traffic.admission import completion_budget, estimate_tokens
+from gateway.traffic.estimate import GENERATES_NOTHING, prompt_tokens
 
 if TYPE_CHECKING:
     from gateway.metrics import GatewayMetrics
@@ -206,16 +207,20 @@ async def model_response(
     try:
         if gate.enabled:
             # admission: entry (key limits), resource (saturation), scheduler (slot or queue)
+            prompt = prompt_tokens(payload, gate.media_costs)  # read from the parsed body
+            if form:  # its fields were read; the audio file is one media item
+                prompt += gate.media_costs.audio
             est = estimate_tokens(
-                len(body),
+                prompt,
                 completion_budget(payload),
                 cfg.admission.default_max_tokens,
-                0 if endpoint == EMBEDDINGS else seqs,
+                0 if endpoint in GENERATES_NOTHING else seqs,
             )
             client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
-            verdict = await gate.admit(model, client, key, prio, est, len(body) // 4, rid, lease)
-            if verdict is not None:
-                ctx.ratelimit = list(ratelimit_headers(verdict).items())
+            charge = await gate.admit(model, client, key, prio, est, prompt, rid, lease)
+            if charge is not None:  # settled with the answer's usage (ctx.settle)
+                ctx.charge = charge
+                ctx.ratelimit = list(ratelimit_headers(charge.verdict).items())
             cap = gate.max_tokens_cap()
             if cap is not None and not form and (capped := cap_max_tokens(payload, cap)):
                 ctx.upstream.body = capped

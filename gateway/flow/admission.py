@@ -13,6 +13,11 @@ slot among ``max_in_flight``, or a wait in the priority queue, at most
 Every admitted request holds a :class:`Ticket` until it ends, on its lease
 (:mod:`gateway.flow.lease`); releasing it hands the slot to the most urgent waiter.
 Refusals are raised as :class:`gateway.core.outcomes.Refusal` (the HTTP edge renders them).
+
+The tokens-per-minute charge is an estimate (:mod:`gateway.traffic.estimate`); an admitted
+request under a key with limits gets a :class:`Charge`, which the flow settles once the
+answer's ``usage`` is known (:meth:`AdmissionGate.settle`): the key is then charged what the
+backend reported, not the estimate. Without a reported usage the estimate stands.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from gateway.traffic.admission import (
     shed_retry_after,
     wait_level,
 )
+from gateway.traffic.estimate import MediaCosts
 from gateway.traffic.limits import EntryVerdict, KeyLimiter
 from gateway.traffic.scheduler import QUEUE_FULL, Scheduler
 
@@ -58,6 +64,25 @@ class Ticket:
     prio: Prio
     started: float | None = None  # monotonic seconds when the slot was taken
     released: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Charge:
+    """What admission charged one request to its client key ``key`` (name or address):
+    ``tokens`` estimated tokens taken from ``limiter``, with the entry ``verdict`` then.
+    Settled at most once, against the answer's reported usage
+    (:meth:`AdmissionGate.settle`)."""
+
+    gate: AdmissionGate
+    key: str
+    limiter: KeyLimiter
+    tokens: int
+    verdict: EntryVerdict
+    settled: bool = False
+
+    def settle(self, usage: tuple[int, int] | None) -> EntryVerdict | None:
+        """See :meth:`AdmissionGate.settle`."""
+        return self.gate.settle(self, usage)
 
 
 class AdmissionGate:
@@ -93,6 +118,8 @@ class AdmissionGate:
             max_in_flight, a.max_queued, max_wait_s=a.max_queue_wait_s, capacity=capacity
         )
         self.limiters: dict[str, KeyLimiter] = {}  # client key name or IP -> its buckets
+        e = a.estimate  # per-item token costs of media in the estimate
+        self.media_costs = MediaCosts(e.image_tokens, e.audio_tokens, e.video_tokens, e.file_tokens)
         self._sweep_at = LIMITER_SWEEP_MIN
         d = cfg.degraded
         self.degraded = DegradedMode(d.enter_after_s, d.step_s) if d.enabled else None
@@ -169,12 +196,14 @@ class AdmissionGate:
         prompt_tokens: int,
         request_id: str,
         lease: RequestLease,
-    ) -> EntryVerdict | None:
+    ) -> Charge | None:
         """Admit one request or raise :class:`Refusal` (a 429; a 503 when shutting down).
 
-        The ticket goes on ``lease`` (given back when the request ends). Returns the entry
-        verdict for the ``x-ratelimit-*`` headers (None without limits, or when admission
-        is off).
+        ``est_tokens``: the whole estimate (prompt and completion budget) charged to the
+        key; ``prompt_tokens``: the prompt's estimate (degraded mode's length check). The
+        ticket goes on ``lease`` (given back when the request ends). Returns the key's
+        :class:`Charge` (its verdict gives the ``x-ratelimit-*`` headers; settle it with
+        the answer's usage), or None without limits or when admission is off.
         """
         if not self.enabled:
             return None
@@ -207,7 +236,25 @@ class AdmissionGate:
                 limiter.refund(est_tokens, self.clock())
             raise
         lease.hold(Hold.TICKET, lambda: self.release(ticket))
-        return verdict
+        if limiter is None or verdict is None:
+            return None
+        return Charge(self, key_name, limiter, est_tokens, verdict)
+
+    def settle(self, charge: Charge, usage: tuple[int, int] | None) -> EntryVerdict | None:
+        """The answer of a request admitted with ``charge`` reported ``usage`` (prompt,
+        completion tokens): the key is charged that instead of the estimate
+        (:meth:`KeyLimiter.settle`), once. Returns the key's buckets now (for the
+        answer's ``x-ratelimit-*`` headers), or None when nothing changed: no usage
+        reported (the estimate stands) or already settled."""
+        if usage is None or charge.settled:
+            return None
+        charge.settled = True
+        # the key's limiter now: the one charged, unless dropped as full meanwhile and
+        # made anew (then that one; a dropped one with no successor is taken back)
+        limiter = self.limiters.setdefault(charge.key, charge.limiter)
+        now = self.clock()
+        limiter.settle(charge.tokens, usage[0] + usage[1], now)
+        return limiter.state(now)
 
     async def _after_entry(
         self,

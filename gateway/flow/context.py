@@ -13,11 +13,13 @@ from gateway.core.outcomes import BackendAnswer
 from gateway.core.vocab import Prio
 from gateway.fleet.backend import Backend
 from gateway.flow.lease import RequestLease
+from gateway.flow.shaping import ratelimit_headers
 from gateway.proxy.relay import CutHandle
 from gateway.proxy.sse import EventFramer
 from gateway.proxy.upstream import UpstreamRequest, UpstreamResponse
 
 if TYPE_CHECKING:
+    from gateway.flow.admission import Charge
     from gateway.flow.merging import Part
 
 
@@ -30,7 +32,9 @@ class RequestContext:
     ``pooled_extra``: the extra prefill-only engine requests of an embeddings request
     (inputs - 1). ``started``: ``time.perf_counter()`` at arrival (seconds).
     ``answered``: the last answer a backend gave this request without taking it (a 429
-    or a 5xx; a merged request's, for its members), relayed when no backend takes it."""
+    or a 5xx; a merged request's, for its members), relayed when no backend takes it.
+    ``charge``: what admission charged the client key (None without key limits), settled
+    by :meth:`settle` when the answer's usage is known."""
 
     endpoint: str
     model: str
@@ -52,6 +56,17 @@ class RequestContext:
     # the one backend this request may go to (it holds the Responses API state the request
     # names: gateway.flow.responses); no other is tried
     pinned: Backend | None = None
+    charge: Charge | None = None
+
+    def settle(self, usage: tuple[int, int] | None) -> None:
+        """The answer reported ``usage`` (prompt, completion tokens; None: not reported):
+        the client key is charged that instead of admission's estimate
+        (:meth:`gateway.flow.admission.AdmissionGate.settle`, once), and the answer's
+        ``x-ratelimit-*`` headers show the key's buckets after it."""
+        if self.charge is not None:
+            verdict = self.charge.settle(usage)
+            if verdict is not None:
+                self.ratelimit = list(ratelimit_headers(verdict).items())
 
 
 @dataclass(slots=True)

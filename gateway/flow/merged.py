@@ -27,6 +27,7 @@ from gateway.flow.lease import Hold, RequestLease
 from gateway.flow.pipeline import Pipeline
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.relay import CutHandle
+from gateway.proxy.sse import extract_usage
 from gateway.proxy.upstream import UpstreamRequest
 from gateway.traffic.batcher import Item
 
@@ -176,6 +177,8 @@ class MergedRequests:
             self.metrics.merged_requests.labels(endpoint, outcome).inc(len(live))
             for i, w in enumerate(live):
                 if not w.fut.done():
+                    if answers is not None:  # its share's usage, not admission's estimate
+                        w.ctx.settle(extract_usage(answers[i]))
                     w.fut.set_result(
                         UNMERGED if answers is None else Answer(200, answers[i], list(shared))
                     )

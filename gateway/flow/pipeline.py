@@ -365,7 +365,9 @@ class Pipeline:
         lease.hand_over(Hold.RESPONSE)
         resp.release()
         if status == 200 and resp.headers.get("content-encoding") is None:
-            self.accounting.usage(ctx.model, extract_usage(body))
+            usage = extract_usage(body)
+            self.accounting.usage(ctx.model, usage)
+            ctx.settle(usage)  # the key is charged the usage, not the estimate
         return Answer(status, body, headers)
 
     def stream_done(
@@ -398,6 +400,7 @@ class Pipeline:
         else:
             m.count_request(ctx.endpoint, ctx.model, 200)
             acc.usage(ctx.model, framer.usage())
+            ctx.settle(framer.usage())  # the key is charged the usage, not the estimate
             acc.attempt(backend, outcome)
             if outcome == StreamOutcome.OK:
                 # the backend's own TTFT (from this attempt's send): time spent in the

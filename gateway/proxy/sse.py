@@ -21,8 +21,10 @@ DONE_EVENT = b"data: [DONE]\n\n"
 # spec strips one), ``[DONE]``, on a line of its own, anywhere in a released block
 _DONE_RE = re.compile(rb"(?m)^data: ?\[DONE\][ \t]*$")
 
-_PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Chat, completions and embeddings name them prompt/completion tokens; the Responses API
+# input/output tokens (https://platform.openai.com/docs/api-reference/responses/object)
+_PROMPT_RE = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 
 
 class EventFramer:
@@ -102,7 +104,9 @@ def has_event(block: bytes) -> bool:
 
 
 def extract_usage(body: bytes) -> tuple[int, int] | None:
-    """Token usage from the last ``"usage"`` object in ``body`` (a JSON body or SSE tail).
+    """Token usage ``(prompt, completion)`` from the last ``"usage"`` object in ``body`` (a
+    JSON body or SSE tail): ``prompt_tokens`` / ``completion_tokens``, or the Responses
+    API's ``input_tokens`` / ``output_tokens``.
 
     Looks only after the last ``"usage"`` key (vLLM writes usage last), so the cost does
     not grow with the body. Returns None when absent or null.

@@ -4,7 +4,8 @@ Three layers, each with its own rejection reason and metric
 (``gateway_admission_rejections_total{layer,priority}``):
 
 1. **entry** (per client key): token buckets for requests per minute and tokens per minute
-   (the prompt estimated at 4 bytes per token plus ``max_tokens``), the way OpenAI's own
+   (the prompt estimated from the parsed request, :mod:`gateway.traffic.estimate`, plus
+   ``max_tokens``; settled against the answer's reported usage), the way OpenAI's own
    ``x-ratelimit-*`` limits work;
 2. **scheduler** (global): a bound on requests in flight, a bounded priority queue in front
    of it, and a bound on the time a request may wait there;
@@ -35,14 +36,14 @@ from gateway.traffic.retry_after import clamp_retry_after
 
 # ---- cost estimates ------------------------------------------------------------------------
 def estimate_tokens(
-    body_bytes: int, max_tokens: int | None, default_max_tokens: int, sequences: int = 1
+    prompt_tokens: int, max_tokens: int | None, default_max_tokens: int, sequences: int = 1
 ) -> int:
-    """Tokens a request may cost: prompt estimated at 4 bytes per token (the usual rule of
-    thumb for English BPE vocabularies) plus the completion budget (``max_tokens``, or the
-    default when it sets none; never negative) of each of its ``sequences`` (prompts x
-    ``n``; 0 for embeddings, which generate nothing)."""
+    """Tokens a request may cost: its estimated ``prompt_tokens``
+    (:func:`gateway.traffic.estimate.prompt_tokens`, read from the parsed body) plus the
+    completion budget (``max_tokens``, or the default when it sets none; never negative) of
+    each of its ``sequences`` (prompts x ``n``; 0 for embeddings, which generate nothing)."""
     budget = max_tokens if max_tokens is not None else default_max_tokens
-    return body_bytes // 4 + sequences * max(0, budget)
+    return prompt_tokens + sequences * max(0, budget)
 
 
 MAX_COUNT = 1 << 31

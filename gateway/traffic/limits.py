@@ -2,8 +2,11 @@
 minute and tokens per minute, the way OpenAI's own ``x-ratelimit-*`` limits work.
 
 A request costs one request and its estimated tokens
-(:func:`gateway.traffic.admission.estimate_tokens`: the prompt at 4 bytes per token plus
-``max_tokens``). Times are monotonic seconds passed in; nothing here reads a clock.
+(:func:`gateway.traffic.admission.estimate_tokens`: the prompt read from the parsed body,
+:mod:`gateway.traffic.estimate`, plus ``max_tokens``) when it is admitted; once its answer
+reports the tokens it used, :meth:`KeyLimiter.settle` charges the difference (a refund when
+the estimate was high, more when it was low), so the estimate only decides admission.
+Times are monotonic seconds passed in; nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -93,6 +96,28 @@ class KeyLimiter:
         if self.tokens:
             self.tokens.give(tokens, now)
 
+    def settle(self, charged: int, used: int, now: float) -> None:
+        """An admitted request charged ``charged`` estimated tokens reported using ``used``
+        (prompt + completion tokens, from the answer's ``usage``): the tokens-per-minute
+        bucket is given the difference back when the estimate was high, and charged it
+        when low. The bucket may then go below zero (the key waits until it has refilled
+        what it used, as it would have had the estimate been exact), by at most one
+        minute's limit: a degenerate usage (a backend reporting 10**12 tokens) cannot lock
+        a key out for more than two minutes."""
+        b = self.tokens
+        if b is None or used == charged:
+            return
+        if used < charged:
+            b.give(charged - used, now)
+        else:
+            b.take(used - charged, now)
+            b.tokens = max(b.tokens, -b.capacity)
+
+    def state(self, now: float) -> EntryVerdict:
+        """The buckets now, as an admitting verdict (for the ``x-ratelimit-*`` headers of an
+        answer whose charge was just settled); charges nothing."""
+        return self._verdict(True, 0.0, "", now)
+
     def check(self, tokens: int, now: float) -> EntryVerdict:
         """Admit (and charge) one request costing ``tokens``, or say when to come back."""
         wait_r = self.requests.wait_for(1, now) if self.requests else 0.0
@@ -110,16 +135,21 @@ class KeyLimiter:
             )
         elif not admitted:
             reason = "requests per minute" if wait_r >= wait_t else "tokens per minute"
+        return self._verdict(admitted, 0.0 if admitted else max(wait_r, wait_t), reason, now)
+
+    def _verdict(self, admitted: bool, retry_s: float, reason: str, now: float) -> EntryVerdict:
         r, t = self.requests, self.tokens
+        reset_r = None if r is None else r.reset_in(now)  # (refilled to now first)
+        reset_t = None if t is None else t.reset_in(now)
         return EntryVerdict(
             admitted,
-            0.0 if admitted else max(wait_r, wait_t),
+            retry_s,
             self.rpm,
             None if r is None else max(0, math.floor(r.tokens)),
-            None if r is None else r.reset_in(now),
+            reset_r,
             self.tpm,
             None if t is None else max(0, math.floor(t.tokens)),
-            None if t is None else t.reset_in(now),
+            reset_t,
             reason,
         )
 

@@ -124,11 +124,18 @@ def test_key_requests_per_minute_with_openai_ratelimit_headers(backends, gateway
     assert rejections(gw.url)[("entry", "normal")] == 2
 
 
+async def uses_its_budget(req: Received, conn: Conn) -> None:
+    """Answers reporting ``max_tokens`` completion tokens used (the key is charged the
+    reported usage once the answer is known)."""
+    await conn.send_json(200, completion_obj("ok", completion_tokens=req.json()["max_tokens"]))
+
+
 def test_key_tokens_per_minute(backends, gateway):
-    """A key limited to 600 tokens/min, requests estimated at prompt/4 + max_tokens: two
-    requests of max_tokens 250 pass, the third is refused with the ``-tokens`` headers; a
-    request larger than the whole per-minute budget is refused with a clear message."""
-    a = backends()
+    """A key limited to 600 tokens/min, requests estimated at their prompt + max_tokens and
+    then charged the usage they report: two requests that use their 250 tokens pass, the
+    third is refused with the ``-tokens`` headers; a request larger than the whole
+    per-minute budget is refused with a clear message."""
+    a = backends(uses_its_budget)
     gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "tpm": 600}]})
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
     for _ in range(2):

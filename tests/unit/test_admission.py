@@ -23,8 +23,9 @@ from gateway.traffic.admission import (
 
 
 def test_estimate_tokens():
-    assert estimate_tokens(400, 50, 256) == 150
-    assert estimate_tokens(400, None, 256) == 356
+    """The prompt's estimate (gateway.traffic.estimate) plus the completion budget."""
+    assert estimate_tokens(100, 50, 256) == 150
+    assert estimate_tokens(100, None, 256) == 356
 
 
 def test_completion_budget_reads_fields_as_vllm_does():
@@ -42,10 +43,10 @@ def test_completion_budget_reads_fields_as_vllm_does():
     assert completion_budget({"max_tokens": True}) is None
     assert completion_budget({"max_tokens": "many"}) is None
     assert as_count(2.5) is None and as_count(float("nan")) is None and as_count([1]) is None
-    assert estimate_tokens(400, 0, 256) == 100 and estimate_tokens(400, -50, 256) == 100
-    assert estimate_tokens(400, 500, 256, sequences=8) == 100 + 4000  # 8 prompts
-    assert estimate_tokens(400, None, 256, sequences=8) == 100 + 8 * 256  # n 8, no budget
-    assert estimate_tokens(400, None, 256, sequences=0) == 100  # embeddings generate nothing
+    assert estimate_tokens(100, 0, 256) == 100 and estimate_tokens(100, -50, 256) == 100
+    assert estimate_tokens(100, 500, 256, sequences=8) == 100 + 4000  # 8 prompts
+    assert estimate_tokens(100, None, 256, sequences=8) == 100 + 8 * 256  # n 8, no budget
+    assert estimate_tokens(100, None, 256, sequences=0) == 100  # embeddings generate nothing
 
 
 def test_pool_wait_is_the_least_loaded_backends_wait_over_the_slo():
@@ -117,3 +118,39 @@ def test_gate_forgets_clients_whose_limits_are_full_again():
         lim.check(1, now[0])  # one request each: full again a second later
     assert len(gate.limiters) <= 2 * LIMITER_SWEEP_MIN + 1
     assert gate.limiters.get("busy") is busy
+
+
+def test_gate_settles_a_charge_once_with_the_reported_usage():
+    """The key's charge is admission's estimate until the answer reports its usage, then
+    that usage (once: a second report changes nothing); no report leaves the estimate. A
+    limiter dropped as full while its request ran is taken back to be settled."""
+    import asyncio
+
+    from gateway.config import load_config
+    from gateway.fleet.fleet import Fleet
+    from gateway.flow.admission import AdmissionGate
+    from gateway.flow.lease import RequestLease
+    from gateway.metrics import GatewayMetrics
+
+    now = [0.0]
+    cfg = load_config(None, admission={"default_tpm": 1000})
+    gate = AdmissionGate(cfg, Fleet(cfg.backends), GatewayMetrics(), clock=lambda: now[0])
+
+    def admit(tokens: int):
+        charge = asyncio.run(
+            gate.admit("m", "10.0.0.1", None, Prio.NORMAL, tokens, tokens, "r", RequestLease())
+        )
+        assert charge is not None
+        return charge
+
+    charge = admit(800)
+    assert charge.verdict.remaining_tokens == 200
+    assert charge.settle(None) is None  # not reported: the estimate stands
+    settled = charge.settle((3, 1))
+    assert settled is not None and settled.remaining_tokens == 996
+    assert charge.settle((3, 1)) is None and charge.settle((500, 500)) is None  # once
+    late = admit(500)
+    assert gate.limiters.pop("10.0.0.1") is late.limiter  # (as a sweep drops it)
+    after = late.settle((10, 0))
+    assert after is not None and after.remaining_tokens == 986
+    assert gate.limiters["10.0.0.1"] is late.limiter

@@ -67,6 +67,32 @@ def test_refund_gives_back_what_a_later_refusal_charged():
     assert lim.check(1, 0.0).remaining_tokens == 999, "never above capacity"
 
 
+def test_settle_charges_the_reported_usage_instead_of_the_estimate():
+    """An estimate of 800 that used 4 gives 796 back; one of 100 that used 300 takes 200
+    more, down below zero if need be (the key then waits out what it used); usage equal to
+    the estimate changes nothing. ``state`` reads the buckets without charging."""
+    lim = KeyLimiter(rpm=10, tpm=1000, now=0.0)
+    assert lim.check(800, 0.0).remaining_tokens == 200
+    lim.settle(800, 4, 0.0)
+    v = lim.state(0.0)
+    assert v.admitted and v.remaining_tokens == 996 and v.remaining_requests == 9
+    assert lim.check(100, 0.0).admitted
+    lim.settle(100, 300, 0.0)
+    assert lim.state(0.0).remaining_tokens == 696
+    lim.settle(300, 300, 0.0)
+    assert lim.state(0.0).remaining_tokens == 696
+    lim.settle(0, 1500, 0.0)  # far more than estimated: a debt
+    assert lim.state(0.0).remaining_tokens == 0
+    assert lim.check(10, 0.0).retry_after_s == pytest.approx((10 + 804) / (1000 / 60))
+    lim.settle(10_000, 0, 0.0)
+    assert lim.state(0.0).remaining_tokens == 1000, "never above capacity"
+    lim.settle(0, 10**12, 0.0)  # a degenerate report: at most one minute's limit owed
+    assert lim.check(1, 0.0).retry_after_s == pytest.approx(1001 / (1000 / 60))
+    only_rpm = KeyLimiter(rpm=2, tpm=None, now=0.0)
+    only_rpm.settle(100, 5, 0.0)  # no tokens bucket: nothing to settle
+    assert only_rpm.state(0.0).remaining_requests == 2
+
+
 def test_ratelimit_duration_format():
     assert ratelimit_duration(0.02) == "20ms"
     assert ratelimit_duration(1.5) == "1.5s"

@@ -63,6 +63,18 @@ def test_usage_found_in_tail():
     assert extract_usage(b'{"usage": null}') is None
 
 
+def test_usage_of_the_responses_api():
+    """The Responses API names them input and output tokens (its ``*_details`` objects are
+    not the counts)."""
+    completed = (b'event: response.completed\ndata: {"type":"response.completed","response":'
+                 b'{"status":"completed","usage":{"input_tokens":9,"input_tokens_details":'
+                 b'{"cached_tokens":2},"output_tokens":4,"output_tokens_details":'
+                 b'{"reasoning_tokens":1},"total_tokens":13}}}\n\n')
+    created = b'event: response.created\ndata: {"response":{"usage":null}}\n\n'
+    _, f = feed_all([created, completed])
+    assert f.usage() == (9, 4)
+
+
 def test_error_event_shape():
     ev = error_event("boom", "upstream_disconnected")
     assert ev.startswith(b"data: ") and ev.endswith(b"\n\n")
