@@ -211,7 +211,9 @@ class RelayResponse(Response):
             message = ""
             try:
                 # One timer for the whole stream: armed while waiting on the backend,
-                # disarmed while a slow client is being written to.
+                # disarmed while a slow client is being written to (a client that reads
+                # nothing is bounded by server.client_write_timeout_s: the server aborts
+                # its connection, proxy/client_writes.py, and ClientWatch cuts us).
                 async with asyncio.timeout(idle) as timer:
                     while True:
                         chunk = await content.readany()
