@@ -361,21 +361,8 @@ class Pipeline:
         elif outcome == StreamOutcome.IN_BAND_ERROR and framer.error is not None:
             # a request error the backend reported inside its 200 stream: about the
             # request, not the backend's health
-            err = framer.error
-            status = err.status
-            m.count_request(ctx.endpoint, ctx.model, status)
+            acc.in_band_error(ctx.endpoint, ctx.model, backend, framer.error, ctx.request_id)
             acc.usage(ctx.model, framer.usage())
-            acc.attempt(backend, outcome)
-            log.log(
-                logging.WARNING if status >= 500 else logging.INFO,
-                "%s stream from %s carried an error (%s, code %r): %s [request %s]",
-                ctx.endpoint,
-                backend.id,
-                err.type,
-                err.code,
-                err.message,
-                ctx.request_id,
-            )
             lease.end_attempt(Verdict.NEUTRAL)
         else:
             m.count_request(ctx.endpoint, ctx.model, 200)

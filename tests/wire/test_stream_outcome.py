@@ -156,7 +156,7 @@ def test_stream_in_band_error_is_counted_and_logged_not_charged(backends, gatewa
     status, the attempt as ``in_band_error``, a log line names the request id and the
     message, and the backend's breaker is not charged."""
     path, events, message, status = IN_BAND[case]
-    caplog.set_level(logging.INFO, logger="gateway.flow.pipeline")
+    caplog.set_level(logging.INFO, logger="gateway.flow")
     a = backends(streaming(events))
     gw = start(gateway, a, path, batcher)
     g = gw.gateway
