@@ -95,7 +95,8 @@ class ServerConfig(_Strict):
         "nothing while the connection's buffers are full): then the connection is closed "
         "and its request ends as a client disconnect (a stream's upstream request is closed, "
         "so vLLM aborts, and its admission and backend slots are freed). Slow but steady "
-        "readers are not cut: each of their writes progresses. uvicorn has none of its own.",
+        "readers are not cut: a paused write resumes once the client has taken 48 KiB "
+        "(asyncio's 64 KiB / 16 KiB write-buffer marks). uvicorn has no write timeout.",
     )
     keep_alive_s: float = Field(
         75.0,
