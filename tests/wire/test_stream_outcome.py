@@ -144,6 +144,9 @@ IN_BAND = {
                     "Bad input field.", 422),
     "chat_error_without_done": (CHAT, [text_event(CHAT, "Hel"), vllm_error("Cut off.", 400)],
                                 "Cut off.", 400),
+    # the error is the stream's first event (read before the client's headers are sent)
+    "chat_error_first": (CHAT, [vllm_error("Invalid tool schema.", 400), DONE],
+                         "Invalid tool schema.", 400),
 }
 
 
