@@ -213,12 +213,14 @@ class RelayResponse(Response):
             heard = self.heard
 
             kind = self.kind
+            ends_with_done = kind is StreamKind.DONE
+            ends_with_terminal = kind is StreamKind.RESPONSES
 
             def complete() -> bool:
                 """The stream's end has been relayed (what follows cannot change it)."""
-                if kind is StreamKind.DONE:
+                if ends_with_done:
                     return framer.saw_done
-                if kind is StreamKind.RESPONSES:
+                if ends_with_terminal:
                     return framer.terminal is not None or framer.error is not None
                 return False
 
@@ -250,7 +252,7 @@ class RelayResponse(Response):
                         timer.reschedule(loop.time() + wait)
                 if kind is not StreamKind.OPEN and not complete():
                     code = "upstream_incomplete"
-                    end = "[DONE]" if kind is StreamKind.DONE else "a terminal event"
+                    end = "[DONE]" if ends_with_done else "a terminal event"
                     message = (
                         f"The backend ended the stream without {end}; the answer is "
                         "incomplete."
@@ -272,7 +274,7 @@ class RelayResponse(Response):
             if framer.error is not None:
                 # the backend told the client itself; a DONE stream still gets its end
                 finish(StreamOutcome.IN_BAND_ERROR)
-                tail = DONE_EVENT if kind is StreamKind.DONE and not framer.saw_done else b""
+                tail = DONE_EVENT if ends_with_done and not framer.saw_done else b""
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
             elif code is None:
                 finish(StreamOutcome.OK)
