@@ -88,6 +88,16 @@ class ServerConfig(_Strict):
         30.0, ge=0, description="On SIGTERM, seconds in-flight requests get to finish."
     )
     request_id_header: str = "x-request-id"
+    client_write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a write to a client may make no progress (the client reads "
+        "nothing while the connection's buffers are full): then the connection is closed "
+        "and its request ends as a client disconnect (a stream's upstream request is closed, "
+        "so vLLM aborts, and its admission and backend slots are freed). Slow but steady "
+        "readers are not cut: a paused write resumes once the client has taken 48 KiB "
+        "(asyncio's 64 KiB / 16 KiB write-buffer marks). uvicorn has no write timeout.",
+    )
     keep_alive_s: float = Field(
         75.0,
         gt=0,

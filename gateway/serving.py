@@ -27,6 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.core.listening import CannotListen, host_port
 from gateway.core.vocab import Cut
 from gateway.core.wording import plural
+from gateway.proxy.client_writes import write_timeout_protocol
 from gateway.wiring import Gateway
 
 log = logging.getLogger("gateway.serving")
@@ -41,7 +42,8 @@ class EmbeddedServer(uvicorn.Server):
 
 
 def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
-    """uvicorn settings for the gateway: no server header, no access log unless asked."""
+    """uvicorn settings for the gateway: no server header, no access log unless asked, a
+    write timeout toward clients (``server.client_write_timeout_s``)."""
     s = cfg.server
     return uvicorn.Config(
         app,
@@ -53,6 +55,7 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
         lifespan="on",
         timeout_graceful_shutdown=5,
         timeout_keep_alive=math.ceil(s.keep_alive_s),
+        http=write_timeout_protocol(s.client_write_timeout_s),
     )
 
 

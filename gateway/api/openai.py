@@ -51,8 +51,8 @@ from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.flow.responses import RESPONSES
 from gateway.flow.shaping import cap_max_tokens, key_limits_for, ratelimit_headers
+from gateway.proxy.inband import stream_kind
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
-from gateway.proxy.sse import DONE_TERMINATED
 from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
 from gateway.traffic.admission import completion_budget, estimate_tokens
 from gateway.traffic.estimate import GENERATES_NOTHING, prompt_tokens
@@ -306,7 +306,7 @@ def _relay(gw: Gateway, ctx: RequestContext, opened: Opened, watch: ClientWatch)
         ctx.cut,
         gw.cfg.proxy.idle_timeout_s,
         functools.partial(gw.pipeline.stream_done, ctx, opened),
-        ends_with_done=ctx.endpoint in DONE_TERMINATED,
+        kind=stream_kind(ctx.endpoint),
         heard=opened.backend.heard,
     )
 

@@ -14,9 +14,10 @@ from typing import Any
 
 from gateway.fleet.backend import Backend
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.inband import InBandError
 from gateway.traffic.breaker import windowed_p99
 
-log = logging.getLogger("gateway.flow")
+log = logging.getLogger("gateway.flow.accounting")
 
 
 MAX_REPORTED_TOKENS = 10_000_000
@@ -52,6 +53,27 @@ class Accounting:
         if child is None:
             child = self._attempt_children[key] = self.metrics.upstream_attempts.labels(*key)
         child.inc()
+
+    def in_band_error(
+        self, endpoint: str, model: str, backend: Backend, err: InBandError, request_id: str
+    ) -> None:
+        """A stream from ``backend`` that carried a request error (``err``): the request
+        is counted under ``err.status`` (not as a success), the attempt as
+        ``in_band_error``, and it is logged with the request id and the backend's message
+        (WARNING for a 5xx, else INFO)."""
+        status = err.status
+        self.metrics.count_request(endpoint, model, status)
+        self.attempt(backend, "in_band_error")
+        log.log(
+            logging.WARNING if status >= 500 else logging.INFO,
+            "%s stream from %s carried an error (%s, code %r): %s [request %s]",
+            endpoint,
+            backend.id,
+            err.type,
+            err.code,
+            err.message,
+            request_id,
+        )
 
     def served(self, backend: Backend) -> None:
         """Count one request served by ``backend`` (the 10,000-request cycle trigger, the

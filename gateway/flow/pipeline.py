@@ -378,10 +378,17 @@ class Pipeline:
         framer: EventFramer,
         first_sent_at: float | None,
     ) -> None:
-        """A relayed stream ended with ``outcome`` (``ok``, a :class:`Cut` reason or the
-        error code the client saw; ``first_sent_at``: ``time.perf_counter()`` when its first
-        bytes went out): record it, end the attempt with the breaker's verdict, and close
-        the lease (ticket and all), before the stream's last bytes go out."""
+        """A relayed stream ended with ``outcome`` (``ok``, ``in_band_error``, a
+        :class:`Cut` reason or the error code the client saw; ``first_sent_at``:
+        ``time.perf_counter()`` when its first bytes went out): record it, end the attempt
+        with the breaker's verdict, and close the lease (ticket and all), before the
+        stream's last bytes go out.
+
+        An in-band error (``framer.error``) is counted under its own status (its numeric
+        code when a 4xx/5xx, else 500) and attempt outcome ``in_band_error``, logged with
+        the request id, and neutral to the breaker; an incomplete stream
+        (``upstream_incomplete``: no ``[DONE]`` or terminal event) is a stream error and a
+        breaker failure, like a broken one."""
         backend = opened.backend
         acc = self.accounting
         m = acc.metrics
@@ -396,6 +403,12 @@ class Pipeline:
             m.client_disconnects.labels(ctx.endpoint).inc()
             m.count_request(ctx.endpoint, ctx.model, 499)
             acc.attempt(backend, Cut.CLIENT_GONE)
+            lease.end_attempt(Verdict.NEUTRAL)
+        elif outcome == StreamOutcome.IN_BAND_ERROR and framer.error is not None:
+            # a request error the backend reported inside its 200 stream: about the
+            # request, not the backend's health
+            acc.in_band_error(ctx.endpoint, ctx.model, backend, framer.error, ctx.request_id)
+            acc.usage(ctx.model, framer.usage())
             lease.end_attempt(Verdict.NEUTRAL)
         else:
             m.count_request(ctx.endpoint, ctx.model, 200)

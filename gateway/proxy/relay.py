@@ -24,6 +24,7 @@ import aiohttp
 from starlette.responses import Response
 
 from gateway.core.vocab import Cut
+from gateway.proxy.inband import StreamKind
 from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, responses_error_event
 from gateway.proxy.upstream import UpstreamResponse
 
@@ -120,11 +121,13 @@ class ClientWatch:
 
 
 class StreamOutcome:
-    """How a relayed stream ended: ``ok``, a :class:`gateway.core.vocab.Cut` reason, or the
-    error code the client saw (``upstream_incomplete``, ``upstream_idle_timeout``,
-    ``upstream_disconnected``)."""
+    """How a relayed stream ended: ``ok``, ``in_band_error`` (complete, but the backend
+    reported a request error inside it: :attr:`EventFramer.error`), a
+    :class:`gateway.core.vocab.Cut` reason, or the error code the client saw
+    (``upstream_incomplete``, ``upstream_idle_timeout``, ``upstream_disconnected``)."""
 
     OK = "ok"
+    IN_BAND_ERROR = "in_band_error"
     CLIENT_GONE = Cut.CLIENT_GONE
     CANCELLED = "cancelled"  # the request's task was cancelled with no cut reason
 
@@ -133,11 +136,16 @@ class RelayResponse(Response):
     """ASGI response relaying an upstream SSE stream whose first events were already read.
 
     ``first`` holds the complete events read before the client's headers were sent (so a
-    failure before them could still be retried elsewhere). ``ends_with_done``: the stream
-    must end with ``data: [DONE]`` (chat, completions) and a failure is reported as
-    ``data: {"error": ...}`` then ``[DONE]``; otherwise (the Responses API) the body's end is
-    the stream's end and a failure is an ``event: error``. ``on_done(outcome, framer)`` is
-    called exactly once with ``"ok"``, ``"client_gone"`` or the error code the client saw.
+    failure before them could still be retried elsewhere). ``kind``
+    (:class:`gateway.proxy.inband.StreamKind`): ``DONE`` streams (chat, completions) must
+    end with ``data: [DONE]`` and a failure is reported as ``data: {"error": ...}`` then
+    ``[DONE]``; ``RESPONSES`` streams must end with a terminal event (``response.completed``,
+    ``.incomplete``, ``.failed``) and ``OPEN`` ones (other pass-through streams) end with
+    their body; both report a failure as an ``event: error``. A stream whose body ends
+    without its end is incomplete (``upstream_incomplete``). One that carried an in-band
+    error (the backend's own error event) ends ``in_band_error``, whatever followed, with
+    ``[DONE]`` added when a ``DONE`` stream lacks it. ``on_done(outcome, framer,
+    first_sent_at)`` is called exactly once with a :class:`StreamOutcome`.
     ``heard(now)`` (optional) is told of each chunk's arrival (``time.monotonic()``
     seconds): a backend that streams is alive, whatever its control plane answers.
     """
@@ -152,7 +160,7 @@ class RelayResponse(Response):
         cut: CutHandle,
         idle_timeout_s: float,
         on_done: Callable[[str, EventFramer, float | None], None],
-        ends_with_done: bool = True,
+        kind: StreamKind = StreamKind.DONE,
         heard: Callable[[float], None] | None = None,
     ) -> None:
         self.resp = resp
@@ -163,14 +171,14 @@ class RelayResponse(Response):
         self.cut = cut
         self.idle_timeout_s = idle_timeout_s
         self.on_done = on_done
-        self.ends_with_done = ends_with_done
+        self.kind = kind
         self.heard = heard  # told each chunk's arrival (monotonic s): the backend is alive
         self.status_code = 200
         self.background = None
         self.raw_headers = headers
 
     def _error(self, message: str, code: str) -> bytes:
-        if self.ends_with_done:
+        if self.kind is StreamKind.DONE:
             return error_event(message, code) + DONE_EVENT
         return responses_error_event(message, code)
 
@@ -204,14 +212,25 @@ class RelayResponse(Response):
             idle = self.idle_timeout_s
             heard = self.heard
 
+            kind = self.kind
+            ends_with_done = kind is StreamKind.DONE
+            ends_with_terminal = kind is StreamKind.RESPONSES
+
             def complete() -> bool:
-                return self.ends_with_done and framer.saw_done
+                """The stream's end has been relayed (what follows cannot change it)."""
+                if ends_with_done:
+                    return framer.saw_done
+                if ends_with_terminal:
+                    return framer.terminal is not None or framer.error is not None
+                return False
 
             code: str | None = None
             message = ""
             try:
                 # One timer for the whole stream: armed while waiting on the backend,
-                # disarmed while a slow client is being written to.
+                # disarmed while a slow client is being written to (a client that reads
+                # nothing is bounded by server.client_write_timeout_s: the server aborts
+                # its connection, proxy/client_writes.py, and ClientWatch cuts us).
                 async with asyncio.timeout(idle) as timer:
                     while True:
                         chunk = await content.readany()
@@ -231,10 +250,12 @@ class RelayResponse(Response):
                         if heard is not None:
                             heard(time.monotonic())
                         timer.reschedule(loop.time() + wait)
-                if self.ends_with_done and not framer.saw_done:
+                if kind is not StreamKind.OPEN and not complete():
                     code = "upstream_incomplete"
+                    end = "[DONE]" if ends_with_done else "a terminal event"
                     message = (
-                        "The backend ended the stream without [DONE]; the answer is incomplete."
+                        f"The backend ended the stream without {end}; the answer is "
+                        "incomplete."
                     )
             except TimeoutError:
                 if not complete():
@@ -250,7 +271,12 @@ class RelayResponse(Response):
                         f"The backend connection broke mid-stream ({type(e).__name__}); the "
                         "answer is incomplete."
                     )
-            if code is None:
+            if framer.error is not None:
+                # the backend told the client itself; a DONE stream still gets its end
+                finish(StreamOutcome.IN_BAND_ERROR)
+                tail = DONE_EVENT if ends_with_done and not framer.saw_done else b""
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+            elif code is None:
                 finish(StreamOutcome.OK)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:

@@ -16,10 +16,14 @@ from __future__ import annotations
 import json
 import re
 
+from gateway.proxy.inband import TERMINAL_MARKERS, InBandError, inspect_events
+
 DONE_EVENT = b"data: [DONE]\n\n"
 # the end marker as any SSE writer may frame it: ``data:`` then an optional space (the
 # spec strips one), ``[DONE]``, on a line of its own, anywhere in a released block
 _DONE_RE = re.compile(rb"(?m)^data: ?\[DONE\][ \t]*$")
+
+_COMPLETED, _INCOMPLETE, _FAILED = TERMINAL_MARKERS
 
 # Chat, completions and embeddings name them prompt/completion tokens; the Responses API
 # input/output tokens (https://platform.openai.com/docs/api-reference/responses/object)
@@ -33,16 +37,20 @@ class EventFramer:
     ``feed(chunk)`` returns the bytes of the events completed by ``chunk`` (possibly
     ``b""``); ``pending`` is the incomplete tail. Each released block is searched (a
     substring test first, so ordinary token events cost almost nothing) for the ``[DONE]``
-    marker (:attr:`saw_done`: seen at any point, however it was framed, whatever follows it) and
-    for a usage object (the last one seen is kept), without parsing every event.
+    marker (:attr:`saw_done`: seen at any point, however it was framed, whatever follows it),
+    for a usage object (the last one seen is kept), for an in-band error (:attr:`error`, the
+    first one) and for a Responses API terminal event (:attr:`terminal`), parsing only the
+    events a substring test flags (:func:`gateway.proxy.inband.inspect_events`).
     """
 
-    __slots__ = ("_buf", "_done", "_usage")
+    __slots__ = ("_buf", "_done", "_usage", "error", "terminal")
 
     def __init__(self) -> None:
         self._buf = b""
         self._usage: tuple[int, int] | None = None
         self._done = False
+        self.error: InBandError | None = None  # the first request error the stream carried
+        self.terminal: str | None = None  # the Responses API terminal event type, once seen
 
     @property
     def pending(self) -> bytes:
@@ -70,6 +78,15 @@ class EventFramer:
             usage = extract_usage(out)
             if usage is not None:
                 self._usage = usage
+        if b"error" in out or (
+            b"response." in out
+            and (_COMPLETED in out or _INCOMPLETE in out or _FAILED in out)
+        ):
+            error, terminal = inspect_events(out)
+            if self.error is None:
+                self.error = error
+            if terminal is not None:
+                self.terminal = terminal
         return out
 
     def finish(self) -> bytes:
@@ -134,16 +151,3 @@ def responses_error_event(message: str, code: str) -> bytes:
     those streams have no ``[DONE]``."""
     payload = {"type": "error", "code": code, "message": message, "param": None}
     return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-# Streams that end with ``data: [DONE]`` (OpenAI chat and legacy completions, and vLLM's
-# own, its streamed transcriptions and translations too); other event streams (the
-# Responses API) end when the body ends.
-DONE_TERMINATED = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-    }
-)

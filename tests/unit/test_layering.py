@@ -64,6 +64,7 @@ PURE = (
     "gateway.fleet.cycles",
     "gateway.fleet.gpu_health",
     "gateway.proxy.sse",
+    "gateway.proxy.inband",
 )
 """No I/O: these take time and data as arguments."""
 IO_LIBRARIES = ("aiohttp", "httpx", "fastapi", "starlette", "uvicorn", "redis", "socket")

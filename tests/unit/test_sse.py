@@ -1,4 +1,5 @@
-"""The SSE framer: complete events only, LF framing, byte-exact payloads, usage lookup."""
+"""The SSE framer: complete events only, LF framing, byte-exact payloads, usage lookup,
+in-band errors and terminal events."""
 
 from __future__ import annotations
 
@@ -121,3 +122,64 @@ def test_last_event_cut_short_of_its_blank_line_is_released_at_the_end():
         assert out == b'data: {"a":1}\n\ndata: [DONE]\n\n' and f.saw_done, tail
     f = EventFramer()
     assert f.feed(b"data: {}\n\n\n") == b"data: {}\n\n\n" and f.finish() == b""
+
+
+# ---- in-band errors and terminal events (gateway.proxy.inband) ---------------------------
+
+VLLM_ERROR = (b'data: {"error": {"message": "too long", "type": "BadRequestError", '
+              b'"param": null, "code": 400}}\n\n')
+
+
+def test_in_band_error_is_found_whatever_the_split():
+    data = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' + VLLM_ERROR + DONE_EVENT
+    for i in range(len(data) + 1):
+        out, f = feed_all([data[:i], data[i:]])
+        assert out == data and f.saw_done, i
+        assert f.error is not None and f.error.message == "too long", i
+        assert f.error.code == 400 and f.error.status == 400
+
+
+def test_the_word_error_in_a_token_is_not_an_error():
+    tokens = [b'data: {"choices":[{"delta":{"content":"error"}}]}\n\n',
+              b'data: {"choices":[{"delta":{"content":"{\\"error\\": {}}"}}]}\n\n',
+              b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+              b'"delta":"error response.failed"}\n\n',
+              b'event: response.created\ndata: {"type":"response.created","response":'
+              b'{"status":"in_progress","error":null}}\n\n',
+              b"data: not json error\n\n"]
+    out, f = feed_all(tokens)
+    assert out == b"".join(tokens) and f.error is None and f.terminal is None
+
+
+def test_responses_terminal_and_error_events():
+    completed = (b'event: response.completed\ndata: {"type":"response.completed",'
+                 b'"response":{"status":"completed","error":null}}\n\n')
+    _, f = feed_all([completed])
+    assert f.terminal == "response.completed" and f.error is None
+    failed = (b'event: response.failed\ndata: {"type":"response.failed","response":'
+              b'{"status":"failed","error":{"code":"server_error","message":"boom"}}}\n\n')
+    _, f = feed_all([failed])
+    assert f.terminal == "response.failed" and f.error is not None
+    assert (f.error.message, f.error.code, f.error.status) == ("boom", "server_error", 500)
+    error = (b'event: error\ndata: {"type":"error","code":"invalid_prompt","message":"no",'
+             b'"param":null,"sequence_number":3}\n\n')
+    _, f = feed_all([error])
+    assert f.terminal is None and f.error is not None and f.error.message == "no"
+
+
+def test_in_band_error_status():
+    from gateway.proxy.inband import InBandError
+
+    assert InBandError("m", 422).status == 422
+    assert InBandError("m", "503").status == 503
+    for code in (None, "server_error", 200, 600, True):
+        assert InBandError("m", code).status == 500, code
+
+
+def test_stream_kinds():
+    from gateway.proxy.inband import StreamKind, stream_kind
+
+    assert stream_kind("/v1/chat/completions") is StreamKind.DONE
+    assert stream_kind("/v1/completions") is StreamKind.DONE
+    assert stream_kind("/v1/responses") is StreamKind.RESPONSES
+    assert stream_kind("/pooling") is StreamKind.OPEN
