@@ -10,6 +10,7 @@ failure is a :class:`gateway.core.outcomes.Refusal` with the status OpenAI would
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from python_multipart.exceptions import MultipartParseError
@@ -34,6 +35,9 @@ def is_form(content_type: bytes | None) -> bool:
     if not content_type or MULTIPART not in content_type.lower():  # the common case: JSON
         return False
     return parse_options_header(content_type)[0].lower() == MULTIPART
+
+
+_FILENAME = re.compile(rb";\s*filename\*?\s*=", re.IGNORECASE)
 
 
 def form_fields(body: bytes, content_type: bytes) -> dict[str, str]:
@@ -69,9 +73,12 @@ def form_fields(body: bytes, content_type: bytes) -> dict[str, str]:
     def on_header_end() -> None:
         nonlocal name
         if b"".join(header_name).strip().lower() == b"content-disposition":
-            _, disposition = parse_options_header(b"".join(header_value))
+            raw = b"".join(header_value)
+            _, disposition = parse_options_header(raw)
             field = disposition.get(b"name")
-            if field is not None and b"filename" not in disposition:
+            # a file part names its file as ``filename`` or ``filename*`` (RFC 7578 4.2,
+            # RFC 6266 4.3; python-multipart drops the latter): either way not a field
+            if field is not None and _FILENAME.search(raw) is None:
                 name = field
         header_name.clear()
         header_value.clear()

@@ -46,7 +46,7 @@ from gateway.api.parsing import (
 )
 from gateway.core.outcomes import BackendAnswer
 from gateway.core.vocab import Cut
-from gateway.flow.context import Answer, Opened, RequestContext
+from gateway.flow.context import NOTHING_GENERATED, Answer, Opened, RequestContext
 from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.flow.responses import RESPONSES
@@ -243,12 +243,14 @@ async def model_response(
             gw.responses.learn(opened, model)
     except Refusal as e:  # (admission's own carry the key's limits; later ones get them here)
         watch.stop()
+        ctx.settle(NOTHING_GENERATED)  # no backend served it: the key pays no tokens
         answered(metrics, endpoint, model, e.status, started)
         log_refusal(e, endpoint, rid)
         e.headers.extend(ctx.ratelimit)
         return render(e, rid, idh)
     except BackendAnswer as e:
         watch.stop()
+        ctx.settle(NOTHING_GENERATED)  # a backend's 429/5xx generated nothing
         answered(metrics, endpoint, model, e.status, started)
         headers = e.headers
         if e.retry_after_s is not None:  # a 429 that said not when: the gateway's estimate

@@ -16,15 +16,12 @@ from gateway.fleet.backend import Backend
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.inband import InBandError
 from gateway.traffic.breaker import windowed_p99
+from gateway.traffic.estimate import plausible_usage
 
 log = logging.getLogger("gateway.flow.accounting")
 
 
-MAX_REPORTED_TOKENS = 10_000_000
-"""The most tokens (prompt or completion) one answer's ``usage`` may report and be counted:
-the longest context window of an open model vLLM serves (Llama 4 Scout, 10M tokens, Meta's
-model card). A larger number is a broken backend's, and a Prometheus counter cannot take it
-back once added (BerriAI/litellm#12970, docs/wire-reports.md)."""
+
 
 
 class Accounting:
@@ -86,11 +83,12 @@ class Accounting:
 
     def usage(self, model: str, usage: tuple[int, int] | None) -> None:
         """Count an answer's (prompt, completion) tokens, when it reported them; a report
-        with a count outside ``[0, MAX_REPORTED_TOKENS]`` is not counted at all (logged)."""
+        with a count outside ``[0, MAX_REPORTED_TOKENS]`` (:mod:`gateway.traffic.estimate`)
+        is not counted at all (logged)."""
         if usage is None:
             return
         prompt, completion = usage
-        if not (0 <= prompt <= MAX_REPORTED_TOKENS and 0 <= completion <= MAX_REPORTED_TOKENS):
+        if plausible_usage(usage) is None:
             log.warning("model %s: usage (%d, %d) not counted: out of range", model, *usage)
             return
         self.metrics.tokens.labels(model, "prompt").inc(prompt)

@@ -46,7 +46,7 @@ from gateway.traffic.admission import (
     shed_retry_after,
     wait_level,
 )
-from gateway.traffic.estimate import MediaCosts
+from gateway.traffic.estimate import MediaCosts, plausible_usage
 from gateway.traffic.limits import EntryVerdict, KeyLimiter
 from gateway.traffic.scheduler import QUEUE_FULL, Scheduler
 
@@ -245,7 +245,9 @@ class AdmissionGate:
         completion tokens): the key is charged that instead of the estimate
         (:meth:`KeyLimiter.settle`), once. Returns the key's buckets now (for the
         answer's ``x-ratelimit-*`` headers), or None when nothing changed: no usage
-        reported (the estimate stands) or already settled."""
+        reported, or a usage out of range (:func:`gateway.traffic.estimate.plausible_usage`):
+        the estimate stands; or already settled."""
+        usage = plausible_usage(usage)  # a broken backend's numbers charge nothing
         if usage is None or charge.settled:
             return None
         charge.settled = True

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from gateway.flow.merging import Part
 
 
+NOTHING_GENERATED = (0, 0)
+"""The usage (prompt, completion tokens) a client key is charged for a request that no
+backend served: a refusal after admission, a backend's 4xx, 429 or 5xx answer."""
+
+
 @dataclass(slots=True)
 class RequestContext:
     """One client request as the flow sees it (the body is never re-serialised).

@@ -34,7 +34,7 @@ from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
 from gateway.flow.attempt import parse_retry_after, send_attempt
 from gateway.flow.candidates import availability_s, candidates, recovery_s
-from gateway.flow.context import Answer, Opened, RequestContext
+from gateway.flow.context import NOTHING_GENERATED, Answer, Opened, RequestContext
 from gateway.flow.lease import Hold, Verdict
 from gateway.proxy.relay import StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
@@ -368,6 +368,8 @@ class Pipeline:
             usage = extract_usage(body)
             self.accounting.usage(ctx.model, usage)
             ctx.settle(usage)  # the key is charged the usage, not the estimate
+        elif status >= 400:  # the backend refused the request: nothing was generated
+            ctx.settle(NOTHING_GENERATED)
         return Answer(status, body, headers)
 
     def stream_done(

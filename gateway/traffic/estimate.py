@@ -21,8 +21,9 @@ again) and counts:
   ``file``, vLLM's ``image_embeds`` / ``audio_embeds`` / ``prompt_embeds``; the Responses
   API's ``input`` items: ``input_image``, ``input_file``; Anthropic-shaped ``image`` and
   ``document`` blocks), a field of such a name without a ``type`` (vLLM also reads
-  ``{"image_url": "..."}``), or any other string that is a ``data:`` URL (its MIME type
-  picks the medium).
+  ``{"image_url": "..."}``), or any other string that is a base64 ``data:`` URL of an
+  ``image/``, ``audio/``, ``video/`` or ``application/`` type (its MIME type picks the
+  medium; other text starting with ``data:`` is text).
 
 vLLM reads the same part types (``MM_PARSER_MAP`` in ``vllm/entrypoints/chat_utils.py``).
 The walk uses an explicit stack (no recursion limit on deep JSON) and touches each JSON
@@ -32,6 +33,7 @@ a typical chat body costs a few microseconds (4.6 us measured for a four-message
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 TEXT_BYTES_PER_TOKEN = 4
@@ -77,6 +79,30 @@ MEDIA_FIELDS: dict[str, int] = {
 }
 
 _DATA_URL_MEDIA = {"image": IMAGE, "audio": AUDIO, "video": VIDEO}
+# A data URL of a medium (RFC 2397: ``data:<type>/<subtype>[;param=value]*;base64,``): only
+# such a string counts as a media item; any other text that starts with ``data:`` (an SSE log
+# pasted into a prompt) is text and counted as text.
+_MEDIA_DATA_URL = re.compile(
+    r"data:(image|audio|video|application)/[\w.+-]+(?:;[\w.+-]+=[^;,\s]*)*;base64,"
+)
+
+MAX_REPORTED_TOKENS = 10_000_000
+"""The most tokens (prompt or completion) one answer's ``usage`` may report and be believed:
+the longest context window of an open model vLLM serves (Llama 4 Scout, 10M tokens, Meta's
+model card). A larger (or negative) number is a broken backend's: it is neither counted in
+``gateway_tokens_total`` nor charged to a client key (BerriAI/litellm#12970,
+docs/wire-reports.md)."""
+
+
+def plausible_usage(usage: tuple[int, int] | None) -> tuple[int, int] | None:
+    """``usage`` (prompt, completion tokens) when both are in ``[0, MAX_REPORTED_TOKENS]``,
+    else None (not reported, as far as counting and charging go)."""
+    if usage is None:
+        return None
+    prompt, completion = usage
+    if 0 <= prompt <= MAX_REPORTED_TOKENS and 0 <= completion <= MAX_REPORTED_TOKENS:
+        return usage
+    return None
 
 # vLLM routes that generate nothing (pooling models and the tokenizer, vLLM's OpenAI-compatible
 # server): a request to them has no completion budget to charge, whatever ``max_tokens``.
@@ -112,10 +138,14 @@ class MediaCosts:
         return (self.image, self.audio, self.video, self.file)
 
 
-def data_url_kind(url: str) -> int:
-    """The medium of a ``data:`` URL from its MIME type (``data:image/png;base64,...``):
-    :data:`IMAGE`, :data:`AUDIO`, :data:`VIDEO`, else :data:`FILE`."""
-    return _DATA_URL_MEDIA.get(url[5:10], FILE)
+def data_url_kind(url: str) -> int | None:
+    """The medium of a base64 ``data:`` URL from its MIME type (``data:image/png;base64,...``):
+    :data:`IMAGE`, :data:`AUDIO`, :data:`VIDEO`, :data:`FILE` (``application/...``), or None
+    when ``url`` is not such a URL (then it is text)."""
+    m = _MEDIA_DATA_URL.match(url)
+    if m is None:
+        return None
+    return _DATA_URL_MEDIA.get(m.group(1), FILE)
 
 
 def prompt_tokens(payload: object, costs: MediaCosts) -> int:
@@ -134,8 +164,8 @@ def prompt_tokens(payload: object, costs: MediaCosts) -> int:
     while stack:
         v = pop()
         if isinstance(v, str):
-            if v.startswith("data:"):
-                tokens += cost[data_url_kind(v)]
+            if v.startswith("data:") and (kind := data_url_kind(v)) is not None:
+                tokens += cost[kind]
             else:
                 text += len(v) if v.isascii() else len(v.encode("utf-8", "replace"))
         elif isinstance(v, dict):
@@ -152,8 +182,10 @@ def prompt_tokens(payload: object, costs: MediaCosts) -> int:
                 elif x is not None:
                     tokens += cost[kind]
         elif isinstance(v, list):
-            if v and isinstance(v[0], int) and not isinstance(v[0], bool):
-                tokens += len(v)  # token ids
+            if v and type(v[0]) is int:  # token ids; anything else in the list is walked
+                others = [x for x in v if type(x) is not int]
+                tokens += len(v) - len(others)
+                extend(others)
             else:
                 extend(v)
     return tokens + -(-text // TEXT_BYTES_PER_TOKEN)

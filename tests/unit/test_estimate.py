@@ -106,8 +106,10 @@ def test_any_other_data_url_is_an_item_of_its_mime_type():
     assert data_url_kind("data:audio/wav;base64,AAAA") == AUDIO
     assert data_url_kind("data:video/mp4;base64,AAAA") == VIDEO
     assert data_url_kind("data:application/pdf;base64,AAAA") == FILE
+    # a data URL that is not a base64 medium is text: "data:text/plain,hi" is 18 bytes
+    assert data_url_kind("data:text/plain,hi") is None
     assert prompt_tokens(["data:image/png;base64," + BIG, "data:text/plain,hi"], COSTS) == (
-        700 + 900)
+        700 + 5)
 
 
 def test_deep_json_does_not_recurse():
@@ -128,3 +130,24 @@ def test_defaults_are_the_documented_costs():
     assert (e.image_tokens, e.audio_tokens, e.video_tokens, e.file_tokens) == (
         c.image, c.audio, c.video, c.file)
 
+
+
+def test_text_that_starts_with_data_is_text() -> None:
+    """Only a base64 data URL of a medium is a media item: an SSE log pasted into a prompt
+    (``data: {...}``) or a 4 MB text that starts with ``data:`` is counted as text."""
+    costs = MediaCosts()
+    log_text = "data: " + '{"x": 1}' * 50_000
+    assert prompt_tokens({"prompt": log_text}, costs) >= len(log_text) // 4
+    assert prompt_tokens({"prompt": "data:text/plain;base64," + "A" * 40_000}, costs) >= 10_000
+    assert prompt_tokens({"x": "data:image/png;base64," + "A" * 400_000}, costs) < 800
+    assert prompt_tokens({"x": "data:application/pdf;name=a.pdf;base64,AAAA"}, costs) < 800
+
+
+def test_token_id_list_with_text_inside_counts_the_text() -> None:
+    """A list counted as token ids because it starts with one still counts any text in
+    it: ``[0, <4 MB>]`` is not 2 tokens."""
+    costs = MediaCosts()
+    big = "word " * 200_000
+    assert prompt_tokens({"prompt": [0, big]}, costs) >= len(big) // 4
+    assert prompt_tokens({"prompt": [1, 2, 3]}, costs) < 10
+    assert prompt_tokens({"prompt": [1, True, 3]}, costs) < 10

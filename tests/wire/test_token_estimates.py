@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -341,3 +342,60 @@ def test_token_estimate_stands_when_the_answer_reports_no_usage(backends, gatewa
     # the estimate (~1560) taken, and the probe's 4; the bucket refills 33 tokens a second,
     # so this holds for the half minute after the stream
     assert left < TPM - 500, left
+
+
+# ---- usage the gateway does not believe, and requests no backend served ----------------
+
+def absurd(req: Received, conn: Conn) -> Any:
+    """A backend reporting 10**12 prompt tokens for every chat answer."""
+    return conn.send_json(200, completion_obj("ok", prompt_tokens=10**12, completion_tokens=1))
+
+
+def test_token_estimate_stands_when_the_usage_is_absurd(backends, gateway):
+    """A backend reports ``prompt_tokens`` 10**12: the gateway neither counts it in
+    ``gateway_tokens_total`` nor charges it to the key (which would lock the key out for a
+    minute): the estimate stands, and the key's next requests pass."""
+    a = backends(absurd)
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY, "tpm": TPM}]})
+    client = sdk(gw)
+    for _ in range(3):
+        r = client.chat.completions.with_raw_response.create(
+            model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=16)
+        assert r.status_code == 200
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) > TPM // 2
+    assert gw.gateway.metrics.tokens.labels("m1", "prompt")._value.get() == 0
+
+
+def test_token_estimate_is_given_back_when_no_backend_served(backends, gateway):
+    """The backend answers 429 ``Retry-After: 1`` (or a 503, or a 400): nothing was
+    generated, so the key pays no tokens for it. A key with ``tpm`` 10000 sending
+    ``max_tokens`` 4000 (an estimate of about 4000 tokens each) is not exhausted by three
+    refused requests: the fourth, answered, shows nearly the whole bucket left."""
+    answers = iter([(429, {"retry-after": "1"}), (503, {}), (400, {})])
+
+    async def refusing(req: Received, conn: Conn) -> None:
+        nxt = next(answers, None)
+        if nxt is None:
+            await conn.send_json(200, completion_obj("ok", prompt_tokens=PROMPT,
+                                                     completion_tokens=COMPLETION))
+            return
+        status, headers = nxt
+        await conn.send_json(status, {"error": {"message": "no", "type": "x", "param": None,
+                                                "code": status}}, headers)
+
+    a = backends(refusing)
+    gw = gateway({"a": a}, auth={"client_keys": [{"name": "one", "key": KEY,
+                                                  "tpm": 10_000}]})
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4000}
+    headers = {"authorization": f"Bearer {KEY}"}
+    for status in (429, 503, 400):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers,
+                       timeout=10)
+        assert r.status_code == status, r.text
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) > 9000, r.headers
+        if status == 429:
+            time.sleep(1.1)  # the backend's own Retry-After: it cools until then
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 10_000 - 2 * (PROMPT + COMPLETION)
