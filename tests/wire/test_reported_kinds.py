@@ -194,6 +194,54 @@ def test_fresh_connection_closed_without_answer_is_not_resent(backends, gateway)
     assert len(a.data_requests) == 1
 
 
+def took_then_died() -> Script:
+    """A backend that answers every request, except one whose body says ``poison``: that one
+    it reads, works on for a while (0.3 s, three times the gateway's stale-race window), then
+    its connection drops without an answer (a worker crash, a "query of death")."""
+
+    async def script(req: Received, conn: Conn) -> None:
+        if b"poison" in req.body:
+            await conn.sleep(0.3)
+            conn.close()
+            return
+        await answer(req, conn)
+
+    return script
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+@pytest.mark.parametrize("batcher", [False, True], ids=["batcher-off", "batcher-on"])
+def test_stale_connection_resend_never_repeats_a_request_the_backend_took(
+    backends, gateway, endpoint, batcher
+):
+    """Only the stale keep-alive race is re-sent on the same backend: a request that went out
+    on a reused pooled connection and was taken (the backend worked on it, then the
+    connection dropped before any answer) is a broken connection like any other. Each
+    backend gets it once (one attempt each, ``proxy.max_attempts`` 2), and the client an
+    OpenAI-shaped 502. Reports: the tryout's exp10/exp10b (delivered 3 times per backend),
+    aio-libs/aiohttp#2867 (an aborted request cannot be retried blindly), RFC 9112 section
+    9.3.1, golang/go ``persistConn.shouldRetryRequest`` (re-send only what the server closed
+    while idle)."""
+    a, b = backends(took_then_died()), backends(took_then_died())
+    sections: dict[str, Any] = {"batcher": {"enabled": True}} if batcher else {}
+    gw = gateway({"a": a, "b": b}, proxy={"keepalive_timeout_s": 30}, **sections)
+    path, body, _ = ENDPOINTS[endpoint]
+    with httpx.Client(base_url=gw.url, timeout=20) as client:
+        # both backends serve once: each leaves a pooled connection the next send reuses
+        for _ in range(40):
+            if a.data_requests and b.data_requests:
+                break
+            assert client.post(path, json=body).status_code == 200
+        assert a.data_requests and b.data_requests
+        poison = json.loads(json.dumps(body).replace('"hi"', '"poison"'))
+        r = client.post(path, json=poison)
+    assert r.status_code == 502, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    got = {name: sum(b"poison" in q.body for q in bk.data_requests)
+           for name, bk in (("a", a), ("b", b))}
+    assert got == {"a": 1, "b": 1}, got
+
+
 def test_keep_alive_header_that_lies_does_not_fail_requests(backends, gateway):
     """A backend that says ``connection: keep-alive`` but closes the socket right after every
     answer, and one that sends ``connection: close``: every sequential request is answered
