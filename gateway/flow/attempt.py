@@ -9,7 +9,6 @@ are the caller's (:mod:`gateway.flow.pipeline`).
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import time
 
 import aiohttp
@@ -27,24 +26,6 @@ from gateway.proxy.upstream import (
 )
 
 EVENT_STREAM = "text/event-stream"
-
-
-def parse_retry_after(value: str | None, now_unix: float) -> float | None:
-    """Seconds in a ``Retry-After`` header (RFC 9110 section 10.2.3: delay-seconds or an
-    HTTP-date), or None when absent or unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - now_unix)
-
 
 
 # Routes whose every 200 is a JSON object (OpenAI's API reference; vLLM's own routes)

@@ -230,7 +230,7 @@ class _Reuse:
     :data:`_SEND`): whether its connection already carried a request, and when it was
     handed out (``time.monotonic()`` seconds)."""
 
-    __slots__ = ("reused", "at")
+    __slots__ = ("at", "reused")
 
     def __init__(self) -> None:
         self.reused = False
