@@ -575,3 +575,35 @@ def test_backend_answer_429_with_a_retry_after_that_cannot_be_honoured_still_coo
     r = post(fleet([("c", alone, {})]), "chat")
     assert r.status_code == 429
     assert r.headers.get_list("retry-after") == [value]
+
+
+# ---- an error answer too large to hold -----------------------------------------------------
+
+HUGE = 20 * 2**20  # bytes of the backend's error body
+LIMIT = 2**20  # proxy.max_error_body_bytes' default
+
+
+@pytest.mark.parametrize("status", [503, 400])
+@pytest.mark.parametrize("batcher", [False, True], ids=["batcher_off", "batcher_on"])
+@pytest.mark.parametrize("route", ["chat", "chat_stream", "embeddings", "responses",
+                                   "passthrough"])
+def test_backend_answer_too_large_keeps_its_status_with_its_first_mib(
+    backends, gateway, route, batcher, status
+):
+    """A backend's error answer with a 20 MiB body is not held whole: the gateway reads its
+    first MiB (``proxy.max_error_body_bytes``), closes the connection, and relays that
+    answer with its status and headers and the first MiB of its body (tryout exp16: a 300 MB
+    503 body was buffered whole, ~900 MB of memory). Nothing is left held."""
+    body = b'{"error": {"message": "' + b"x" * HUGE + b'"}}'
+
+    async def huge(req: Received, conn: Conn) -> None:
+        await send_answer(conn, status, body, "application/json", [("x-foo", "kept")])
+
+    a = backends(huge)
+    sections: dict[str, Any] = {"batcher": BATCHER} if batcher else {}
+    gw = gateway({"a": a}, **sections)
+    r = post(gw, route)
+    assert r.status_code == status
+    assert r.headers.get_list("x-foo") == ["kept"]
+    assert len(r.content) == LIMIT and r.content == body[:LIMIT]
+    assert wait_for(lambda: nothing_held(gw))
