@@ -317,6 +317,13 @@ class ProxyConfig(_Strict):
     max_attempts: int = Field(
         2, ge=1, le=5, description="attempts per request, each on a different backend"
     )
+    max_error_body_bytes: int = Field(
+        2**20,
+        ge=1024,
+        description="most of a backend's error answer (status >= 400) read and relayed, "
+        "bytes; the rest is dropped and the connection closed (vLLM's ErrorResponse is a "
+        "few hundred bytes)",
+    )
     passthrough_paths: list[str] = Field(
         default_factory=lambda: list(VLLM_PASSTHROUGH_PATHS),
         description="other vLLM POST routes whose JSON body names a model",

@@ -9,7 +9,6 @@ are the caller's (:mod:`gateway.flow.pipeline`).
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import time
 
 import aiohttp
@@ -29,45 +28,39 @@ from gateway.proxy.upstream import (
 EVENT_STREAM = "text/event-stream"
 
 
-def parse_retry_after(value: str | None, now_unix: float) -> float | None:
-    """Seconds in a ``Retry-After`` header (RFC 9110 section 10.2.3: delay-seconds or an
-    HTTP-date), or None when absent or unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - now_unix)
-
-
-
-# Routes whose every 200 is a JSON object (OpenAI's API reference; vLLM's own routes)
+# Routes whose every 2xx is a JSON object (OpenAI's API reference; vLLM's own routes)
 JSON_ROUTES = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
 )
+UTF8_BOM = b"\xef\xbb\xbf"
+"""A UTF-8 byte order mark: JSON text may carry one (RFC 8259 section 8.1 lets a parser
+ignore it; Python's ``json.loads`` on bytes and the SDKs do), so it is skipped, not refused."""
 
 
-def is_json_answer(endpoint: str, resp: UpstreamResponse, body: bytes) -> bool:
-    """False for a 200 that cannot be the answer it claims to be: on a JSON route (or
-    answered with a JSON ``content-type``), a body that is empty or does not start (after
-    whitespace) with ``{`` or ``[`` (an HTML page from a proxy in front of vLLM, an empty
-    body, bytes that are not UTF-8). A compressed body is not looked into (its bytes are
-    not JSON text) and other content types on other routes (an audio transcription's
-    ``text/plain``) are taken as they are. Reports: docs/wire-reports.md ("status")."""
+def is_json_answer(endpoint: str, status: int, resp: UpstreamResponse, body: bytes) -> bool:
+    """False for a 2xx that cannot be the answer it claims to be: on a JSON route any 2xx
+    (a 204 included), elsewhere a 200 with a JSON ``content-type``, whose body is empty or
+    does not start (after a UTF-8 BOM and whitespace) with ``{`` or ``[`` (an HTML page from
+    a proxy in front of vLLM, an empty body, bytes that are not UTF-8). A compressed body is
+    not looked into (its bytes are not JSON text) and other content types on other routes
+    (an audio transcription's ``text/plain``, a 204) are taken as they are.
+
+    Only the first bytes are looked at, never the whole body parsed (the hot path): a body
+    that starts as JSON but is cut short (truncated, not valid JSON) passes and reaches the
+    client as the backend sent it, a documented limit. Reports: docs/wire-reports.md
+    ("status")."""
     headers = resp.headers
     coding = headers.get("content-encoding")
     if coding is not None and coding.strip().lower() not in ("", "identity"):
         return True
-    if endpoint not in JSON_ROUTES and "json" not in headers.get("content-type", ""):
+    if endpoint not in JSON_ROUTES and (status != 200 or "json" not in headers.get(
+        "content-type", ""
+    )):
         return True
-    head = body[:64].lstrip()
-    return head[:1] in (b"{", b"[")
+    head = body[:64]
+    if head.startswith(UTF8_BOM):
+        head = head[3:]
+    return head.lstrip()[:1] in (b"{", b"[")
 
 
 async def send_attempt(
@@ -84,9 +77,10 @@ async def send_attempt(
     first event) arrives, then ``proxy.idle_timeout_s`` re-armed at every chunk of a body.
     A 429, a 5xx, and a 401/403 from a backend whose key the probes found refused
     (``config_error``) are failures carrying the backend's answer (``status``, ``body``,
-    ``headers``); a 200 that is not the JSON it must be (:func:`is_json_answer`) is a
-    ``bad_answer`` failure (retried elsewhere, never the client's answer); every other
-    answer is :class:`Opened`.
+    ``headers``; the body of any answer >= 400 read up to ``proxy.max_error_body_bytes``,
+    the rest dropped: :func:`_read_body`); a 2xx that is not the JSON it must be
+    (:func:`is_json_answer`) is a ``bad_answer`` failure (retried elsewhere, never the
+    client's answer); every other answer is :class:`Opened`.
     """
     resp: UpstreamResponse | None = None
     waiting_first_byte = True
@@ -100,13 +94,14 @@ async def send_attempt(
                 first = await _first_events(backend, resp, framer)
                 return Opened(backend, resp, first, framer, sent_at)
             waiting_first_byte = False
-            body = await _read_body(resp, timer, proxy.idle_timeout_s)
-            if status == 200 and not is_json_answer(ctx.endpoint, resp, body):
+            limit = proxy.max_error_body_bytes if status >= 400 else None
+            body = await _read_body(resp, timer, proxy.idle_timeout_s, limit)
+            if 200 <= status < 300 and not is_json_answer(ctx.endpoint, status, resp, body):
                 resp.release()
                 raise UpstreamFailure(
                     backend,
                     FailureKind.BAD_ANSWER,
-                    f"backend answered 200 without a JSON body ({len(body)} bytes, "
+                    f"backend answered {status} without a JSON body ({len(body)} bytes, "
                     f"content-type {resp.headers.get('content-type')!r})",
                 )
             # 401/403: the gateway's own key is wrong only when the probes found this
@@ -125,7 +120,7 @@ async def send_attempt(
                     if status >= 500
                     else FailureKind.AUTH
                 )
-                resp.release()  # read whole: the connection may serve another request
+                resp.release()  # read whole (or closed, cut short): the connection may serve again
                 raise UpstreamFailure(
                     backend,
                     kind,
@@ -161,14 +156,26 @@ async def send_attempt(
         raise
 
 
-async def _read_body(resp: UpstreamResponse, timer: asyncio.Timeout, idle_s: float) -> bytes:
-    """The whole body; ``idle_s`` bounds each silence (re-arms ``timer``), not the total."""
+async def _read_body(
+    resp: UpstreamResponse, timer: asyncio.Timeout, idle_s: float, limit: int | None = None
+) -> bytes:
+    """The whole body; ``idle_s`` bounds each silence (re-arms ``timer``), not the total.
+
+    ``limit`` (bytes; ``proxy.max_error_body_bytes`` for an error answer, None: no bound):
+    past it, reading stops, the response is closed (the rest is never read, the connection
+    not reused) and the first ``limit`` bytes are returned: the answer keeps its status and
+    headers, its body is cut short."""
     loop = asyncio.get_running_loop()
     timer.reschedule(loop.time() + idle_s)
     content = resp.content
     parts: list[bytes] = []
+    size = 0
     while chunk := await content.readany():
         parts.append(chunk)
+        size += len(chunk)
+        if limit is not None and size > limit:
+            resp.close()
+            return b"".join(parts)[:limit]
         timer.reschedule(loop.time() + idle_s)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 

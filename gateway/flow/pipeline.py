@@ -32,7 +32,7 @@ from gateway.fleet.backend import Backend
 from gateway.fleet.feedback import FleetFeedback
 from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
-from gateway.flow.attempt import parse_retry_after, send_attempt
+from gateway.flow.attempt import send_attempt
 from gateway.flow.candidates import availability_s, candidates, recovery_s
 from gateway.flow.context import NOTHING_GENERATED, Answer, Opened, RequestContext
 from gateway.flow.lease import Hold, Verdict
@@ -41,7 +41,7 @@ from gateway.proxy.sse import EventFramer, extract_usage
 from gateway.proxy.upstream import Transport, UpstreamFailure, response_headers
 from gateway.routing.policies import Policy
 from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
-from gateway.traffic.retry_after import clamp_retry_after
+from gateway.traffic.retry_after import backend_retry_after, clamp_retry_after, says_when
 
 log = logging.getLogger("gateway.flow.pipeline")
 
@@ -229,7 +229,7 @@ class Pipeline:
         the breaker's verdict, count it, remember the error, and tell the fleet of an auth
         refusal."""
         if f.status in (429, 503):
-            self._cool(backend, _header(f.headers, b"retry-after"), f.status == 429)
+            self._cool(backend, f.headers, f.status == 429)
         if f.kind in _RELAYED and f.status is not None:
             new = BackendAnswer(f.status, f.body, f.headers)
             ctx.answered = self._kept_answer(ctx.answered, new)
@@ -248,20 +248,22 @@ class Pipeline:
 
     def _kept_answer(self, kept: BackendAnswer | None, new: BackendAnswer) -> BackendAnswer:
         """Which backend answer to relay if no backend takes the request: the last one,
-        except that between two 429s with a ``Retry-After`` each the one that comes back
-        sooner is kept (a client that waits what it was told then finds a backend ready:
-        case BUG-05, A ``Retry-After: 7`` then B ``3`` is answered with B's 429)."""
+        except that between two 429s with a readable ``Retry-After`` or ``retry-after-ms``
+        each the one that comes back sooner is kept (a client that waits what it was told
+        then finds a backend ready: case BUG-05, A ``Retry-After: 7`` then B ``3`` is
+        answered with B's 429)."""
         if kept is None or not (kept.status == new.status == 429):
             return new
         now = self.wall()
-        was = parse_retry_after(_header(kept.headers, b"retry-after"), now)
-        now_s = parse_retry_after(_header(new.headers, b"retry-after"), now)
+        was = backend_retry_after(kept.headers, now)
+        now_s = backend_retry_after(new.headers, now)
         return kept if was is not None and now_s is not None and was < now_s else new
 
-    def _cool(self, backend: Backend, retry_after: str | None, always: bool) -> None:
-        """Honour a backend's ``Retry-After``: no request goes to it before then. A 429
-        cools it even without the header (``retry.default_retry_after_s``)."""
-        seconds = parse_retry_after(retry_after, self.wall())
+    def _cool(self, backend: Backend, headers: list[tuple[bytes, bytes]], always: bool) -> None:
+        """Honour a backend's ``Retry-After`` or ``retry-after-ms`` (``headers``: its answer's,
+        :func:`gateway.traffic.retry_after.backend_retry_after`): no request goes to it before
+        then. A 429 cools it even without a readable one (``retry.default_retry_after_s``)."""
+        seconds = backend_retry_after(headers, self.wall())
         if seconds is None:
             if not always:
                 return
@@ -277,15 +279,16 @@ class Pipeline:
 
         The last answer a backend gave (``ctx.answered``: a 429 or a 5xx, even before a
         later attempt that got no answer at all; between 429s the sooner ``Retry-After``,
-        :meth:`_kept_answer`) is relayed as sent; a 429 without ``Retry-After`` gets the
-        gateway's estimate of when a backend of the model is back added. Only when no backend
-        answered does the gateway answer itself: :meth:`unavailable` when it asked none,
-        else from the last failure (a refused gateway key 502, a drained or hung backend
+        :meth:`_kept_answer`) is relayed as sent; a 429 with neither ``Retry-After`` nor
+        ``retry-after-ms`` gets the gateway's estimate of when a backend of the model is
+        back added (one with either gets nothing added). Only when no backend answered
+        does the gateway answer itself: :meth:`unavailable` when it asked none, else from
+        the last failure (a refused gateway key 502, a drained or hung backend
         503, a timeout 504, a broken connection 502). A 401/403 to the gateway's own key is
         never relayed: it would tell the client that its own key is wrong."""
         answer = ctx.answered
         if answer is not None:
-            if answer.status == 429 and _header(answer.headers, b"retry-after") is None:
+            if answer.status == 429 and not says_when(answer.headers):
                 # the backend said not when: the gateway tells when one of the model's
                 # backends takes requests again (never a 429 without it: case BUG-05)
                 soon = availability_s(self.fleet, ctx.model, self.clock())
@@ -431,9 +434,3 @@ class Pipeline:
                 lease.end_attempt(Verdict.FAILURE)
         lease.close()
 
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for k, v in headers:
-        if k == name:
-            return v.decode("latin-1")
-    return None

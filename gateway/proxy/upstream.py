@@ -14,6 +14,7 @@ Streams ask the backend for ``identity`` so that the relay can frame events.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -204,22 +205,41 @@ def response_headers(
     return out
 
 
-STALE_RETRIES = 2
-"""How many times one send is re-sent after a pooled keep-alive connection turned out
-closed under it (a backend's keep-alive timeout racing the reuse: RFC 9112 section 9.3.1,
-"retrying requests"; aiohttp#7297, aiohttp#9138). Each retry takes another connection, a
-fresh one once the pool's stale ones are gone; a failure on a fresh connection is never
-re-sent here (the pipeline decides about other backends)."""
+STALE_WINDOW_S = 0.1
+"""How soon after its connection was handed out a send that lost that connection before any
+answer byte may be the stale keep-alive race, in seconds: the backend closed an idle pooled
+connection (its keep-alive timeout) while the gateway was reusing it, so its FIN or RST
+arrives within one round trip of the write (RFC 9112 section 9.3.1, "retrying requests": a
+client may retry a request on a connection that closed before it got the response, only when
+it knows the request was not processed; aiohttp#7297, aiohttp#9138). Go's ``net/http``
+``Transport`` (``persistConn.shouldRetryRequest``) re-sends only on a *reused* connection and
+only when nothing of the request was written or the server closed it while idle
+(``errServerClosedIdle``); aiohttp tells neither, so the gateway bounds the race by time
+instead: 0.1 s is about a hundred round trips inside a data centre and one across a
+continent. A backend that read the request and worked on it before dropping the connection
+(a crash, a "query of death") is past the window: a ``disconnected`` failure, never re-sent
+to it."""
+
+STALE_RESENDS = 1
+"""How many times one send is re-sent after the stale keep-alive race
+(:data:`STALE_WINDOW_S`): once, on another connection of the same backend."""
 
 
 class _Reuse:
-    """What the connector says about one send: whether its connection came from the pool
-    (set by :class:`_ReuseAwareConnector` through :data:`_SEND`)."""
+    """What the connector says about one send (set by :class:`_ReuseAwareConnector` through
+    :data:`_SEND`): whether its connection already carried a request, and when it was
+    handed out (``time.monotonic()`` seconds)."""
 
-    __slots__ = ("reused",)
+    __slots__ = ("at", "reused")
 
     def __init__(self) -> None:
         self.reused = False
+        self.at = 0.0
+
+    def stale_race(self, now: float) -> bool:
+        """Whether a disconnect before any answer byte at ``now`` (``time.monotonic()``) is the
+        stale keep-alive race: a reused connection, lost within :data:`STALE_WINDOW_S`."""
+        return self.reused and now - self.at <= STALE_WINDOW_S
 
 
 _SEND: ContextVar[_Reuse | None] = ContextVar("gateway_upstream_send", default=None)
@@ -228,8 +248,8 @@ _SEND: ContextVar[_Reuse | None] = ContextVar("gateway_upstream_send", default=N
 class _ReuseAwareConnector(aiohttp.TCPConnector):
     """A ``TCPConnector`` that tells the running send whether the connection it hands out
     already carried a request (aiohttp reuses the same protocol object for a pooled
-    connection). It costs one weak-set lookup per send, where aiohttp's tracing signals
-    would cost about ten awaited callbacks."""
+    connection) and when it handed it out. It costs one weak-set lookup per send, where
+    aiohttp's tracing signals would cost about ten awaited callbacks."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -241,6 +261,7 @@ class _ReuseAwareConnector(aiohttp.TCPConnector):
         proto = conn.protocol
         if note is not None and proto is not None:
             note.reused = proto in self._used
+            note.at = time.monotonic()
             self._used.add(proto)
         return conn
 
@@ -250,8 +271,10 @@ class UpstreamPool:
 
     A send whose pooled keep-alive connection the backend had already closed (the
     ``ServerDisconnectedError`` / connection reset of a stale connection, before any byte
-    of an answer) is re-sent on another connection, at most :data:`STALE_RETRIES` times:
-    the backend never saw that request, so the client must not see the failure either.
+    of an answer, within :data:`STALE_WINDOW_S` of the connection's hand-out) is re-sent
+    once on another connection (:data:`STALE_RESENDS`): the backend never saw that
+    request, so the client must not see the failure either. Any other disconnect is a
+    ``disconnected`` failure, never re-sent here.
     """
 
     def __init__(self, cfg: ProxyConfig) -> None:
@@ -303,8 +326,8 @@ class UpstreamPool:
         """Send ``req`` to ``backend`` and return once the response headers are in.
 
         Raises :class:`UpstreamFailure` (``connect``, ``disconnected``) when no response
-        could be had. A stale pooled connection is retried on another one first (see the
-        class). The time to first byte is bounded by the caller's timer. The caller owns
+        could be had. The stale keep-alive race is re-sent once on another connection first
+        (see the class). The time to first byte is bounded by the caller's timer. The caller owns
         the returned response and must ``release()`` or ``close()`` it.
         """
         headers = req.headers
@@ -314,7 +337,7 @@ class UpstreamPool:
         note = _Reuse()
         token = _SEND.set(note)
         try:
-            for _ in range(STALE_RETRIES):
+            for _ in range(STALE_RESENDS):
                 note.reused = False
                 try:
                     return await session.request(
@@ -322,7 +345,7 @@ class UpstreamPool:
                     )
                 except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
                     # a connect error (a ClientOSError too) has no connection: never reused
-                    if not note.reused:
+                    if not note.stale_race(time.monotonic()):
                         raise
             return await session.request(req.method, req.path, data=req.body, headers=headers)
         except aiohttp.ConnectionTimeoutError as e:

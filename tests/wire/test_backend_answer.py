@@ -491,3 +491,119 @@ def test_backend_answer_429_without_retry_after_gets_the_gateways(backends, gate
     assert len(r.headers.get_list("retry-after")) == 1
     assert 1 <= int(r.headers["retry-after"]) <= 60
     assert 1 <= int(r.headers["retry-after-ms"]) <= 60_000
+
+
+# ---- retry-after-ms, and Retry-After values that cannot be honoured ------------------------
+
+def rate_limited_with(headers: Headers) -> Callable[[Received, Conn], Any]:
+    """A data-plane script answering vLLM-style 429s with exactly these headers."""
+    return answering((429, vllm_error("Rate limit reached", "RateLimitError", 429),
+                      "application/json", headers))
+
+
+def cooling_for_s(gw: GatewayThread, backend_id: str) -> float:
+    rows = httpx.get(gw.url + "/admin/backends", timeout=5).json()["backends"]
+    return float(next(r for r in rows if r["id"] == backend_id)["cooling_for_s"])
+
+
+@pytest.mark.parametrize("batcher", [False, True], ids=["batcher_off", "batcher_on"])
+@pytest.mark.parametrize("route", ["chat", "chat_stream", "embeddings", "responses",
+                                   "passthrough"])
+def test_backend_answer_429_with_only_retry_after_ms_is_relayed_as_sent(
+    backends, gateway, route, batcher
+):
+    """A 429 whose only hint is OpenAI's ``retry-after-ms: 250`` (openai-python reads it
+    before ``retry-after``) already says when: it reaches the client as sent, one
+    ``retry-after-ms`` and no ``retry-after`` of the gateway's (tryout exp20: the client got
+    ``['250', '1000']``)."""
+    a = backends(rate_limited_with([("retry-after-ms", "250")]))
+    sections: dict[str, Any] = {"batcher": BATCHER} if batcher else {}
+    gw = gateway({"a": a}, **sections)
+    r = post(gw, route)
+    assert r.status_code == 429, r.text
+    assert r.headers.get_list("retry-after-ms") == ["250"]
+    assert r.headers.get_list("retry-after") == []
+    assert r.json() == json.loads(vllm_error("Rate limit reached", "RateLimitError", 429))
+
+
+@pytest.mark.parametrize("order", ["ms_sooner_first", "ms_sooner_last"])
+def test_backend_answer_429_that_comes_back_sooner_by_retry_after_ms_is_relayed(
+    backends, fleet, order
+):
+    """Between two 429s, ``retry-after-ms: 3000`` is as much a hint as ``Retry-After: 3``:
+    against a ``Retry-After: 7`` the 3 s one is relayed, in either order (case BUG-05)."""
+    ms: Headers = [("retry-after-ms", "3000")]
+    seven: Headers = [("retry-after", "7")]
+    first, second = (ms, seven) if order == "ms_sooner_first" else (seven, ms)
+    a, b = backends(rate_limited_with(first)), backends(rate_limited_with(second))
+    gw = fleet([("a", a, {}), ("b", b, {"role": "standby"})])
+    r = post(gw, "chat")
+    assert r.status_code == 429
+    assert (len(a.data_requests), len(b.data_requests)) == (1, 1)
+    assert r.headers.get_list("retry-after-ms") == ["3000"]
+    assert r.headers.get_list("retry-after") == []
+
+
+def test_backend_answer_429_retry_after_ms_cools_the_backend(backends, fleet):
+    """A backend's ``retry-after-ms: 30000`` cools it for 30 s, not the 1 s default of a
+    429 that says nothing: the next requests go to the other backend."""
+    a, b = backends(rate_limited_with([("retry-after-ms", "30000")])), backends(ok("b"))
+    gw = fleet([("a", a, {}), ("b", b, {"role": "standby"})])
+    assert post(gw, "chat").status_code == 200
+    assert len(a.data_requests) == 1
+    assert cooling_for_s(gw, "a") > 20
+
+
+@pytest.mark.parametrize("value", ["-5", "nan", "inf", "0", "Wed, 21 Oct 2015 07:28:00 GMT"],
+                         ids=["negative", "nan", "infinite", "zero", "past-date"])
+def test_backend_answer_429_with_a_retry_after_that_cannot_be_honoured_still_cools(
+    backends, fleet, value
+):
+    """A 429 whose ``Retry-After`` is not a finite positive wait (``-5``, ``nan``, ``inf``,
+    ``0``, a date in the past) is unreadable, like a word: the backend gets the default
+    cooling (``retry.default_retry_after_s``, 30 s here) and the next requests go elsewhere
+    (tryout exp1: read as 0 s, the backend was not cooled at all). The header reaches the
+    client as the backend sent it."""
+    a, b = backends(rate_limited_with([("retry-after", value)])), backends(ok("b"))
+    gw = fleet([("a", a, {}), ("b", b, {"role": "standby"})],
+               retry={"default_retry_after_s": 30})
+    for _ in range(3):
+        assert post(gw, "chat").status_code == 200
+    assert len(a.data_requests) == 1
+    assert 20 < cooling_for_s(gw, "a") <= 30  # the default: not 0, not retry.max_cooling_s
+    alone = backends(rate_limited_with([("retry-after", value)]))
+    r = post(fleet([("c", alone, {})]), "chat")
+    assert r.status_code == 429
+    assert r.headers.get_list("retry-after") == [value]
+
+
+# ---- an error answer too large to hold -----------------------------------------------------
+
+HUGE = 20 * 2**20  # bytes of the backend's error body
+LIMIT = 2**20  # proxy.max_error_body_bytes' default
+
+
+@pytest.mark.parametrize("status", [503, 400])
+@pytest.mark.parametrize("batcher", [False, True], ids=["batcher_off", "batcher_on"])
+@pytest.mark.parametrize("route", ["chat", "chat_stream", "embeddings", "responses",
+                                   "passthrough"])
+def test_backend_answer_too_large_keeps_its_status_with_its_first_mib(
+    backends, gateway, route, batcher, status
+):
+    """A backend's error answer with a 20 MiB body is not held whole: the gateway reads its
+    first MiB (``proxy.max_error_body_bytes``), closes the connection, and relays that
+    answer with its status and headers and the first MiB of its body (tryout exp16: a 300 MB
+    503 body was buffered whole, ~900 MB of memory). Nothing is left held."""
+    body = b'{"error": {"message": "' + b"x" * HUGE + b'"}}'
+
+    async def huge(req: Received, conn: Conn) -> None:
+        await send_answer(conn, status, body, "application/json", [("x-foo", "kept")])
+
+    a = backends(huge)
+    sections: dict[str, Any] = {"batcher": BATCHER} if batcher else {}
+    gw = gateway({"a": a}, **sections)
+    r = post(gw, route)
+    assert r.status_code == status
+    assert r.headers.get_list("x-foo") == ["kept"]
+    assert len(r.content) == LIMIT and r.content == body[:LIMIT]
+    assert wait_for(lambda: nothing_held(gw))

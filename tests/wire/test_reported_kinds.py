@@ -194,6 +194,54 @@ def test_fresh_connection_closed_without_answer_is_not_resent(backends, gateway)
     assert len(a.data_requests) == 1
 
 
+def took_then_died() -> Script:
+    """A backend that answers every request, except one whose body says ``poison``: that one
+    it reads, works on for a while (0.3 s, three times the gateway's stale-race window), then
+    its connection drops without an answer (a worker crash, a "query of death")."""
+
+    async def script(req: Received, conn: Conn) -> None:
+        if b"poison" in req.body:
+            await conn.sleep(0.3)
+            conn.close()
+            return
+        await answer(req, conn)
+
+    return script
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+@pytest.mark.parametrize("batcher", [False, True], ids=["batcher-off", "batcher-on"])
+def test_stale_connection_resend_never_repeats_a_request_the_backend_took(
+    backends, gateway, endpoint, batcher
+):
+    """Only the stale keep-alive race is re-sent on the same backend: a request that went out
+    on a reused pooled connection and was taken (the backend worked on it, then the
+    connection dropped before any answer) is a broken connection like any other. Each
+    backend gets it once (one attempt each, ``proxy.max_attempts`` 2), and the client an
+    OpenAI-shaped 502. Reports: the tryout's exp10/exp10b (delivered 3 times per backend),
+    aio-libs/aiohttp#2867 (an aborted request cannot be retried blindly), RFC 9112 section
+    9.3.1, golang/go ``persistConn.shouldRetryRequest`` (re-send only what the server closed
+    while idle)."""
+    a, b = backends(took_then_died()), backends(took_then_died())
+    sections: dict[str, Any] = {"batcher": {"enabled": True}} if batcher else {}
+    gw = gateway({"a": a, "b": b}, proxy={"keepalive_timeout_s": 30}, **sections)
+    path, body, _ = ENDPOINTS[endpoint]
+    with httpx.Client(base_url=gw.url, timeout=20) as client:
+        # both backends serve once: each leaves a pooled connection the next send reuses
+        for _ in range(40):
+            if a.data_requests and b.data_requests:
+                break
+            assert client.post(path, json=body).status_code == 200
+        assert a.data_requests and b.data_requests
+        poison = json.loads(json.dumps(body).replace('"hi"', '"poison"'))
+        r = client.post(path, json=poison)
+    assert r.status_code == 502, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    got = {name: sum(b"poison" in q.body for q in bk.data_requests)
+           for name, bk in (("a", a), ("b", b))}
+    assert got == {"a": 1, "b": 1}, got
+
+
 def test_keep_alive_header_that_lies_does_not_fail_requests(backends, gateway):
     """A backend that says ``connection: keep-alive`` but closes the socket right after every
     answer, and one that sends ``connection: close``: every sequential request is answered
@@ -633,6 +681,67 @@ def test_success_status_without_an_answer_is_a_backend_failure(backends, gateway
         assert r.status_code == 200 and r.content != body, (r.status_code, r.content)
         assert "error" not in r.json(), r.text
 
+
+
+# (path, body) of every JSON route, streaming and not
+JSON_ROUTES = {
+    "chat": ("/v1/chat/completions", CHAT),
+    "chat-stream": ("/v1/chat/completions", {**CHAT, "stream": True}),
+    "completions": ("/v1/completions", {"model": "m1", "prompt": "hi", "max_tokens": 4}),
+    "embeddings": ("/v1/embeddings", EMBED),
+    "responses": ("/v1/responses", {"model": "m1", "input": "hi"}),
+    "responses-stream": ("/v1/responses", {"model": "m1", "input": "hi", "stream": True}),
+}
+
+
+@pytest.mark.parametrize("status", [204, 201, 202])
+@pytest.mark.parametrize("route", list(JSON_ROUTES))
+@pytest.mark.parametrize("batcher", [False, True], ids=["batcher-off", "batcher-on"])
+def test_success_status_without_an_answer_is_a_backend_failure_for_every_2xx(
+    backends, gateway, status, route, batcher
+):
+    """Not only a 200: any 2xx with an empty body (a 204 No Content, a 202 Accepted) on a
+    route whose answer is a JSON object is no answer; the request goes to the other backend
+    and the client gets that one's answer (tryout exp11b: a 204 reached a chat client)."""
+
+    async def empty(req: Received, conn: Conn) -> None:
+        await conn.write(f"HTTP/1.1 {status} X\r\ncontent-length: 0\r\n\r\n".encode())
+
+    a, b = backends(empty), backends(answer)
+    sections: dict[str, Any] = {"batcher": {"enabled": True}} if batcher else {}
+    gw = gateway({"a": a, "b": b}, **sections)
+    path, body = JSON_ROUTES[route]
+    with httpx.Client(base_url=gw.url, timeout=10) as client:
+        for _ in range(3):
+            r = client.post(path, json=body)
+            assert r.status_code == 200 and r.content, (r.status_code, r.content)
+            assert "error" not in r.text, r.text
+    assert a.data_requests  # a was asked, and its empty 2xx never reached the client
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "embeddings", "responses"])
+@pytest.mark.parametrize("batcher", [False, True], ids=["batcher-off", "batcher-on"])
+def test_success_status_with_a_byte_order_mark_is_an_answer(backends, gateway, route, batcher):
+    """A JSON answer that starts with a UTF-8 byte order mark is JSON (RFC 8259 section 8.1:
+    a parser may ignore it; Python's ``json``, httpx and the SDKs do): it reaches the client
+    as an answer, never a 502 (tryout exp11b: it became one)."""
+
+    async def with_bom(req: Received, conn: Conn) -> None:
+        obj = {"/v1/chat/completions": completion_obj("ok"), "/v1/completions": COMPLETION,
+               "/v1/embeddings": EMBEDDING, "/v1/responses": RESPONSE}[req.path]
+        await conn.send_response(200, b"\xef\xbb\xbf" + json.dumps(obj).encode(),
+                                 {"content-type": "application/json"})
+
+    a = backends(with_bom)
+    sections: dict[str, Any] = {"batcher": {"enabled": True}} if batcher else {}
+    gw = gateway({"a": a}, **sections)
+    path, body = JSON_ROUTES[route]
+    r = httpx.post(gw.url + path, json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    assert "error" not in r.json(), r.text
+    if route == "chat":
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        assert client.chat.completions.create(**CHAT).choices[0].message.content == "ok"
 
 
 def test_success_status_without_an_answer_alone_is_an_openai_shaped_502(backends, gateway):
