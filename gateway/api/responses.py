@@ -8,16 +8,31 @@ served (``proxy.passthrough_paths``, the default).
 
 Each call runs through the request flow's lease and attempts
 (:meth:`gateway.flow.pipeline.Pipeline.open`, pinned to one backend: no retry elsewhere)
-and the backend's answer is relayed unchanged, a stream as a stream. Not through admission:
-these calls start no generation (a cancel must never queue behind the work it cancels),
-and the client's key is still checked. Which backend
-(:class:`gateway.flow.responses.ResponseRouting`):
+and the backend's answer is relayed unchanged, a stream as a stream. Admission's entry
+layer only (:meth:`gateway.flow.admission.AdmissionGate.check_entry`: one request of the
+client key's requests per minute, no token; its 429 and ``x-ratelimit-*`` headers as on
+any route): these calls start no generation, so no queue (a cancel must never wait behind
+the work it cancels). Which backend (:class:`gateway.flow.responses.ResponseRouting`):
 
-- a known id: its owner; a gone owner gets a 404 on ``response_id``;
+- a known id: its owner; a gone owner gets a 404 on ``response_id``, one judged hung a
+  503 without being asked;
 - an unknown one (created before a gateway restart, expired, evicted): every backend that
-  may hold it, in config order, until one answers other than 404 (remembered when it
-  found it); failures (unreachable, a 5xx) move on to the next; when all answered 404 the
-  last backend's own 404 is relayed, else the last failure.
+  may hold it, in config order (suspected hung ones last), until one answers other than
+  404 (remembered when its answer is that response); failures (unreachable, a 5xx, judged
+  hung while asked) move on to the next; when all answered 404 the last backend's own 404
+  is relayed, else the last failure.
+
+A call waiting on a backend that the hung watchdog judges hung is cut and moves on (or
+gets a 503): :meth:`ResponseRouting.waiting_on`. There is no shorter time limit of its own:
+a store lookup on a live vLLM answers at once, a backend that does not is judged hung
+within seconds (``health.hung_after_s``), and ``proxy.ttfb_timeout_s`` still bounds the
+rest; a ``GET ?stream=true`` is never cut once its first events came back.
+
+The path is read as the client sent it (``raw_path``, :func:`parse_path`) and the id is
+forwarded percent-encoded (:func:`upstream_path`): ``/v1/responses/..`` or an id with
+``%2F``, ``%3F`` or ``%23`` never reaches another backend route, a query or a fragment.
+A backend's 429 without ``Retry-After`` gets the gateway's ``retry-after`` (the seconds
+until that backend takes requests again: :func:`gateway.api.openai.render_backend_answer`).
 """
 
 from __future__ import annotations
