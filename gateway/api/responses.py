@@ -234,9 +234,10 @@ async def by_id_response(
         try:
             opened = await gw.pipeline.open(ctx)
         except Refusal as e:  # (a cut for a hung backend ends here: a 503)
-            failure = (
-                hung(response_id, backend, recovery_s(gw.cfg.health)) if is_hung(backend) else e
-            )
+            failure = e
+            if is_hung(backend):
+                wait = recovery_s(gw.cfg.health)
+                failure = hung(response_id, backend, wait, known=held is not None)
             continue
         except BackendAnswer as e:
             if e.status == 429 and e.retry_after_s is None and not _has_retry_after(e.headers):

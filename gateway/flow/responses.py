@@ -200,12 +200,14 @@ def is_hung(backend: Backend) -> bool:
     )
 
 
-def hung(response_id: str, backend: Backend, retry_after_s: float) -> Refusal:
+def hung(response_id: str, backend: Backend, retry_after_s: float, known: bool = True) -> Refusal:
     """503 for a by-id call on ``response_id`` whose backend was judged hung (before or
-    while it was asked), saying to come back in ``retry_after_s`` seconds."""
+    while it was asked), saying to come back in ``retry_after_s`` seconds. ``known``: the
+    backend holds it (else it was one that may, for an id the gateway does not know)."""
+    holds = "is held by" if known else "may be held by"
     return Refusal(
         503,
-        f"Response with id '{response_id}' is held by backend '{backend.id}', which stopped "
+        f"Response with id '{response_id}' {holds} backend '{backend.id}', which stopped "
         "answering (judged hung); retry later.",
         SERVER_ERROR,
         "backend_unavailable",
