@@ -75,14 +75,14 @@ def _gateway(request: Request) -> Gateway:
     return gw
 
 
-def log_refusal(e: Refusal, endpoint: str, request_id: str) -> None:
-    """Log an error the gateway answered itself, with the request id (client mistakes at
-    INFO, a too-large body, auth and capacity problems at WARNING)."""
+def log_refusal(e: Refusal, endpoint: str, request_id: str, method: str = "POST") -> None:
+    """Log an error the gateway answered itself on ``method`` ``endpoint``, with the request
+    id (client mistakes at INFO, a too-large body, auth and capacity problems at WARNING)."""
     level = logging.INFO if e.status in (400, 404, 405) else logging.WARNING
     log.log(
         level,
         "%s %s: %d %s: %s [request %s]",
-        "POST",
+        method,
         endpoint,
         e.status,
         e.code,
@@ -252,10 +252,7 @@ async def model_response(
         watch.stop()
         ctx.settle(NOTHING_GENERATED)  # a backend's 429/5xx generated nothing
         answered(metrics, endpoint, model, e.status, started)
-        headers = e.headers
-        if e.retry_after_s is not None:  # a 429 that said not when: the gateway's estimate
-            headers = [*headers, *encoded_headers(retry_after_headers(e.retry_after_s).items())]
-        return _render_answer(Answer(e.status, e.body, headers), idh, rid, ctx.ratelimit)
+        return render_backend_answer(e, idh, rid, ctx.ratelimit)
     except asyncio.CancelledError:
         watch.stop()
         if ctx.cut.reason is None:
@@ -272,6 +269,19 @@ async def model_response(
     answer = gw.pipeline.finish_body(ctx, opened)
     answered(metrics, endpoint, model, answer.status, started)
     return _render_answer(answer, idh, rid, ctx.ratelimit)
+
+
+def render_backend_answer(
+    e: BackendAnswer, idh: str, rid: str, ratelimit: list[tuple[str, str]] | None = None
+) -> Response:
+    """A backend's own error answer that ended a request no backend took (a 429 or a 5xx,
+    :meth:`gateway.flow.pipeline.Pipeline.open`), relayed as sent (:func:`_render_answer`),
+    plus the gateway's ``retry-after`` / ``retry-after-ms`` (seconds, milliseconds) when it
+    is a 429 that said not when (``e.retry_after_s`` set: case BUG-05)."""
+    headers = e.headers
+    if e.retry_after_s is not None:
+        headers = [*headers, *encoded_headers(retry_after_headers(e.retry_after_s).items())]
+    return _render_answer(Answer(e.status, e.body, headers), idh, rid, ratelimit)
 
 
 def _render_answer(

@@ -8,16 +8,31 @@ served (``proxy.passthrough_paths``, the default).
 
 Each call runs through the request flow's lease and attempts
 (:meth:`gateway.flow.pipeline.Pipeline.open`, pinned to one backend: no retry elsewhere)
-and the backend's answer is relayed unchanged, a stream as a stream. Not through admission:
-these calls start no generation (a cancel must never queue behind the work it cancels),
-and the client's key is still checked. Which backend
-(:class:`gateway.flow.responses.ResponseRouting`):
+and the backend's answer is relayed unchanged, a stream as a stream. Admission's entry
+layer only (:meth:`gateway.flow.admission.AdmissionGate.check_entry`: one request of the
+client key's requests per minute, no token; its 429 and ``x-ratelimit-*`` headers as on
+any route): these calls start no generation, so no queue (a cancel must never wait behind
+the work it cancels). Which backend (:class:`gateway.flow.responses.ResponseRouting`):
 
-- a known id: its owner; a gone owner gets a 404 on ``response_id``;
+- a known id: its owner; a gone owner gets a 404 on ``response_id``, one judged hung a
+  503 without being asked;
 - an unknown one (created before a gateway restart, expired, evicted): every backend that
-  may hold it, in config order, until one answers other than 404 (remembered when it
-  found it); failures (unreachable, a 5xx) move on to the next; when all answered 404 the
-  last backend's own 404 is relayed, else the last failure.
+  may hold it, in config order (suspected hung ones last), until one answers other than
+  404 (remembered when its answer is that response); failures (unreachable, a 5xx, judged
+  hung while asked) move on to the next; when all answered 404 the last backend's own 404
+  is relayed, else the last failure.
+
+A call waiting on a backend that the hung watchdog judges hung is cut and moves on (or
+gets a 503): :meth:`ResponseRouting.waiting_on`. There is no shorter time limit of its own:
+a store lookup on a live vLLM answers at once, a backend that does not is judged hung
+within seconds (``health.hung_after_s``), and ``proxy.ttfb_timeout_s`` still bounds the
+rest; a ``GET ?stream=true`` is never cut once its first events came back.
+
+The path is read as the client sent it (``raw_path``, :func:`parse_path`) and the id is
+forwarded percent-encoded (:func:`upstream_path`): ``/v1/responses/..`` or an id with
+``%2F``, ``%3F`` or ``%23`` never reaches another backend route, a query or a fragment.
+A backend's 429 without ``Retry-After`` gets the gateway's ``retry-after`` (the seconds
+until that backend takes requests again: :func:`gateway.api.openai.render_backend_answer`).
 """
 
 from __future__ import annotations
@@ -27,12 +42,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote, unquote
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from gateway.api.errors import SERVER_ERROR, Refusal, error_response, render, shutting_down_response
+from gateway.api.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    Refusal,
+    error_response,
+    render,
+    shutting_down_response,
+)
 from gateway.api.openai import (
     Receive,
     Scope,
@@ -41,6 +63,7 @@ from gateway.api.openai import (
     _render_answer,
     answered,
     log_refusal,
+    render_backend_answer,
 )
 from gateway.api.parsing import (
     ClientGone,
@@ -54,6 +77,8 @@ from gateway.core.vocab import Cut
 from gateway.flow.candidates import recovery_s
 from gateway.flow.context import Answer, RequestContext
 from gateway.flow.lease import RequestLease
+from gateway.flow.responses import hung, is_hung
+from gateway.flow.shaping import ratelimit_headers
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
 from gateway.proxy.upstream import UpstreamRequest, forward_headers
 
@@ -63,6 +88,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.api")
 
+PREFIX = "/v1/responses/"
+_SEGMENT_SAFE = "!$&'()*,;=:@"  # RFC 3986 pchar, less "+" (yarl keeps "%2B")
 # (method, route): the route is also the endpoint label of the metrics (never the id)
 BY_ID_ROUTES = (
     ("GET", "/v1/responses/{response_id}"),
@@ -80,16 +107,56 @@ def _streams(query: bytes) -> bool:
     return values is not None and values[-1].strip().lower() in _TRUE
 
 
+def parse_path(scope: Scope, method: str) -> tuple[str, str]:
+    """The response id and the route (a :data:`BY_ID_ROUTES` label) of a by-id call, read
+    from the path as the client sent it (``raw_path``: the decoded ``path`` turns ``%2F``
+    into another route and ``%3F``/``%23`` into a query or a fragment). Raises a
+    :class:`Refusal`: 404 (OpenAI's ``Invalid URL``) when no by-id route has that shape,
+    400 on ``response_id`` for an id that is empty, ``.`` or ``..`` (a dot segment: any
+    HTTP client or server on the way would resolve it to another route, RFC 3986 5.2.4)."""
+    raw: bytes | None = scope.get("raw_path")
+    path = raw.decode("latin-1") if raw is not None else quote(scope["path"], safe="/")
+    raw_id, slash, action = path.removeprefix(PREFIX).partition("/")
+    label = PREFIX + "{response_id}" + slash + action
+    if not path.startswith(PREFIX) or (method, label) not in BY_ID_ROUTES:
+        raise Refusal(404, f"Invalid URL ({method} {path})", INVALID_REQUEST, None)
+    response_id = unquote(raw_id)
+    if response_id in ("", ".", ".."):
+        raise Refusal(
+            400,
+            f"Invalid 'response_id': '{response_id}' is not a response id.",
+            INVALID_REQUEST,
+            "invalid_value",
+            param="response_id",
+            retryable=False,
+        )
+    return response_id, label
+
+
+def upstream_path(response_id: str, label: str) -> str:
+    """The path a by-id call is sent to: ``label`` with the id percent-encoded as one path
+    segment (``/``, ``?``, ``#``, ``%``, ``+``, spaces and non-ASCII encoded; ``.`` and
+    ``..`` are refused before, :func:`parse_path`). The sub-delimiters, ``:`` and ``@``
+    stay as they are (RFC 3986 3.3 ``pchar``): aiohttp's URL (yarl) would decode them
+    anyway, so the path built here is the one on the wire."""
+    return label.replace("{response_id}", quote(response_id, safe=_SEGMENT_SAFE))
+
+
+def _has_retry_after(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k.lower() == b"retry-after" for k, _ in headers)
+
+
 async def by_id_response(
-    gw: Gateway, response_id: str, label: str, scope: Scope, receive: Receive, lease: RequestLease
+    gw: Gateway, route: str, scope: Scope, receive: Receive, lease: RequestLease
 ) -> Response:
     """Run one by-id call (see the module docstring) under ``lease``; the answer to send.
-    ``label``: the route, for the metrics."""
+    ``route``: the framework route it came in on (the metrics' label until the path as
+    sent is read)."""
     metrics = gw.metrics
     idh = gw.cfg.server.request_id_header
     started = time.perf_counter()
-    id_key = gw.header_keys[0]
-    authorization = declared = rid_value = None
+    id_key, _, priority_key = gw.header_keys
+    authorization = declared = rid_value = prio_value = None
     for k, v in scope["headers"]:
         if k == b"authorization":
             authorization = v
@@ -97,14 +164,27 @@ async def by_id_response(
             declared = v
         elif k == id_key:
             rid_value = v
+        elif k == priority_key:
+            prio_value = v
     rid = sane_request_id(rid_value)
+    method: str = scope["method"]
+    label = route
     if gw.shutting_down:
         answered(metrics, label, "", 503, started)
         return shutting_down_response(rid, idh)
+    ratelimit: list[tuple[str, str]] = []
     try:
-        check_client_key(gw, authorization)
+        response_id, label = parse_path(scope, method)
+        key = check_client_key(gw, authorization)
+        # the entry layer (the key's requests per minute): a call by id costs no token
+        client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
+        verdict = gw.gate.check_entry(client, key, gw.gate.priority(prio_value, key), rid)
+        if verdict is not None:
+            ratelimit = list(ratelimit_headers(verdict).items())
         body = await read_body_counted(gw, receive, declared)
         held = gw.responses.holder(response_id)
+        if held is not None and is_hung(held[0]):
+            raise hung(response_id, held[0], recovery_s(gw.cfg.health))
         targets: list[Backend] = [held[0]] if held is not None else gw.responses.askable()
         if not targets:
             raise Refusal(
@@ -116,7 +196,8 @@ async def by_id_response(
             )
     except Refusal as e:
         answered(metrics, label, "", e.status, started)
-        log_refusal(e, label, rid)
+        log_refusal(e, label, rid, method)
+        e.headers.extend(ratelimit)
         return render(e, rid, idh)
     except ClientGone:
         metrics.client_disconnects.labels(label).inc()
@@ -126,14 +207,14 @@ async def by_id_response(
         answered(metrics, label, "", 503, started)
         return shutting_down_response(rid, idh)
     model = held[1] if held is not None else ""
-    method: str = scope["method"]
     query: bytes = scope.get("query_string", b"")
     stream = method == "GET" and _streams(query)
-    path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+    path = upstream_path(response_id, label) + ("?" + query.decode("latin-1") if query else "")
     cut = CutHandle()
     watch = ClientWatch(receive, cut)
     failure: Refusal | BackendAnswer | None = None
     not_found: Answer | None = None
+    routing = gw.responses
     for backend in targets:
         ctx = RequestContext(
             endpoint=label,
@@ -148,9 +229,21 @@ async def by_id_response(
             started=started,
             pinned=backend,
         )
+        ctx.ratelimit = ratelimit
+        routing.waiting_on(backend, cut)  # cut if it is judged hung meanwhile
         try:
             opened = await gw.pipeline.open(ctx)
-        except (Refusal, BackendAnswer) as e:
+        except Refusal as e:  # (a cut for a hung backend ends here: a 503)
+            failure = e
+            if is_hung(backend):
+                wait = recovery_s(gw.cfg.health)
+                failure = hung(response_id, backend, wait, known=held is not None)
+            continue
+        except BackendAnswer as e:
+            if e.status == 429 and e.retry_after_s is None and not _has_retry_after(e.headers):
+                # said not when: when this backend takes requests again (it is cooling)
+                now = gw.pipeline.clock()
+                e.retry_after_s = max(0.0, backend.cooling_until - now, backend.breaker.retry_in())
             failure = e
             continue
         except asyncio.CancelledError:
@@ -163,43 +256,44 @@ async def by_id_response(
                 return Response(status_code=499)
             answered(metrics, label, model, 503, started)
             return shutting_down_response(rid, idh)
+        finally:
+            routing.answered_by(backend, cut)
         status = opened.resp.status
         if held is None and status == 404 and opened.framer is None:
             not_found = gw.pipeline.finish_body(ctx, opened)  # not there: ask the next
             continue
         if status < 400:
             if method == "DELETE":
-                gw.responses.forget(response_id)
+                routing.forget(response_id)
             elif held is None:
-                gw.responses.learned(response_id, backend, model)
+                routing.found(response_id, opened, model)
         if opened.framer is not None:
             return _relay(gw, ctx, opened, watch)
         watch.stop()
         answer = gw.pipeline.finish_body(ctx, opened)
         answered(metrics, label, model, answer.status, started)
-        return _render_answer(answer, idh, rid)
+        return _render_answer(answer, idh, rid, ratelimit)
     watch.stop()
     if not_found is not None and failure is None:
         answered(metrics, label, model, 404, started)
-        return _render_answer(not_found, idh, rid)
+        return _render_answer(not_found, idh, rid, ratelimit)
     if isinstance(failure, BackendAnswer):
         answered(metrics, label, model, failure.status, started)
-        return _render_answer(Answer(failure.status, failure.body, failure.headers), idh, rid)
+        return render_backend_answer(failure, idh, rid, ratelimit)
     assert failure is not None
     answered(metrics, label, model, failure.status, started)
-    log_refusal(failure, label, rid)
+    log_refusal(failure, label, rid, method)
+    failure.headers.extend(ratelimit)
     return render(failure, rid, idh)
 
 
-async def serve_by_id(
-    gw: Gateway, response_id: str, label: str, scope: Scope, receive: Receive, send: Send
-) -> None:
+async def serve_by_id(gw: Gateway, label: str, scope: Scope, receive: Receive, send: Send) -> None:
     """Answer one by-id call under its request lease (closed before a non-stream answer
     goes out, at a stream's end, and on every other exit)."""
     started = time.perf_counter()
     async with gw.new_lease() as lease:
         try:
-            response = await by_id_response(gw, response_id, label, scope, receive, lease)
+            response = await by_id_response(gw, label, scope, receive, lease)
         except Exception as e:
             log.exception("unexpected error on %s", scope["path"])
             response = error_response(
@@ -217,20 +311,19 @@ async def serve_by_id(
 class _ById(Response):
     """The framework route's answer: :func:`serve_by_id` runs when the framework sends it."""
 
-    def __init__(self, gw: Gateway, response_id: str, label: str) -> None:
+    def __init__(self, gw: Gateway, label: str) -> None:
         self.gw = gw
-        self.response_id = response_id
         self.label = label
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await serve_by_id(self.gw, self.response_id, self.label, scope, receive, send)
+        await serve_by_id(self.gw, self.label, scope, receive, send)
 
 
 def _route(label: str) -> Callable[[Request], Awaitable[Response]]:
     async def by_id(request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
-        return _ById(gw, request.path_params["response_id"], label)
+        return _ById(gw, label)  # the id is read from the path as sent (parse_path)
 
     return by_id
 

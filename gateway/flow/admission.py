@@ -240,6 +240,38 @@ class AdmissionGate:
             return None
         return Charge(self, key_name, limiter, est_tokens, verdict)
 
+    def check_entry(
+        self, key_name: str, key: ClientKey | None, prio: Prio, request_id: str
+    ) -> EntryVerdict | None:
+        """The entry layer alone, for a request that starts no generation (a Responses
+        by-id call, :mod:`gateway.api.responses`): one request taken from the key's
+        requests-per-minute bucket, 0 tokens (a key's tokens-per-minute deficit does not
+        refuse it). Raises the entry layer's 429 :class:`Refusal` (``retry-after`` and the
+        key's ``x-ratelimit-*`` headers) when the key is out of requests. Returns the key's
+        buckets after the charge (their headers), or None without limits or when admission
+        is off."""
+        if not self.enabled:
+            return None
+        limiter = self._limiter(key_name, key)
+        if limiter is None:
+            return None
+        now = self.clock()
+        bucket = limiter.requests  # the tokens bucket is not asked: it costs none
+        wait = bucket.wait_for(1, now) if bucket is not None else 0.0
+        if wait > 0:
+            raise self.refusal(
+                "entry",
+                prio,
+                f"Rate limit reached for key '{key_name}': requests per minute. "
+                f"Retry in {wait:.1f} s.",
+                wait,
+                limiter.state(now),
+                request_id,
+            )
+        if bucket is not None:
+            bucket.take(1, now)
+        return limiter.state(now)
+
     def settle(self, charge: Charge, usage: tuple[int, int] | None) -> EntryVerdict | None:
         """The answer of a request admitted with ``charge`` reported ``usage`` (prompt,
         completion tokens): the key is charged that instead of the estimate

@@ -22,8 +22,17 @@ The rules (README, "The Responses API"):
 - **By-id call** (:meth:`holder`): pinned to the owner in any state but ``cold`` (its state
   lives there and reading or cancelling it costs no generation: a draining, cooling or even
   unhealthy backend is still asked, and a failure to reach it is the usual 502); gone as
-  above: 404 on ``response_id``. An unknown id is asked of every backend that may hold one
-  (:meth:`askable`) in turn by :mod:`gateway.api.responses`.
+  above: 404 on ``response_id``; judged hung (``unhealthy``, reason ``backend_hung``,
+  :func:`is_hung`): a prompt 503 (:func:`hung`; asking it would wait out
+  ``proxy.ttfb_timeout_s``). An unknown id is asked of
+  every backend that may hold one (:meth:`askable`) in turn by :mod:`gateway.api.responses`.
+- **A by-id call waiting on a backend judged hung** is cut (:meth:`waiting_on`,
+  :meth:`on_transition`: ``Cut.BACKEND_HUNG`` when it goes ``unhealthy``) while no byte of
+  its answer has come back: the call then moves on to the next backend (unknown id) or
+  gets a 503 (known owner). The fleet's hung watchdog only cuts requests it may re-send
+  elsewhere, and a by-id call is pinned to one backend per attempt.
+- **Remembered** (:meth:`found`): an unknown id only when the backend's answer names it
+  (a response object whose ``id`` is that id), never from the path alone.
 """
 
 from __future__ import annotations
@@ -31,15 +40,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from gateway.core.outcomes import INVALID_REQUEST, Refusal
-from gateway.core.vocab import BackendState
+from gateway.core.outcomes import INVALID_REQUEST, SERVER_ERROR, Refusal
+from gateway.core.vocab import BackendState, Cut
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
-from gateway.fleet.records import Transition
+from gateway.fleet.records import Cuttable, Transition
 from gateway.flow.context import Opened
 from gateway.routing.response_owners import ResponseOwners, id_in_body, id_in_events
 
 RESPONSES = "/v1/responses"
+HUNG = "backend_hung"  # the transition reason of a backend judged hung (gateway.fleet.health)
 
 # States in which a backend runs a process that may hold stored responses and answers
 _ASKABLE = frozenset(
@@ -58,6 +68,8 @@ class ResponseRouting:
         # backend id -> when it last entered ``cold`` (restarted or preempted: its
         # in-memory store is gone): responses learned before then are lost
         self.lost_at: dict[str, float] = {}
+        # backend id -> the by-id calls waiting there for an answer's start
+        self.waiting: dict[str, set[Cuttable]] = {}
 
     # ---- learning ---------------------------------------------------------------------
     def learn(self, opened: Opened, model: str) -> None:
@@ -76,9 +88,23 @@ class ResponseRouting:
         if rid is not None:
             self.owners.remember(rid, opened.backend.id, model)
 
-    def learned(self, response_id: str, backend: Backend, model: str) -> None:
-        """``backend`` answered a by-id call on ``response_id`` (found it)."""
-        self.owners.remember(response_id, backend.id, model)
+    def found(self, response_id: str, opened: Opened, model: str) -> None:
+        """``opened`` answered a by-id call on ``response_id`` the gateway did not know:
+        remember its backend when the answer is that response (a 200 whose response
+        object, non-stream or in a ``response.created`` event, has ``id`` equal to
+        ``response_id``); an answer that does not name it (a list of input items, a
+        stream without that event) teaches nothing."""
+        resp = opened.resp
+        if resp.status != 200:
+            return
+        if opened.framer is None:
+            if resp.headers.get("content-encoding") is not None:
+                return
+            rid = id_in_body(opened.data)
+        else:
+            rid = id_in_events(opened.data)
+        if rid == response_id:
+            self.owners.remember(response_id, opened.backend.id, model)
 
     def forget(self, response_id: str) -> None:
         """``response_id`` was deleted on its backend."""
@@ -89,6 +115,22 @@ class ResponseRouting:
         (restarted, preempted) lost the responses it stored."""
         if t.to_state is BackendState.COLD:
             self.lost_at[backend.id] = self.clock()
+        if t.to_state is BackendState.UNHEALTHY and t.reason == HUNG:
+            for cut in list(self.waiting.get(backend.id, ())):
+                cut.cut(Cut.BACKEND_HUNG)
+
+    def waiting_on(self, backend: Backend, cut: Cuttable) -> None:
+        """A by-id call (``cut``: its :class:`gateway.proxy.relay.CutHandle`) now waits on
+        ``backend`` for its answer's start; :meth:`answered_by` ends that."""
+        self.waiting.setdefault(backend.id, set()).add(cut)
+
+    def answered_by(self, backend: Backend, cut: Cuttable) -> None:
+        """The by-id call ``cut`` waits on ``backend`` no more (answered, failed, gone)."""
+        calls = self.waiting.get(backend.id)
+        if calls is not None:
+            calls.discard(cut)
+            if not calls:
+                del self.waiting[backend.id]
 
     # ---- routing ----------------------------------------------------------------------
     def follow_up(self, response_id: str) -> Backend | None:
@@ -132,9 +174,10 @@ class ResponseRouting:
         return b, owner.model
 
     def askable(self) -> list[Backend]:
-        """Backends that may hold a response the gateway does not know of, in config
-        order: those running (warming, warm, draining, cooldown)."""
-        return [b for b in self.fleet.backends if b.state in _ASKABLE]
+        """Backends that may hold a response the gateway does not know of: those running
+        (warming, warm, draining, cooldown), in config order, suspected hung ones last."""
+        running = [b for b in self.fleet.backends if b.state in _ASKABLE]
+        return sorted(running, key=lambda b: b.suspected)  # (a stable sort)
 
     def _present(self, response_id: str, backend_id: str, learned_at: float, param: str) -> Backend:
         b = self.fleet.get(backend_id)
@@ -145,6 +188,32 @@ class ResponseRouting:
                 response_id, b.id, "was restarted since and lost its stored responses", param
             )
         return b
+
+
+def is_hung(backend: Backend) -> bool:
+    """Whether ``backend`` is ``unhealthy`` because the hung watchdog judged it hung
+    (:meth:`gateway.fleet.health.HealthChecks.on_hung`)."""
+    return (
+        backend.state is BackendState.UNHEALTHY
+        and bool(backend.history)
+        and backend.history[-1].reason == HUNG
+    )
+
+
+def hung(response_id: str, backend: Backend, retry_after_s: float, known: bool = True) -> Refusal:
+    """503 for a by-id call on ``response_id`` whose backend was judged hung (before or
+    while it was asked), saying to come back in ``retry_after_s`` seconds. ``known``: the
+    backend holds it (else it was one that may, for an id the gateway does not know)."""
+    holds = "is held by" if known else "may be held by"
+    return Refusal(
+        503,
+        f"Response with id '{response_id}' {holds} backend '{backend.id}', which stopped "
+        "answering (judged hung); retry later.",
+        SERVER_ERROR,
+        "backend_unavailable",
+        param="response_id",
+        retry_after_s=retry_after_s,
+    )
 
 
 def _gone(response_id: str, backend_id: str, why: str, param: str) -> Refusal:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import socket
+import threading
 from typing import Any
 
 import httpx
@@ -230,3 +233,186 @@ def test_responses_owner_gone_gets_a_404_that_says_so(backends, gateway):
     err = e.value.body
     assert err["param"] == "response_id" and "'a'" in err["message"], err
     assert "restarted" in err["message"], err
+
+
+# ---- by-id calls: hung backends, the key's limits, a backend's 429, the path as sent ----
+
+BY_ID_CALLS = [  # (method, path after the id, what the client asks)
+    pytest.param("GET", "", id="get"),
+    pytest.param("GET", "?stream=true", id="get-stream"),
+    pytest.param("POST", "/cancel", id="cancel"),
+    pytest.param("GET", "/input_items", id="input-items"),
+    pytest.param("DELETE", "", id="delete"),
+]
+
+
+def by_id(gw, method: str, rid: str, tail: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, f"{gw.url}/v1/responses/{rid}{tail}", timeout=60, **kw)
+
+
+@pytest.mark.parametrize("method,tail", BY_ID_CALLS[:3])
+def test_responses_by_id_call_moves_on_from_a_hung_backend(backends, gateway, method, tail):
+    """A by-id call waited the whole ``proxy.ttfb_timeout_s`` (then a 504) on a backend that
+    accepts connections and answers nothing, although the gateway judged it hung (unhealthy,
+    backend_hung) after ~2 s: an unknown id must move on to the next backend, a known owner's
+    call get a 503 saying so; once judged, its calls are answered without asking it."""
+    hang = {"on": False}
+    store_a, store_b = ResponsesStore("a"), ResponsesStore("b")
+
+    def hanging(script):
+        async def run(req: Received, conn: Conn) -> None:
+            if hang["on"]:
+                await conn.sleep(120)
+                return
+            await script(req, conn)
+        return run
+
+    a = ScriptedBackend(hanging(store_a.script))
+    a.control = hanging(a._default_control)
+    a.start()
+    b = backends(store_b.script)
+    try:
+        gw = gateway({"a": a, "b": b}, routing={"policy": "round_robin"},
+                     proxy={"ttfb_timeout_s": 30})
+        client = sdk(gw)
+        on_a = next(r for r in (create(client, False) for _ in range(2)) if r.startswith("resp_a"))
+        on_b = httpx.post(b.url + "/v1/responses", json={"model": "m1", "input": "hi"},
+                          timeout=10).json()["id"]  # unknown to the gateway
+        hang["on"] = True
+        got: dict[str, httpx.Response] = {}
+        threads = [threading.Thread(target=lambda k=k, rid=rid: got.__setitem__(
+            k, by_id(gw, method, rid, tail))) for k, rid in (("a", on_a), ("b", on_b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert got["b"].status_code == 200, (got["b"].status_code, got["b"].text[:300])
+        assert on_b in got["b"].text
+        assert got["a"].status_code == 503, (got["a"].status_code, got["a"].text[:300])
+        err = got["a"].json()["error"]
+        assert err["param"] == "response_id" and "'a'" in err["message"], err
+        assert "hung" in err["message"] and "retry-after" in got["a"].headers
+        assert gw.gateway.fleet.get("a").state == "unhealthy"
+        asked = len(a.data_requests)
+        again = by_id(gw, method, on_a, tail)  # judged hung: not asked
+        assert again.status_code == 503 and len(a.data_requests) == asked, again.text
+    finally:
+        hang["on"] = False
+        a.stop()
+
+
+@pytest.mark.parametrize("batcher", BATCHER)
+@pytest.mark.parametrize("method,tail", BY_ID_CALLS)
+def test_responses_by_id_calls_count_against_the_keys_rate_limit(
+        backends, gateway, batcher, method, tail):
+    """A key with rpm 2 sent 20 GETs of unknown ids: all were served (60 backend requests on a
+    fleet of 3). A by-id call is a request of its key: the third in the minute gets the entry
+    layer's 429 (retry-after, x-ratelimit-*), and no backend is asked."""
+    fleet = stateful(backends, "a", "b", "c")
+    gw = start(gateway, fleet, batcher,
+               auth={"client_keys": [{"name": "tiny", "key": "k1", "rpm": 2}]})
+    auth = {"authorization": "Bearer k1"}
+    got = []
+    for i in range(3):
+        asked = sum(len(s.asked) for _, s in fleet.values())
+        got.append(by_id(gw, method, f"resp_guess{i}", tail, headers=auth))
+    assert [r.status_code for r in got] == [404, 404, 429], [r.text[:200] for r in got]
+    for r in got[:2]:  # the backends' own 404 (nobody holds it), with the key's headers
+        assert r.headers["x-ratelimit-limit-requests"] == "2", dict(r.headers)
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in got] == ["1", "0", "0"]
+    r = got[2]
+    err = r.json()["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests", err
+    assert int(r.headers["retry-after"]) >= 1, dict(r.headers)
+    assert sum(len(s.asked) for _, s in fleet.values()) == asked
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["unknown-id", "known-id"])
+@pytest.mark.parametrize("method,tail", BY_ID_CALLS)
+def test_responses_by_id_429_without_retry_after_gets_the_gateways(
+        backends, gateway, known, method, tail):
+    """A backend's 429 without Retry-After on a by-id call reached the client with none (every
+    other route adds the gateway's retry-after / retry-after-ms): the client must be told
+    when; the backend's own body is kept."""
+    store = ResponsesStore("a")
+    busy = {"on": False}
+    body = error_obj("Too many requests", 429, "TooManyRequests")
+
+    async def script(req: Received, conn: Conn) -> None:
+        if busy["on"]:
+            await conn.send_json(429, body)
+            return
+        await store.script(req, conn)
+
+    gw = gateway({"a": backends(script)}, retry={"default_retry_after_s": 5})
+    rid = create(sdk(gw), False) if known else "resp_unknown"
+    busy["on"] = True
+    r = by_id(gw, method, rid, tail)
+    assert r.status_code == 429 and r.json() == body, r.text
+    assert "retry-after" in r.headers, dict(r.headers)
+    assert 1 <= int(r.headers["retry-after"]) <= 5, dict(r.headers)
+    assert int(r.headers["retry-after-ms"]) <= 5000, dict(r.headers)
+
+
+def _raw(url: str, line: str) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(f"{line} HTTP/1.1\r\nHost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                  .encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), rest
+
+
+def test_responses_by_id_path_is_forwarded_encoded(backends, gateway):
+    """The id was forwarded decoded: ``GET /v1/responses/..`` reached the backend as
+    ``GET /v1/``, ``POST /v1/responses/../cancel`` as ``POST /v1/cancel``, ``%3F`` became a
+    query, ``%23`` cut the id, and such ids were remembered. The backend must receive exactly
+    ``/v1/responses/<the id, encoded>``; a dot-segment id is refused without asking it; only
+    ids a backend's answer names are remembered."""
+    fleet = stateful(backends, "a")
+    gw = start(gateway, fleet, False)
+    a, _ = fleet["a"]
+    rid = create(sdk(gw), False)
+    for line in ["GET /v1/responses/..", "POST /v1/responses/../cancel",
+                 "DELETE /v1/responses/.", "GET /v1/responses/%2E%2E",
+                 "GET /v1/responses/%2e/input_items",
+                 # no by-id route has this shape once decoded (an id with a "/" and a route)
+                 "POST /v1/responses/..%2Fcancel/cancel", "POST /v1/responses/x%2Fcancel",
+                 "DELETE /v1/responses/..%2Fcancel"]:
+        n = len(a.data_requests)
+        status, body = _raw(gw.url, line)
+        assert status in (400, 404, 405), (line, status, body)
+        err = json.loads(body)["error"]
+        assert err["type"] == "invalid_request_error", err
+        assert status != 400 or err["param"] == "response_id", err
+        assert len(a.data_requests) == n, (line, a.data_requests[n:])
+    sent = {  # what the client sends -> what the backend must receive
+        f"GET /v1/responses/{rid}%3Fstream=true": f"GET /v1/responses/{rid}%3Fstream=true",
+        f"GET /v1/responses/{rid}%23frag": f"GET /v1/responses/{rid}%23frag",
+        "GET /v1/responses/x%2Finput_items": "GET /v1/responses/x%2Finput_items",
+        "GET /v1/responses/r%C3%A9p%20x%25%2B": "GET /v1/responses/r%C3%A9p%20x%25%2B",
+        f"GET /v1/responses/{rid}?stream=true": f"GET /v1/responses/{rid}?stream=true",
+    }
+    for line, want in sent.items():
+        n = len(a.data_requests)
+        status, _ = _raw(gw.url, line)
+        got = [f"{q.method} {q.path}" for q in a.data_requests[n:]]
+        assert got == [want], (line, got)
+        assert status == (200 if line.endswith("?stream=true") else 404), (line, status)
+    assert len(gw.gateway.responses.owners) == 1  # the one created; no odd id remembered
+
+
+def test_responses_by_id_refusal_is_logged_with_its_method(backends, gateway, caplog):
+    """The gateway's own refusals of GET and DELETE by id were logged as ``POST ...``."""
+    fleet = stateful(backends, "a")
+    gw = start(gateway, fleet, False, auth={"client_keys": [{"name": "n", "key": "k1"}]})
+    caplog.set_level(logging.INFO, logger="gateway.api")
+    for method in ("GET", "DELETE"):
+        r = by_id(gw, method, "resp_x", "", headers={"authorization": "Bearer wrong",
+                                                     "x-request-id": f"req-{method}"})
+        assert r.status_code == 401, r.text
+        logged = [rec.getMessage() for rec in caplog.records if f"req-{method}" in rec.getMessage()]
+        assert logged and all(m.startswith(f"{method} /v1/responses/") for m in logged), logged
