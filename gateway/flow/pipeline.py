@@ -21,27 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 
 from gateway.config import GatewayConfig
-from gateway.core.outcomes import SERVER_ERROR, BackendAnswer, Refusal
+from gateway.core.outcomes import BackendAnswer, Refusal
 from gateway.core.vocab import Cut, FailureKind
 from gateway.fleet.backend import Backend
 from gateway.fleet.feedback import FleetFeedback
 from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
 from gateway.flow.attempt import send_attempt
-from gateway.flow.candidates import availability_s, candidates, recovery_s
+from gateway.flow.candidates import candidates
 from gateway.flow.context import NOTHING_GENERATED, Answer, Opened, RequestContext
 from gateway.flow.lease import Hold, Verdict
+from gateway.flow.outcome import give_up, kept_answer
 from gateway.proxy.relay import StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
 from gateway.proxy.upstream import Transport, UpstreamFailure, response_headers
 from gateway.routing.policies import Policy
 from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
-from gateway.traffic.retry_after import backend_retry_after, clamp_retry_after, says_when
+from gateway.traffic.retry_after import backend_retry_after
 
 log = logging.getLogger("gateway.flow.pipeline")
 
@@ -232,7 +232,7 @@ class Pipeline:
             self._cool(backend, f.headers, f.status == 429)
         if f.kind in _RELAYED and f.status is not None:
             new = BackendAnswer(f.status, f.body, f.headers)
-            ctx.answered = self._kept_answer(ctx.answered, new)
+            ctx.answered = kept_answer(ctx.answered, new, self.wall())
         ctx.lease.end_attempt(Verdict.NEUTRAL if f.kind in _NEUTRAL_FAILURES else Verdict.FAILURE)
         self.accounting.attempt(backend, f.kind)
         backend.note_error(f"{ctx.endpoint}: {f.message}")
@@ -245,19 +245,6 @@ class Pipeline:
             f.message,
             ctx.request_id,
         )
-
-    def _kept_answer(self, kept: BackendAnswer | None, new: BackendAnswer) -> BackendAnswer:
-        """Which backend answer to relay if no backend takes the request: the last one,
-        except that between two 429s with a readable ``Retry-After`` or ``retry-after-ms``
-        each the one that comes back sooner is kept (a client that waits what it was told
-        then finds a backend ready: case BUG-05, A ``Retry-After: 7`` then B ``3`` is
-        answered with B's 429)."""
-        if kept is None or not (kept.status == new.status == 429):
-            return new
-        now = self.wall()
-        was = backend_retry_after(kept.headers, now)
-        now_s = backend_retry_after(new.headers, now)
-        return kept if was is not None and now_s is not None and was < now_s else new
 
     def _cool(self, backend: Backend, headers: list[tuple[bytes, bytes]], always: bool) -> None:
         """Honour a backend's ``Retry-After`` or ``retry-after-ms`` (``headers``: its answer's,
@@ -274,83 +261,9 @@ class Pipeline:
 
     # ---- what cannot be answered ------------------------------------------------------
     def _give_up(self, ctx: RequestContext, f: UpstreamFailure | None) -> Refusal | BackendAnswer:
-        """The typed outcome when no attempt (``f``: the last failure, None: none was made)
-        gave an answer the client can have.
-
-        The last answer a backend gave (``ctx.answered``: a 429 or a 5xx, even before a
-        later attempt that got no answer at all; between 429s the sooner ``Retry-After``,
-        :meth:`_kept_answer`) is relayed as sent; a 429 with neither ``Retry-After`` nor
-        ``retry-after-ms`` gets the gateway's estimate of when a backend of the model is
-        back added (one with either gets nothing added). Only when no backend answered
-        does the gateway answer itself: :meth:`unavailable` when it asked none, else from
-        the last failure (a refused gateway key 502, a drained or hung backend
-        503, a timeout 504, a broken connection 502). A 401/403 to the gateway's own key is
-        never relayed: it would tell the client that its own key is wrong."""
-        answer = ctx.answered
-        if answer is not None:
-            if answer.status == 429 and not says_when(answer.headers):
-                # the backend said not when: the gateway tells when one of the model's
-                # backends takes requests again (never a 429 without it: case BUG-05)
-                soon = availability_s(self.fleet, ctx.model, self.clock())
-                return BackendAnswer(answer.status, answer.body, answer.headers, soon)
-            return answer
-        if f is None:
-            return self.unavailable(ctx.model)
-        if f.kind == FailureKind.AUTH:
-            return Refusal(
-                502,
-                f"Backend '{f.backend.id}' rejected the gateway's credentials "
-                f"({f.status}): the gateway's backend key is misconfigured.",
-                SERVER_ERROR,
-                "backend_auth_failed",
-            )
-        if f.kind in (FailureKind.DRAINED, FailureKind.BACKEND_HUNG):
-            return Refusal(
-                503,
-                f"The backend serving model '{ctx.model}' was taken out of rotation "
-                "(drained, hung, stalled or shutting down) before answering, and no other could "
-                "take the request.",
-                SERVER_ERROR,
-                "no_backend_available",
-                retry_after_s=recovery_s(self.cfg.health),
-            )
-        if f.kind in (FailureKind.TTFB_TIMEOUT, FailureKind.IDLE_TIMEOUT):
-            return Refusal(
-                504,
-                f"The backend did not answer in time: {f.message}",
-                SERVER_ERROR,
-                "upstream_timeout",
-            )
-        return Refusal(
-            502,
-            f"Could not get an answer from a backend for model '{ctx.model}': {f.message}",
-            SERVER_ERROR,
-            "upstream_unavailable",
-        )
-
-    def unavailable(self, model: str) -> Refusal:
-        """The gateway's own answer when no backend of ``model`` can take a request now,
-        given without asking any backend: 429 when one is warm but cooling after a 429/503 or
-        with an open breaker (retry when the first is back), else 503 (unhealthy,
-        draining, gone) with the probe-recovery estimate."""
-        soon = availability_s(self.fleet, model, self.clock())
-        if soon is not None:
-            return Refusal(
-                429,
-                f"Every backend serving model '{model}' is rate-limited or recovering; retry "
-                f"in {math.ceil(clamp_retry_after(soon))} s.",
-                "requests",
-                "rate_limit_exceeded",
-                retry_after_s=soon,
-            )
-        return Refusal(
-            503,
-            f"No backend is available for model '{model}' right now (all are unhealthy, "
-            "draining or restarting).",
-            SERVER_ERROR,
-            "no_backend_available",
-            retry_after_s=recovery_s(self.cfg.health),
-        )
+        """The typed outcome when no attempt gave an answer the client can have
+        (:func:`gateway.flow.outcome.give_up`)."""
+        return give_up(ctx, f, self.fleet, self.cfg.health, self.clock())
 
     # ---- completion ---------------------------------------------------------------------
     def finish_body(self, ctx: RequestContext, opened: Opened) -> Answer:

@@ -1,0 +1,123 @@
+"""What a request that no backend took ends with (:class:`gateway.flow.pipeline.Pipeline`
+raises it): the last answer a backend gave, relayed as sent, or the gateway's own refusal.
+
+Decisions only, over the request's context, its last failure, the fleet's backends and the
+time passed in: no I/O, no state of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from gateway.config import HealthConfig
+from gateway.core.outcomes import SERVER_ERROR, BackendAnswer, Refusal
+from gateway.core.vocab import FailureKind
+from gateway.fleet.backend import Backend
+from gateway.flow.candidates import availability_s, recovery_s
+from gateway.flow.context import RequestContext
+from gateway.proxy.upstream import UpstreamFailure
+from gateway.traffic.retry_after import backend_retry_after, clamp_retry_after, says_when
+
+
+def kept_answer(kept: BackendAnswer | None, new: BackendAnswer, now_unix: float) -> BackendAnswer:
+    """Which backend answer to relay if no backend takes the request (``kept``: the one
+    kept so far, ``new``: the latest; ``now_unix``: Unix seconds, for HTTP dates): the last
+    one, except that between two 429s with a readable ``Retry-After`` or ``retry-after-ms``
+    each the one that comes back sooner is kept (a client that waits what it was told then
+    finds a backend ready: case BUG-05, A ``Retry-After: 7`` then B ``3`` is answered with
+    B's 429)."""
+    if kept is None or not (kept.status == new.status == 429):
+        return new
+    was = backend_retry_after(kept.headers, now_unix)
+    now_s = backend_retry_after(new.headers, now_unix)
+    return kept if was is not None and now_s is not None and was < now_s else new
+
+
+def give_up(
+    ctx: RequestContext,
+    f: UpstreamFailure | None,
+    backends: Iterable[Backend],
+    health: HealthConfig,
+    now: float,
+) -> Refusal | BackendAnswer:
+    """The typed outcome when no attempt (``f``: the last failure, None: none was made)
+    gave an answer the client can have (``now``: monotonic seconds).
+
+    The last answer a backend gave (``ctx.answered``: a 429 or a 5xx, even before a later
+    attempt that got no answer at all; between 429s the sooner ``Retry-After``,
+    :func:`kept_answer`) is relayed as sent; a 429 with neither ``Retry-After`` nor
+    ``retry-after-ms`` gets the gateway's estimate of when a backend of the model is back
+    added (one with either gets nothing added). Only when no backend answered does the
+    gateway answer itself: :func:`unavailable` when it asked none, else from the last
+    failure (a refused gateway key 502, a drained or hung backend 503, a timeout 504, a
+    broken connection or a ``bad_answer`` 502). A 401/403 to the gateway's own key is never
+    relayed: it would tell the client that its own key is wrong."""
+    answer = ctx.answered
+    if answer is not None:
+        if answer.status == 429 and not says_when(answer.headers):
+            # the backend said not when: the gateway tells when one of the model's
+            # backends takes requests again (never a 429 without it: case BUG-05)
+            soon = availability_s(backends, ctx.model, now)
+            return BackendAnswer(answer.status, answer.body, answer.headers, soon)
+        return answer
+    if f is None:
+        return unavailable(backends, ctx.model, health, now)
+    if f.kind == FailureKind.AUTH:
+        return Refusal(
+            502,
+            f"Backend '{f.backend.id}' rejected the gateway's credentials "
+            f"({f.status}): the gateway's backend key is misconfigured.",
+            SERVER_ERROR,
+            "backend_auth_failed",
+        )
+    if f.kind in (FailureKind.DRAINED, FailureKind.BACKEND_HUNG):
+        return Refusal(
+            503,
+            f"The backend serving model '{ctx.model}' was taken out of rotation "
+            "(drained, hung, stalled or shutting down) before answering, and no other could "
+            "take the request.",
+            SERVER_ERROR,
+            "no_backend_available",
+            retry_after_s=recovery_s(health),
+        )
+    if f.kind in (FailureKind.TTFB_TIMEOUT, FailureKind.IDLE_TIMEOUT):
+        return Refusal(
+            504,
+            f"The backend did not answer in time: {f.message}",
+            SERVER_ERROR,
+            "upstream_timeout",
+        )
+    return Refusal(
+        502,
+        f"Could not get an answer from a backend for model '{ctx.model}': {f.message}",
+        SERVER_ERROR,
+        "upstream_unavailable",
+    )
+
+
+def unavailable(
+    backends: Iterable[Backend], model: str, health: HealthConfig, now: float
+) -> Refusal:
+    """The gateway's own answer when no backend of ``model`` can take a request now
+    (``now``: monotonic seconds), given without asking any backend: 429 when one is warm
+    but cooling after a 429/503 or with an open breaker (retry when the first is back),
+    else 503 (unhealthy, draining, gone) with the probe-recovery estimate."""
+    soon = availability_s(backends, model, now)
+    if soon is not None:
+        return Refusal(
+            429,
+            f"Every backend serving model '{model}' is rate-limited or recovering; retry "
+            f"in {math.ceil(clamp_retry_after(soon))} s.",
+            "requests",
+            "rate_limit_exceeded",
+            retry_after_s=soon,
+        )
+    return Refusal(
+        503,
+        f"No backend is available for model '{model}' right now (all are unhealthy, "
+        "draining or restarting).",
+        SERVER_ERROR,
+        "no_backend_available",
+        retry_after_s=recovery_s(health),
+    )
