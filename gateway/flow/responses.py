@@ -57,6 +57,21 @@ _ASKABLE = frozenset(
 )
 
 
+def created_id(opened: Opened) -> str | None:
+    """The id of the response object an accepted answer start carries, if any: a 200 whose
+    body (non-stream, not content-encoded) has an ``id``, or whose first events hold
+    ``response.created`` (:func:`gateway.routing.response_owners.id_in_body`,
+    :func:`~gateway.routing.response_owners.id_in_events`)."""
+    resp = opened.resp
+    if resp.status != 200:
+        return None
+    if opened.framer is None:
+        if resp.headers.get("content-encoding") is not None:
+            return None
+        return id_in_body(opened.data)
+    return id_in_events(opened.data)
+
+
 class ResponseRouting:
     """The response-id table (:class:`gateway.routing.response_owners.ResponseOwners`) and
     the decisions that read the fleet. ``clock``: monotonic seconds (the table's too)."""
@@ -76,15 +91,7 @@ class ResponseRouting:
         """Remember the backend of the response ``opened`` starts, if it created one: a
         200 whose body (non-stream, not content-encoded) has an ``id``, or whose first
         events hold ``response.created``."""
-        resp = opened.resp
-        if resp.status != 200:
-            return
-        if opened.framer is None:
-            if resp.headers.get("content-encoding") is not None:
-                return
-            rid = id_in_body(opened.data)
-        else:
-            rid = id_in_events(opened.data)
+        rid = created_id(opened)
         if rid is not None:
             self.owners.remember(rid, opened.backend.id, model)
 
@@ -94,16 +101,7 @@ class ResponseRouting:
         object, non-stream or in a ``response.created`` event, has ``id`` equal to
         ``response_id``); an answer that does not name it (a list of input items, a
         stream without that event) teaches nothing."""
-        resp = opened.resp
-        if resp.status != 200:
-            return
-        if opened.framer is None:
-            if resp.headers.get("content-encoding") is not None:
-                return
-            rid = id_in_body(opened.data)
-        else:
-            rid = id_in_events(opened.data)
-        if rid == response_id:
+        if created_id(opened) == response_id:
             self.owners.remember(response_id, opened.backend.id, model)
 
     def forget(self, response_id: str) -> None:
