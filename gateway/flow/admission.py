@@ -16,8 +16,9 @@ Refusals are raised as :class:`gateway.core.outcomes.Refusal` (the HTTP edge ren
 
 The tokens-per-minute charge is an estimate (:mod:`gateway.traffic.estimate`); an admitted
 request under a key with limits gets a :class:`Charge`, which the flow settles once the
-answer's ``usage`` is known (:meth:`AdmissionGate.settle`): the key is then charged what the
-backend reported, not the estimate. Without a reported usage the estimate stands.
+answer's ``usage`` is known (:meth:`gateway.flow.key_limits.KeyLimits.settle`): the key is
+then charged what the backend reported, not the estimate. Without a reported usage the
+estimate stands.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gateway.core.outcomes import Refusal, shutting_down
 from gateway.core.vocab import BackendState, Prio
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
+from gateway.flow.key_limits import Charge, KeyLimits
 from gateway.flow.lease import Hold, RequestLease
 from gateway.flow.shaping import ratelimit_headers
 from gateway.metrics import GatewayMetrics
@@ -46,13 +48,11 @@ from gateway.traffic.admission import (
     shed_retry_after,
     wait_level,
 )
-from gateway.traffic.estimate import MediaCosts, plausible_usage
-from gateway.traffic.limits import EntryVerdict, KeyLimiter
+from gateway.traffic.estimate import MediaCosts
+from gateway.traffic.limits import EntryVerdict
 from gateway.traffic.scheduler import QUEUE_FULL, Scheduler
 
 log = logging.getLogger("gateway.admission")
-
-LIMITER_SWEEP_MIN = 1024  # limiters kept before full (idle) ones are dropped
 
 _PRIO_NAMES = {Prio.HIGH: "high", Prio.NORMAL: "normal", Prio.LOW: "low"}
 
@@ -64,25 +64,6 @@ class Ticket:
     prio: Prio
     started: float | None = None  # monotonic seconds when the slot was taken
     released: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class Charge:
-    """What admission charged one request to its client key ``key`` (name or address):
-    ``tokens`` estimated tokens taken from ``limiter``, with the entry ``verdict`` then.
-    Settled at most once, against the answer's reported usage
-    (:meth:`AdmissionGate.settle`)."""
-
-    gate: AdmissionGate
-    key: str
-    limiter: KeyLimiter
-    tokens: int
-    verdict: EntryVerdict
-    settled: bool = False
-
-    def settle(self, usage: tuple[int, int] | None) -> EntryVerdict | None:
-        """See :meth:`AdmissionGate.settle`."""
-        return self.gate.settle(self, usage)
 
 
 class AdmissionGate:
@@ -117,10 +98,9 @@ class AdmissionGate:
         self.scheduler = Scheduler(
             max_in_flight, a.max_queued, max_wait_s=a.max_queue_wait_s, capacity=capacity
         )
-        self.limiters: dict[str, KeyLimiter] = {}  # client key name or IP -> its buckets
+        self.keys = KeyLimits(a, clock)  # the entry layer's buckets, per client key or IP
         e = a.estimate  # per-item token costs of media in the estimate
         self.media_costs = MediaCosts(e.image_tokens, e.audio_tokens, e.video_tokens, e.file_tokens)
-        self._sweep_at = LIMITER_SWEEP_MIN
         d = cfg.degraded
         self.degraded = DegradedMode(d.enter_after_s, d.step_s) if d.enabled else None
         # Power layer: draw / budget of the roomiest power domain among a model's routable
@@ -132,23 +112,6 @@ class AdmissionGate:
         """``x-priority`` header, else the key's priority, else normal."""
         default = Prio.parse(key.priority.value, Prio.NORMAL) if key else Prio.NORMAL
         return Prio.parse(header.decode("latin-1") if header else None, default)
-
-    def _limiter(self, name: str, key: ClientKey | None) -> KeyLimiter | None:
-        a = self.cfg.admission
-        rpm = (key.rpm if key else None) or a.default_rpm
-        tpm = (key.tpm if key else None) or a.default_tpm
-        if rpm is None and tpm is None:
-            return None
-        lim = self.limiters.get(name)
-        if lim is None:
-            now = self.clock()
-            if len(self.limiters) >= self._sweep_at:
-                # drop the limiters that are full again (exactly like new ones); amortised:
-                # the next sweep waits until the table has doubled
-                self.limiters = {n: x for n, x in self.limiters.items() if not x.full(now)}
-                self._sweep_at = max(LIMITER_SWEEP_MIN, 2 * len(self.limiters))
-            lim = self.limiters[name] = KeyLimiter(rpm, tpm, now)
-        return lim
 
     def refusal(
         self,
@@ -209,7 +172,7 @@ class AdmissionGate:
             return None
         now = self.clock()
         verdict = None
-        limiter = self._limiter(key_name, key)
+        limiter = self.keys.limiter(key_name, key)
         if limiter is not None:
             verdict = limiter.check(est_tokens, now)
             if not verdict.admitted:
@@ -238,7 +201,7 @@ class AdmissionGate:
         lease.hold(Hold.TICKET, lambda: self.release(ticket))
         if limiter is None or verdict is None:
             return None
-        return Charge(self, key_name, limiter, est_tokens, verdict)
+        return Charge(self.keys, key_name, limiter, est_tokens, verdict)
 
     def check_entry(
         self, key_name: str, key: ClientKey | None, prio: Prio, request_id: str
@@ -252,7 +215,7 @@ class AdmissionGate:
         is off."""
         if not self.enabled:
             return None
-        limiter = self._limiter(key_name, key)
+        limiter = self.keys.limiter(key_name, key)
         if limiter is None:
             return None
         now = self.clock()
@@ -270,24 +233,6 @@ class AdmissionGate:
             )
         if bucket is not None:
             bucket.take(1, now)
-        return limiter.state(now)
-
-    def settle(self, charge: Charge, usage: tuple[int, int] | None) -> EntryVerdict | None:
-        """The answer of a request admitted with ``charge`` reported ``usage`` (prompt,
-        completion tokens): the key is charged that instead of the estimate
-        (:meth:`KeyLimiter.settle`), once. Returns the key's buckets now (for the
-        answer's ``x-ratelimit-*`` headers), or None when nothing changed: no usage
-        reported, or a usage out of range (:func:`gateway.traffic.estimate.plausible_usage`):
-        the estimate stands; or already settled."""
-        usage = plausible_usage(usage)  # a broken backend's numbers charge nothing
-        if usage is None or charge.settled:
-            return None
-        charge.settled = True
-        # the key's limiter now: the one charged, unless dropped as full meanwhile and
-        # made anew (then that one; a dropped one with no successor is taken back)
-        limiter = self.limiters.setdefault(charge.key, charge.limiter)
-        now = self.clock()
-        limiter.settle(charge.tokens, usage[0] + usage[1], now)
         return limiter.state(now)
 
     async def _after_entry(

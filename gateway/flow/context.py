@@ -19,7 +19,7 @@ from gateway.proxy.sse import EventFramer
 from gateway.proxy.upstream import UpstreamRequest, UpstreamResponse
 
 if TYPE_CHECKING:
-    from gateway.flow.admission import Charge
+    from gateway.flow.key_limits import Charge
     from gateway.flow.merging import Part
 
 
@@ -66,7 +66,7 @@ class RequestContext:
     def settle(self, usage: tuple[int, int] | None) -> None:
         """The answer reported ``usage`` (prompt, completion tokens; None: not reported):
         the client key is charged that instead of admission's estimate
-        (:meth:`gateway.flow.admission.AdmissionGate.settle`, once), and the answer's
+        (:meth:`gateway.flow.key_limits.KeyLimits.settle`, once), and the answer's
         ``x-ratelimit-*`` headers show the key's buckets after it."""
         if self.charge is not None:
             verdict = self.charge.settle(usage)

@@ -101,23 +101,24 @@ def test_gate_forgets_clients_whose_limits_are_full_again():
     table without bound; a client still being limited keeps its limiter."""
     from gateway.config import load_config
     from gateway.fleet.fleet import Fleet
-    from gateway.flow.admission import LIMITER_SWEEP_MIN, AdmissionGate
+    from gateway.flow.admission import AdmissionGate
+    from gateway.flow.key_limits import LIMITER_SWEEP_MIN
     from gateway.metrics import GatewayMetrics
 
     now = [0.0]
     cfg = load_config(None, admission={"default_rpm": 60})
     gate = AdmissionGate(cfg, Fleet(cfg.backends), GatewayMetrics(), clock=lambda: now[0])
-    busy = gate._limiter("busy", None)
+    busy = gate.keys.limiter("busy", None)
     assert busy is not None
     for _ in range(60):
         busy.check(1, now[0])  # used up: a minute to refill
     for i in range(10 * LIMITER_SWEEP_MIN):
         now[0] += 0.001
-        lim = gate._limiter(f"10.0.{i // 256}.{i % 256}", None)
+        lim = gate.keys.limiter(f"10.0.{i // 256}.{i % 256}", None)
         assert lim is not None
         lim.check(1, now[0])  # one request each: full again a second later
-    assert len(gate.limiters) <= 2 * LIMITER_SWEEP_MIN + 1
-    assert gate.limiters.get("busy") is busy
+    assert len(gate.keys.limiters) <= 2 * LIMITER_SWEEP_MIN + 1
+    assert gate.keys.limiters.get("busy") is busy
 
 
 def test_gate_settles_a_charge_once_with_the_reported_usage():
@@ -150,7 +151,7 @@ def test_gate_settles_a_charge_once_with_the_reported_usage():
     assert settled is not None and settled.remaining_tokens == 996
     assert charge.settle((3, 1)) is None and charge.settle((500, 500)) is None  # once
     late = admit(500)
-    assert gate.limiters.pop("10.0.0.1") is late.limiter  # (as a sweep drops it)
+    assert gate.keys.limiters.pop("10.0.0.1") is late.limiter  # (as a sweep drops it)
     after = late.settle((10, 0))
     assert after is not None and after.remaining_tokens == 986
-    assert gate.limiters["10.0.0.1"] is late.limiter
+    assert gate.keys.limiters["10.0.0.1"] is late.limiter
