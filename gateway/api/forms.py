@@ -26,8 +26,8 @@ MULTIPART = b"multipart/form-data"
 
 # A form field read as a boolean the way vLLM's pydantic models read one (pydantic's
 # lax-mode bool: https://docs.pydantic.dev/latest/api/standard_library_types/#booleans)
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
 def is_form(content_type: bytes | None) -> bool:
@@ -141,9 +141,9 @@ def form_payload(body: bytes, content_type: bytes | None, endpoint: str) -> dict
         payload["stream"] = False
     else:
         flag = raw.strip().lower()
-        if flag not in _TRUE and flag not in _FALSE:
+        if flag not in TRUE_WORDS and flag not in FALSE_WORDS:
             raise Refusal(
                 400, "'stream' must be a boolean.", code="invalid_type", param="stream"
             )
-        payload["stream"] = flag in _TRUE
+        payload["stream"] = flag in TRUE_WORDS
     return payload

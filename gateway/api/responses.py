@@ -55,6 +55,7 @@ from gateway.api.errors import (
     render,
     shutting_down_response,
 )
+from gateway.api.forms import TRUE_WORDS
 from gateway.api.openai import (
     Receive,
     Scope,
@@ -98,13 +99,10 @@ BY_ID_ROUTES = (
     ("GET", "/v1/responses/{response_id}/input_items"),
 )
 
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})  # vLLM's query bool (pydantic)
-
-
 def _streams(query: bytes) -> bool:
     """Whether a ``GET`` asks for the stream (``?stream=true``)."""
     values = parse_qs(query.decode("latin-1")).get("stream")
-    return values is not None and values[-1].strip().lower() in _TRUE
+    return values is not None and values[-1].strip().lower() in TRUE_WORDS
 
 
 def parse_path(scope: Scope, method: str) -> tuple[str, str]:
@@ -140,10 +138,6 @@ def upstream_path(response_id: str, label: str) -> str:
     stay as they are (RFC 3986 3.3 ``pchar``): aiohttp's URL (yarl) would decode them
     anyway, so the path built here is the one on the wire."""
     return label.replace("{response_id}", quote(response_id, safe=_SEGMENT_SAFE))
-
-
-def _has_retry_after(headers: list[tuple[bytes, bytes]]) -> bool:
-    return any(k.lower() == b"retry-after" for k, _ in headers)
 
 
 async def by_id_response(
@@ -239,11 +233,7 @@ async def by_id_response(
                 wait = recovery_s(gw.cfg.health)
                 failure = hung(response_id, backend, wait, known=held is not None)
             continue
-        except BackendAnswer as e:
-            if e.status == 429 and e.retry_after_s is None and not _has_retry_after(e.headers):
-                # said not when: when this backend takes requests again (it is cooling)
-                now = gw.pipeline.clock()
-                e.retry_after_s = max(0.0, backend.cooling_until - now, backend.breaker.retry_in())
+        except BackendAnswer as e:  # (a 429 that said not when carries this backend's wait)
             failure = e
             continue
         except asyncio.CancelledError:

@@ -21,9 +21,6 @@ from gateway.traffic.estimate import plausible_usage
 log = logging.getLogger("gateway.flow.accounting")
 
 
-
-
-
 class Accounting:
     """Attempt, usage and served counters, and the TTFT window. ``clock``: monotonic
     seconds; ``weight(backend, now)``: the routing policy's slow-start weight (a backend

@@ -50,9 +50,15 @@ def availability_s(backends: Iterable[Backend], model: str, now: float) -> float
     for b in backends:
         if b.state is not BackendState.WARM or model not in b.models:
             continue
-        wait = max(0.0, b.cooling_until - now, b.breaker.retry_in())
+        wait = wait_s(b, now)
         soonest = wait if soonest is None else min(soonest, wait)
     return soonest
+
+
+def wait_s(backend: Backend, now: float) -> float:
+    """Seconds (from monotonic ``now``) until ``backend`` takes requests again: the end of
+    its 429 cooldown or of its breaker's open time, 0 when neither holds it back."""
+    return max(0.0, backend.cooling_until - now, backend.breaker.retry_in())
 
 
 def recovery_s(health: HealthConfig) -> float:

@@ -14,7 +14,7 @@ from gateway.config import HealthConfig
 from gateway.core.outcomes import SERVER_ERROR, BackendAnswer, Refusal
 from gateway.core.vocab import FailureKind
 from gateway.fleet.backend import Backend
-from gateway.flow.candidates import availability_s, recovery_s
+from gateway.flow.candidates import availability_s, recovery_s, wait_s
 from gateway.flow.context import RequestContext
 from gateway.proxy.upstream import UpstreamFailure
 from gateway.traffic.retry_after import backend_retry_after, clamp_retry_after, says_when
@@ -47,18 +47,21 @@ def give_up(
     The last answer a backend gave (``ctx.answered``: a 429 or a 5xx, even before a later
     attempt that got no answer at all; between 429s the sooner ``Retry-After``,
     :func:`kept_answer`) is relayed as sent; a 429 with neither ``Retry-After`` nor
-    ``retry-after-ms`` gets the gateway's estimate of when a backend of the model is back
-    added (one with either gets nothing added). Only when no backend answered does the
-    gateway answer itself: :func:`unavailable` when it asked none, else from the last
-    failure (a refused gateway key 502, a drained or hung backend 503, a timeout 504, a
-    broken connection or a ``bad_answer`` 502). A 401/403 to the gateway's own key is never
-    relayed: it would tell the client that its own key is wrong."""
+    ``retry-after-ms`` gets the gateway's estimate of when a backend of the model (of a
+    pinned request: its backend) is back added (one with either gets nothing added). Only
+    when no backend answered does the gateway answer itself: :func:`unavailable` when it
+    asked none, else from the last failure (a refused gateway key 502, a drained or hung
+    backend 503, a timeout 504, a broken connection or a ``bad_answer`` 502). A 401/403 to
+    the gateway's own key is never relayed: it would tell the client that its own key is
+    wrong."""
     answer = ctx.answered
     if answer is not None:
         if answer.status == 429 and not says_when(answer.headers):
             # the backend said not when: the gateway tells when one of the model's
-            # backends takes requests again (never a 429 without it: case BUG-05)
-            soon = availability_s(backends, ctx.model, now)
+            # backends takes requests again (a pinned request: when its own backend does;
+            # never a 429 without it: case BUG-05)
+            pinned = ctx.pinned
+            soon = wait_s(pinned, now) if pinned else availability_s(backends, ctx.model, now)
             return BackendAnswer(answer.status, answer.body, answer.headers, soon)
         return answer
     if f is None:

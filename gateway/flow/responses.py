@@ -45,6 +45,7 @@ from gateway.core.vocab import BackendState, Cut
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.records import Cuttable, Transition
+from gateway.flow.candidates import wait_s
 from gateway.flow.context import Opened
 from gateway.routing.response_owners import ResponseOwners, id_in_body, id_in_events
 
@@ -146,8 +147,7 @@ class ResponseRouting:
                 f"is not serving (state {b.state.value})",
                 "previous_response_id",
             )
-        now = self.clock()
-        wait = max(0.0, b.cooling_until - now, b.breaker.retry_in())
+        wait = wait_s(b, self.clock())
         if wait > 0 or not b.breaker.can_take():
             raise Refusal(
                 429,
