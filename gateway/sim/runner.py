@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Generator
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.core.listening import CannotListen
+from gateway.core.listening import CannotListen, host_port
 from gateway.sim.config import SimConfig
 from gateway.sim.server import create_sim_app
 from gateway.sim.state import SimState
@@ -55,9 +55,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _url(host: str, sock: socket.socket) -> str:
-    port = sock.getsockname()[1]
-    h = f"[{host}]" if ":" in host else host
-    return f"http://{h}:{port}"
+    return f"http://{host_port(host, sock.getsockname()[1])}"
 
 
 def _uvicorn_config(app: FastAPI, log_level: str) -> uvicorn.Config:
