@@ -67,7 +67,11 @@ def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> Gatewa
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw = build_gateway(cfg, transport)
         app.state.gateway = gw
+        if gw.coord is not None:
+            await gw.coord.connect()  # fleet mode: the shared store before the loops
         await gw.controller.start()
+        if gw.coord is not None:
+            gw.coord.start_loops(gw.controller)
         if gw.gate.degraded is not None:
 
             async def degraded_tick() -> None:
@@ -86,6 +90,8 @@ def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> Gatewa
         finally:
             gw.shutting_down = True
             await gw.controller.stop()
+            if gw.coord is not None:
+                await gw.coord.stop()
             if gw.batching is not None:
                 await gw.batching.close()
             await gw.transport.close()

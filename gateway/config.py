@@ -1028,6 +1028,42 @@ class BackendConfig(_Strict):
         return None
 
 
+class CoordinationConfig(_Strict):
+    """Fleet mode: several gateway replicas acting as one over a shared Redis (or Valkey).
+
+    Without ``redis_url`` (the default) the gateway is one process with its state in memory
+    and nothing to install. With it (``coordination.redis_url`` or the env override
+    ``LLM_GATEWAY_COORDINATION__REDIS_URL``) every replica with the same ``namespace`` shares
+    maintenance leases, operator actions, GPU verdicts, rate limits, backend protection,
+    capacity and affinity (``docs/architecture.md``, "Fleet mode").
+
+    ``op_timeout_s`` bounds every Redis call (seconds): a slow or dead store never holds a
+    request longer than that, and then the replica runs on its local share until the store
+    answers again (tried every ``retry_interval_s``). ``sync_interval_s``: how often a
+    replica reads the shared state and reports its own (the 1 s visibility bound is
+    ``sync_interval_s + op_timeout_s`` plus one round trip). ``replica_ttl_s``: a replica not
+    heard from for this long counts as gone. ``lease_ttl_s``: a maintenance lease's time to
+    live in Redis, renewed every third of it by its holder; a holder that dies lets it expire
+    and another replica finishes the cycle. ``quota_chunk``: the share of a key's per-minute
+    limit a replica takes from the global bucket at a time (rate limits, see
+    ``traffic/quota.py``)."""
+
+    redis_url: str | None = None
+    namespace: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    replica_id: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    op_timeout_s: float = Field(0.25, gt=0, le=5)
+    sync_interval_s: float = Field(0.25, gt=0, le=1)
+    replica_ttl_s: float = Field(3.0, gt=0)
+    lease_ttl_s: float = Field(10.0, ge=1)
+    retry_interval_s: float = Field(1.0, gt=0)
+    quota_chunk: float = Field(0.05, gt=0, le=1)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether fleet mode is on (a ``redis_url`` is set)."""
+        return bool(self.redis_url)
+
+
 class GatewayConfig(BaseSettings):
     """The whole configuration (one YAML file plus ``LLM_GATEWAY_*`` env overrides)."""
 
@@ -1053,6 +1089,7 @@ class GatewayConfig(BaseSettings):
     thermal: ThermalConfig = Field(default_factory=ThermalConfig)
     power_domains: list[PowerDomainConfig] = Field(default_factory=list)
     backends: list[BackendConfig] = Field(default_factory=list)
+    coordination: CoordinationConfig = Field(default_factory=CoordinationConfig)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:

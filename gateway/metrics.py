@@ -557,6 +557,49 @@ class GatewayMetrics:
             ["backend"],
             registry=r,
         )
+        # ---- fleet mode (coordination over Redis) -------------------------------------
+        self.coord_up = Gauge(
+            "gateway_coordination_up",
+            "1 while the shared store (Redis) answers, 0 while it does not; absent meaning "
+            "(always 0) without fleet mode",
+            registry=r,
+        )
+        self.coord_fallback = Gauge(
+            "gateway_coordination_fallback",
+            "1 while this replica runs on its local share because the shared store does not "
+            "answer (rate limits split locally, no new maintenance lease, admin writes 503)",
+            registry=r,
+        )
+        self.coord_errors = Counter(
+            "gateway_coordination_errors",
+            "Shared-store calls that failed or timed out, by operation",
+            ["op"],
+            registry=r,
+        )
+        self.coord_resyncs = Counter(
+            "gateway_coordination_resyncs",
+            "Times the shared store answered again after failing and this replica wrote "
+            "back what it holds",
+            registry=r,
+        )
+        self.replicas_alive = Gauge(
+            "gateway_fleet_replicas_alive",
+            "Gateway replicas of this fleet heard from within coordination.replica_ttl_s "
+            "(this one included), as last read from the shared store",
+            registry=r,
+        )
+        self.lease_handovers = Counter(
+            "gateway_fleet_lease_handovers",
+            "Maintenance leases taken over from a replica that stopped renewing them "
+            "(its cycle finished or the backend returned by another replica), by backend",
+            ["backend"],
+            registry=r,
+        )
+        self.leases_held = Gauge(
+            "gateway_fleet_leases_held",
+            "Maintenance leases this replica holds now",
+            registry=r,
+        )
         self.thermal_all_hot = Counter(
             "gateway_thermal_all_hot",
             "Requests routed to a hot backend because every candidate was hot",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
+from gateway.coord.coordination import Coordination
 from gateway.fleet.controller import FleetController
 from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
@@ -54,6 +55,7 @@ class Gateway:
     uploads_cut: bool = False
     forecasts: ArrivalForecasts | None = None  # arrival counts and forecasts (cfg.forecast)
     batching: BatchDispatcher | None = None  # the predictive batcher (cfg.batcher)
+    coord: Coordination | None = None  # fleet mode (cfg.coordination.redis_url)
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -80,6 +82,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
     metrics = GatewayMetrics()
     metrics.attach_fleet(fleet)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
+    coord = Coordination(cfg, metrics) if cfg.coordination.enabled else None
     thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
     router = build_policy(
         cfg.routing,
@@ -141,4 +144,5 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         admin_key=cfg.auth.resolved_admin_key(),
         forecasts=forecasts,
         batching=batching,
+        coord=coord,
     )

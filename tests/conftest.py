@@ -44,3 +44,16 @@ def gateway() -> Iterator[Callable[..., GatewayThread]]:
     yield make
     for gw in made:
         gw.stop()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[Any]:
+    """A started real Redis (:class:`tests.support.redis_server.RedisServer`) on a free
+    port, closed after the test. Skips without ``redis-server`` (fails under CI)."""
+    from tests.support.redis_server import RedisServer
+
+    srv = RedisServer().start()
+    try:
+        yield srv
+    finally:
+        srv.close()

@@ -34,7 +34,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.fleet.*", "gateway.proxy.*"),
     # 3: the request flow: lease, admission I/O, queue/batching, attempts, Responses API
     #    pinning (gateway.flow.responses)
-    ("gateway.flow.*",),
+    #    fleet mode's shared state over Redis (gateway.coord.*: a sibling of the flow)
+    ("gateway.flow.*", "gateway.coord.*"),
     # 4: the component container (Gateway) and build_gateway
     ("gateway.wiring",),
     # 5: the HTTP edge (gateway.api.forms: multipart bodies; gateway.api.responses: by-id)
@@ -46,7 +47,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 """Bottom to top: a module may import its own layer or a lower one, never a higher one."""
 
-SIBLINGS: tuple[tuple[str, str], ...] = (("gateway.fleet.*", "gateway.proxy.*"),)
+SIBLINGS: tuple[tuple[str, str], ...] = (
+    ("gateway.fleet.*", "gateway.proxy.*"),
+    ("gateway.flow.*", "gateway.coord.*"),
+)
 """Pairs in one layer that must not import each other."""
 
 SIMULATOR = "gateway.sim.*"

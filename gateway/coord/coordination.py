@@ -1,0 +1,82 @@
+"""The fleet-mode parts of one replica and their sync round.
+
+:class:`Coordination` is built by :func:`gateway.wiring.build_gateway` when
+``coordination.redis_url`` is set. It owns the link (:class:`gateway.coord.link.RedisLink`)
+and the parts that share state through it, each registered for the sync round with
+:meth:`Coordination.add_sync`. The round runs every ``coordination.sync_interval_s`` as the
+``coordination`` control loop: the link's probe (reconnect, store clock), then each part's
+sync in order; a part whose store call fails ends the round (the link is down; the next
+rounds only probe until it answers, and the resync callbacks then write state back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from gateway.config import GatewayConfig
+from gateway.coord.link import CoordinationUnavailable, RedisLink, default_replica_id
+from gateway.coord.replicas import Replicas
+from gateway.fleet.controller import FleetController
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway.coord")
+
+SyncBody = Callable[[], Awaitable[None]]
+
+
+class Coordination:
+    """Fleet mode for one replica of ``cfg`` (``cfg.coordination.redis_url`` set).
+
+    ``replica_id``: this replica's name (default ``coordination.replica_id``, else
+    :func:`gateway.coord.link.default_replica_id`)."""
+
+    def __init__(
+        self, cfg: GatewayConfig, metrics: GatewayMetrics, replica_id: str | None = None
+    ) -> None:
+        c = cfg.coordination
+        self.cfg = cfg
+        self.metrics = metrics
+        self.replica_id = replica_id or c.replica_id or default_replica_id()
+        self.link = RedisLink(c, metrics, self.replica_id)
+        self.replicas = Replicas(self.link, metrics, f"{cfg.server.host}:{cfg.server.port}")
+        self._syncs: list[tuple[str, SyncBody]] = [("heartbeat", self.replicas.heartbeat)]
+
+    def add_sync(self, name: str, body: SyncBody) -> None:
+        """Run ``body`` in every sync round, after the parts added before it. It may raise
+        :class:`CoordinationUnavailable` (ends the round)."""
+        self._syncs.append((name, body))
+
+    async def sync_round(self) -> None:
+        """One round: probe the link, then each part's sync while the store answers."""
+        if not await self.link.probe():
+            return
+        for _name, body in self._syncs:
+            try:
+                await body()
+            except CoordinationUnavailable:
+                return
+
+    async def connect(self) -> None:
+        """Before the control loops start: one sync round, bounded (a store that does not
+        answer leaves the replica in fallback; it keeps trying)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(1.0, self.cfg.coordination.op_timeout_s * 8)):
+                await self.sync_round()
+        if self.link.fallback:
+            log.warning(
+                "replica %s starts without the shared store (%s); retrying every %g s",
+                self.replica_id, self.link.reason, self.cfg.coordination.retry_interval_s,
+            )
+
+    def start_loops(self, controller: FleetController) -> None:
+        """Add the ``coordination`` loop (every ``coordination.sync_interval_s``)."""
+        controller.add_loop("coordination", self.cfg.coordination.sync_interval_s, self.sync_round)
+
+    async def stop(self) -> None:
+        """Leave the replica list (best effort) and close the link."""
+        if self.link.up:
+            await self.replicas.leave()
+        await self.link.close()

@@ -1,0 +1,112 @@
+"""Which replicas of the fleet are alive: each one's heartbeat in the shared store.
+
+Every sync round a replica runs one script (:data:`HEARTBEAT`): it stamps its own entry in the
+sorted set ``<ns>:replicas`` with the store's clock (milliseconds), drops the entries older
+than ``coordination.replica_ttl_s``, and reads the ones left. Its description (host, pid,
+start time, listening address) sits in the hash ``<ns>:replica_info``. The store's clock is
+the only one used, so hosts whose clocks disagree still agree on who is alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.coord.link import RedisLink
+from gateway.metrics import GatewayMetrics
+
+# KEYS: replicas zset, info hash. ARGV: replica id, ttl ms, info JSON.
+# Returns the live replicas and their last heartbeat (ms of the store's clock), flat.
+HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+if #gone > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+  redis.call('HDEL', KEYS[2], unpack(gone))
+end
+local out = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+table.insert(out, tostring(now))
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """One live replica: its id, last heartbeat (unix seconds, the store's clock) and what it
+    said about itself (host, pid, started, listen)."""
+
+    id: str
+    seen_at: float
+    info: dict[str, Any]
+
+
+class Replicas:
+    """The live replicas as last read (:meth:`heartbeat`); ``alive`` counts this one even
+    before the first read (a lone replica is always 1)."""
+
+    def __init__(self, link: RedisLink, metrics: GatewayMetrics, listen: str = "") -> None:
+        self.link = link
+        self.metrics = metrics
+        self.info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "listen": listen,
+        }
+        self.live: list[ReplicaInfo] = []
+        self._script = link.client.register_script(HEARTBEAT)
+
+    @property
+    def alive(self) -> int:
+        """Replicas alive now (at least 1: this one)."""
+        return max(1, len(self.live))
+
+    def ids(self) -> list[str]:
+        """Ids of the live replicas, this one included, sorted."""
+        out = {r.id for r in self.live}
+        out.add(self.link.replica_id)
+        return sorted(out)
+
+    async def heartbeat(self) -> None:
+        """Stamp this replica alive and read the others (one script call). Raises
+        :class:`gateway.coord.link.CoordinationUnavailable` when the store does not answer
+        (the last list read is kept)."""
+        ns_ttl_ms = int(self.link.cfg.replica_ttl_s * 1000)
+        keys = [self.link.key("replicas"), self.link.key("replica_info")]
+        args: list[str | int] = [self.link.replica_id, ns_ttl_ms, json.dumps(self.info)]
+        flat = await self.link.call("heartbeat", lambda c: self._script(keys, args, client=c))
+        infos = await self.link.call(
+            "replica_info", lambda c: c.hgetall(self.link.key("replica_info"))
+        )
+        pairs = flat[:-1]
+        live: list[ReplicaInfo] = []
+        for i in range(0, len(pairs), 2):
+            rid, score = str(pairs[i]), float(pairs[i + 1])
+            raw = infos.get(rid)
+            try:
+                info = json.loads(raw) if raw else {}
+            except ValueError:
+                info = {}
+            live.append(ReplicaInfo(rid, score / 1000.0, info))
+        self.live = live
+        self.metrics.replicas_alive.set(len(live))
+
+    async def leave(self) -> None:
+        """Take this replica out of the list at once (a graceful stop); best effort."""
+        rid = self.link.replica_id
+
+        async def remove(c: Any) -> None:
+            await c.zrem(self.link.key("replicas"), rid)
+            await c.hdel(self.link.key("replica_info"), rid)
+
+        try:
+            await self.link.call("leave", remove)
+        except Exception:
+            pass

@@ -1,0 +1,58 @@
+"""Fixtures of the fleet-mode tests: a real Redis, simulated backends, and several gateway
+replicas (each the real app under uvicorn, in its own thread and loop) sharing that Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.lifecycle.support import Sim
+from tests.support.servers import GatewayThread, gateway_config
+
+
+@pytest.fixture
+def sims() -> Iterator[Callable[..., Sim]]:
+    """Factory ``sims(name, itl_s=0.01, **SimConfig fields)`` of started simulators."""
+    made: list[Sim] = []
+
+    def make(name: str, itl_s: float = 0.01, **config: Any) -> Sim:
+        s = Sim(name, itl_s, **config)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+@pytest.fixture
+def replicas(redis_server: Any) -> Iterator[Callable[..., list[GatewayThread]]]:
+    """Factory ``replicas(n, {"a": url, ...}, wait_routable=None, backend=None, **sections)``
+    -> ``n`` started gateway replicas (ids ``r1``..``rn``) sharing the test's Redis, each with
+    every backend (or ``wait_routable`` of them) routable. ``coordination`` settings in
+    ``sections`` are merged over the fleet defaults (``redis_url``, fast sync)."""
+    made: list[GatewayThread] = []
+
+    def make(n: int, urls: dict[str, str], wait_routable: int | None = None,
+             backend: dict[str, Any] | None = None, **sections: Any) -> list[GatewayThread]:
+        out = []
+        coord = dict(sections.pop("coordination", {}))
+        for i in range(1, n + 1):
+            c = {"redis_url": redis_server.url, "replica_id": f"r{i}", "sync_interval_s": 0.1,
+                 **coord}
+            cfg = gateway_config([{"id": k, "url": u, **(backend or {})} for k, u in urls.items()],
+                                 coordination=c, **sections)
+            gw = GatewayThread(cfg)
+            made.append(gw)
+            gw.start(wait_ready=False)
+            out.append(gw)
+        for gw in out:
+            want = len(urls) if wait_routable is None else wait_routable
+            gw.wait_ready(timeout=30, routable=want)
+        return out
+
+    yield make
+    for gw in made:
+        gw.stop()
