@@ -1046,7 +1046,11 @@ class CoordinationConfig(_Strict):
     live in Redis, renewed every third of it by its holder; a holder that dies lets it expire
     and another replica finishes the cycle. ``quota_chunk``: the share of a key's per-minute
     limit a replica takes from the global bucket at a time (rate limits, see
-    ``traffic/quota.py``)."""
+    ``traffic/quota.py``). ``gpu_restart_lease_s``: how long one replica's claim on a
+    backend's GPU-fault restart lasts (seconds, default 30): every replica sees the same Xid
+    / ECC fault within a GPU scrape interval (``thermal.scrape_interval_s``, 2 s) of the
+    first, so the claim must outlast that by a margin; the restart hook runs once per claim
+    (``gateway/coord/operator.py``)."""
 
     redis_url: str | None = None
     namespace: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -1057,6 +1061,7 @@ class CoordinationConfig(_Strict):
     lease_ttl_s: float = Field(10.0, ge=1)
     retry_interval_s: float = Field(1.0, gt=0)
     quota_chunk: float = Field(0.05, gt=0, le=1)
+    gpu_restart_lease_s: float = Field(30.0, ge=1, le=3600)
 
     @property
     def enabled(self) -> bool:

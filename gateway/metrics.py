@@ -600,6 +600,21 @@ class GatewayMetrics:
             "Maintenance leases this replica holds now",
             registry=r,
         )
+        self.operator_actions = Counter(
+            "gateway_fleet_operator_actions",
+            "Operator actions and shared verdicts on backends (drain, preempt, undrain, "
+            "gpu_fault, restarting): origin 'submitted' (written to the store by this "
+            "replica's admin API) or 'applied' (another replica's, applied here)",
+            ["action", "origin"],
+            registry=r,
+        )
+        self.gpu_restart_claims = Counter(
+            "gateway_fleet_gpu_restart_claims",
+            "GPU-fault restart claims by this replica: 'won' (it runs the restart hook), "
+            "'lost' (another replica does), 'local' (store down: the hook runs here)",
+            ["backend", "outcome"],
+            registry=r,
+        )
         self.thermal_all_hot = Counter(
             "gateway_thermal_all_hot",
             "Requests routed to a hot backend because every candidate was hot",

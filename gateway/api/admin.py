@@ -1,6 +1,13 @@
 """Admin surface (``/admin/...``): what the gateway knows about each backend.
 
 Guarded by ``auth.admin_key`` when configured (``Authorization: Bearer <key>``).
+
+In fleet mode (``coordination.redis_url``) the writes (drain, undrain, preempt) are written to
+the shared store and applied by every replica (:mod:`gateway.coord.operator`; the answer's
+``fleet`` object says so), and a cooldown runs through the fleet-wide maintenance cycle.
+While the store does not answer every write is refused (503 ``coordination_unavailable``,
+with ``retry-after``) and changes nothing on any replica, this one included: a drain applied
+on one replica only is what fleet mode exists to prevent. Reads keep working.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api.errors import Refusal
+from gateway.api.errors import SERVER_ERROR, Refusal
+from gateway.coord.link import CoordinationUnavailable
+from gateway.coord.operator import OperatorActions, OpRecord
 from gateway.fleet.backend import Backend
+from gateway.fleet.drain import Drains
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -237,6 +247,68 @@ def _flag(opts: dict[str, Any], key: str) -> bool:
     return value
 
 
+def _store_down(gw: Gateway, reason: str) -> Refusal:
+    """503 for an admin write while the shared store does not answer."""
+    retry = gw.cfg.coordination.retry_interval_s
+    return Refusal(
+        503,
+        f"Not applied: {reason or 'the shared store (Redis) does not answer'}. In fleet mode "
+        "an admin action goes through the shared store so that every replica applies it; "
+        "nothing changed on any replica. Retry once the store answers (reads such as "
+        "GET /admin/backends keep working).",
+        SERVER_ERROR,
+        "coordination_unavailable",
+        retry_after_s=max(1.0, retry),
+    )
+
+
+def _fleet_writes(gw: Gateway) -> OperatorActions | None:
+    """Fleet mode: the replica's operator part, once the store is known to answer (503
+    otherwise). None in the embedded default (the action is this process's own)."""
+    coord = gw.coord
+    if coord is None or coord.operator is None:
+        return None
+    if coord.link.fallback:
+        raise _store_down(gw, coord.link.reason)
+    return coord.operator
+
+
+async def _submit(
+    gw: Gateway,
+    ops: OperatorActions,
+    b: Backend,
+    action: str,
+    deadline_s: float | None = None,
+    hold_s: float | None = None,
+) -> Response:
+    """Write ``action`` for the fleet and apply it here; the backend as JSON with ``fleet``:
+    the op record (store times: unix seconds of the store's clock) and the replicas that
+    apply it. 503 when the store fails meanwhile (nothing written)."""
+    try:
+        rec = await ops.submit(b, action, deadline_s, hold_s)
+    except CoordinationUnavailable as e:
+        raise _store_down(gw, str(e)) from None
+    out = backend_summary(gw, b)
+    out["fleet"] = _accepted(gw, rec)
+    return JSONResponse(out, status_code=200 if action == "undrain" else 202)
+
+
+def _accepted(gw: Gateway, rec: OpRecord) -> dict[str, Any]:
+    assert gw.coord is not None
+    return {
+        "accepted": "fleet-wide",
+        "op_id": rec.id,
+        "action": rec.action,
+        "by": rec.by,
+        "at": rec.at,
+        "deadline_at": rec.deadline_at,
+        "until_at": rec.until_at,
+        "replicas": gw.coord.replicas.ids(),
+        "applied_within_s": gw.cfg.coordination.sync_interval_s
+        + gw.cfg.coordination.op_timeout_s,
+    }
+
+
 async def drain_backend(backend_id: str, request: Request) -> Response:
     """Stop new requests to the backend now; in-flight ones finish or, at ``deadline_s``
     (default ``lifecycle.drain_deadline_s``), streams end with an error event. 202."""
@@ -245,7 +317,10 @@ async def drain_backend(backend_id: str, request: Request) -> Response:
     deadline = _number(
         await _options(request, _DEADLINE), "deadline_s", gw.cfg.lifecycle.drain_deadline_s
     )
-    if not gw.controller.start_drain(b, deadline):
+    ops = _fleet_writes(gw)
+    if ops is not None and Drains.would_start_drain(b):
+        return await _submit(gw, ops, b, "drain", deadline_s=deadline)
+    if ops is not None or not gw.controller.start_drain(b, deadline):
         raise Refusal(
             409,
             f"Backend '{backend_id}' is already draining or drained ({b.state.value}).",
@@ -262,7 +337,12 @@ async def preempt_backend(backend_id: str, request: Request) -> Response:
     deadline = _number(
         await _options(request, _DEADLINE), "deadline_s", gw.cfg.lifecycle.preempt_deadline_s
     )
-    if not gw.controller.start_drain(b, deadline, preempt=True):
+    ops = _fleet_writes(gw)
+    if ops is not None and Drains.would_start_drain(b, preempt=True):
+        return await _submit(
+            gw, ops, b, "preempt", deadline_s=deadline, hold_s=gw.cfg.lifecycle.preempt_hold_s
+        )
+    if ops is not None or not gw.controller.start_drain(b, deadline, preempt=True):
         raise Refusal(
             409, f"Backend '{backend_id}' is already preempted.", code="invalid_state"
         )
@@ -273,7 +353,10 @@ async def undrain_backend(backend_id: str, request: Request) -> Response:
     """Return a draining or resting backend to rotation (through slow start)."""
     gw = _gateway(request)
     b = _backend(gw, backend_id)
-    if not gw.controller.undrain(b):
+    ops = _fleet_writes(gw)
+    if ops is not None and (Drains.would_undrain(b) or ops.holds(b)):
+        return await _submit(gw, ops, b, "undrain")
+    if ops is not None or not gw.controller.undrain(b):
         raise Refusal(
             409,
             f"Backend '{backend_id}' is {b.state.value}, not draining or in cooldown.",
@@ -290,7 +373,12 @@ async def cooldown_backend(backend_id: str, request: Request) -> Response:
     b = _backend(gw, backend_id)
     opts = await _options(request, frozenset({"min_rest_s", "force"}))
     rest = _number(opts, "min_rest_s", 0.0)
-    if not gw.controller.request_cooldown(b.id, "admin", rest, force=_flag(opts, "force")):
+    force = _flag(opts, "force")
+    if _fleet_writes(gw) is not None:  # 503 while the store does not answer
+        if not gw.controller.request_cooldown(b.id, "admin", rest, force=force):
+            raise Refusal(409, _cooldown_refused(gw, b, force), code="invalid_state")
+        return JSONResponse(backend_summary(gw, b), status_code=202)
+    if not gw.controller.request_cooldown(b.id, "admin", rest, force=force):
         raise Refusal(
             409,
             f"Backend '{backend_id}' cannot start a cooldown now: it is "
@@ -300,6 +388,22 @@ async def cooldown_backend(backend_id: str, request: Request) -> Response:
             code="invalid_state",
         )
     return JSONResponse(backend_summary(gw, b), status_code=202)
+
+
+def _cooldown_refused(gw: Gateway, b: Backend, force: bool) -> str:
+    """Why a fleet-mode cooldown did not start, as far as this replica can tell."""
+    head = f"Backend '{b.id}' cannot start a cooldown now: "
+    if b.state.value != "warm":
+        return head + f"it is {b.state.value}, not warm."
+    if gw.controller.busy(b) or b.maintenance is not None:
+        what = f" ({b.maintenance})" if b.maintenance else ""
+        return head + f"a maintenance procedure{what} runs on it, here or on another replica."
+    why = head + (
+        "another replica holds its maintenance lease, or taking it out would exceed "
+        "lifecycle.max_unavailable or leave its model without enough warm backends, "
+        "counted over the whole fleet"
+    )
+    return why + ("." if force else ' (send {"force": true} to override staggering).')
 
 
 def install_routes(app: FastAPI) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from gateway.config import GatewayConfig
 from gateway.coord.link import CoordinationUnavailable, RedisLink, default_replica_id
+from gateway.coord.operator import OperatorActions
 from gateway.coord.replicas import Replicas
 from gateway.fleet.controller import FleetController
 from gateway.metrics import GatewayMetrics
@@ -43,6 +44,18 @@ class Coordination:
         self.link = RedisLink(c, metrics, self.replica_id)
         self.replicas = Replicas(self.link, metrics, f"{cfg.server.host}:{cfg.server.port}")
         self._syncs: list[tuple[str, SyncBody]] = [("heartbeat", self.replicas.heartbeat)]
+        self.operator: OperatorActions | None = None  # share_operator_actions
+
+    def share_operator_actions(self, controller: FleetController) -> OperatorActions:
+        """Fleet-wide operator actions and verdicts on ``controller``'s backends
+        (:mod:`gateway.coord.operator`): its sync step, its resync, and the seams of the
+        drains and the calibrator."""
+        ops = OperatorActions(self.cfg.coordination, self.link, controller, self.metrics)
+        self.operator = ops
+        self.add_sync("operator", ops.sync)
+        self.link.on_resync(ops.resync)
+        controller.share_verdicts(ops, ops)
+        return ops
 
     def add_sync(self, name: str, body: SyncBody) -> None:
         """Run ``body`` in every sync round, after the parts added before it. It may raise
@@ -77,6 +90,8 @@ class Coordination:
 
     async def stop(self) -> None:
         """Leave the replica list (best effort) and close the link."""
+        if self.operator is not None:
+            await self.operator.stop()
         if self.link.up:
             await self.replicas.leave()
         await self.link.close()

@@ -7,6 +7,10 @@ each cooldown :meth:`Calibrator.calibrate` compares its answers with it, on the 
 engine endpoint. Drift (similarity below ``calibration.threshold``) makes it
 ``unhealthy`` (``calibration_drift``), marks it as needing calibration before it is warm
 again, and runs the restart hook.
+
+In fleet mode every replica compares a backend against the same baseline: a baseline taken
+here is offered through :class:`gateway.fleet.sharing.SharedBaselines` and the fleet's (the
+first one offered) is the one kept (:meth:`Calibrator.share`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from gateway.fleet.calibration import Answers, collect_answers, compare
 from gateway.fleet.clients import ControlClients
 from gateway.fleet.hooks import BackendHooks
 from gateway.fleet.probes import ProbeEndpoints
+from gateway.fleet.sharing import LOCAL, Baseline, SharedBaselines
 from gateway.fleet.state import FleetState
 from gateway.fleet.unserved import report_unserved
 from gateway.metrics import GatewayMetrics
@@ -52,6 +57,17 @@ class Calibrator:
         self.hooks = hooks
         self.metrics = metrics
         self.baselines = load_baselines(cfg.baseline_file)
+        self.shared: SharedBaselines = LOCAL
+
+    def share(self, shared: SharedBaselines) -> None:
+        """Keep the fleet's baselines (offered to and read from ``shared``: fleet mode)."""
+        self.shared = shared
+
+    async def _keep(self, backend: Backend, baseline: Baseline) -> None:
+        """``backend``'s own answers become its baseline: the fleet's, when another replica
+        offered one first."""
+        answers, endpoint = await self.shared.offer_baseline(backend, baseline)
+        backend.baseline_taken(answers, endpoint if answers is not None else None)
 
     def unserved(self, backend: Backend, model: str, check: str, detail: str) -> None:
         """:func:`gateway.fleet.unserved.report_unserved` with this calibrator's parts."""
@@ -74,7 +90,8 @@ class Calibrator:
                 if got.unserved:
                     self.unserved(backend, model, "calibration", got.detail)
                 else:
-                    baseline, endpoint = got.answers, got.endpoint
+                    await self._keep(backend, (got.answers, got.endpoint))
+                    return
         backend.baseline_taken(baseline, endpoint if baseline is not None else None)
 
     async def answers(self, backend: Backend, model: str, only: str | None = None) -> Answers:
@@ -129,7 +146,7 @@ class Calibrator:
             return True
         answers = got.answers
         if baseline is None:
-            backend.baseline_taken(answers, got.endpoint)
+            await self._keep(backend, (answers, got.endpoint))
             return True
         result = compare(baseline, answers)
         backend.calibrated(result.similarity)

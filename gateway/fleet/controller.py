@@ -48,6 +48,7 @@ from gateway.fleet.maintenance import Maintenance
 from gateway.fleet.probes import ProbeEndpoints
 from gateway.fleet.procedures import Procedures
 from gateway.fleet.scraper import LoadScraper
+from gateway.fleet.sharing import SharedBaselines, SharedHolds
 from gateway.fleet.state import FleetState
 from gateway.fleet.warmup import Warmup
 from gateway.metrics import GatewayMetrics
@@ -194,6 +195,13 @@ class FleetController:
         """Run the medium cycle now
         (:meth:`gateway.fleet.maintenance.Maintenance.request_cooldown`)."""
         return self.maintenance.request_cooldown(backend_id, reason, min_rest_s, force, rest_done)
+
+    def share_verdicts(self, holds: SharedHolds, baselines: SharedBaselines) -> None:
+        """Fleet mode: GPU-fault holds and restart claims through ``holds``, calibration
+        baselines through ``baselines`` (:mod:`gateway.fleet.sharing`; default: this
+        process's own)."""
+        self.drains.share(holds)
+        self.calibrator.share(baselines)
 
     def _gpu_fault(self, backend: Backend, reason: str) -> None:
         self.maintenance.gpu_fault(backend, reason)

@@ -5,6 +5,12 @@ A draining backend gets no new requests; at its deadline the requests still open
 (streams end with an error event then ``[DONE]``; one still waiting for its answer's start
 is re-sent elsewhere). The maintenance cycles drain through :meth:`Drains.drain`; the admin
 API calls :meth:`Drains.start_drain` and :meth:`Drains.undrain`.
+
+The holds a GPU fault sets (``gpu_fault``, then ``restarting`` after the restart hook) are
+set here too (:meth:`Drains.hold_for_gpu_fault`, :meth:`Drains.hold_restarting`), through
+the :class:`gateway.fleet.sharing.SharedHolds` seam: in fleet mode the restart hook runs on
+one replica and every replica holds the backend out (:meth:`Drains.apply_shared_hold`, called
+by :mod:`gateway.coord.operator` for the holds other replicas publish).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from gateway.config import LifecycleConfig
 from gateway.core.vocab import BackendState, Cut
 from gateway.fleet.backend import Backend
 from gateway.fleet.procedures import Procedures
+from gateway.fleet.sharing import LOCAL, SharedHolds
 from gateway.fleet.state import FleetState
 from gateway.metrics import GatewayMetrics
 
@@ -44,6 +51,11 @@ class Drains:
         self.metrics = metrics
         self.clock = clock
         self.longest_drain_s = 0.0
+        self.shared: SharedHolds = LOCAL
+
+    def share(self, shared: SharedHolds) -> None:
+        """Share the GPU-fault holds and restart claims through ``shared`` (fleet mode)."""
+        self.shared = shared
 
     async def drain(self, backend: Backend, deadline_s: float, reason: str) -> bool:
         """Stop new requests to ``backend`` at once and wait for its in-flight ones.
@@ -91,6 +103,22 @@ class Drains:
             self.state.mark_drained(backend)
             log.info("backend %s: drained (nothing in flight)", backend.id)
 
+    @staticmethod
+    def would_start_drain(backend: Backend, preempt: bool = False) -> bool:
+        """Whether :meth:`start_drain` would change anything (False: already held the same
+        way, drained or preempted). The admin API asks before writing to a shared store."""
+        want = "preempted" if preempt else "admin_drain"
+        return not (
+            backend.hold == want
+            and (backend.state is not S.DRAINING or backend.drained or want == "preempted")
+        )
+
+    @staticmethod
+    def would_undrain(backend: Backend) -> bool:
+        """Whether :meth:`undrain` would change anything (a hold to release, or a draining
+        or resting backend to return)."""
+        return backend.hold is not None or backend.state in (S.DRAINING, S.COOLDOWN)
+
     def undrain(self, backend: Backend) -> bool:
         """Return a drained, draining or resting backend to rotation (with slow start); a
         held backend that is down (cold, unhealthy) returns when its probes pass."""
@@ -114,9 +142,7 @@ class Drains:
         """
         now = self.clock()
         want = "preempted" if preempt else "admin_drain"
-        if backend.hold == want and (
-            backend.state is not S.DRAINING or backend.drained or backend.hold == "preempted"
-        ):
+        if not self.would_start_drain(backend, preempt):
             return False  # already drained / preempted
         if backend.hold != "preempted":  # a preemption is never downgraded to a drain
             self.state.hold(backend, want, now + self.cfg.preempt_hold_s if preempt else None)
@@ -138,3 +164,28 @@ class Drains:
                     backend, "drain", self.manual_drain(backend, deadline_s, preempt)
                 )
         return True
+
+    # ---- GPU faults: holds every replica keeps -----------------------------------------------
+    def hold_for_gpu_fault(self, backend: Backend, reason: str) -> None:
+        """A GPU fault (``reason``: ``gpu_xid`` / ``gpu_ecc``): ``unhealthy`` now (from a
+        serving state) and held out (``gpu_fault``) until the restart is seen or an operator
+        undrains it. The same on a replica that learns it from another one."""
+        if backend.state in (S.WARM, S.WARMING, S.DRAINING, S.COOLDOWN):
+            self.state.transition(backend, S.UNHEALTHY, reason)
+        self.state.hold(backend, "gpu_fault", None)
+
+    def hold_restarting(self, backend: Backend, hold_s: float) -> None:
+        """The restart hook ran: hold ``backend`` ``restarting`` for ``hold_s`` seconds (a
+        failed probe ends it sooner: the old process went away) and publish the hold."""
+        self.state.hold(backend, "restarting", self.clock() + hold_s)
+        self.shared.restart_held(backend, hold_s)
+
+    def apply_shared_hold(
+        self, backend: Backend, kind: str, until: float | None, reason: str
+    ) -> None:
+        """A hold another replica published: ``gpu_fault`` (as :meth:`hold_for_gpu_fault`)
+        or ``restarting`` until ``until`` (monotonic seconds here)."""
+        if kind == "gpu_fault":
+            self.hold_for_gpu_fault(backend, reason)
+        else:
+            self.state.hold(backend, kind, until)

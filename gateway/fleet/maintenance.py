@@ -357,13 +357,17 @@ class Maintenance:
         """A new Xid burst or ECC DBE on ``backend``'s GPUs (``reason``: ``gpu_xid`` /
         ``gpu_ecc``): ``unhealthy`` now, held out (``gpu_fault``) until the restart is seen
         or an operator undrains it, and the restart hook runs; after a successful hook the
-        hold is ``restarting`` (as after the long cycle's)."""
-        if backend.state in (S.WARM, S.WARMING, S.DRAINING, S.COOLDOWN):
-            self.state.transition(backend, S.UNHEALTHY, reason)
-        self.state.hold(backend, "gpu_fault", None)
-        self.procedures.run(backend, "gpu_restart", self._gpu_restart(backend))
+        hold is ``restarting`` (as after the long cycle's). In fleet mode the hook runs on
+        the one replica that claims the restart and both holds are every replica's
+        (:class:`gateway.fleet.sharing.SharedHolds`, through :class:`Drains`)."""
+        self.drains.hold_for_gpu_fault(backend, reason)
+        self.procedures.run(backend, "gpu_restart", self._gpu_restart(backend, reason))
 
-    async def _gpu_restart(self, backend: Backend) -> None:
+    async def _gpu_restart(self, backend: Backend, reason: str) -> None:
+        if not await self.drains.shared.claim_gpu_restart(backend, reason):
+            log.info(
+                "backend %s: %s; another replica runs the restart hook", backend.id, reason
+            )
+            return
         if await self.hooks.run_restart_hook(backend):
-            until = self.clock() + self.cfg.lifecycle.restart_hold_s
-            self.state.hold(backend, "restarting", until)
+            self.drains.hold_restarting(backend, self.cfg.lifecycle.restart_hold_s)

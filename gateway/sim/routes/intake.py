@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Any
 
 from fastapi import Request
@@ -42,10 +43,12 @@ def sleeping_error() -> P.SimHTTPError:
 
 
 def record(state: SimState, request: Request, body: Any) -> None:
-    """Keep ``request`` (path, query, method, headers, parsed JSON ``body`` or None) among
-    the recent requests ``/sim/stats`` shows."""
+    """Keep ``request`` (path, query, method, headers, parsed JSON ``body`` or None, and
+    ``at``: its arrival, unix seconds of the simulator's clock) among the recent requests
+    ``/sim/stats`` shows."""
     state.recent.append(
         {
+            "at": time.time(),
             "path": request.url.path,
             "query": request.url.query,
             "method": request.method,
