@@ -90,12 +90,13 @@ def test_drain_sent_to_one_replica_stops_every_replica_sending_to_it_within_1s(
         r = post_admin(r1.url, "a", "drain", {"deadline_s": 5})
         answered = time.time()
         assert r.status_code == 202, r.text
+        time.sleep(3.0)  # steady load through r2 and r3 meanwhile
+        late = [(round(t - answered, 2), rid) for t, rid in arrivals(a, "r2", "r3")
+                if t > answered + 1.0]
+        assert late == [], f"reached a more than 1 s after the drain: {late[:5]}"
         fleet = r.json()["fleet"]
         assert fleet["accepted"] == "fleet-wide" and fleet["by"] == "r1"
         assert fleet["replicas"] == ["r1", "r2", "r3"]
-        time.sleep(3.0)  # steady load through r2 and r3 meanwhile
-        late = [(t - answered, rid) for t, rid in arrivals(a, "r2", "r3") if t > answered + 1.0]
-        assert late == [], f"reached a more than 1 s after the drain: {late[:5]}"
         # the others kept serving the load meanwhile
         after = [rid for s in (b, c) for t, rid in arrivals(s, "r2", "r3") if t > answered + 1]
         assert len(after) >= 4
@@ -213,9 +214,9 @@ def test_gpu_fault_seen_by_every_replica_runs_the_restart_hook_once_and_holds_it
     assert r.status_code == 200
     for gw in gws:
         assert wait_for(lambda gw=gw: shown(gw, "a")["state"] == "unhealthy", timeout=10)
-    assert wait_for(lambda: out.exists() and out.read_text().splitlines() == ["a"], timeout=10)
-    time.sleep(2.0)  # every replica has seen the fault by now: still one restart
-    assert out.read_text().splitlines() == ["a"]
+    assert wait_for(out.exists, timeout=10)
+    time.sleep(2.0)  # every replica has seen the fault by now (20 GPU scrapes each)
+    assert out.read_text().splitlines() == ["a"], "the restart hook ran more than once"
     ran = [metric(metric_samples(gw.url), "gateway_restart_hooks_total", backend="a",
                   result="ok") or 0.0 for gw in gws]
     assert sum(ran) == 1.0
