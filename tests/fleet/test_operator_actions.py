@@ -227,3 +227,70 @@ def test_gpu_fault_seen_by_every_replica_runs_the_restart_hook_once_and_holds_it
     assert post_admin(gws[2].url, "a", "undrain").status_code == 200
     for gw in gws:
         assert wait_for(lambda gw=gw: shown(gw, "a")["hold"] is None, timeout=5)
+
+
+def test_preemption_sent_to_one_replica_takes_the_backend_cold_on_every_replica(
+    sims: Callable[..., Sim], replicas: Callable[..., list[GatewayThread]]
+) -> None:
+    a, b = sims("a"), sims("b")
+    gws = replicas(3, {"a": a.url, "b": b.url}, lifecycle=FAST)
+    r = post_admin(gws[1].url, "a", "preempt", {"deadline_s": 1})
+    assert r.status_code == 202, r.text
+    for gw in gws:
+        assert wait_for(lambda gw=gw: shown(gw, "a")["hold"] == "preempted"
+                        and shown(gw, "a")["state"] == "cold", timeout=5)
+    fleet = r.json()["fleet"]
+    assert fleet["action"] == "preempt" and abs(fleet["deadline_at"] - fleet["at"] - 1) < 1e-3
+    # a cooldown refused on a backend that is out: 409 saying why, in OpenAI's shape
+    r = post_admin(gws[0].url, "a", "cooldown")
+    assert r.status_code == 409
+    assert r.json()["error"]["message"].endswith("it is cold, not warm.")
+
+
+def test_every_replica_keeps_the_fleets_calibration_baseline(
+    redis_server: Any, sims: Callable[..., Sim], replicas: Callable[..., list[GatewayThread]]
+) -> None:
+    import json
+
+    import redis
+
+    a = sims("a")
+    (r1,) = replicas(1, {"a": a.url}, calibration={"enabled": True})
+    own = r1.gateway.fleet.get("a").calibration_baseline
+    assert own  # r1 took it from a's answers and offered it first
+    key = f"{r1.gateway.cfg.coordination.namespace}:ops:baselines"
+    store = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        raw = store.hget(key, "a")
+        assert raw is not None, "no baseline for the fleet in the store"
+        stored = json.loads(raw)
+        assert stored["answers"] == own
+        # as if another replica had offered a different one first
+        fleet = {p: f"fleet answer {i}" for i, p in enumerate(own)}
+        store.hset(key, "a", json.dumps({**stored, "answers": fleet}))
+    finally:
+        store.close()
+    (r2,) = replicas(1, {"a": a.url}, coordination={"replica_id": "r2"},
+                     calibration={"enabled": True})
+    assert r2.gateway.fleet.get("a").calibration_baseline == fleet
+
+
+def test_gpu_fault_while_the_store_is_down_restarts_locally_and_is_shared_when_it_is_back(
+    redis_server: Any, sims: Callable[..., Sim], replicas: Callable[..., list[GatewayThread]]
+) -> None:
+    a, b = sims("a"), sims("b")
+    r1, r2 = replicas(2, {"a": a.url, "b": b.url}, lifecycle=FAST)
+    redis_server.stop()
+    assert wait_for(lambda: r1.gateway.coord.link.fallback, timeout=10)
+    ops = r1.gateway.coord.operator
+    backend = r1.gateway.fleet.get("a")
+
+    async def fault() -> bool:
+        r1.gateway.controller.drains.hold_for_gpu_fault(backend, "gpu_ecc")
+        return await ops.claim_gpu_restart(backend, "gpu_ecc")
+
+    assert r1.run(fault()) is True  # no store to claim from: the hook runs here
+    assert shown(r1, "a")["hold"] == "gpu_fault" and shown(r2, "a")["hold"] is None
+    redis_server.start()  # empty: r1 writes back the hold it knows
+    assert wait_for(lambda: shown(r2, "a")["hold"] == "gpu_fault", timeout=10)
+    assert shown(r2, "a")["state"] == "unhealthy"
