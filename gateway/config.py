@@ -1063,7 +1063,8 @@ class CoordinationConfig(_Strict):
     the store does not answer each replica enforces ``L / N`` (``N`` alive as last seen)
     with its own bucket, starting from its unspent balance plus its part of the global
     bucket as last seen; when it answers again what was used on the share is charged to the
-    global bucket (a restarted Redis starts every bucket full, less that)."""
+    global bucket (a restarted Redis starts every bucket full, less that); a window that
+    spans an outage may exceed the bound by at most one more ``L``."""
 
     redis_url: str | None = None
     namespace: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")

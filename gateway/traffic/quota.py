@@ -34,7 +34,12 @@ which gives out at most ``L + r * W`` in ``W`` seconds (a token bucket's own bou
 the replicas held unspent when the window opened is at most ``max(C, c)`` each (a fetch
 tops up to ``C``, or to one request's need). Example: 600 requests per minute, 3 replicas,
 ``quota_chunk`` 0.05 (C = 30): at most 600 + 600 + 90 = 1290 in any minute (a single
-bucket: 1200). Settle's debt on tokens is as in one process.
+bucket: 1200). Settle's debt on tokens is as in one process. Around a store outage the
+shares start from the global level last seen (their sum at most that level plus the
+balances) and their use is charged to the global bucket afterwards, down to ``-L``: a window
+spanning an outage may exceed the bound by that debt, at most ``L`` (and by one burst ``L``
+when Redis restarted empty; the replicas alive are as last seen, so a replica that joined
+unseen adds its share).
 
 Times are local monotonic seconds passed in; the global bucket's state comes in already
 converted (:meth:`QuotaBucket.granted`). Nothing here reads a clock or does I/O.
