@@ -179,3 +179,45 @@ def test_an_idle_replica_gives_its_unspent_chunk_back(redis_server, sims, replic
     refilled = time.monotonic() - t0  # (1 request per second)
     assert codes.count(200) >= 59, "replica 2 got what replica 1 did not spend"
     assert codes.count(200) <= 60 + refilled + 1 and 429 in codes
+
+
+def test_tpm_is_global_and_charged_the_reported_usage(sims, replicas):
+    """A tokens-per-minute limit over two replicas: what the answers report using (each
+    request charged its estimate, then settled to its usage) stays within the bound
+    (burst + rate x time + replicas x chunk) for the fleet, not for each replica."""
+    a = sims("A", itl_s=0.001, max_num_seqs=64)
+    tpm = 1200
+    gws = replicas(2, {"a": a.url},
+                   auth={"client_keys": [{"name": "team", "key": KEY, "tpm": tpm}]},
+                   coordination={"quota_chunk": CHUNK})
+    used: list[tuple[float, int]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def run(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30,
+                          headers={"authorization": f"Bearer {KEY}"}) as c:
+            while not stop.is_set():
+                t = time.monotonic()
+                r = c.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+                assert r.status_code in (200, 429), r.text
+                if r.status_code == 200:
+                    with lock:
+                        used.append((t, int(r.json()["usage"]["total_tokens"])))
+                stop.wait(max(0.0, 0.08 - (time.monotonic() - t)))
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run, args=(gw.url,), daemon=True) for gw in gws]
+    for th in threads:
+        th.start()
+    time.sleep(20.0)
+    stop.set()
+    for th in threads:
+        th.join(30)
+    span = max(t for t, _u in used) - t0
+    total = sum(u for _t, u in used)
+    per_request = max(u for _t, u in used)
+    bound = tpm + tpm / 60 * span + 2 * max(int(tpm * CHUNK), per_request)
+    print(f"{len(used)} answers used {total} tokens in {span:.1f} s; bound {bound:.0f}")
+    assert total <= bound + per_request, f"{total} tokens used, over the bound {bound:.0f}"
+    assert total >= tpm, "the burst is spent: the limit admits, not far below"
