@@ -1044,13 +1044,31 @@ class CoordinationConfig(_Strict):
     ``sync_interval_s + op_timeout_s`` plus one round trip). ``replica_ttl_s``: a replica not
     heard from for this long counts as gone. ``lease_ttl_s``: a maintenance lease's time to
     live in Redis, renewed every third of it by its holder; a holder that dies lets it expire
-    and another replica finishes the cycle. ``quota_chunk``: the share of a key's per-minute
-    limit a replica takes from the global bucket at a time (rate limits, see
-    ``traffic/quota.py``). ``gpu_restart_lease_s``: how long one replica's claim on a
-    backend's GPU-fault restart lasts (seconds, default 30): every replica sees the same Xid
-    / ECC fault within a GPU scrape interval (``thermal.scrape_interval_s``, 2 s) of the
-    first, so the claim must outlast that by a margin; the restart hook runs once per claim
-    (``gateway/coord/operator.py``)."""
+    and another replica finishes the cycle. ``gpu_restart_lease_s``: how long one replica's
+    claim on a backend's GPU-fault restart lasts (seconds, default 30): every replica sees the
+    same Xid / ECC fault within a GPU scrape interval (``thermal.scrape_interval_s``, 2 s) of
+    the first, so the claim must outlast that by a margin; the restart hook runs once per
+    claim (``gateway/coord/operator.py``).
+
+    Rate limits are global (``gateway/traffic/quota.py``, ``gateway/coord/quota.py``): each
+    client key's ``rpm`` / ``tpm`` is one token bucket in Redis (burst = the per-minute limit,
+    refilled from the store's clock), and each replica admits from a local balance taken
+    from it in chunks, in the background, so no request waits on Redis. ``quota_chunk``
+    (0.05): the chunk as a share of the per-minute limit (at least 1); a fetch starts when
+    the balance falls below half a chunk. ``quota_wait_s`` (0.02 s): how long a request
+    that finds its balance empty, while the global bucket as last seen holds what it needs,
+    waits for the running fetch (one store round trip; a dead store is never waited on);
+    then it is refused with an honest ``retry-after``. ``quota_idle_s`` (2 s): a key
+    without requests on a replica for this long gives its unspent balance back. **Bound**:
+    while the store answers, a limit of ``L`` per minute over ``N`` replicas admits in any
+    window of ``W`` seconds at most ``L + L / 60 * W + N * chunk`` (for tokens, the chunk or
+    the largest request's estimate, whichever is larger): 600 requests per minute over 3
+    replicas admit at most 600 + 600 + 3 x 30 = 1290 in a minute (one process: 1200). While
+    the store does not answer each replica enforces ``L / N`` (``N`` alive as last seen)
+    with its own bucket, starting from its unspent balance plus its part of the global
+    bucket as last seen; when it answers again what was used on the share is charged to the
+    global bucket (a restarted Redis starts every bucket full, less that); a window that
+    spans an outage may exceed the bound by at most one more ``L``."""
 
     redis_url: str | None = None
     namespace: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -1062,6 +1080,8 @@ class CoordinationConfig(_Strict):
     retry_interval_s: float = Field(1.0, gt=0)
     quota_chunk: float = Field(0.05, gt=0, le=1)
     gpu_restart_lease_s: float = Field(30.0, ge=1, le=3600)
+    quota_wait_s: float = Field(0.02, ge=0, le=1)
+    quota_idle_s: float = Field(2.0, gt=0, le=60)
 
     @property
     def enabled(self) -> bool:

@@ -615,6 +615,28 @@ class GatewayMetrics:
             ["backend", "outcome"],
             registry=r,
         )
+        self.quota_fetches = Counter(
+            "gateway_fleet_quota_fetches",
+            "Quota chunks fetched from the global rate-limit buckets, by limit kind (req, tok) "
+            "and result: full (all asked), partial, none (the global bucket was short), "
+            "failed (the store did not answer)",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.quota_waits = Counter(
+            "gateway_fleet_quota_waits",
+            "Requests that found their key's local quota empty and waited for the running "
+            "fetch (coordination.quota_wait_s), by result: landed or timed_out",
+            ["result"],
+            registry=r,
+        )
+        self.quota_returned = Counter(
+            "gateway_fleet_quota_returned",
+            "Unspent quota (requests or tokens) given back to the global rate-limit buckets "
+            "by this replica (idle keys, refunds above a chunk, stop), by limit kind",
+            ["kind"],
+            registry=r,
+        )
         self.thermal_all_hot = Counter(
             "gateway_thermal_all_hot",
             "Requests routed to a hot backend because every candidate was hot",

@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
 from gateway.coord.coordination import Coordination
+from gateway.coord.quota import GlobalQuotas
 from gateway.fleet.controller import FleetController
 from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
@@ -102,6 +103,13 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         if cfg.thermal.enabled and cfg.power_domains
         else None,
     )
+    if coord is not None:  # fleet mode: per-key limits are global, taken in chunks
+        quotas = GlobalQuotas(coord.link, coord.replicas, metrics, cfg.coordination, clock)
+        c = cfg.coordination
+        gate.keys.use_quota(quotas, c.quota_chunk, c.quota_wait_s)
+        coord.add_sync("quota", quotas.sync)
+        coord.link.on_resync(quotas.resync)
+        coord.add_stop(quotas.stop)
     transport = transport if transport is not None else UpstreamPool(cfg.proxy)
     accounting = Accounting(metrics, clock, router.weight)
     pipeline = Pipeline(

@@ -44,6 +44,7 @@ class Coordination:
         self.link = RedisLink(c, metrics, self.replica_id)
         self.replicas = Replicas(self.link, metrics, f"{cfg.server.host}:{cfg.server.port}")
         self._syncs: list[tuple[str, SyncBody]] = [("heartbeat", self.replicas.heartbeat)]
+        self._stops: list[SyncBody] = []
         self.operator: OperatorActions | None = None  # share_operator_actions
 
     def share_operator_actions(self, controller: FleetController) -> OperatorActions:
@@ -54,6 +55,7 @@ class Coordination:
         self.operator = ops
         self.add_sync("operator", ops.sync)
         self.link.on_resync(ops.resync)
+        self.add_stop(ops.stop)
         controller.share_verdicts(ops, ops)
         return ops
 
@@ -61,6 +63,12 @@ class Coordination:
         """Run ``body`` in every sync round, after the parts added before it. It may raise
         :class:`CoordinationUnavailable` (ends the round)."""
         self._syncs.append((name, body))
+
+    def add_stop(self, body: SyncBody) -> None:
+        """Run ``body`` at :meth:`stop`, before leaving the replica list: a part gives back
+        what it holds (best effort while the store answers) and ends its tasks. Its failures
+        are logged, never raised."""
+        self._stops.append(body)
 
     async def sync_round(self) -> None:
         """One round: probe the link, then each part's sync while the store answers."""
@@ -89,9 +97,12 @@ class Coordination:
         controller.add_loop("coordination", self.cfg.coordination.sync_interval_s, self.sync_round)
 
     async def stop(self) -> None:
-        """Leave the replica list (best effort) and close the link."""
-        if self.operator is not None:
-            await self.operator.stop()
+        """Each part's stop, then leave the replica list (best effort); close the link."""
+        for body in self._stops:
+            try:
+                await body()
+            except Exception:
+                log.exception("a coordination part failed to stop")
         if self.link.up:
             await self.replicas.leave()
         await self.link.close()

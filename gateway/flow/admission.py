@@ -19,6 +19,12 @@ request under a key with limits gets a :class:`Charge`, which the flow settles o
 answer's ``usage`` is known (:meth:`gateway.flow.key_limits.KeyLimits.settle`): the key is
 then charged what the backend reported, not the estimate. Without a reported usage the
 estimate stands.
+
+In fleet mode the entry layer's limits are global (:mod:`gateway.traffic.quota`): a request
+is admitted from this replica's local quota; one that finds it empty while the global
+bucket seems to hold enough waits for the running fetch, at most
+``coordination.quota_wait_s`` (the only wait on the store a request can meet, and never on a
+store that is down), then is admitted or refused.
 """
 
 from __future__ import annotations
@@ -175,6 +181,10 @@ class AdmissionGate:
         limiter = self.keys.limiter(key_name, key)
         if limiter is not None:
             verdict = limiter.check(est_tokens, now)
+            if verdict.pending:  # fleet mode: the local quota is being refilled
+                await self.keys.refilled(limiter)
+                now = self.clock()
+                verdict = limiter.check(est_tokens, now, final=True)
             if not verdict.admitted:
                 never = math.isinf(verdict.retry_after_s)
                 raise self.refusal(
@@ -209,18 +219,18 @@ class AdmissionGate:
         """The entry layer alone, for a request that starts no generation (a Responses
         by-id call, :mod:`gateway.api.responses`): one request taken from the key's
         requests-per-minute bucket, 0 tokens (a key's tokens-per-minute deficit does not
-        refuse it). Raises the entry layer's 429 :class:`Refusal` (``retry-after`` and the
-        key's ``x-ratelimit-*`` headers) when the key is out of requests. Returns the key's
-        buckets after the charge (their headers), or None without limits or when admission
-        is off."""
+        refuse it). In fleet mode it never waits: with the key's local quota empty it is
+        refused (the fetch it starts serves the retry). Raises the entry layer's 429
+        :class:`Refusal` (``retry-after`` and the key's ``x-ratelimit-*`` headers) when the
+        key is out of requests. Returns the key's buckets after the charge (their headers),
+        or None without limits or when admission is off."""
         if not self.enabled:
             return None
         limiter = self.keys.limiter(key_name, key)
         if limiter is None:
             return None
         now = self.clock()
-        bucket = limiter.requests  # the tokens bucket is not asked: it costs none
-        wait = bucket.wait_for(1, now) if bucket is not None else 0.0
+        wait = limiter.take_request(now)  # the tokens bucket is not asked: it costs none
         if wait > 0:
             raise self.refusal(
                 "entry",
@@ -231,8 +241,6 @@ class AdmissionGate:
                 limiter.state(now),
                 request_id,
             )
-        if bucket is not None:
-            bucket.take(1, now)
         return limiter.state(now)
 
     async def _after_entry(

@@ -5,18 +5,35 @@ with the answer's reported usage.
 :class:`gateway.flow.admission.AdmissionGate` owns one :class:`KeyLimits` and decides with
 it (the pure buckets are :class:`gateway.traffic.limits.KeyLimiter`); a request's
 :class:`Charge` travels on its :class:`gateway.flow.context.RequestContext`.
+
+In fleet mode (:meth:`KeyLimits.use_quota`, filled by :func:`gateway.wiring.build_gateway`)
+the limiters are :class:`gateway.traffic.quota.GlobalKeyLimiter`: each key's limits are
+global buckets in the shared store, admitted here from local chunks; a request whose local
+quota is empty may wait for the running fetch, bounded (:meth:`KeyLimits.refilled`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.config import AdmissionConfig, ClientKey
 from gateway.traffic.estimate import plausible_usage
-from gateway.traffic.limits import EntryVerdict, KeyLimiter
+from gateway.traffic.limits import EntryLimiter, EntryVerdict, KeyLimiter
+from gateway.traffic.quota import GlobalKeyLimiter, QuotaSource
 
 LIMITER_SWEEP_MIN = 1024  # limiters kept before full (idle) ones are dropped
+
+
+class GlobalQuota(QuotaSource, Protocol):
+    """Fleet mode's global limits as the entry layer sees them
+    (:class:`gateway.coord.quota.GlobalQuotas`): a :class:`QuotaSource` that also tracks the
+    limiters made here and lets a request wait for a running fetch."""
+
+    def track(self, limiter: GlobalKeyLimiter) -> None: ...
+    def forget(self, limiter: GlobalKeyLimiter) -> None: ...
+    def wait(self, limiter: GlobalKeyLimiter, timeout_s: float) -> Awaitable[bool]: ...
 
 
 class KeyLimits:
@@ -27,10 +44,27 @@ class KeyLimits:
     def __init__(self, cfg: AdmissionConfig, clock: Callable[[], float]) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.limiters: dict[str, KeyLimiter] = {}  # client key name or IP -> its buckets
+        self.limiters: dict[str, EntryLimiter] = {}  # client key name or IP -> its buckets
         self._sweep_at = LIMITER_SWEEP_MIN
+        self.quota: GlobalQuota | None = None  # fleet mode's global limits
+        self.quota_chunk = 0.05
+        self.quota_wait_s = 0.0
 
-    def limiter(self, name: str, key: ClientKey | None) -> KeyLimiter | None:
+    def use_quota(self, quota: GlobalQuota, chunk: float, wait_s: float) -> None:
+        """Fleet mode: limiters made from now on are global (chunks of ``chunk`` x the
+        limit from ``quota``); a request finding its quota empty waits for the running
+        fetch at most ``wait_s`` seconds."""
+        self.quota = quota
+        self.quota_chunk = chunk
+        self.quota_wait_s = wait_s
+
+    async def refilled(self, limiter: EntryLimiter) -> None:
+        """Wait (at most ``quota_wait_s``) for the fetches a ``pending`` verdict of
+        ``limiter`` started; returns at once without fleet mode."""
+        if self.quota is not None and isinstance(limiter, GlobalKeyLimiter):
+            await self.quota.wait(limiter, self.quota_wait_s)
+
+    def limiter(self, name: str, key: ClientKey | None) -> EntryLimiter | None:
         """The buckets of client ``name`` (its key's name, or its address), made on first
         use; None when neither the key nor the defaults set a limit. Limiters that are
         full again (exactly like new ones) are dropped when the table has doubled since the
@@ -46,9 +80,21 @@ class KeyLimits:
             if len(self.limiters) >= self._sweep_at:
                 # drop the limiters that are full again (exactly like new ones); amortised:
                 # the next sweep waits until the table has doubled
-                self.limiters = {n: x for n, x in self.limiters.items() if not x.full(now)}
+                kept = {n: x for n, x in self.limiters.items() if not x.full(now)}
+                if self.quota is not None:
+                    for n, x in self.limiters.items():
+                        if n not in kept and isinstance(x, GlobalKeyLimiter):
+                            self.quota.forget(x)
+                self.limiters = kept
                 self._sweep_at = max(LIMITER_SWEEP_MIN, 2 * len(self.limiters))
-            lim = self.limiters[name] = KeyLimiter(rpm, tpm, now)
+            lim = self.limiters[name] = self._new(name, rpm, tpm, now)
+        return lim
+
+    def _new(self, name: str, rpm: int | None, tpm: int | None, now: float) -> EntryLimiter:
+        if self.quota is None:
+            return KeyLimiter(rpm, tpm, now)
+        lim = GlobalKeyLimiter(name, rpm, tpm, now, self.quota_chunk, self.quota)
+        self.quota.track(lim)
         return lim
 
     def settle(self, charge: Charge, usage: tuple[int, int] | None) -> EntryVerdict | None:
@@ -65,6 +111,9 @@ class KeyLimits:
         # the key's limiter now: the one charged, unless dropped as full meanwhile and
         # made anew (then that one; a dropped one with no successor is taken back)
         limiter = self.limiters.setdefault(charge.key, charge.limiter)
+        if limiter is charge.limiter and self.quota is not None:
+            if isinstance(limiter, GlobalKeyLimiter):
+                self.quota.track(limiter)  # (again, if it had been dropped)
         now = self.clock()
         limiter.settle(charge.tokens, usage[0] + usage[1], now)
         return limiter.state(now)
@@ -78,7 +127,7 @@ class Charge:
 
     keys: KeyLimits
     key: str
-    limiter: KeyLimiter
+    limiter: EntryLimiter
     tokens: int
     verdict: EntryVerdict
     settled: bool = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class TokenBucket:
@@ -33,6 +34,11 @@ class TokenBucket:
         if now > self._at:
             self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
             self._at = now
+
+    def level(self, now: float) -> float:
+        """The tokens in the bucket now (refilled to ``now``; below zero: a debt)."""
+        self._refill(now)
+        return self.tokens
 
     def wait_for(self, n: float, now: float) -> float:
         """Seconds until ``n`` could be taken (0: now). ``inf`` if ``n`` exceeds capacity."""
@@ -61,7 +67,10 @@ class TokenBucket:
 @dataclass(frozen=True, slots=True)
 class EntryVerdict:
     """Outcome of the entry layer. ``retry_after_s`` is 0 when admitted; the limit fields
-    feed the ``x-ratelimit-*`` headers (None when that limit is not configured)."""
+    feed the ``x-ratelimit-*`` headers (None when that limit is not configured).
+    ``pending`` (fleet mode only, :mod:`gateway.traffic.quota`): not admitted *yet*: this
+    replica's local quota is short but the global bucket, as last seen, holds what is
+    missing; a fetch is running and the caller may wait for it (bounded) and ask again."""
 
     admitted: bool
     retry_after_s: float
@@ -72,6 +81,21 @@ class EntryVerdict:
     remaining_tokens: int | None
     reset_tokens_s: float | None
     reason: str = ""
+    pending: bool = False
+
+
+class EntryLimiter(Protocol):
+    """What the entry layer asks of one client key's limits: :class:`KeyLimiter` (one
+    process) or :class:`gateway.traffic.quota.GlobalKeyLimiter` (fleet mode: quota taken
+    in chunks from global buckets). ``tokens`` / ``now``: estimated tokens, monotonic
+    seconds."""
+
+    def check(self, tokens: int, now: float, final: bool = False) -> EntryVerdict: ...
+    def take_request(self, now: float) -> float: ...
+    def refund(self, tokens: int, now: float) -> None: ...
+    def settle(self, charged: int, used: int, now: float) -> None: ...
+    def state(self, now: float) -> EntryVerdict: ...
+    def full(self, now: float) -> bool: ...
 
 
 class KeyLimiter:
@@ -118,8 +142,19 @@ class KeyLimiter:
         answer whose charge was just settled); charges nothing."""
         return self._verdict(True, 0.0, "", now)
 
-    def check(self, tokens: int, now: float) -> EntryVerdict:
-        """Admit (and charge) one request costing ``tokens``, or say when to come back."""
+    def take_request(self, now: float) -> float:
+        """A call that costs one request and no tokens (a Responses by-id call): take it
+        and return 0, or return the seconds until one is free (nothing taken). The
+        tokens-per-minute bucket is not asked (a deficit there does not refuse it)."""
+        bucket = self.requests
+        wait = bucket.wait_for(1, now) if bucket is not None else 0.0
+        if wait == 0.0 and bucket is not None:
+            bucket.take(1, now)
+        return wait
+
+    def check(self, tokens: int, now: float, final: bool = False) -> EntryVerdict:
+        """Admit (and charge) one request costing ``tokens``, or say when to come back.
+        (``final``: no verdict here is ever ``pending``, so it changes nothing.)"""
         wait_r = self.requests.wait_for(1, now) if self.requests else 0.0
         wait_t = self.tokens.wait_for(tokens, now) if self.tokens else 0.0
         admitted = wait_r == 0.0 and wait_t == 0.0

@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 3: the request flow: lease, admission I/O, queue/batching, attempts, Responses API
     #    pinning (gateway.flow.responses)
     #    fleet mode's shared state over Redis (gateway.coord.*: a sibling of the flow)
+    #    gateway.coord.quota: global rate limits' buckets (the pure side: gateway.traffic.quota)
     ("gateway.flow.*", "gateway.coord.*"),
     # 4: the component container (Gateway) and build_gateway
     ("gateway.wiring",),
