@@ -83,6 +83,8 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
     metrics.attach_fleet(fleet)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
     coord = Coordination(cfg, metrics) if cfg.coordination.enabled else None
+    if coord is not None:
+        coord.leases.bind(controller)  # maintenance cycles under fleet-wide leases
     thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
     router = build_policy(
         cfg.routing,

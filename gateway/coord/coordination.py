@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gateway.config import GatewayConfig
+from gateway.coord.leases import FleetLeases
 from gateway.coord.link import CoordinationUnavailable, RedisLink, default_replica_id
 from gateway.coord.replicas import Replicas
 from gateway.fleet.controller import FleetController
@@ -43,15 +44,29 @@ class Coordination:
         self.link = RedisLink(c, metrics, self.replica_id)
         self.replicas = Replicas(self.link, metrics, f"{cfg.server.host}:{cfg.server.port}")
         self._syncs: list[tuple[str, SyncBody]] = [("heartbeat", self.replicas.heartbeat)]
+        self._fallbacks: list[tuple[str, SyncBody]] = []
+        # maintenance leases (bound to the fleet controller by wiring: leases.bind)
+        self.leases = FleetLeases(self.link, self.replicas, metrics, cfg)
+        self.add_sync("leases", self.leases.sync)
+        self.add_fallback("leases", self.leases.fallback)
+        self.link.on_resync(self.leases.resync)
 
     def add_sync(self, name: str, body: SyncBody) -> None:
         """Run ``body`` in every sync round, after the parts added before it. It may raise
         :class:`CoordinationUnavailable` (ends the round)."""
         self._syncs.append((name, body))
 
+    def add_fallback(self, name: str, body: SyncBody) -> None:
+        """Run ``body`` in every round in which the store does not answer (the part's
+        local share: e.g. followers returning backends whose last seen lease ran out)."""
+        self._fallbacks.append((name, body))
+
     async def sync_round(self) -> None:
-        """One round: probe the link, then each part's sync while the store answers."""
+        """One round: probe the link, then each part's sync while the store answers (each
+        part's fallback when it does not)."""
         if not await self.link.probe():
+            for _name, body in self._fallbacks:
+                await body()
             return
         for _name, body in self._syncs:
             try:

@@ -66,6 +66,7 @@ PURE = (
     "gateway.fleet.lifecycle",
     "gateway.fleet.liveness",
     "gateway.fleet.cycles",
+    "gateway.fleet.leases",
     "gateway.fleet.gpu_health",
     "gateway.proxy.sse",
     "gateway.proxy.inband",

@@ -1,0 +1,244 @@
+"""Maintenance is fleet-wide (issue 14, item 1; the lease half of item 7): one replica holds a
+backend's maintenance lease for a whole cycle, every replica follows it, a dead holder's lease
+is taken over and the cycle finished, and the store going away costs no request and leaves
+no backend out. Real Redis, real HTTP, simulated vLLM servers that count for themselves
+(their ``/is_sleeping`` and ``/sim/stats`` ``control`` records of ``/reset_prefix_cache``,
+``/sleep`` and ``/wake_up``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import yaml
+
+from gateway.fleet.cycles import CycleKind
+from tests.lifecycle.support import MODEL, Sim, sdk
+from tests.support.scripted import wait_for
+from tests.support.servers import GatewayThread
+from tests.support.vllm import free_port
+
+OUT = ("draining", "cooldown")
+FAST_SYNC = {"sync_interval_s": 0.1, "lease_ttl_s": 3.0}
+
+
+def sleeping(sim: Sim) -> bool:
+    """What the simulator itself says: is vLLM asleep?"""
+    return bool(httpx.get(sim.url + "/is_sleeping", timeout=5).json()["is_sleeping"])
+
+
+def control(sim: Sim) -> dict[str, int]:
+    """The dev-mode calls the simulator received, by path."""
+    return {k: int(v) for k, v in sim.stats()["control"].items()}
+
+
+def state_of(gw: GatewayThread, backend: str) -> str:
+    b = gw.gateway.fleet.get(backend)
+    assert b is not None
+    return b.state.value
+
+
+def chat(gw: GatewayThread) -> str:
+    """One small chat through ``gw``; the answering backend's fingerprint."""
+    out = sdk(gw.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert out.choices[0].message.content
+    return out.system_fingerprint or ""
+
+
+def medium_cycles(gw: GatewayThread, backend: str) -> int:
+    """Medium cycles ``gw`` started on ``backend`` (its own metric)."""
+    c = gw.gateway.metrics.cycles.labels(backend, "medium")
+    return int(c._value.get())
+
+
+# ---- 3 replicas, 3 backends, fast cycles, 2 minutes of load ----------------------------------
+
+def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_once_per_cycle(
+        redis_server, sims, replicas):
+    names = ("a", "b", "c")
+    backends = {n: sims(n.upper()) for n in names}
+    lifecycle = {
+        "max_unavailable": 1,
+        "check_interval_s": 0.25,
+        "drain_deadline_s": 5,
+        "carry_utilization": 1.0,
+        "medium": {"every_s": 15, "every_requests": 0, "cooldown_s": 2, "sleep": True},
+    }
+    reps = replicas(3, {n: s.url for n, s in backends.items()}, lifecycle=lifecycle,
+                    coordination=FAST_SYNC)
+    stop = threading.Event()
+    failures: list[str] = []
+    served = [0]
+    samples: list[tuple[float, int]] = []  # (time, sleeping backends)
+
+    def client(i: int) -> None:
+        k = i
+        while not stop.is_set():
+            gw = reps[k % len(reps)]
+            k += 1
+            try:
+                chat(gw)
+                served[0] += 1
+            except Exception as e:  # every failure a client sees counts
+                failures.append(f"{gw.cfg.coordination.replica_id}: {type(e).__name__}: {e}")
+
+    def sampler() -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            samples.append((t, sum(sleeping(s) for s in backends.values())))
+            stop.wait(max(0.0, 0.1 - (time.monotonic() - t)))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
+    threads.append(threading.Thread(target=sampler, daemon=True))
+    for t in threads:
+        t.start()
+    time.sleep(120)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    # let a cycle under way finish, so every sleep has its wake-up
+    assert wait_for(lambda: not any(sleeping(s) for s in backends.values()), 20)
+    assert wait_for(lambda: all(state_of(gw, n) == "warm" for gw in reps for n in names), 20)
+
+    assert failures == [], failures[:5]
+    assert served[0] > 200
+    assert len(samples) > 600  # sampled every 100 ms over the two minutes
+    assert max(n for _, n in samples) <= 1, "more than max_unavailable asleep at once"
+    assert min(len(names) - n for _, n in samples) >= 1
+    for n, sim in backends.items():
+        calls = control(sim)
+        cycles = sum(medium_cycles(gw, n) for gw in reps)
+        # each cycle: exactly one reset, one sleep, one wake-up, on one backend, from one replica
+        assert calls.get("/reset_prefix_cache", 0) == cycles, (n, calls, cycles)
+        assert calls.get("/sleep", 0) == cycles, (n, calls, cycles)
+        assert calls.get("/wake_up", 0) == cycles, (n, calls, cycles)
+        assert all(c["ok"] for c in sim.stats()["control_calls"]), sim.stats()["control_calls"]
+        # once per period fleet-wide (15 s over ~125 s): not once per replica per period
+        assert 2 <= cycles <= 10, (n, cycles)
+
+
+# ---- a holder SIGKILLed mid-cycle ---------------------------------------------------------------
+
+def _serve_subprocess(tmp_path: Path, cfg: dict[str, Any]) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cfg = {**cfg, "server": {**cfg.get("server", {}), "host": "127.0.0.1", "port": port}}
+    path = tmp_path / "replica.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = open(tmp_path / "replica.log", "wb")  # kept open for the child
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)],
+        stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            r = httpx.get(url + "/ready", timeout=1)
+            return r.status_code == 200 and len(r.json()["routable"]) >= len(cfg["backends"])
+        except httpx.HTTPError:
+            return False
+
+    if not wait_for(ready, 30):
+        proc.kill()
+        raise AssertionError((tmp_path / "replica.log").read_text()[-3000:])
+    return proc, url
+
+
+def test_a_holder_killed_mid_cycle_leaves_the_backend_back_in_rotation_within_ttl_plus_rest(
+        redis_server, sims, replicas, tmp_path):
+    a, b, c = sims("A"), sims("B"), sims("C")
+    urls = {"a": a.url, "b": b.url, "c": c.url}
+    ttl, rest = 3.0, 5.0
+    lifecycle = {"max_unavailable": 1, "drain_deadline_s": 5,
+                 "medium": {"every_s": 0, "every_requests": 0, "cooldown_s": rest, "sleep": True}}
+    r1, r2 = replicas(2, urls, lifecycle=lifecycle, coordination=FAST_SYNC)
+    base = r1.cfg.model_dump(mode="json", exclude_none=True)
+    base["coordination"] = {**base["coordination"], "replica_id": "doomed"}
+    proc, url = _serve_subprocess(tmp_path, base)
+    try:
+        assert wait_for(lambda: "doomed" in r1.gateway.coord.replicas.ids(), 10)
+        r = httpx.post(url + "/admin/backends/a/cooldown", json={}, timeout=5)
+        assert r.status_code == 202, r.text
+        assert wait_for(lambda: sleeping(a), 10), "the holder never put A to sleep"
+        # the others follow the holder's lease: A is out of rotation on them too
+        assert state_of(r1, "a") in OUT and state_of(r2, "a") in OUT
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    fp_a = a.fingerprint
+
+    def served_by_a() -> bool:
+        if sleeping(a):
+            return False
+        return any(chat(gw) == fp_a for gw in (r1, r2) for _ in range(4))
+
+    assert wait_for(served_by_a, ttl + rest + 10, interval=0.1)
+    back_after = time.monotonic() - killed
+    assert back_after <= ttl + rest + 1.5, back_after  # the bound, with one round of margin
+    handovers = sum(
+        gw.gateway.metrics.lease_handovers.labels("a")._value.get() for gw in (r1, r2))
+    assert handovers == 1
+    calls = control(a)
+    assert calls == {"/reset_prefix_cache": 1, "/sleep": 1, "/wake_up": 1}, calls
+    assert state_of(r1, "a") == "warm" and state_of(r2, "a") == "warm"
+
+
+# ---- the store restarted mid-cycle, then down --------------------------------------------------
+
+def test_store_restarted_mid_cycle_gets_the_lease_back_and_a_stopped_store_leaves_nothing_out(
+        redis_server, sims, replicas):
+    a, b = sims("A"), sims("B")
+    lifecycle = {"max_unavailable": 1, "drain_deadline_s": 5,
+                 "medium": {"every_s": 0, "every_requests": 0, "cooldown_s": 6}}
+    r1, r2 = replicas(2, {"a": a.url, "b": b.url}, lifecycle=lifecycle, coordination=FAST_SYNC)
+    store = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    cycle_key = "llm-gateway:maint:cycle:a"
+
+    # a cooldown on r1: r2 follows within a second
+    assert httpx.post(r1.url + "/admin/backends/a/cooldown", json={}).status_code == 202
+    assert wait_for(lambda: state_of(r2, "a") in ("draining", "cooldown"), 1.5, interval=0.05)
+    assert wait_for(lambda: state_of(r2, "a") == "cooldown", 5)
+    assert r1.gateway.coord.leases.snapshot()[0]["holder"] == "r1"
+
+    # the store restarts empty: the holder writes its lease back, the follower keeps A out
+    redis_server.stop()
+    redis_server.start()
+    assert wait_for(lambda: store.hget(cycle_key, "holder") == "r1", 5), "lease not written back"
+    assert store.hget(cycle_key, "phase") == "cooldown"
+    assert state_of(r2, "a") == "cooldown"
+    # the cycle ends on r1 and r2 follows it back
+    assert wait_for(lambda: state_of(r1, "a") == "warm" and state_of(r2, "a") == "warm", 10)
+
+    # now a cycle with the store stopped mid-way: the follower returns A once the lease it
+    # saw ran out (its rest's end here), the holder finishes; no new lease meanwhile
+    assert httpx.post(r2.url + "/admin/backends/b/cooldown", json={}).status_code == 202
+    assert wait_for(lambda: state_of(r1, "b") == "cooldown", 5)
+    redis_server.stop()
+    stopped = time.monotonic()
+    backend_a = r1.gateway.fleet.get("a")
+    leases = r1.gateway.coord.leases
+    assert r1.run(leases.acquire(backend_a, CycleKind.MEDIUM, "test", None)) is None
+    for gw in (r1, r2):
+        assert chat(gw)  # requests keep flowing
+    assert wait_for(lambda: state_of(r1, "b") == "warm" and state_of(r2, "b") == "warm", 12)
+    assert time.monotonic() - stopped <= 6 + 3 + 2
+    assert r1.gateway.coord.leases.held == {}
+    # the store back: coordination resumes by itself (a new lease is taken and followed)
+    redis_server.start()
+    assert wait_for(lambda: r1.gateway.coord.link.up and r2.gateway.coord.link.up, 5)
+    assert httpx.post(r1.url + "/admin/backends/a/cooldown", json={}).status_code == 202
+    assert wait_for(lambda: state_of(r2, "a") == "cooldown", 5)
+    assert wait_for(lambda: state_of(r2, "a") == "warm", 12)
