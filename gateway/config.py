@@ -1043,8 +1043,12 @@ class CoordinationConfig(_Strict):
     replica reads the shared state and reports its own (the 1 s visibility bound is
     ``sync_interval_s + op_timeout_s`` plus one round trip). ``replica_ttl_s``: a replica not
     heard from for this long counts as gone. ``lease_ttl_s``: a maintenance lease's time to
-    live in Redis, renewed every third of it by its holder; a holder that dies lets it expire
-    and another replica finishes the cycle. ``quota_chunk``: the share of a key's per-minute
+    live in Redis (seconds, default 10, at least 1), renewed every third of it by its holder
+    (and at each step of its cycle); a holder that dies lets it expire and another replica
+    takes the cycle over and finishes it, so its backend is back in rotation within
+    ``lease_ttl_s`` plus the rest the cycle had given it (``gateway/coord/leases.py``). A
+    follower that cannot read the store keeps a backend out no longer than the lease it last
+    saw (or the rest it announced, if later). ``quota_chunk``: the share of a key's per-minute
     limit a replica takes from the global bucket at a time (rate limits, see
     ``traffic/quota.py``)."""
 

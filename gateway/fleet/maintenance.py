@@ -426,6 +426,9 @@ class Maintenance:
         if lease.lost:
             return
         if slept:
+            await self.leases.publish(lease)  # still ours? (else the new holder wakes it)
+            if lease.lost:
+                return
             await self.hooks.vllm_post(backend, "/wake_up")
             lease.mark_slept(False)
         if backend.state is not S.COOLDOWN:

@@ -7,6 +7,9 @@ no backend out. Real Redis, real HTTP, simulated vLLM servers that count for the
 
 from __future__ import annotations
 
+import itertools
+import json
+import math
 import os
 import signal
 import subprocess
@@ -20,7 +23,9 @@ import httpx
 import redis
 import yaml
 
+from gateway.coord.lease_scripts import ACQUIRE, RELEASE, RENEW, TAKE_OVER
 from gateway.fleet.cycles import CycleKind
+from gateway.fleet.leases import StaggerGroup, may_take_out_fleet
 from tests.lifecycle.support import MODEL, Sim, sdk
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread
@@ -33,6 +38,25 @@ FAST_SYNC = {"sync_interval_s": 0.1, "lease_ttl_s": 3.0}
 def sleeping(sim: Sim) -> bool:
     """What the simulator itself says: is vLLM asleep?"""
     return bool(httpx.get(sim.url + "/is_sleeping", timeout=5).json()["is_sleeping"])
+
+
+def asleep_now(sim: Sim) -> bool:
+    """The simulator's own sleep record, read in-process (the sampler's cheap read: what
+    ``/is_sleeping`` answers, without an HTTP round trip on a loaded machine)."""
+    return sim.server.state.sleep_level > 0
+
+
+def sleep_intervals(sim: Sim) -> list[tuple[float, float]]:
+    """(``/sleep``, next ``/wake_up``) unix times from the simulator's own call records."""
+    out: list[tuple[float, float]] = []
+    start: float | None = None
+    for c in sim.stats()["control_calls"]:
+        if c["path"] == "/sleep":
+            start = c["at"]
+        elif c["path"] == "/wake_up" and start is not None:
+            out.append((start, c["at"]))
+            start = None
+    return out
 
 
 def control(sim: Sim) -> dict[str, int]:
@@ -73,8 +97,10 @@ def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_o
         "carry_utilization": 1.0,
         "medium": {"every_s": 15, "every_requests": 0, "cooldown_s": 2, "sleep": True},
     }
+    # the default lease TTL (10 s): three gateways, three simulators and six clients share
+    # one process here, and a shorter TTL can run out while a holder's loop waits its turn
     reps = replicas(3, {n: s.url for n, s in backends.items()}, lifecycle=lifecycle,
-                    coordination=FAST_SYNC)
+                    coordination={"sync_interval_s": 0.1})
     stop = threading.Event()
     failures: list[str] = []
     served = [0]
@@ -94,7 +120,7 @@ def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_o
     def sampler() -> None:
         while not stop.is_set():
             t = time.monotonic()
-            samples.append((t, sum(sleeping(s) for s in backends.values())))
+            samples.append((t, sum(asleep_now(s) for s in backends.values())))
             stop.wait(max(0.0, 0.1 - (time.monotonic() - t)))
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
@@ -105,15 +131,33 @@ def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_o
     stop.set()
     for t in threads:
         t.join(30)
-    # let a cycle under way finish, so every sleep has its wake-up
-    assert wait_for(lambda: not any(sleeping(s) for s in backends.values()), 20)
-    assert wait_for(lambda: all(state_of(gw, n) == "warm" for gw in reps for n in names), 20)
+    # no new cycle from here on (a test's hand on each replica's schedule), and the cycle
+    # under way finishes, so every sleep has its wake-up
+    for gw in reps:
+        gw.run(_no_more_cycles(gw))
+
+    def settled() -> bool:
+        calls = [control(sim) for sim in backends.values()]
+        return (
+            not any(sleeping(sim) for sim in backends.values())
+            and all(c.get("/sleep", 0) == c.get("/wake_up", 0) for c in calls)
+            and all(state_of(gw, n) == "warm" for gw in reps for n in names)
+        )
+
+    assert wait_for(settled, 30, interval=0.2)
 
     assert failures == [], failures[:5]
     assert served[0] > 200
-    assert len(samples) > 600  # sampled every 100 ms over the two minutes
+    assert len(samples) > 900  # sampled every 100 ms over the two minutes
     assert max(n for _, n in samples) <= 1, "more than max_unavailable asleep at once"
     assert min(len(names) - n for _, n in samples) >= 1
+    # and exactly, between samples: no two backends' sleeps overlap in their own records
+    spans = sorted(iv for sim in backends.values() for iv in sleep_intervals(sim))
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end, spans
+    handovers = sum(gw.gateway.metrics.lease_handovers.labels(n)._value.get()
+                    for gw in reps for n in names)
+    assert handovers == 0  # every holder lived: each cycle ran on one replica only
     for n, sim in backends.items():
         calls = control(sim)
         cycles = sum(medium_cycles(gw, n) for gw in reps)
@@ -124,6 +168,11 @@ def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_o
         assert all(c["ok"] for c in sim.stats()["control_calls"]), sim.stats()["control_calls"]
         # once per period fleet-wide (15 s over ~125 s): not once per replica per period
         assert 2 <= cycles <= 10, (n, cycles)
+
+
+async def _no_more_cycles(gw: GatewayThread) -> None:
+    for b in gw.gateway.fleet:
+        b.cycles.next_medium = b.cycles.next_short = b.cycles.next_long = math.inf
 
 
 # ---- a holder SIGKILLed mid-cycle ---------------------------------------------------------------
@@ -242,3 +291,57 @@ def test_store_restarted_mid_cycle_gets_the_lease_back_and_a_stopped_store_leave
     assert httpx.post(r1.url + "/admin/backends/a/cooldown", json={}).status_code == 202
     assert wait_for(lambda: state_of(r2, "a") == "cooldown", 5)
     assert wait_for(lambda: state_of(r2, "a") == "warm", 12)
+
+
+# ---- the scripts themselves ---------------------------------------------------------------------
+
+def test_the_lease_scripts_refuse_a_second_holder_a_stagger_breach_and_a_repeated_start(
+        redis_server):
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    acquire, release = r.register_script(ACQUIRE), r.register_script(RELEASE)
+    renew, take_over = r.register_script(RENEW), r.register_script(TAKE_OVER)
+    peers = ["a", "b", "c"]
+
+    def ask(backend: str, holder: str, cycle: str = "medium", known: int = 0) -> list[Any]:
+        others = [p for p in peers if p != backend]
+        args = {"backend": backend, "holder": holder, "cycle": cycle, "reason": "t",
+                "phase": "draining" if cycle != "short" else "probing", "ttl_ms": 3000,
+                "takes_out": 0 if cycle == "short" else 1, "force": 0, "known_start_ms": known,
+                "drain_ms": 5000, "peer_ids": others,
+                "groups": [{"model": "m", "peers": peers, "limit": 1, "out": []}]}
+        keys = [f"t:maint:lease:{backend}", f"t:maint:cycle:{backend}",
+                *(f"t:maint:cycle:{p}" for p in others)]
+        return acquire(keys, [json.dumps(args)])  # type: ignore[no-any-return]
+
+    def leased() -> set[str]:
+        return {p for p in peers if r.hget(f"t:maint:cycle:{p}", "open") == "1"}
+
+    token, started = ask("a", "r1")
+    assert int(token) == 1
+    assert ask("a", "r2")[0] == 0  # r1 holds it
+    groups = [StaggerGroup("m", tuple(peers), 1, ())]
+    assert ask("b", "r2")[0] == 0 and not may_take_out_fleet("b", groups, leased())
+    assert int(ask("c", "r2", cycle="short")[0]) == 1  # an engine probe takes nothing out
+    assert release(["t:maint:lease:c", "t:maint:cycle:c"], ["r2", "1"]) == 1
+    assert release(["t:maint:lease:a", "t:maint:cycle:a"], ["r1", "1"]) == 1
+    assert r.exists("t:maint:lease:a") == 0
+    # a started at `started`: a replica that has not booked that start is refused
+    assert ask("a", "r2")[0] == 0 and "started by r1" in ask("a", "r2")[1]
+    assert int(ask("b", "r2")[0]) == 1 and may_take_out_fleet("b", groups, leased() - {"b"})
+    release(["t:maint:lease:b", "t:maint:cycle:b"], ["r2", "1"])
+    # booked: allowed again (the next period)
+    assert int(ask("a", "r3", known=int(started))[0]) == 2
+    # r3 dies: its lease expires, the record stays open; r1 takes it over at the token it read
+    r.delete("t:maint:lease:a")
+    assert take_over(["t:maint:lease:a", "t:maint:cycle:a"], ["r1", "3000", "1"]) is None
+    got = take_over(["t:maint:lease:a", "t:maint:cycle:a"], ["r1", "3000", "2"])
+    assert int(got[0]) == 3 and r.get("t:maint:lease:a") == "r1"
+    fields = json.dumps({"cycle": "medium", "reason": "t", "phase": "cooldown", "takes_out": 1,
+                         "drain_in_ms": -1, "rest_in_ms": 1000, "slept": "1", "reset_done": "1"})
+    # the old holder's renewal is refused (it stops its side effects); the new one's passes
+    assert renew(["t:maint:lease:a", "t:maint:cycle:a"], ["r3", "2", "3000", fields]) == 0
+    assert renew(["t:maint:lease:a", "t:maint:cycle:a"], ["r1", "3", "3000", fields]) == 1
+    # the store emptied (a restart): the holder's renewal writes the record back
+    r.flushall()
+    assert renew(["t:maint:lease:a", "t:maint:cycle:a"], ["r1", "3", "3000", fields]) == 1
+    assert r.hget("t:maint:cycle:a", "phase") == "cooldown" and r.get("t:maint:lease:a") == "r1"
