@@ -264,15 +264,17 @@ class FleetLeases:
         h = self.held.get(lease.backend)
         return h is not None and h.lease is lease and self.clock() < h.confirmed_until
 
-    async def publish(self, lease: MaintenanceLease) -> None:
-        """Renew ``lease`` now with its latest fields (the store down: at the next round)."""
+    async def publish(self, lease: MaintenanceLease) -> bool:
+        """Renew ``lease`` now with its latest fields; False when the store did not take
+        them (down: the next round tries again; refused: the lease is lost)."""
         h = self.held.get(lease.backend)
         if h is None or h.lease is not lease:
-            return
+            return False
         try:
             await self._renew_one(h)
         except CoordinationUnavailable:
-            pass
+            return False
+        return not lease.lost
 
     async def release(self, lease: MaintenanceLease) -> None:
         """Give ``lease`` back now (or, with the store down, at its next answer)."""
@@ -323,6 +325,13 @@ class FleetLeases:
             "lease_renew", lambda c: self._renew([lease_k, cycle_k], args, client=c)
         )
         if int(ok) == 1:
+            late = self.clock() - h.renewed_at
+            if late > self.ttl_s * 2 / 3:
+                log.warning(
+                    "backend %s: maintenance lease renewed %.1f s after the last renewal "
+                    "(TTL %g s): this replica's loop or the store was held up",
+                    lease.backend, late, self.ttl_s,
+                )
             h.renewed_at = self.clock()
             h.version = version
             h.confirmed_until = h.renewed_at + self.ttl_s

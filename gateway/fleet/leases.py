@@ -138,9 +138,10 @@ class MaintenanceLeases(Protocol):
         it."""
         ...
 
-    async def publish(self, lease: MaintenanceLease) -> None:
+    async def publish(self, lease: MaintenanceLease) -> bool:
         """Write ``lease``'s record now (before a step a replica taking the cycle over must
-        not repeat); a refusal marks it lost. Never raises for a store failure."""
+        not repeat); a refusal marks it lost. Returns whether the store took it (never
+        raises for a store failure)."""
         ...
 
     async def release(self, lease: MaintenanceLease) -> None:
@@ -175,8 +176,9 @@ class LocalLeases:
         """Always."""
         return True
 
-    async def publish(self, lease: MaintenanceLease) -> None:
-        """Nobody else reads it."""
+    async def publish(self, lease: MaintenanceLease) -> bool:
+        """Nobody else reads it: always taken."""
+        return True
 
     async def release(self, lease: MaintenanceLease) -> None:
         """Nothing to give back."""

@@ -399,7 +399,7 @@ class Maintenance:
             if will_sleep:  # recorded first: a replica taking the cycle over wakes it
                 lease.mark_slept(True)
                 lease.resting_until(self.clock() + rest if rest_done is None else None)
-                await self.leases.publish(lease)
+                will_sleep = await self.leases.publish(lease)
                 if lease.lost:
                     return
             slept = will_sleep and await self.hooks.vllm_post(backend, "/sleep?level=1")
@@ -431,6 +431,7 @@ class Maintenance:
                 return
             await self.hooks.vllm_post(backend, "/wake_up")
             lease.mark_slept(False)
+            await self.leases.publish(lease)  # awake: a replica taking over does not wake it
         if backend.state is not S.COOLDOWN:
             return
         if not await self.calibrator.calibrate(backend):
