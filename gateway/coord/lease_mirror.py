@@ -90,8 +90,11 @@ class LeaseMirror:
         elif action is MirrorAction.RESTART:
             before = b.load.process_start_s if b.load is not None else None
             hold_s = self.controller.cfg.lifecycle.restart_hold_s
+            await self._stop_following(b)
             st.hold(b, "restarting", now + hold_s, restart_seen_after=before)
             st.transition(b, S.COLD, "fleet_restarted")
+            if rec is None or not rec.open:
+                return False
         elif action is MirrorAction.RETURN:
             await self._stop_following(b)
             if b.state in (S.DRAINING, S.COOLDOWN) and b.hold is None:

@@ -84,10 +84,11 @@ redis.call('HSET', KEYS[2], 'token', ARGV[2], 'holder', ARGV[1], 'cycle', f.cycl
 return 1
 """
 
-# KEYS: lease, record. ARGV: holder, token. The cycle ends: record closed, lease deleted.
+# KEYS: lease, record. ARGV: holder, token. The cycle ends: record closed (its last phase
+# kept: a follower that missed a restart still sees it), lease deleted.
 RELEASE = _NOW_MS + """
 if redis.call('HGET', KEYS[2], 'token') ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[2], 'open', '0', 'phase', 'done', 'ended', now)
+redis.call('HSET', KEYS[2], 'open', '0', 'ended', now)
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """

@@ -8,8 +8,9 @@ Keys (``<ns>`` is ``coordination.namespace``), one set per backend ``<b>``:
   its cycle moves on). It is what dies with its holder.
 * ``<ns>:maint:cycle:<b>``: the cycle record, a hash without TTL: ``token`` (the cycle's
   number, incremented by every grant and hand-over), ``holder``, ``cycle``, ``reason``,
-  ``phase`` (``probing`` / ``draining`` / ``cooldown`` / ``restarting``, ``done`` once
-  given back), ``open`` (``1`` until the cycle ends), ``takes_out``, ``drain_deadline`` and
+  ``phase`` (``probing`` / ``draining`` / ``cooldown`` / ``restarting``; kept when the
+  cycle ends, so a follower that missed a restart still sees it), ``open`` (``1`` until
+  the cycle ends), ``takes_out``, ``drain_deadline`` and
   ``rest_end`` (milliseconds of the store's clock), ``slept``, ``reset_done``, and
   ``started_<kind>`` / ``started_by_<kind>`` (when and by whom each kind last started: a
   long cycle counts as a medium and a short one, a medium as a short one, as in
@@ -79,8 +80,7 @@ KINDS = (CycleKind.SHORT, CycleKind.MEDIUM, CycleKind.LONG)
 
 
 def _phase(raw: str) -> LeasePhase:
-    """A record's phase (``done``, or anything unknown, reads as draining: closed records
-    are told apart by ``open``)."""
+    """A record's phase (anything unknown reads as draining)."""
     try:
         return LeasePhase(raw)
     except ValueError:

@@ -281,7 +281,8 @@ def mirror_action(
     for another's lease. ``state``: its local state. ``now``: monotonic seconds.
     ``keep_until``: while following, the latest moment the lease last seen would still hold
     it out (its expiry, or the end of the rest it announced if later): past it, without a
-    fresh record, the backend returns to rotation (never stuck out).
+    fresh record, the backend returns to rotation (never stuck out). A cycle that ended in
+    its ``restarting`` phase (the restart hook ran) sends the backend ``cold`` instead.
     """
     out_states = (S.DRAINING, S.COOLDOWN)
     if rec is None or not rec.open:
@@ -289,7 +290,11 @@ def mirror_action(
             return MirrorAction.NONE
         if rec is None and keep_until is not None and now < keep_until:
             return MirrorAction.KEEP  # nothing read (store down or emptied): as last seen
-        return MirrorAction.RETURN if state in out_states else MirrorAction.NONE
+        if state not in out_states:
+            return MirrorAction.NONE
+        if rec is not None and rec.phase is LeasePhase.RESTARTING:
+            return MirrorAction.RESTART  # it ended restarting (the round in between missed)
+        return MirrorAction.RETURN
     if rec.expires_at is None or now >= rec.expires_at:
         return MirrorAction.TAKE_OVER
     if not takes_out(rec.cycle):

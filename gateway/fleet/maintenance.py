@@ -457,6 +457,9 @@ class Maintenance:
             if lease.lost or backend.state is not S.DRAINING:
                 return
             lease.enter(LeasePhase.RESTARTING)
+            await self.leases.publish(lease)  # before the hook: the others take it out too
+            if lease.lost:
+                return
         before = backend.load.process_start_s if backend.load is not None else None
         if await self.hooks.run_restart_hook(backend):
             # Hold it out until the restart is seen (a failed probe, or a scrape showing a

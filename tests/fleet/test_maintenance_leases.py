@@ -182,6 +182,42 @@ async def _no_more_cycles(gw: GatewayThread) -> None:
         b.cycles.next_medium = b.cycles.next_short = b.cycles.next_long = math.inf
 
 
+# ---- the long cycle: the restart hook once for the fleet ---------------------------------------
+
+def test_a_long_cycle_runs_its_restart_hook_once_for_the_fleet_and_every_replica_follows(
+        redis_server, sims, replicas, tmp_path):
+    a, b = sims("A"), sims("B")
+    hook = tmp_path / "hook.txt"
+    lifecycle = {
+        "max_unavailable": 1, "drain_deadline_s": 3, "restart_hold_s": 2,
+        "check_interval_s": 0.25, "long": {"every_s": 8},
+        "medium": {"every_s": 0, "every_requests": 0},
+        "restart_hook": {"command": ["sh", "-c", f"echo {{backend_id}} $(date +%s.%N) >> {hook}"]},
+    }
+    reps = replicas(2, {"a": a.url, "b": b.url}, lifecycle=lifecycle, coordination=FAST_SYNC)
+
+    def runs() -> list[tuple[str, float]]:  # (backend, unix time) of each hook run
+        text = hook.read_text() if hook.exists() else ""
+        return [(ln.split()[0], float(ln.split()[1])) for ln in text.splitlines() if ln.strip()]
+
+    def lines() -> list[str]:
+        return [n for n, _ in runs()]
+
+    assert wait_for(lambda: {"a", "b"} <= set(lines()), 40), lines()
+    for gw in reps:
+        gw.run(_no_more_cycles(gw))
+    assert wait_for(lambda: all(state_of(gw, n) == "warm" for gw in reps for n in "ab"), 30)
+    for n in "ab":
+        started = sum(gw.gateway.metrics.cycles.labels(n, "long")._value.get() for gw in reps)
+        assert lines().count(n) == started, (n, lines(), started)  # once per cycle, not per replica
+        times = [t for m, t in runs() if m == n]
+        assert all(t2 - t1 >= 0.9 * 8 for t1, t2 in itertools.pairwise(times)), times
+        followed = sum(
+            gw.gateway.metrics.transitions.labels(n, frm, "cold", "fleet_restarted")._value.get()
+            for gw in reps for frm in ("draining", "cooldown"))
+        assert followed == started  # the other replica took it out and held it too
+
+
 # ---- a holder SIGKILLed mid-cycle ---------------------------------------------------------------
 
 def _serve_subprocess(tmp_path: Path, cfg: dict[str, Any]) -> tuple[subprocess.Popen[bytes], str]:

@@ -129,6 +129,8 @@ def rec(**kw: object) -> LeaseRecord:
         (rec(), False, S.UNHEALTHY, None, MirrorAction.KEEP),  # already out: nothing to do
         (rec(open=False), True, S.COOLDOWN, 110.0, MirrorAction.RETURN),
         (rec(open=False), True, S.COLD, 110.0, MirrorAction.NONE),  # restarted: probes
+        (rec(open=False, phase=LeasePhase.RESTARTING), True, S.DRAINING, 110.0,
+         MirrorAction.RESTART),  # ended restarting, a round missed: cold, not warm
         (rec(open=False), False, S.WARM, None, MirrorAction.NONE),
         (None, True, S.COOLDOWN, 120.0, MirrorAction.KEEP),  # nothing read: as last seen
         (None, True, S.COOLDOWN, 99.0, MirrorAction.RETURN),  # ... until it would have ended
