@@ -1043,12 +1043,16 @@ class CoordinationConfig(_Strict):
     replica reads the shared state and reports its own (the 1 s visibility bound is
     ``sync_interval_s + op_timeout_s`` plus one round trip). ``replica_ttl_s``: a replica not
     heard from for this long counts as gone. ``lease_ttl_s``: a maintenance lease's time to
-    live in Redis, renewed every third of it by its holder; a holder that dies lets it expire
-    and another replica finishes the cycle. ``gpu_restart_lease_s``: how long one replica's
-    claim on a backend's GPU-fault restart lasts (seconds, default 30): every replica sees the
-    same Xid / ECC fault within a GPU scrape interval (``thermal.scrape_interval_s``, 2 s) of
-    the first, so the claim must outlast that by a margin; the restart hook runs once per
-    claim (``gateway/coord/operator.py``).
+    live in Redis (seconds, default 10, at least 1), renewed every third of it by its holder
+    (and at each step of its cycle); a holder that dies lets it expire and another replica
+    takes the cycle over and finishes it, so its backend is back in rotation within
+    ``lease_ttl_s`` plus the rest the cycle had given it (``gateway/coord/leases.py``). A
+    follower that cannot read the store keeps a backend out no longer than the lease it last
+    saw (or the rest it announced, if later). ``gpu_restart_lease_s``: how long one
+    replica's claim on a backend's GPU-fault restart lasts (seconds, default 30): every
+    replica sees the same Xid / ECC fault within a GPU scrape interval
+    (``thermal.scrape_interval_s``, 2 s) of the first, so the claim must outlast that by a
+    margin; the restart hook runs once per claim (``gateway/coord/operator.py``).
 
     Rate limits are global (``gateway/traffic/quota.py``, ``gateway/coord/quota.py``): each
     client key's ``rpm`` / ``tpm`` is one token bucket in Redis (burst = the per-minute limit,

@@ -86,6 +86,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
     coord = Coordination(cfg, metrics) if cfg.coordination.enabled else None
     if coord is not None:
         coord.share_operator_actions(controller)  # admin actions, GPU holds, baselines
+        coord.leases.bind(controller)  # maintenance cycles under fleet-wide leases
     thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
     router = build_policy(
         cfg.routing,

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gateway.config import GatewayConfig
+from gateway.coord.leases import FleetLeases
 from gateway.coord.link import CoordinationUnavailable, RedisLink, default_replica_id
 from gateway.coord.operator import OperatorActions
 from gateway.coord.replicas import Replicas
@@ -45,7 +46,13 @@ class Coordination:
         self.replicas = Replicas(self.link, metrics, f"{cfg.server.host}:{cfg.server.port}")
         self._syncs: list[tuple[str, SyncBody]] = [("heartbeat", self.replicas.heartbeat)]
         self._stops: list[SyncBody] = []
+        self._fallbacks: list[tuple[str, SyncBody]] = []
         self.operator: OperatorActions | None = None  # share_operator_actions
+        # maintenance leases (bound to the fleet controller by wiring: leases.bind)
+        self.leases = FleetLeases(self.link, self.replicas, metrics, cfg)
+        self.add_sync("leases", self.leases.sync)
+        self.add_fallback("leases", self.leases.fallback)
+        self.link.on_resync(self.leases.resync)
 
     def share_operator_actions(self, controller: FleetController) -> OperatorActions:
         """Fleet-wide operator actions and verdicts on ``controller``'s backends
@@ -70,9 +77,17 @@ class Coordination:
         are logged, never raised."""
         self._stops.append(body)
 
+    def add_fallback(self, name: str, body: SyncBody) -> None:
+        """Run ``body`` in every round in which the store does not answer (the part's
+        local share: e.g. followers returning backends whose last seen lease ran out)."""
+        self._fallbacks.append((name, body))
+
     async def sync_round(self) -> None:
-        """One round: probe the link, then each part's sync while the store answers."""
+        """One round: probe the link, then each part's sync while the store answers (each
+        part's fallback when it does not)."""
         if not await self.link.probe():
+            for _name, body in self._fallbacks:
+                await body()
             return
         for _name, body in self._syncs:
             try:

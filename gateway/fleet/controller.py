@@ -43,6 +43,7 @@ from gateway.fleet.fleet import Fleet
 from gateway.fleet.gpu_monitor import GpuMonitor, RestDone
 from gateway.fleet.health import HealthChecks
 from gateway.fleet.hooks import BackendHooks
+from gateway.fleet.leases import MaintenanceLeases
 from gateway.fleet.loops import LoopBody, LoopRunner
 from gateway.fleet.maintenance import Maintenance
 from gateway.fleet.probes import ProbeEndpoints
@@ -149,6 +150,11 @@ class FleetController:
         """Run ``body`` every ``interval_s`` seconds until :meth:`stop`, as a control loop
         (:meth:`gateway.fleet.loops.LoopRunner.add_loop`)."""
         self.loops.add_loop(name, interval_s, body)
+
+    def use_leases(self, leases: MaintenanceLeases) -> None:
+        """Fleet mode: every maintenance cycle runs under a lease from ``leases`` (the
+        shared store's, :mod:`gateway.fleet.leases`) instead of one granted locally."""
+        self.maintenance.use_leases(leases)
 
     # ---- what the request path reports (gateway.fleet.feedback.FleetFeedback) -----------
     def auth_refused(self, backend: Backend, detail: str, status: int | None) -> None:

@@ -86,3 +86,29 @@ def never_due() -> CycleClock:
     """A clock on which no cycle is ever due (a backend outside any gateway's schedule,
     e.g. one the fleet simulator or a test builds alone)."""
     return CycleClock(math.inf, math.inf, math.inf)
+
+
+def adopt_start(
+    clock: CycleClock,
+    kind: CycleKind,
+    started_at: float,
+    requests_served: int,
+    cfg: LifecycleConfig,
+) -> None:
+    """Book a cycle another replica of the fleet started (fleet mode): ``started_at`` is its
+    start in this replica's monotonic seconds (converted from the store's clock). Like
+    :func:`cycle_started` from ``started_at``, except that a due time never moves earlier
+    (a start this replica already booked, or a later one, stands): each backend's cycles then
+    run once per period for the whole fleet, whichever replica ran them. The medium
+    request count starts again from ``requests_served`` (this replica's count now)."""
+    inf = math.inf
+
+    def later(current: float, every: float) -> float:
+        return max(current, started_at + every if every > 0 else inf)
+
+    if kind is CycleKind.LONG:
+        clock.next_long = later(clock.next_long, cfg.long.every_s)
+    if kind in (CycleKind.LONG, CycleKind.MEDIUM):
+        clock.next_medium = later(clock.next_medium, cfg.medium.every_s)
+        clock.requests_at_medium = requests_served
+    clock.next_short = later(clock.next_short, cfg.short.every_s)

@@ -14,7 +14,15 @@ the load (:func:`gateway.fleet.lifecycle.can_carry_without`; skipped after
   calibration -> slow-start return;
 * long: drain -> restart hook -> ``cold`` (probes then bring it through warming).
 
-Each runs as the backend's one procedure (:class:`gateway.fleet.procedures.Procedures`).
+Each runs as the backend's one procedure (:class:`gateway.fleet.procedures.Procedures`),
+under a maintenance lease (:mod:`gateway.fleet.leases`) taken before it changes anything and
+given back when it ends. One gateway's leases (:class:`~gateway.fleet.leases.LocalLeases`)
+are granted at once; in fleet mode (:meth:`Maintenance.use_leases`) the lease is taken in the
+shared store, so one replica runs each backend's cycle for the whole fleet, the drain waits
+for every replica's requests, and a replica taking over a dead holder's lease finishes the
+cycle from the step it reached (:meth:`Maintenance.take_over`). A cycle whose lease was
+lost (another replica holds it now) stops its side effects; a cycle cancelled by the
+gateway's stop keeps its lease until it expires, so another replica finishes it.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.core.vocab import BackendState, Cut
@@ -34,6 +43,13 @@ from gateway.fleet.cycles import CycleKind, cycle_started, due_cycle
 from gateway.fleet.drain import Drains
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.hooks import BackendHooks
+from gateway.fleet.leases import (
+    LeasePhase,
+    LocalLeases,
+    MaintenanceLease,
+    MaintenanceLeases,
+    takes_out,
+)
 from gateway.fleet.probes import ProbeEndpoints, app_probe
 from gateway.fleet.procedures import Procedures
 from gateway.fleet.records import Deferral
@@ -81,6 +97,12 @@ class Maintenance:
         self.clock = clock
         self._forecast_rps: Callable[[str], float | None] | None = None
         self._stall: dict[str, asyncio.Task[None]] = {}  # the running stall probe of each
+        self.leases: MaintenanceLeases = LocalLeases()
+
+    def use_leases(self, leases: MaintenanceLeases) -> None:
+        """Take maintenance leases from ``leases`` (fleet mode: the shared store) instead of
+        granting them locally."""
+        self.leases = leases
 
     def use_forecast(self, forecast_rps: Callable[[str], float | None]) -> None:
         """Read ``forecast_rps`` (requests/s forecast for a model) before a cycle takes a
@@ -137,27 +159,89 @@ class Maintenance:
                 if why is not None:
                     self._defer(b, kind, why, now)
                     if now >= b.cycles.next_short:  # the engine probe is not held back
-                        cycle_started(
-                            b.cycles, CycleKind.SHORT, now, b.requests_served, lc
-                        )
-                        self.metrics.cycles.labels(b.id, CycleKind.SHORT.value).inc()
-                        self.procedures.run(b, "short", self.short_cycle(b))
+                        short = await self._acquire(b, CycleKind.SHORT, "scheduled")
+                        if short is not None:
+                            cycle_started(
+                                b.cycles, CycleKind.SHORT, now, b.requests_served, lc
+                            )
+                            self.metrics.cycles.labels(b.id, CycleKind.SHORT.value).inc()
+                            self._run(b, "short", short, self.short_cycle(b))
                     continue  # deferred: it stays due and starts at the next quiet moment
+            lease = await self._acquire(b, kind, "scheduled")
+            if lease is None:
+                continue  # another replica runs it, or staggering across replicas: still due
             self._end_deferral(b, now)
             cycle_started(b.cycles, kind, now, b.requests_served, lc)
             self.metrics.cycles.labels(b.id, kind.value).inc()
             if kind is CycleKind.SHORT:
-                self.procedures.run(b, "short", self.short_cycle(b))
+                self._run(b, "short", lease, self.short_cycle(b))
             elif kind is CycleKind.MEDIUM:
                 self.state.transition(b, S.DRAINING, "cooldown_scheduled")
-                self.procedures.run(
+                self._run(
                     b,
                     "medium",
-                    self.medium_cycle(b, "scheduled", rest_done=self.scheduled_rest(b)),
+                    lease,
+                    self.medium_cycle(
+                        b, "scheduled", rest_done=self.scheduled_rest(b), lease=lease
+                    ),
                 )
             else:
                 self.state.transition(b, S.DRAINING, "restart_scheduled")
-                self.procedures.run(b, "long", self.long_cycle(b, "scheduled"))
+                self._run(b, "long", lease, self.long_cycle(b, "scheduled", lease))
+
+    async def _acquire(
+        self, b: Backend, kind: CycleKind, reason: str, force: bool = False
+    ) -> MaintenanceLease | None:
+        """The lease for ``kind`` on ``b`` (None: refused). With shared leases the store is
+        asked, so the loop may have moved meanwhile: a lease on a backend that is no longer
+        warm and free is given back at once."""
+        deadline = (
+            self.clock() + self.cfg.lifecycle.drain_deadline_s if takes_out(kind) else None
+        )
+        lease = await self.leases.acquire(b, kind, reason, deadline, force)
+        if lease is not None and (self.procedures.busy(b) or b.state is not S.WARM):
+            await self.leases.release(lease)
+            return None
+        return lease
+
+    def _run(
+        self,
+        b: Backend,
+        name: str,
+        lease: MaintenanceLease,
+        cycle: Coroutine[Any, Any, None],
+    ) -> asyncio.Task[None]:
+        """Run ``cycle`` as ``b``'s procedure under ``lease``, given back when it ends (not
+        when the gateway's stop cancels it: then it expires and another replica finishes
+        the cycle)."""
+
+        async def leased() -> None:
+            try:
+                await cycle
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                await self.leases.release(lease)
+                raise
+            await self.leases.release(lease)
+
+        return self.procedures.run(b, name, leased())
+
+    async def take_over(self, backend: Backend, lease: MaintenanceLease) -> None:
+        """Finish the cycle of a lease this replica took over from a holder that stopped
+        renewing it (fleet mode), from the step it reached: a medium cycle drains if it
+        was draining, resets the prefix cache unless done, rests out the rest it was given
+        (the fixed rest when it had none), wakes vLLM if it slept, calibrates and returns the
+        backend; a long cycle drains and runs the restart hook unless it is already
+        restarting; a short one just ends."""
+        await self.procedures.cancel_and_wait(backend)  # the follower's drain, if any
+        if lease.cycle is CycleKind.MEDIUM:
+            cycle = self.medium_cycle(backend, lease.reason, lease=lease)
+        elif lease.cycle is CycleKind.LONG and lease.phase is not LeasePhase.RESTARTING:
+            cycle = self.long_cycle(backend, lease.reason, lease)
+        else:
+            cycle = _done()
+        self._run(backend, lease.cycle.value, lease, cycle)
 
     def demand(self) -> dict[str, float]:
         """Requests per second each model must be served at now and over the forecast
@@ -271,34 +355,83 @@ class Maintenance:
         reason: str,
         min_rest_s: float = 0.0,
         rest_done: Callable[[float], bool] | None = None,
+        lease: MaintenanceLease | None = None,
     ) -> None:
         """Drain -> reset prefix cache -> rest (probes only; optional vLLM sleep) ->
-        calibration -> slow-start return.
+        calibration -> slow-start return, under ``lease`` (None: a local one).
 
         The rest lasts ``max(medium.cooldown_s, min_rest_s)`` seconds, or, with
         ``rest_done`` (called with the seconds rested so far), until it returns True: a
-        thermal cooldown rests until the GPU is cool (:mod:`gateway.fleet.gpu_monitor`)."""
+        thermal cooldown rests until the GPU is cool (:mod:`gateway.fleet.gpu_monitor`).
+
+        A lease taken over from another replica resumes where its record says the cycle
+        was: its drain (then the wait for every replica's), the reset unless done, the rest
+        until the end it announced (a rest announced without an end: the fixed rest), the
+        wake-up if vLLM sleeps. A lost lease stops the cycle before its next side effect."""
         lc = self.cfg.lifecycle
-        if not await self.drains.drain(backend, lc.drain_deadline_s, f"cooldown_{reason}"):
-            return
-        self.state.transition(backend, S.COOLDOWN, "drained")
-        await self.hooks.reset_prefix_cache(backend)
-        rest = max(lc.medium.cooldown_s, min_rest_s)
-        slept = lc.medium.sleep and await self.hooks.vllm_post(backend, "/sleep?level=1")
-        start = self.clock()
-        deadline = start + rest
+        if lease is None:
+            lease = MaintenanceLease(backend.id, CycleKind.MEDIUM, reason, LeasePhase.DRAINING)
+        if lease.phase is LeasePhase.DRAINING or backend.state is not S.COOLDOWN:
+            deadline_s = (
+                lc.drain_deadline_s
+                if lease.drain_deadline is None
+                else max(0.0, lease.drain_deadline - self.clock())
+            )
+            if not await self.drains.drain(backend, deadline_s, f"cooldown_{reason}"):
+                return
+            if lease.phase is LeasePhase.DRAINING:
+                await self.leases.fleet_drained(backend, lease)
+            if lease.lost or backend.state is not S.DRAINING:
+                return
+            self.state.transition(backend, S.COOLDOWN, "drained")
+            lease.enter(LeasePhase.COOLDOWN)
+        if not lease.reset_done:
+            # recorded before it is sent: a replica taking the cycle over never resets twice
+            lease.mark_reset()
+            await self.leases.publish(lease)
+            if lease.lost:
+                return
+            await self.hooks.reset_prefix_cache(backend)
+        if lease.rest_end is None and not lease.slept:
+            rest = max(lc.medium.cooldown_s, min_rest_s)
+            # no sleep the other replicas might not see (the store not answering now)
+            will_sleep = lc.medium.sleep and self.leases.confirmed(lease)
+            if will_sleep:  # recorded first: a replica taking the cycle over wakes it
+                lease.mark_slept(True)
+                lease.resting_until(self.clock() + rest if rest_done is None else None)
+                will_sleep = await self.leases.publish(lease)
+                if lease.lost:
+                    return
+            slept = will_sleep and await self.hooks.vllm_post(backend, "/sleep?level=1")
+            lease.mark_slept(slept)
+            start = self.clock()
+            deadline = start + rest
+            lease.resting_until(deadline if rest_done is None else None)
+        else:  # resumed: the rest its first holder announced
+            slept, rest_done = lease.slept, None
+            start = self.clock()
+            deadline = start + lc.medium.cooldown_s
+            if lease.rest_end is not None:
+                deadline = lease.rest_end
 
         def resting() -> bool:
             now = self.clock()
             return now < deadline if rest_done is None else not rest_done(now - start)
 
         while resting():
-            if backend.state is not S.COOLDOWN:
-                return  # a probe failed meanwhile, or an admin undrained it
+            if backend.state is not S.COOLDOWN or lease.lost:
+                return  # a probe failed meanwhile, an admin undrained it, or the lease moved
             wait = 0.25 if rest_done is not None else min(0.25, max(0.0, deadline - self.clock()))
             await asyncio.sleep(wait)
+        if lease.lost:
+            return
         if slept:
+            await self.leases.publish(lease)  # still ours? (else the new holder wakes it)
+            if lease.lost:
+                return
             await self.hooks.vllm_post(backend, "/wake_up")
+            lease.mark_slept(False)
+            await self.leases.publish(lease)  # awake: a replica taking over does not wake it
         if backend.state is not S.COOLDOWN:
             return
         if not await self.calibrator.calibrate(backend):
@@ -309,11 +442,24 @@ class Maintenance:
         if backend.state is S.COOLDOWN:
             self.state.transition(backend, S.WARM, "cooldown_done")
 
-    async def long_cycle(self, backend: Backend, reason: str) -> None:
-        """Drain -> restart hook -> ``cold`` (probes then bring it through warming)."""
+    async def long_cycle(
+        self, backend: Backend, reason: str, lease: MaintenanceLease | None = None
+    ) -> None:
+        """Drain -> restart hook -> ``cold`` (probes then bring it through warming), under
+        ``lease`` (None: a local one)."""
         deadline_s = self.cfg.lifecycle.drain_deadline_s
+        if lease is not None and lease.drain_deadline is not None:
+            deadline_s = max(0.0, lease.drain_deadline - self.clock())
         if not await self.drains.drain(backend, deadline_s, f"restart_{reason}"):
             return
+        if lease is not None:
+            await self.leases.fleet_drained(backend, lease)
+            if lease.lost or backend.state is not S.DRAINING:
+                return
+            lease.enter(LeasePhase.RESTARTING)
+            await self.leases.publish(lease)  # before the hook: the others take it out too
+            if lease.lost:
+                return
         before = backend.load.process_start_s if backend.load is not None else None
         if await self.hooks.run_restart_hook(backend):
             # Hold it out until the restart is seen (a failed probe, or a scrape showing a
@@ -343,14 +489,57 @@ class Maintenance:
             backend, self.fleet.backends, self.cfg.lifecycle
         ):
             return False
+        if self.leases.shared:  # the lease first (a store call): the cycle starts once granted
+            self.procedures.run(
+                backend,
+                "medium",
+                self._leased_cooldown(backend, reason, min_rest_s, force, rest_done),
+            )
+            return True
+        lease = MaintenanceLease(
+            backend.id, CycleKind.MEDIUM, reason, LeasePhase.DRAINING
+        )  # one gateway: granted
+        self._booked_cooldown(backend, reason)
+        cycle = self.medium_cycle(backend, reason, min_rest_s, rest_done, lease)
+        self.procedures.run(backend, "medium", cycle)
+        return True
+
+    def _booked_cooldown(self, backend: Backend, reason: str) -> None:
         lc = self.cfg.lifecycle
         cycle_started(backend.cycles, CycleKind.MEDIUM, self.clock(), backend.requests_served, lc)
         self.metrics.cycles.labels(backend.id, "medium").inc()
         # out of rotation now: the stagger check of the next backend counts it
         self.state.transition(backend, S.DRAINING, f"cooldown_{reason}")
-        cycle = self.medium_cycle(backend, reason, min_rest_s, rest_done)
-        self.procedures.run(backend, "medium", cycle)
-        return True
+
+    async def _leased_cooldown(
+        self,
+        backend: Backend,
+        reason: str,
+        min_rest_s: float,
+        force: bool,
+        rest_done: Callable[[float], bool] | None,
+    ) -> None:
+        """:meth:`request_cooldown` in fleet mode: the lease, then the cycle (as the same
+        procedure); refused (another replica's lease, staggering across replicas, the store
+        down): nothing happens."""
+        lc = self.cfg.lifecycle
+        deadline = self.clock() + lc.drain_deadline_s
+        lease = await self.leases.acquire(backend, CycleKind.MEDIUM, reason, deadline, force)
+        if lease is None:
+            log.info("backend %s: %s cooldown not started: lease refused", backend.id, reason)
+            return
+        if backend.state is not S.WARM:
+            await self.leases.release(lease)
+            return
+        try:
+            self._booked_cooldown(backend, reason)
+            await self.medium_cycle(backend, reason, min_rest_s, rest_done, lease)
+        except asyncio.CancelledError:
+            raise  # the gateway stops: the lease expires and another replica finishes
+        except BaseException:
+            await self.leases.release(lease)
+            raise
+        await self.leases.release(lease)
 
     # ---- GPU faults ------------------------------------------------------------------------
     def gpu_fault(self, backend: Backend, reason: str) -> None:
@@ -371,3 +560,8 @@ class Maintenance:
             return
         if await self.hooks.run_restart_hook(backend):
             self.drains.hold_restarting(backend, self.cfg.lifecycle.restart_hold_s)
+
+
+async def _done() -> None:
+    """A cycle with nothing left to do (a short cycle taken over, a restart already under
+    way)."""

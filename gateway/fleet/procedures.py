@@ -24,11 +24,16 @@ class Procedures:
         self.state = state
         self.metrics = metrics
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._names: dict[str, str] = {}
 
     def busy(self, backend: Backend) -> bool:
         """Whether a maintenance procedure (cycle, drain) is running on ``backend``."""
         task = self._tasks.get(backend.id)
         return task is not None and not task.done()
+
+    def running(self, backend: Backend) -> str | None:
+        """The name of the procedure running on ``backend`` (None: none)."""
+        return self._names.get(backend.id) if self.busy(backend) else None
 
     def run(
         self, backend: Backend, name: str, coro: Coroutine[Any, Any, None]
@@ -51,6 +56,7 @@ class Procedures:
 
         task = asyncio.get_running_loop().create_task(wrapped())
         self._tasks[backend.id] = task
+        self._names[backend.id] = name
         return task
 
     def cancel(self, backend: Backend) -> None:
@@ -58,6 +64,14 @@ class Procedures:
         task = self._tasks.get(backend.id)
         if task is not None and not task.done():
             task.cancel()
+
+    async def cancel_and_wait(self, backend: Backend) -> None:
+        """Cancel the procedure running on ``backend`` and wait until it has ended (its
+        marker cleared), so another can start in its place."""
+        task = self._tasks.get(backend.id)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def stop(self) -> None:
         """Cancel every procedure and wait for them to end."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ from gateway.sim.runtime import EngineRunner
 
 RECENT_MAX = 200
 """How many recent generation requests ``/sim/stats`` keeps (path, headers, JSON body)."""
+CONTROL_MAX = 1000
+"""How many dev-mode route calls ``/sim/stats`` keeps (``control_calls``)."""
 
 
 @dataclass
@@ -36,7 +39,19 @@ class SimState:
     dropped_connections: int = 0
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_MAX))
     ids: itertools.count[int] = field(default_factory=itertools.count)
+    # the dev-mode routes' calls (/reset_prefix_cache, /sleep, /wake_up): counted, and each
+    # one recorded with its unix time and result, so a test reads what this backend saw
+    control_counts: Counter[str] = field(default_factory=Counter)
+    control_calls: deque[dict[str, Any]] = field(
+        default_factory=lambda: deque(maxlen=CONTROL_MAX)
+    )
     gpus: Any = None  # gateway.sim.gpu.GpuTicker, set by create_sim_app
+
+    def record_control(self, path: str, ok: bool) -> None:
+        """Count one dev-mode route call (``path``) and keep its time (unix seconds) and
+        result (``ok``: what the route answered, e.g. ``success`` of a prefix-cache reset)."""
+        self.control_counts[path] += 1
+        self.control_calls.append({"path": path, "at": time.time(), "ok": ok})
 
     @property
     def open_requests(self) -> int:
@@ -60,6 +75,8 @@ class SimState:
             "dropped_connections": self.dropped_connections,
             "faults_injected": dict(self.faults.injected),
             "sleeping": self.sleep_level > 0,
+            "control": dict(self.control_counts),
+            "control_calls": list(self.control_calls),
             "engine": {
                 "running": s.num_running,
                 "waiting": s.num_waiting,
@@ -82,4 +99,6 @@ class SimState:
         self.client_aborts = 0
         self.dropped_connections = 0
         self.recent.clear()
+        self.control_counts.clear()
+        self.control_calls.clear()
         self.faults.injected = dict.fromkeys(self.faults.injected, 0)

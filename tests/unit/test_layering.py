@@ -30,11 +30,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners)
     ("gateway.routing.*", "gateway.traffic.*"),
-    # 2: the fleet's state and control loops; the upstream transport (siblings)
+    # 2: the fleet's state and control loops; the upstream transport (siblings);
+    #    the maintenance-lease seam (gateway.fleet.leases: pure, LocalLeases)
     ("gateway.fleet.*", "gateway.proxy.*"),
     # 3: the request flow: lease, admission I/O, queue/batching, attempts, Responses API
     #    pinning (gateway.flow.responses)
-    #    fleet mode's shared state over Redis (gateway.coord.*: a sibling of the flow)
+    #    fleet mode's shared state over Redis (gateway.coord.*: a sibling of the flow;
+    #    gateway.coord.leases / lease_mirror / lease_scripts: fleet-wide maintenance)
     #    gateway.coord.quota: global rate limits' buckets (the pure side: gateway.traffic.quota)
     ("gateway.flow.*", "gateway.coord.*"),
     # 4: the component container (Gateway) and build_gateway
@@ -67,6 +69,7 @@ PURE = (
     "gateway.fleet.lifecycle",
     "gateway.fleet.liveness",
     "gateway.fleet.cycles",
+    "gateway.fleet.leases",
     "gateway.fleet.gpu_health",
     "gateway.proxy.sse",
     "gateway.proxy.inband",

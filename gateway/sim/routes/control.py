@@ -1,7 +1,8 @@
 """The simulated server's control routes: vLLM's dev-mode routes (``/reset_prefix_cache``,
 ``/sleep``, ``/wake_up``, ``/is_sleeping``; always on here) and the simulator's own
 ``/sim/faults`` (read, replace, patch the ``FaultConfig``) and ``/sim/stats`` (read,
-reset what this backend received)."""
+reset what this backend received; the dev-mode calls are counted in ``control`` and each
+kept in ``control_calls`` with its time and result)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def add_control_routes(app: FastAPI, state: SimState) -> None:
     ) -> Response:
         if reset_running_requests:
             runner.abort_all()
-        return json_response({"success": runner.engine.reset_prefix_cache()})
+        ok = runner.engine.reset_prefix_cache()
+        state.record_control("/reset_prefix_cache", ok)
+        return json_response({"success": ok})
 
     @app.post("/sleep")
     async def sleep(level: int = 1) -> Response:
@@ -42,12 +45,14 @@ def add_control_routes(app: FastAPI, state: SimState) -> None:
         runner.abort_all()
         runner.engine.reset_prefix_cache()
         state.sleep_level = max(level, 1)
+        state.record_control("/sleep", True)
         return json_response({"status": "sleeping", "level": level})
 
     @app.post("/wake_up")
     async def wake_up(request: Request) -> Response:
         tags = request.query_params.getlist("tags") or None
         state.sleep_level = 0
+        state.record_control("/wake_up", True)
         return json_response({"status": "awake", "tags": tags})
 
     @app.get("/is_sleeping")
