@@ -129,6 +129,7 @@ class _Slot:
     generation: int = 0
     started_at: float = 0.0
     restart_at: float | None = None  # monotonic; a replacement is due then
+    signalled: int = 0  # SIGTERMs forwarded to the current process
 
 
 @dataclass
@@ -158,15 +159,24 @@ class Supervisor:
             daemon=False,
         )
         proc.start()
-        slot.proc, slot.started_at, slot.restart_at = proc, self.clock(), None
+        slot.proc, slot.started_at, slot.restart_at, slot.signalled = proc, self.clock(), None, 0
         slot.generation += 1
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM / SIGINT to the parent: counted here, forwarded by :meth:`_forward`
+        (the main loop's next turn, within 0.2 s: a handler that ran while a worker was
+        being started would miss that one)."""
         self.signals_seen += 1
+
+    def _forward(self) -> None:
+        """Send each live worker one SIGTERM per signal the parent got (the first starts
+        its graceful shutdown, a second ends it at once)."""
         for slot in self.slots:
-            if slot.proc is not None and slot.proc.is_alive() and slot.proc.pid:
+            p = slot.proc
+            while p is not None and p.pid and slot.signalled < self.signals_seen:
+                slot.signalled += 1
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(slot.proc.pid, signal.SIGTERM)
+                    os.kill(p.pid, signal.SIGTERM)
 
     def _reap(self) -> int | None:
         """Note each worker that exited; schedule its restart, or return the exit status
@@ -199,7 +209,8 @@ class Supervisor:
     def _stop_all(self) -> None:
         """SIGTERM every live worker, then wait for each (killing one that outlives the
         grace period)."""
-        self._on_signal(signal.SIGTERM, None)
+        self.signals_seen = max(self.signals_seen, 1)
+        self._forward()
         deadline = self.clock() + self.cfg.server.graceful_shutdown_s + STOP_MARGIN_S
         for slot in self.slots:
             if slot.proc is not None:
@@ -220,6 +231,7 @@ class Supervisor:
                 self.workers, self.sock.getsockname(), self.cfg.coordination.namespace,
             )
             while True:
+                self._forward()
                 status = self._reap()
                 if status is not None:
                     self.signals_seen += 1  # no restarts from here on

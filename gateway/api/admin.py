@@ -9,7 +9,6 @@ import hmac
 import json
 import math
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
@@ -324,77 +323,16 @@ def install_routes(app: FastAPI) -> None:
 
 
 # ---- /admin/fleet: the replicas of this fleet (fleet mode, issue 14) -------------------------
-# Kept apart from the backend routes above: it reads only what the coordination loop left in
-# memory (no store call), so it answers the same while the store is down.
-
-FLEET_MODE_OFF = (
-    "fleet mode is off: this gateway is one process with its state in memory; set "
-    "coordination.redis_url (or LLM_GATEWAY_COORDINATION__REDIS_URL) to share it with "
-    "other replicas"
-)
-
-
-def redacted_url(url: str) -> str:
-    """``url`` with its password (and a user name's secret part) replaced by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def fleet_summary(gw: Gateway) -> dict[str, Any]:
-    """This replica's view of the fleet (shape in :func:`get_fleet`). Times in seconds;
-    ``last_seen_s_ago`` by the store's clock as last measured."""
-    coord = gw.coord
-    if coord is None:
-        return {"fleet_mode": False, "replica_id": None, "message": FLEET_MODE_OFF,
-                "store": None, "replicas": [], "leases": []}
-    link = coord.link
-    now = link.now()
-    replicas = [
-        {
-            "id": r.id,
-            "self": r.id == link.replica_id,
-            "host": r.info.get("host"),
-            "pid": r.info.get("pid"),
-            "listen": r.info.get("listen"),
-            "started": r.info.get("started"),
-            "last_seen": round(r.seen_at, 3),
-            "last_seen_s_ago": round(max(0.0, now - r.seen_at), 3),
-        }
-        for r in sorted(coord.replicas.live, key=lambda r: r.id)
-    ]
-    leases = getattr(coord, "leases", None)  # maintenance leases (their part of issue 14)
-    return {
-        "fleet_mode": True,
-        "replica_id": link.replica_id,
-        "namespace": link.cfg.namespace,
-        "store": {
-            "url": redacted_url(link.cfg.redis_url or ""),
-            "up": link.up,
-            "fallback": link.fallback,
-            "reason": link.reason or None,
-            "down_for_s": round(link.down_for_s(), 3),
-        },
-        "replicas_alive": coord.replicas.alive,
-        "replicas": replicas,
-        "leases": list(leases.snapshot()) if leases is not None else [],
-    }
+# Kept apart from the backend routes above; the view is built in gateway/api/fleet.py from what
+# the coordination loop left in memory (no store call: it answers the same while Redis is down).
 
 
 async def get_fleet(request: Request) -> Response:
-    """``GET /admin/fleet``: ``fleet_mode``; ``replica_id`` (this one); ``store``: ``url``
-    (password hidden), ``up``, ``fallback`` (running on the local share), ``reason`` (why,
-    while down), ``down_for_s``; ``replicas``: the live ones as last read from the store
-    (``id``, ``host``, ``pid``, ``listen``, ``started`` (unix s), ``last_seen`` (unix s, the
-    store's clock), ``last_seen_s_ago``, ``self``); ``leases``: the maintenance leases
-    (backend, holder, cycle, phase, expires_in_s). 200 with ``fleet_mode: false`` without
-    ``coordination.redis_url``."""
+    """``GET /admin/fleet`` (:func:`gateway.api.fleet.fleet_summary`): this replica, the
+    store, the live replicas and the maintenance leases; 200 with ``fleet_mode: false``
+    without ``coordination.redis_url``. Guarded by the admin key like every route here."""
+    from gateway.api.fleet import fleet_summary  # here: this block stays apart from the rest
+
     return JSONResponse(fleet_summary(_gateway(request)))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.api.admin import redacted_url
+from gateway.api.fleet import redacted_url
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
 

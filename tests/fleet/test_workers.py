@@ -16,8 +16,11 @@ import httpx
 import pytest
 import yaml
 
+from gateway.config import ConfigError
+from gateway.workers import require_fleet_mode, worker_config
 from tests.lifecycle.support import MODEL, sdk
 from tests.support.scripted import wait_for
+from tests.support.servers import gateway_config
 from tests.support.vllm import free_port
 
 CLI = Path(sys.executable).with_name("llm-gateway")
@@ -83,10 +86,11 @@ def test_two_workers_share_one_port_and_appear_in_admin_fleet(tmp_path, redis_se
         out = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert out.choices[0].message.content
-        workers = children(proc.pid)
+        workers = {r["pid"] for r in httpx.get(url + "/admin/fleet").json()["replicas"]}
+        assert len(workers) == 2 and workers <= children(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
-        assert not any(os.path.exists(f"/proc/{p}") and _is_running(p) for p in workers)
+        assert not any(_is_running(p) for p in workers)  # each joined before the exit
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -109,3 +113,18 @@ def test_workers_without_redis_url_are_refused(tmp_path, workers):
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"llm-gateway: --workers {workers} needs fleet mode")
     assert "coordination.redis_url" in lines[0]
+
+
+def test_worker_replica_ids_derive_from_the_configured_one():
+    backends = [{"id": "a", "url": "http://127.0.0.1:1"}]
+    cfg = gateway_config(backends, coordination={"redis_url": "redis://h/0", "replica_id": "gw"})
+    assert worker_config(cfg, 1, 0).coordination.replica_id == "gw-w1"
+    assert worker_config(cfg, 2, 0).coordination.replica_id == "gw-w2"
+    assert worker_config(cfg, 1, 1).coordination.replica_id == "gw-w1.1"  # restarted
+    assert worker_config(cfg, 1, 0).coordination.redis_url == "redis://h/0"
+    unnamed = gateway_config(backends, coordination={"redis_url": "redis://h/0"})
+    assert worker_config(unnamed, 3, 0).coordination.replica_id is None  # default: pid-based
+    require_fleet_mode(unnamed, 4)
+    require_fleet_mode(gateway_config(backends), 1)  # one worker: the embedded default
+    with pytest.raises(ConfigError, match="--workers 2 needs fleet mode"):
+        require_fleet_mode(gateway_config(backends), 2)
