@@ -8,7 +8,10 @@ for a bounded time, after a short warm-up, to three targets:
 * ``bare``: ``benchmarks/bare_proxy.py`` (FastAPI + one aiohttp session, ~30 lines) in front of
   it;
 * ``gateway``: ``llm-gateway serve`` with a generated config (one backend serving
-  ``bench-model``, access log off) in front of it.
+  ``bench-model``, access log off) in front of it;
+* ``gateway-fleet`` (only when named in ``--targets``): the same gateway in fleet mode
+  (issue 14), ``coordination.redis_url`` pointing at a ``redis-server`` the script starts on a
+  free port (no persistence): one replica, its coordination loop and heartbeats running.
 
 Every server runs in its own process; both proxies under uvicorn with the same settings (one
 worker, no access log; the bare proxy gets what ``uvicorn.run`` picks: uvloop + httptools, and
@@ -18,7 +21,10 @@ its end and checks it byte for byte, and reads the CPU time (utime + stime, /pro
 the proxies and the backend at both ends of its measured window. Reported per cell:
 requests/s, p50/p99 latency, and CPU milliseconds per request of each process; per mode and
 concurrency, the gateway/bare ratio of CPU per request (median over ``--repeat``). The
-acceptance bar: at concurrency 64, stream and non-stream, gateway <= 1.3x bare.
+acceptance bar: at concurrency 64, stream and non-stream, gateway <= 1.3x bare. With
+``gateway-fleet``, also the fleet/gateway ratio of the gateway process's CPU per request
+(coordination on vs off, same run; bar: <= 1.10x at concurrency 64, issue 14) and, beside
+it, the same ratio with the Redis server's CPU added to the fleet side.
 
 Noise: CPU per request moves with whatever else runs on the machine. Before each cell the
 script waits (``--quiet-wait``, up to 30 s) until other processes use at most
@@ -31,6 +37,8 @@ Usage::
     python benchmarks/proxy_overhead.py                       # 6 s cells, 1 repeat
     python benchmarks/proxy_overhead.py --repeat 3 --duration 5 --concurrency 1,64
     python benchmarks/proxy_overhead.py --modes stream --targets bare,gateway --pin
+    python benchmarks/proxy_overhead.py --repeat 3 --concurrency 64 \
+        --targets bare,gateway,gateway-fleet --pin            # fleet mode's overhead
     python benchmarks/proxy_overhead.py --rate 500         # paced load instead of closed loop
     python benchmarks/proxy_overhead.py --gateway-cmd "{python} my_patched_gateway.py -c {config}"
 
@@ -77,11 +85,14 @@ from fast_backend import MODEL, completion_body, stream_body  # noqa: E402
 from loadgen import cpu_seconds, machine_cpu_seconds, request_body  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "proxy_overhead.json"
-TARGETS = ("direct", "bare", "gateway")
-PROXIES = ("bare", "gateway")
+TARGETS = ("direct", "bare", "gateway", "gateway-fleet")
+DEFAULT_TARGETS = ("direct", "bare", "gateway")
+PROXIES = ("bare", "gateway", "gateway-fleet")
+GATEWAYS = ("gateway", "gateway-fleet")
 MODES = ("nonstream", "stream")
 ACCEPT_RATIO = 1.3
 ACCEPT_CONCURRENCY = 64
+FLEET_RATIO = 1.10  # issue 14: CPU per request with coordination on vs off, one replica
 NOISY_CORES = 0.15  # other processes' CPU (cores) above which a cell counts as noisy
 
 # Wide enough for the tables when the output is a file or a pipe (rich assumes 80 then).
@@ -245,10 +256,13 @@ def gateway_command(template: str | None, config: Path) -> list[str]:
     return [*([exe] if exe else [sys.executable, "-m", "gateway.cli"]), "serve", "-c", str(config)]
 
 
-def write_gateway_config(path: Path, port: int, backend_port: int) -> dict[str, Any]:
+def write_gateway_config(
+    path: Path, port: int, backend_port: int, redis_url: str | None = None
+) -> dict[str, Any]:
     """One backend serving ``bench-model``, access log off (the default), and, where the
     config has them, the maintenance cycles off: a drain or cooldown in the middle of a cell
-    would measure the lifecycle, not the data path."""
+    would measure the lifecycle, not the data path. ``redis_url``: fleet mode on (the
+    coordination defaults otherwise)."""
     cfg: dict[str, Any] = {
         "server": {
             "host": "127.0.0.1",
@@ -259,6 +273,8 @@ def write_gateway_config(path: Path, port: int, backend_port: int) -> dict[str, 
         },
         "backends": [{"id": "bench", "url": f"http://127.0.0.1:{backend_port}", "models": [MODEL]}],
     }
+    if redis_url is not None:
+        cfg["coordination"] = {"redis_url": redis_url, "namespace": "bench"}
     try:  # validate here, with the config's own message, rather than in the child
         from gateway.config import ConfigError, GatewayConfig, load_config
     except ImportError:
@@ -283,6 +299,36 @@ class Servers:
     ports: dict[str, int]
     procs: dict[str, Proc]
     gateway_config: dict[str, Any] | None
+    fleet_config: dict[str, Any] | None = None
+
+
+def start_redis(procs: Procs, cpus: set[int] | None) -> tuple[Proc, int]:
+    """A ``redis-server`` (or ``valkey-server``) on a free loopback port, no persistence."""
+    exe = shutil.which("redis-server") or shutil.which("valkey-server")
+    if exe is None:
+        raise BenchError(
+            "target gateway-fleet needs redis-server on PATH (apt-get install redis-server)"
+        )
+    port = free_port()
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+           "no", "--dir", str(procs.logdir)]
+    p = procs.start("redis", cmd, cpus)
+    wait_port(p, port)
+    return p, port
+
+
+def check_fleet_mode(port: int, timeout: float = 15.0) -> None:
+    """The fleet target's coordination is up (else the run would measure the local share)."""
+    deadline = time.monotonic() + timeout
+    view: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            status, body = http_get(port, "/admin/fleet")
+            view = json.loads(body) if status == 200 else body[:200]
+            if isinstance(view, dict) and view.get("fleet_mode") and view["store"]["up"]:
+                return
+        time.sleep(0.2)
+    raise BenchError(f"gateway-fleet: the shared store is not up: /admin/fleet says {view!r}")
 
 
 def start_servers(
@@ -322,12 +368,26 @@ def start_servers(
         gw_cfg = write_gateway_config(cfg_path, ports["gateway"], ports["backend"])
         cmd = gateway_command(args.gateway_cmd, cfg_path)
         started["gateway"] = procs.start("gateway", cmd, cpus.get("gateway"))
+    fleet_cfg = None
+    if "gateway-fleet" in targets:
+        started["redis"], ports["redis"] = start_redis(procs, cpus.get("redis"))
+        ports["gateway-fleet"] = free_port()
+        cfg_path = procs.logdir / "gateway-fleet.yaml"
+        fleet_cfg = write_gateway_config(
+            cfg_path, ports["gateway-fleet"], ports["backend"],
+            redis_url=f"redis://127.0.0.1:{ports['redis']}/0",
+        )
+        cmd = gateway_command(args.gateway_cmd, cfg_path)
+        started["gateway-fleet"] = procs.start("gateway-fleet", cmd, cpus.get("gateway-fleet"))
     if "bare" in started:
         wait_port(started["bare"], ports["bare"])
-    if "gateway" in started:
-        wait_ready(started["gateway"], ports["gateway"], "/ready")
+    for name in GATEWAYS:
+        if name in started:
+            wait_ready(started[name], ports[name], "/ready")
+    if "gateway-fleet" in started:
+        check_fleet_mode(ports["gateway-fleet"])
     ports["direct"] = ports["backend"]
-    return Servers(ports, started, gw_cfg)
+    return Servers(ports, started, gw_cfg, fleet_cfg)
 
 
 def smoke_check(servers: Servers, targets: Sequence[str], chunks: int) -> None:
@@ -547,6 +607,71 @@ def summarise(
     return summary, ratios
 
 
+def fleet_ratios(
+    cells: list[dict[str, Any]], modes: Sequence[str], concs: Sequence[int]
+) -> list[dict[str, Any]]:
+    """Per mode and concurrency: the gateway process's CPU per request with coordination on
+    (``gateway-fleet``) over off (``gateway``), per repeat and their median; and the same
+    with the Redis server's CPU during the fleet cell added to the fleet side."""
+    out = []
+    for mode in modes:
+        for c in concs:
+            per_rep: list[float] = []
+            with_redis: list[float] = []
+            for r in sorted({x["repeat"] for x in cells}):
+                got = {
+                    x["target"]: x
+                    for x in cells
+                    if (x["mode"], x["concurrency"], x["repeat"]) == (mode, c, r)
+                }
+                on, off = got.get("gateway-fleet"), got.get("gateway")
+                if not on or not off or not off["proxy_cpu_ms_per_req"]:
+                    continue
+                if on["proxy_cpu_ms_per_req"] is None:
+                    continue
+                per_rep.append(on["proxy_cpu_ms_per_req"] / off["proxy_cpu_ms_per_req"])
+                redis = on["cpu_ms_per_req"].get("redis") or 0.0
+                with_redis.append(
+                    (on["proxy_cpu_ms_per_req"] + redis) / off["proxy_cpu_ms_per_req"]
+                )
+            if per_rep:
+                out.append(
+                    {
+                        "mode": mode,
+                        "concurrency": c,
+                        "ratios": per_rep,
+                        "median_ratio": statistics.median(per_rep),
+                        "ratios_with_redis": with_redis,
+                        "median_ratio_with_redis": statistics.median(with_redis),
+                    }
+                )
+    return out
+
+
+def fleet_acceptance(fratios: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Issue 14's bar (gateway process CPU/request, coordination on <= 1.10x off, at 64);
+    None when ``gateway-fleet`` was not measured. ``passed`` as in :func:`acceptance`."""
+    if not fratios:
+        return None
+    checks = {
+        r["mode"]: {"median_ratio": r["median_ratio"],
+                    "passed": r["median_ratio"] <= FLEET_RATIO}
+        for r in fratios
+        if r["concurrency"] == ACCEPT_CONCURRENCY
+    }
+    passed: bool | None = None
+    if any(not c["passed"] for c in checks.values()):
+        passed = False
+    elif len(checks) == len(MODES):
+        passed = True
+    return {
+        "bar": f"gateway CPU/request with coordination on <= {FLEET_RATIO}x off at "
+        f"concurrency {ACCEPT_CONCURRENCY}, stream and non-stream",
+        "checks": checks,
+        "passed": passed,
+    }
+
+
 def acceptance(ratios: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's bar. ``passed`` is None unless both modes were measured at 64 (a run of
     one mode or without concurrency 64 can fail the bar, never pass it)."""
@@ -583,6 +708,38 @@ def noisy(cores: float | None) -> str:
     return f"[yellow]{text}[/yellow]" if cores is not None and cores > NOISY_CORES else text
 
 
+def print_fleet_table(fratios: list[dict[str, Any]], facc: dict[str, Any] | None) -> None:
+    """Coordination on vs off (``gateway-fleet`` / ``gateway``), CPU per request."""
+    if not fratios or facc is None:
+        return
+    ft = Table(title="Fleet mode on / off (gateway-fleet / gateway), gateway CPU per request")
+    for col in ("mode", "conc", "median ratio", "per run", "+ redis CPU", "bar"):
+        ft.add_column(col, justify="left" if col in ("mode", "per run") else "right")
+    for r in fratios:
+        bar = ""
+        if r["concurrency"] == ACCEPT_CONCURRENCY:
+            ok = r["median_ratio"] <= FLEET_RATIO
+            bar = (
+                f"[green]<= {FLEET_RATIO} ok[/green]"
+                if ok
+                else f"[red]> {FLEET_RATIO} FAIL[/red]"
+            )
+        ft.add_row(
+            r["mode"],
+            str(r["concurrency"]),
+            f"{r['median_ratio']:.3f}x",
+            " ".join(f"{x:.3f}" for x in r["ratios"]),
+            f"{r['median_ratio_with_redis']:.3f}x",
+            bar,
+        )
+    console.print(ft)
+    if facc["passed"] is not None:
+        verdict = "[green]PASS[/green]" if facc["passed"] else "[red]FAIL[/red]"
+    else:
+        verdict = "[yellow]not decided[/yellow] (needs both modes at concurrency 64)"
+    console.print(f"fleet acceptance ({facc['bar']}): {verdict}")
+
+
 def print_tables(
     summary: list[dict[str, Any]],
     ratios: list[dict[str, Any]],
@@ -604,14 +761,14 @@ def print_tables(
         ("other CPU (cores)", "right"),
         ("errors", "right"),
     ]:
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
+        t.add_column(col, justify=just, no_wrap=col == "target")  # type: ignore[arg-type]
     prev = None
     for s in summary:
         key = (s["mode"], s["concurrency"])
         if prev is not None and key != prev:
             t.add_section()
         prev = key
-        style = "bold" if s["target"] == "gateway" else None
+        style = "bold" if s["target"] in GATEWAYS else None
         t.add_row(
             s["target"],
             s["mode"],
@@ -739,7 +896,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=1.5, help="warm-up seconds per cell")
     p.add_argument("--concurrency", default="1,64", help="comma-separated (default 1,64)")
     p.add_argument("--modes", default="nonstream,stream", help="nonstream,stream")
-    p.add_argument("--targets", default=",".join(TARGETS), help="direct,bare,gateway")
+    p.add_argument(
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma-separated, of {','.join(TARGETS)} (default {','.join(DEFAULT_TARGETS)}; "
+        "gateway-fleet starts its own redis-server)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs of every cell")
     p.add_argument(
         "--rate",
@@ -783,7 +945,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--pin",
         action="store_true",
-        help="pin the proxies to CPU 0, backend and load generator to the others",
+        help="pin the proxies to CPU 0, backend, load generator and Redis to the others",
     )
     p.add_argument(
         "--gateway-cmd",
@@ -817,7 +979,8 @@ def pinning(enabled: bool) -> dict[str, set[int]]:
     if len(avail) < 2:
         raise BenchError("--pin needs at least 2 CPUs")
     first, rest = {avail[0]}, set(avail[1:])
-    return {"bare": first, "gateway": first, "backend": rest, "loadgen": rest}
+    return {"bare": first, "gateway": first, "gateway-fleet": first, "backend": rest,
+            "loadgen": rest, "redis": rest}
 
 
 def report(
@@ -832,7 +995,10 @@ def report(
     tables and write the JSON result file."""
     summary, ratios = summarise(cells, args.mode_list, args.concurrency_list, args.target_list)
     acc = acceptance(ratios)
+    fratios = fleet_ratios(cells, args.mode_list, args.concurrency_list)
+    facc = fleet_acceptance(fratios)
     print_tables(summary, ratios, acc, idle, args.repeat)
+    print_fleet_table(fratios, facc)
     result = {
         "benchmark": "proxy_overhead",
         "meta": meta,
@@ -858,11 +1024,14 @@ def report(
             },
         },
         "gateway_config": servers.gateway_config,
+        "gateway_fleet_config": servers.fleet_config,
         "idle_cpu_s_per_s": idle,
         "cells": cells,
         "summary": summary,
         "ratios": ratios,
         "acceptance": acc,
+        "fleet_ratios": fratios,
+        "fleet_acceptance": facc,
         "interrupted": interrupted,
     }
     if interrupted:
@@ -950,7 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
             console.print(
-                f"[{i:>2}/{len(order)}] run {rep + 1} {mode:<9} c={c:<3} {target:<7} "
+                f"[{i:>2}/{len(order)}] run {rep + 1} {mode:<9} c={c:<3} {target:<13} "
                 f"{cell['rps']:>7.0f} req/s  p50 {cell['latency_ms']['p50']:7.2f} ms  "
                 f"p99 {cell['latency_ms']['p99']:7.2f} ms  proxy CPU "
                 f"{fmt(proxy)} ms/req  other {noisy(cell['other_cpu_cores'])} cores{err}"

@@ -115,4 +115,5 @@ def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> Gatewa
         responses_api.install_routes(app)
     ops.install_routes(app)
     admin.install_routes(app)
+    admin.install_fleet_route(app)
     return GatewayApp(app, set(openai_api.SERVED_ROUTES) | set(cfg.proxy.passthrough_paths))

@@ -101,11 +101,15 @@ def _load(
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    setup_logging(cfg.server.log_level)
+    if args.workers > 1:  # N processes on one port, each a replica (gateway/workers.py)
+        from gateway.workers import serve_workers
+
+        return serve_workers(cfg, args.workers, setup_logging)
     from gateway.app import create_app
     from gateway.serving import run, serve
 
-    cfg = _load(args)
-    setup_logging(cfg.server.log_level)
     app = create_app(cfg)
     run(lambda: serve(app, cfg), cfg)
     return 0
@@ -197,6 +201,16 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     add_fleet_arguments(parser)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of processes >= 1, not {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``llm-gateway`` parser; each subcommand sets ``func`` (``args -> exit status``).
     Imports nothing beyond this module: the simulator's flags load when ``sim`` or
@@ -220,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("serve", help="run the gateway")
     with_config(sp)
+    sp.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="processes serving the one port, each a fleet-mode replica (default 1; more "
+        "than 1 needs coordination.redis_url)",
+    )
     sp.set_defaults(func=cmd_serve)
 
     sp = sub.add_parser("demo", help="start simulated backends and the gateway (no GPU needed)")

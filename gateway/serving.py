@@ -139,12 +139,15 @@ async def serve(
     cfg: GatewayConfig,
     on_started: Callable[[], Awaitable[None] | None] | None = None,
     sock: socket.socket | None = None,
+    signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
 ) -> None:
-    """Serve ``app`` until SIGTERM/SIGINT, then shut down gracefully.
+    """Serve ``app`` until one of ``signals`` (SIGTERM/SIGINT), then shut down gracefully.
 
     ``sock``: the socket to listen on, bound beforehand by :func:`listen_socket` (the demo
-    binds it before it starts anything else); None: bind ``server.host``:``server.port``
-    now, raising :class:`CannotListen` when that fails.
+    binds it before it starts anything else; ``--workers`` binds it once in the parent,
+    :mod:`gateway.workers`); None: bind ``server.host``:``server.port`` now, raising
+    :class:`CannotListen` when that fails. ``signals``: those that start the shutdown (a
+    worker of ``--workers`` takes only SIGTERM: its parent forwards the rest).
 
     Once started, everything allocated so far (modules, config, the app) is moved out of
     the garbage collector's reach (``gc.freeze()``, as the CPython docs suggest for servers):
@@ -166,7 +169,7 @@ async def serve(
             server.should_exit = True
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         loop.add_signal_handler(sig, on_signal)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

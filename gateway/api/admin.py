@@ -424,3 +424,22 @@ def install_routes(app: FastAPI) -> None:
             methods=["POST"],
             include_in_schema=False,
         )
+
+
+# ---- /admin/fleet: the replicas of this fleet (fleet mode, issue 14) -------------------------
+# Kept apart from the backend routes above; the view is built in gateway/api/fleet.py from what
+# the coordination loop left in memory (no store call: it answers the same while Redis is down).
+
+
+async def get_fleet(request: Request) -> Response:
+    """``GET /admin/fleet`` (:func:`gateway.api.fleet.fleet_summary`): this replica, the
+    store, the live replicas and the maintenance leases; 200 with ``fleet_mode: false``
+    without ``coordination.redis_url``. Guarded by the admin key like every route here."""
+    from gateway.api.fleet import fleet_summary  # here: this block stays apart from the rest
+
+    return JSONResponse(fleet_summary(_gateway(request)))
+
+
+def install_fleet_route(app: FastAPI) -> None:
+    """Register ``GET /admin/fleet`` on ``app``."""
+    app.add_api_route("/admin/fleet", get_fleet, methods=["GET"], include_in_schema=False)

@@ -43,6 +43,7 @@ class LoopRunner:
     async def _loop(self, name: str, interval: float, body: LoopBody) -> None:
         gauge = self.metrics.loop_last_success.labels(name)
         errors = self.metrics.loop_errors.labels(name)
+        task = asyncio.current_task()
         while True:
             try:
                 await body()
@@ -52,4 +53,9 @@ class LoopRunner:
             except Exception:
                 errors.inc()
                 log.exception("control loop %s failed; continuing", name)
+            if task is not None and task.cancelling():
+                # stop() cancelled this loop but the body swallowed it (Python 3.11's
+                # asyncio.wait_for returns an inner result that completes as the cancel
+                # arrives, CPython gh-86296): end here, or stop() would wait forever
+                raise asyncio.CancelledError
             await asyncio.sleep(interval)

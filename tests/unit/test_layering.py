@@ -45,8 +45,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.api.*",),
     # 6: the ASGI app and its lifespan
     ("gateway.app",),
-    # 7: entry points
-    ("gateway.cli", "gateway.demo", "gateway.serving", "gateway.agent", "gateway.__main__"),
+    # 7: entry points (gateway.workers: serve --workers N, the supervisor of N replicas)
+    ("gateway.cli", "gateway.demo", "gateway.serving", "gateway.workers", "gateway.agent",
+     "gateway.__main__"),
 )
 """Bottom to top: a module may import its own layer or a lower one, never a higher one."""
 
