@@ -1046,7 +1046,15 @@ class CoordinationConfig(_Strict):
     live in Redis, renewed every third of it by its holder; a holder that dies lets it expire
     and another replica finishes the cycle. ``quota_chunk``: the share of a key's per-minute
     limit a replica takes from the global bucket at a time (rate limits, see
-    ``traffic/quota.py``)."""
+    ``traffic/quota.py``).
+
+    Backend protection (``coord/protection.py``): ``breaker_hold_s`` is how long a breaker
+    record outlives its owner's last renewal (seconds, default 3.0, the replica TTL): the
+    other replicas hold the backend's breaker open while the owner (the replica that
+    tripped it) probes half-open, and a dead owner's record ends that long after its open
+    time, when each replica probes on its own again. ``capacity_shares`` (default on): each
+    replica takes a share of every backend's in-flight capacity proportional to its demand
+    (``traffic/shares.py``), so N replicas together stay within what one allows."""
 
     redis_url: str | None = None
     namespace: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -1057,6 +1065,8 @@ class CoordinationConfig(_Strict):
     lease_ttl_s: float = Field(10.0, ge=1)
     retry_interval_s: float = Field(1.0, gt=0)
     quota_chunk: float = Field(0.05, gt=0, le=1)
+    breaker_hold_s: float = Field(3.0, gt=0, le=60)
+    capacity_shares: bool = True
 
     @property
     def enabled(self) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
 from gateway.coord.coordination import Coordination
+from gateway.coord.protection import SharedProtection
 from gateway.fleet.controller import FleetController
 from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
@@ -83,6 +84,8 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
     metrics.attach_fleet(fleet)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
     coord = Coordination(cfg, metrics) if cfg.coordination.enabled else None
+    if coord is not None:  # fleet mode: coolings and breaker trips shared
+        coord.add_sync("protection", SharedProtection(coord.link, fleet, metrics, clock).sync)
     thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
     router = build_policy(
         cfg.routing,
