@@ -180,17 +180,17 @@ class SharedProtection:
         now = self.clock()
         flat = out[1]
         for k in range(0, len(flat), 2):
-            b = self.fleet.get(str(flat[k]))
+            cooled = self.fleet.get(str(flat[k]))
             end = float(flat[k + 1])
-            if b is None or end <= store_now:
+            if cooled is None or end <= store_now:
                 continue
             local = now + (end - store_now)
-            if local > b.cooling_until + 1e-3:
-                b.cool_until(local)
-                self._applied_cool[b.id] = local
-                self.metrics.protection_applied.labels(b.id, "cooling").inc()
+            if local > cooled.cooling_until + 1e-3:
+                cooled.cool_until(local)
+                self._applied_cool[cooled.id] = local
+                self.metrics.protection_applied.labels(cooled.id, "cooling").inc()
                 log.info("backend %s: cooling for %.1f s (another replica's Retry-After)",
-                         b.id, end - store_now)
+                         cooled.id, end - store_now)
         me = self.link.replica_id
         for i, b in enumerate(backends):
             raw, pttl = str(out[2 + 2 * i] or ""), int(out[3 + 2 * i])
