@@ -131,6 +131,7 @@ class SharedProtection:
         store_now = self.link.now()
         args: list[str | int | float] = [me]
         cools: list[str | float] = []
+        sent: dict[str, float] = {}  # backend id -> the local cooling end published
         for b in backends:
             end = b.cooling_until
             if (
@@ -139,6 +140,7 @@ class SharedProtection:
                 and self._published_cool.get(b.id) != end
             ):
                 cools += [b.id, f"{store_now + (end - now):.3f}"]
+                sent[b.id] = end
         args += [len(cools) // 2, *cools]
         writes: list[str | int | float] = []
         owned_now: dict[str, float] = {}
@@ -167,11 +169,7 @@ class SharedProtection:
         out: list[Any] = await self.link.call(
             "protection", lambda c: self._script(keys, args, client=c)
         )
-        for k in range(0, len(cools), 2):
-            b_id = str(cools[k])
-            b = self.fleet.get(b_id)
-            if b is not None:
-                self._published_cool[b_id] = b.cooling_until
+        self._published_cool.update(sent)
         self._owned = owned_now
         self._apply(out, backends)
 
