@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
+from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
 from gateway.coord.protection import SharedProtection
 from gateway.fleet.controller import FleetController
@@ -120,6 +121,8 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         if cfg.batcher.enabled
         else None
     )
+    if coord is not None and cfg.coordination.capacity_shares:
+        _share_capacity(coord, fleet, gate, batching, metrics)
     forecasts = None
     if cfg.forecast.enabled or batching is not None:
 
@@ -149,3 +152,39 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         batching=batching,
         coord=coord,
     )
+
+
+def _share_capacity(
+    coord: Coordination,
+    fleet: Fleet,
+    gate: AdmissionGate,
+    batching: BatchDispatcher | None,
+    metrics: GatewayMetrics,
+) -> None:
+    """Fleet mode: this replica's share of the in-flight capacity, from its demand
+    (:mod:`gateway.coord.capacity`), applied to the scheduler's bound and, with the
+    batcher, to its places per backend."""
+
+    def demand() -> int:
+        if batching is not None:
+            return sum(b.in_flight for b in fleet.backends) + batching.core.queued
+        return gate.scheduler.in_flight + gate.scheduler.queued
+
+    def per_backend(shares: dict[str, int]) -> None:
+        assert batching is not None
+        batching.placement.set_shares(shares)
+        batching.pump()  # a grown share may take queued requests now
+
+    shares = CapacityShares(
+        coord.link,
+        coord.replicas,
+        metrics,
+        demand,
+        lambda: gate.scheduler.in_flight,
+        gate.fleet_capacity,
+        gate.set_capacity_share,
+        lambda: fleet.backends,
+        batching.placement.backend_limit if batching is not None else None,
+        per_backend if batching is not None else None,
+    )
+    coord.add_sync("capacity", shares.sync)
