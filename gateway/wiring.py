@@ -94,6 +94,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         cfg.telemetry.stale_after_s,
         clock,
         thermal=controller.gpu.choose if thermal_aware else None,  # tiers, power caps, budgets
+        rendezvous=coord is not None,  # fleet mode: a session maps alike on every replica
     )
     gate = AdmissionGate(
         cfg,
