@@ -58,6 +58,10 @@ from overload import (
 from procs import Procs, free_port
 
 
+# the simulators' gauges of requests they hold (vLLM's names; not ..._waiting_by_reason)
+IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
 def fleet_config(urls: list[str], port: int, redis_url: str, replica: str, shares: bool,
                  args: argparse.Namespace) -> str:
     """The overload benchmark's gateway config with fleet mode on."""
@@ -80,7 +84,7 @@ async def sample_in_flight(urls: list[str], stop: asyncio.Event, out: list[tuple
                 async with s.get(u + "/metrics") as r:
                     text = await r.text()
                 for line in text.splitlines():
-                    if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                    if line.split("{", 1)[0] in IN_FLIGHT:
                         total += int(float(line.rsplit(" ", 1)[1]))
             out.append((t, total))
             await asyncio.sleep(max(0.0, 0.1 - (time.monotonic() - t)))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
+from gateway.coord.affinity import SharedResponses
 from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
 from gateway.coord.protection import SharedProtection
@@ -117,6 +118,12 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         clock,
     )
     controller.state.listen(responses.on_transition)  # a restart loses a backend's store
+    if coord is not None:  # fleet mode: response ids shared
+        shared = SharedResponses(
+            coord.link, metrics, responses.owners, cfg.routing.responses_ttl_s, clock
+        )
+        responses.use_directory(shared)
+        coord.add_stop(shared.stop)
     batching = (
         BatchDispatcher(cfg, fleet, pipeline, router, gate, metrics, controller, clock)
         if cfg.batcher.enabled

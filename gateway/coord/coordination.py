@@ -43,11 +43,17 @@ class Coordination:
         self.link = RedisLink(c, metrics, self.replica_id)
         self.replicas = Replicas(self.link, metrics, f"{cfg.server.host}:{cfg.server.port}")
         self._syncs: list[tuple[str, SyncBody]] = [("heartbeat", self.replicas.heartbeat)]
+        self._stops: list[SyncBody] = []
 
     def add_sync(self, name: str, body: SyncBody) -> None:
         """Run ``body`` in every sync round, after the parts added before it. It may raise
         :class:`CoordinationUnavailable` (ends the round)."""
         self._syncs.append((name, body))
+
+    def add_stop(self, body: SyncBody) -> None:
+        """Run ``body`` at :meth:`stop`, before the link closes (a part's background
+        tasks cancelled)."""
+        self._stops.append(body)
 
     async def sync_round(self) -> None:
         """One round: probe the link, then each part's sync while the store answers."""
@@ -76,7 +82,10 @@ class Coordination:
         controller.add_loop("coordination", self.cfg.coordination.sync_interval_s, self.sync_round)
 
     async def stop(self) -> None:
-        """Leave the replica list (best effort) and close the link."""
+        """Stop the parts' background work, leave the replica list (best effort) and
+        close the link."""
+        for body in self._stops:
+            await body()
         if self.link.up:
             await self.replicas.leave()
         await self.link.close()
