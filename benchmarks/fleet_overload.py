@@ -57,7 +57,6 @@ from overload import (
 )
 from procs import Procs, free_port
 
-
 # the simulators' gauges of requests they hold (vLLM's names; not ..._waiting_by_reason)
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
