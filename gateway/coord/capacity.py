@@ -70,8 +70,8 @@ class CapacityShares:
     ``demand``: requests held here now (in flight plus queued); ``held``: those holding a
     scheduler slot. ``total``: the slots one
     gateway allows in all (``AdmissionGate.fleet_capacity``; None: unbounded, nothing to
-    split). ``backend_limits``: the places one gateway allows per backend, and ``set_total``
-    / ``set_per_backend`` the flow's setters (``set_per_backend`` None without the
+    split). ``backend_limit``: the places one gateway allows per backend. The flow's setters:
+    ``set_total(share, smoothed target)`` and ``set_per_backend`` (None without the
     batcher)."""
 
     def __init__(
@@ -82,7 +82,7 @@ class CapacityShares:
         demand: Callable[[], int],
         held: Callable[[], int],
         total: int | None,
-        set_total: Callable[[int], None],
+        set_total: Callable[[int, float], None],
         backends: Callable[[], Iterable[Backend]],
         backend_limit: Callable[[Backend], float] | None = None,
         set_per_backend: Callable[[dict[str, int]], None] | None = None,
@@ -101,6 +101,7 @@ class CapacityShares:
         self.share: int | None = None  # this replica's slots, as last applied
         self.per_backend: dict[str, int] = {}
         self._demand: float | None = None  # smoothed demand (requests)
+        self._rate_slots: float | None = None  # smoothed target share (slots)
         self._script = link.client.register_script(DEMAND)
         if total is not None:
             metrics.capacity_share.set(total)
@@ -141,7 +142,11 @@ class CapacityShares:
                 log.debug("capacity share %d of %d (target %d, %d replicas)", share,
                           self.total, target, len(demands))
             self.share = share
-            self.set_total(share)
+            # the predictions' capacity: the target, smoothed (the applied share dips while
+            # the others hand slots over, which is no change in this replica's service rate)
+            r = self._rate_slots
+            self._rate_slots = target if r is None else r + DEMAND_ALPHA * (target - r)
+            self.set_total(share, self._rate_slots)
             self.metrics.capacity_share.set(share)
         if self.backend_limit is not None and self.set_per_backend is not None:
             per: dict[str, int] = {}

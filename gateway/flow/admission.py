@@ -409,17 +409,18 @@ class AdmissionGate:
             else:
                 waiter.set_result(None)
 
-    def set_capacity_share(self, slots: int) -> None:
+    def set_capacity_share(self, slots: int, rate_slots: float | None = None) -> None:
         """Fleet mode: this replica may hold ``slots`` requests in flight (its share of the
-        fleet's capacity, ``gateway.coord.capacity``). With the scheduler's bound on, it
+        fleet's capacity, ``gateway.coord.capacity``); ``rate_slots``: the steadier share
+        its predicted waits use (default ``slots``). With the scheduler's bound on, ``slots``
         becomes the bound (waiters woken when it grows; a lower one cuts nothing); with the
         batcher (which bounds per backend), only the capacity its predictions use."""
         sched = self.scheduler
         if sched.max_in_flight is None:
             if sched.capacity is not None:
-                sched.capacity = slots
+                sched.capacity = max(1, round(rate_slots if rate_slots is not None else slots))
             return
-        for w in sched.resize(slots, self.clock()):
+        for w in sched.resize(slots, self.clock(), rate_slots):
             assert isinstance(w, asyncio.Future)
             if w.done():  # gave up meanwhile: its slot goes back
                 self.release(Ticket(Prio.LOW))
