@@ -173,10 +173,13 @@ def _share_capacity(
     (:mod:`gateway.coord.capacity`), applied to the scheduler's bound and, with the
     batcher, to its places per backend."""
 
-    def demand() -> int:
+    def demand() -> tuple[int, int, int]:
+        """(queued high, in flight + queued normal, queued low): requests."""
         if batching is not None:
-            return sum(b.in_flight for b in fleet.backends) + batching.core.queued
-        return gate.scheduler.in_flight + gate.scheduler.queued
+            return 0, sum(b.in_flight for b in fleet.backends) + batching.core.queued, 0
+        sched = gate.scheduler
+        high, normal, low = (len(q) for q in sched.queues)
+        return high, sched.in_flight + normal, low
 
     def per_backend(shares: dict[str, int]) -> None:
         assert batching is not None

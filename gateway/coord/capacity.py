@@ -4,16 +4,21 @@ One gateway bounds what it sends the backends: the admission scheduler's ``max_i
 (the fleet's ``sum(max_num_seqs) x admission.in_flight_per_seq``) and, with the batcher, the
 places per backend (``max_num_seqs x batcher.in_flight_per_seq``). N replicas each applying
 that bound would send N times as much. Here every replica reports its demand each sync round
-and takes a share of each bound proportional to it (:func:`gateway.traffic.shares.split`:
-a floor of one slot, the shares summing to the bound), applied through the flow's setters
-(``AdmissionGate.set_capacity_share``, ``Placement.set_shares``). The shares are computed
-from what the round read, never on the request path.
+and takes a share of each bound from it (:func:`gateway.traffic.shares.split_classes`: a
+floor of one slot, high-priority waiters first, then in proportion to demand, the shares
+summing to the bound; it grows only into slots the others neither hold nor were given),
+applied through the flow's setters (``AdmissionGate.set_capacity_share``,
+``Placement.set_shares``). The shares are computed from what the round read, never on the
+request path.
 
-Key (prefix ``cap``): ``cap:demand``, a hash: replica id -> its report (JSON: ``d`` demand,
-requests in flight plus queued; ``h`` requests holding a scheduler slot; ``s`` the share it
-applied), as of its last round. Only the replicas the heartbeat lists as alive are
-counted (a dead replica's entry is ignored and dropped), so a replica that leaves gives its
-share back within ``coordination.replica_ttl_s``.
+
+Key (prefix ``cap``): ``cap:demand``, a hash: replica id -> its report (JSON: ``d`` demand
+by class, smoothed: queued high, in flight plus queued normal, queued low; ``h`` requests
+holding a scheduler slot; ``s`` the share it applied), as of its last round. Only the
+replicas the heartbeat lists as alive are counted (a dead replica's entry is ignored and
+dropped), so a replica that leaves gives its share back within
+``coordination.replica_ttl_s``.
+
 
 The bound (``docs/architecture.md``, "Fleet mode"): the shares sum to the capacity, but a
 share that shrinks keeps the requests already running above it until they end (nothing is
@@ -35,7 +40,7 @@ from gateway.coord.link import RedisLink
 from gateway.coord.replicas import Replicas
 from gateway.fleet.backend import Backend
 from gateway.metrics import GatewayMetrics
-from gateway.traffic.shares import split
+from gateway.traffic.shares import split_classes
 
 log = logging.getLogger("gateway.coord")
 
@@ -67,19 +72,20 @@ DEMAND_ALPHA = 0.3
 class CapacityShares:
     """This replica's share of the fleet's capacity, refreshed every sync round.
 
-    ``demand``: requests held here now (in flight plus queued); ``held``: those holding a
-    scheduler slot. ``total``: the slots one
-    gateway allows in all (``AdmissionGate.fleet_capacity``; None: unbounded, nothing to
-    split). ``backend_limit``: the places one gateway allows per backend. The flow's setters:
-    ``set_total(share, smoothed target)`` and ``set_per_backend`` (None without the
-    batcher)."""
+    ``demand``: requests held here now by class, most urgent first (queued high; in flight
+    plus queued normal; queued low: :func:`gateway.traffic.shares.split_classes` meets a
+    class across the replicas before the next); ``held``: those holding a scheduler slot.
+    ``total``: the slots one gateway allows in all (``AdmissionGate.fleet_capacity``; None:
+    unbounded, nothing to split). ``backend_limit``: the places one gateway allows per
+    backend. The flow's setters: ``set_total(share, smoothed target)`` and
+    ``set_per_backend`` (None without the batcher)."""
 
     def __init__(
         self,
         link: RedisLink,
         replicas: Replicas,
         metrics: GatewayMetrics,
-        demand: Callable[[], int],
+        demand: Callable[[], tuple[int, int, int]],
         held: Callable[[], int],
         total: int | None,
         set_total: Callable[[int, float], None],
@@ -100,7 +106,7 @@ class CapacityShares:
         self.reports: dict[str, Report] = {}  # as last read (live replicas)
         self.share: int | None = None  # this replica's slots, as last applied
         self.per_backend: dict[str, int] = {}
-        self._demand: float | None = None  # smoothed demand (requests)
+        self._demand: list[float] | None = None  # smoothed demand per class (requests)
         self._rate_slots: float | None = None  # smoothed target share (slots)
         self._script = link.client.register_script(DEMAND)
         if total is not None:
@@ -110,12 +116,14 @@ class CapacityShares:
         """Report the demand here, read the live replicas', apply the shares. Raises
         :class:`gateway.coord.link.CoordinationUnavailable` (the last shares stay)."""
         me = self.link.replica_id
-        now = float(self.demand())
+        now = [float(x) for x in self.demand()]
         # smoothed over rounds (EWMA, DEMAND_ALPHA): a queue's round-to-round jitter would
         # otherwise move slots back and forth, and every move is a transient over the bound
-        d = now if self._demand is None else self._demand + DEMAND_ALPHA * (now - self._demand)
+        old = self._demand
+        d = now if old is None else [o + DEMAND_ALPHA * (x - o) for o, x in zip(old, now,
+                                                                             strict=True)]
         self._demand = d
-        mine = Report(round(d, 2), self.held(), self.share)
+        mine = Report(tuple(round(x, 2) for x in d), self.held(), self.share)
         args: list[str | int] = [me, mine.dumps(), *self.replicas.ids()]
         flat: list[Any] = await self.link.call(
             "capacity", lambda c: self._script([self.link.key("cap", "demand")], args, client=c)
@@ -130,7 +138,7 @@ class CapacityShares:
         me = self.link.replica_id
         demands = {r: rep.demand for r, rep in self.reports.items()}
         if self.total is not None:
-            target = split(self.total, demands)[me]
+            target = split_classes(self.total, demands)[me]
             # grow only into slots the others do not hold: their share, or what they still
             # run above a share that shrank (as of their last round)
             held = sum(
@@ -153,18 +161,18 @@ class CapacityShares:
             for b in self.backends():
                 limit = self.backend_limit(b)
                 if limit != float("inf"):
-                    per[b.id] = split(int(limit), demands, salt=b.id)[me]
+                    per[b.id] = split_classes(int(limit), demands, salt=b.id)[me]
             self.per_backend = per
             self.set_per_backend(per)
 
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """What one replica said in its last round: ``demand`` (requests in flight plus
-    queued), ``held`` (requests holding one of the scheduler's slots) and ``share`` (the
-    bound it applied; None before its first share)."""
+    """What one replica said in its last round: ``demand`` per class (requests: queued
+    high; in flight plus queued normal; queued low), ``held`` (requests holding one of the
+    scheduler's slots) and ``share`` (the bound it applied; None before its first share)."""
 
-    demand: float
+    demand: tuple[float, ...]
     held: int
     share: int | None
 
@@ -178,6 +186,7 @@ class Report:
         try:
             o = json.loads(raw)
             share = o.get("s")
-            return cls(float(o["d"]), int(o["h"]), None if share is None else int(share))
+            demand = tuple(float(x) for x in o["d"])
+            return cls(demand, int(o["h"]), None if share is None else int(share))
         except (ValueError, KeyError, TypeError, AttributeError):
-            return cls(0.0, 0, None)
+            return cls((0.0,), 0, None)

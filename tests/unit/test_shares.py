@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.traffic.shares import split
+from gateway.traffic.shares import split, split_classes
 
 
 def test_shares_follow_demand_and_sum_to_the_capacity():
@@ -40,3 +40,18 @@ def test_more_replicas_than_capacity_each_keeps_its_floor():
 
 def test_a_lone_replica_gets_the_whole_capacity():
     assert split(12, {"r1": 0}) == {"r1": 12}
+
+
+def test_high_priority_waiting_at_one_replica_takes_slots_from_low_priority_elsewhere():
+    # r1's clients wait at high priority; r2 and r3 hold only low-priority queues
+    s = split_classes(12, {"r1": (6, 2, 0), "r2": (0, 2, 30), "r3": (0, 2, 30)})
+    assert sum(s.values()) == 12
+    assert s["r1"] == 1 + 6 + 1  # its high first, then the normal class split evenly
+    # proportional to total demand instead, r1 would get about a ninth
+    assert split(12, {"r1": 8, "r2": 32, "r3": 32})["r1"] <= 3
+
+
+def test_classes_met_in_order_and_the_rest_by_total_demand():
+    s = split_classes(10, {"r1": (1, 1, 0), "r2": (0, 1, 0)})
+    # floors 2, then high 1 (r1), normal 2, rest 5 by total demand (2:1)
+    assert s == {"r1": 1 + 1 + 1 + 3, "r2": 1 + 1 + 2}
