@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import httpx
 
@@ -32,8 +33,10 @@ def _sample_in_flight(sims, stop: threading.Event, out: list[int]) -> None:
         time.sleep(0.1)
 
 
-async def _overload(urls: list[str], rate: float, duration_s: float,
+async def _overload(route: Callable[[str, int], str], rate: float, duration_s: float,
                     ttfts: dict[str, list[float]], statuses: list[int]) -> None:
+    """Poisson arrivals at ``rate`` for ``duration_s``; the k-th request, of priority
+    ``prio``, goes to ``route(prio, k)`` (a replica's URL)."""
     rng = random.Random(7)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
@@ -59,12 +62,12 @@ async def _overload(urls: list[str], rate: float, duration_s: float,
             next_at += rng.expovariate(rate)
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             prio = rng.choices(("high", "normal", "low"), (0.2, 0.5, 0.3))[0]
-            tasks.append(asyncio.create_task(one(urls[k % len(urls)], prio)))
+            tasks.append(asyncio.create_task(one(route(prio, k), prio)))
             k += 1
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def test_three_replicas_at_3x_overload_stay_within_one_replicas_in_flight(sims, replicas):
+def _run(sims, replicas, route_for: Callable[[list[str]], Callable[[str, int], str]]) -> None:
     backends = [sims(n, itl_s=ITL_S, max_num_seqs=SEQS) for n in ("A", "B", "C")]
     gws = replicas(3, {s.name.lower(): s.url for s in backends},
                    backend={"max_num_seqs": SEQS}, slo={"ttft_s": SLO_TTFT_S},
@@ -81,7 +84,7 @@ def test_three_replicas_at_3x_overload_stay_within_one_replicas_in_flight(sims, 
     statuses: list[int] = []
     sampler.start()
     try:
-        asyncio.run(_overload([gw.url for gw in gws], rate, 30.0, ttfts, statuses))
+        asyncio.run(_overload(route_for([gw.url for gw in gws]), rate, 30.0, ttfts, statuses))
     finally:
         stop.set()
         sampler.join()
@@ -100,3 +103,16 @@ def test_three_replicas_at_3x_overload_stay_within_one_replicas_in_flight(sims, 
     p99_high = high[int(0.99 * (len(high) - 1))]
     print(f"high-priority P99 TTFT {p99_high:.2f} s ({len(high)} requests)")
     assert p99_high <= SLO_TTFT_S
+
+
+def test_three_replicas_at_3x_overload_stay_within_one_replicas_in_flight(sims, replicas):
+    """Clients spread evenly over the replicas (each request to the next one)."""
+    _run(sims, replicas, lambda urls: lambda prio, k: urls[k % len(urls)])
+
+
+def test_priorities_hold_when_the_load_balancer_sends_every_high_request_to_one_replica(
+        sims, replicas):
+    """High-priority clients all on replica 1, the others on replicas 2 and 3: replica 1's
+    waiting high-priority requests take slots from the low-priority queues elsewhere."""
+    _run(sims, replicas,
+         lambda urls: lambda prio, k: urls[0] if prio == "high" else urls[1 + k % 2])
