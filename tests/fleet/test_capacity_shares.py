@@ -116,3 +116,20 @@ def test_priorities_hold_when_the_load_balancer_sends_every_high_request_to_one_
     waiting high-priority requests take slots from the low-priority queues elsewhere."""
     _run(sims, replicas,
          lambda urls: lambda prio, k: urls[0] if prio == "high" else urls[1 + k % 2])
+
+
+def test_with_the_batcher_each_backends_places_are_split_between_the_replicas(
+        sims, replicas):
+    a = sims("A", max_num_seqs=SEQS)
+    gws = replicas(2, {"a": a.url}, backend={"max_num_seqs": SEQS},
+                   batcher={"enabled": True})
+
+    def shares() -> list[int]:
+        return [(gw.gateway.batching.placement.shares or {}).get("a", 0) for gw in gws]
+
+    from tests.support.scripted import wait_for
+    assert wait_for(lambda: sum(shares()) == SEQS and min(shares()) >= 1, 5), shares()
+    # a request through each replica still runs
+    for gw in gws:
+        r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(2), timeout=30)
+        assert r.status_code == 200, r.text
