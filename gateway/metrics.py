@@ -602,7 +602,7 @@ class GatewayMetrics:
             "demand against the other replicas'",
             registry=r,
         )
-        self.session_lookups = Counter(
+        self.response_lookups = Counter(
             "gateway_fleet_response_lookups",
             "Responses API ids unknown here looked up in the shared store, by result "
             "(found, unknown, unavailable)",

@@ -89,18 +89,18 @@ class SharedResponses:
                 "response_lookup", lambda c: c.get(self.key(response_id))
             )
         except CoordinationUnavailable:
-            self.metrics.session_lookups.labels("unavailable").inc()
+            self.metrics.response_lookups.labels("unavailable").inc()
             return None
         if not raw:
-            self.metrics.session_lookups.labels("unknown").inc()
+            self.metrics.response_lookups.labels("unknown").inc()
             return None
         try:
             backend_id, at, model = str(raw).split("|", 2)
             age_s = max(0.0, self.link.now() - float(at))
         except ValueError:
-            self.metrics.session_lookups.labels("unknown").inc()
+            self.metrics.response_lookups.labels("unknown").inc()
             return None
-        self.metrics.session_lookups.labels("found").inc()
+        self.metrics.response_lookups.labels("found").inc()
         return backend_id, model, age_s
 
     async def resync(self) -> None:

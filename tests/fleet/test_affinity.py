@@ -92,5 +92,5 @@ def test_a_response_created_through_replica_1_is_continued_and_fetched_through_t
     for name, (_, store) in fleet.items():
         gets = [p for m, p in store.asked if m == "GET"]
         assert all(p.split("/")[3][5] == name for p in gets), (name, gets)
-    assert all(gw.gateway.metrics.session_lookups.labels("found")._value.get() > 0
+    assert all(gw.gateway.metrics.response_lookups.labels("found")._value.get() > 0
                for gw in gws[1:])
