@@ -1072,7 +1072,15 @@ class CoordinationConfig(_Strict):
     with its own bucket, starting from its unspent balance plus its part of the global
     bucket as last seen; when it answers again what was used on the share is charged to the
     global bucket (a restarted Redis starts every bucket full, less that); a window that
-    spans an outage may exceed the bound by at most one more ``L``."""
+    spans an outage may exceed the bound by at most one more ``L``.
+
+    Backend protection (``coord/protection.py``): ``breaker_hold_s`` is how long a breaker
+    record outlives its owner's last renewal (seconds, default 3.0, the replica TTL): the
+    other replicas hold the backend's breaker open while the owner (the replica that
+    tripped it) probes half-open, and a dead owner's record ends that long after its open
+    time, when each replica probes on its own again. ``capacity_shares`` (default on): each
+    replica takes a share of every backend's in-flight capacity proportional to its demand
+    (``traffic/shares.py``), so N replicas together stay within what one allows."""
 
     redis_url: str | None = None
     namespace: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -1086,6 +1094,8 @@ class CoordinationConfig(_Strict):
     gpu_restart_lease_s: float = Field(30.0, ge=1, le=3600)
     quota_wait_s: float = Field(0.02, ge=0, le=1)
     quota_idle_s: float = Field(2.0, gt=0, le=60)
+    breaker_hold_s: float = Field(3.0, gt=0, le=60)
+    capacity_shares: bool = True
 
     @property
     def enabled(self) -> bool:

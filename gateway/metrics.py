@@ -588,6 +588,27 @@ class GatewayMetrics:
             "(this one included), as last read from the shared store",
             registry=r,
         )
+        self.protection_applied = Counter(
+            "gateway_fleet_protection_applied",
+            "Backend protection learned from another replica and applied here: kind "
+            "cooling (a 429/503 Retry-After) or breaker_hold (a breaker held open while "
+            "its owner probes), by backend",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.capacity_share = Gauge(
+            "gateway_fleet_capacity_share",
+            "This replica's share of the fleet's in-flight capacity (requests), from its "
+            "demand against the other replicas'",
+            registry=r,
+        )
+        self.response_lookups = Counter(
+            "gateway_fleet_response_lookups",
+            "Responses API ids unknown here looked up in the shared store, by result "
+            "(found, unknown, unavailable)",
+            ["result"],
+            registry=r,
+        )
         self.lease_handovers = Counter(
             "gateway_fleet_lease_handovers",
             "Maintenance leases taken over from a replica that stopped renewing them "

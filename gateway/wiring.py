@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
+from gateway.coord.affinity import SharedResponses
+from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
+from gateway.coord.protection import SharedProtection
 from gateway.coord.quota import GlobalQuotas
 from gateway.fleet.controller import FleetController
 from gateway.fleet.fleet import Fleet
@@ -87,6 +90,8 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
     if coord is not None:
         coord.share_operator_actions(controller)  # admin actions, GPU holds, baselines
         coord.leases.bind(controller)  # maintenance cycles under fleet-wide leases
+        # coolings and breaker trips shared
+        coord.add_sync("protection", SharedProtection(coord.link, fleet, metrics, clock).sync)
     thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
     router = build_policy(
         cfg.routing,
@@ -94,6 +99,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         cfg.telemetry.stale_after_s,
         clock,
         thermal=controller.gpu.choose if thermal_aware else None,  # tiers, power caps, budgets
+        rendezvous=coord is not None,  # fleet mode: a session maps alike on every replica
     )
     gate = AdmissionGate(
         cfg,
@@ -123,11 +129,19 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         clock,
     )
     controller.state.listen(responses.on_transition)  # a restart loses a backend's store
+    if coord is not None:  # fleet mode: response ids shared
+        shared = SharedResponses(
+            coord.link, metrics, responses.owners, cfg.routing.responses_ttl_s, clock
+        )
+        responses.use_directory(shared)
+        coord.add_stop(shared.stop)
     batching = (
         BatchDispatcher(cfg, fleet, pipeline, router, gate, metrics, controller, clock)
         if cfg.batcher.enabled
         else None
     )
+    if coord is not None and cfg.coordination.capacity_shares:
+        _share_capacity(coord, fleet, gate, batching, metrics)
     forecasts = None
     if cfg.forecast.enabled or batching is not None:
 
@@ -157,3 +171,42 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         batching=batching,
         coord=coord,
     )
+
+
+def _share_capacity(
+    coord: Coordination,
+    fleet: Fleet,
+    gate: AdmissionGate,
+    batching: BatchDispatcher | None,
+    metrics: GatewayMetrics,
+) -> None:
+    """Fleet mode: this replica's share of the in-flight capacity, from its demand
+    (:mod:`gateway.coord.capacity`), applied to the scheduler's bound and, with the
+    batcher, to its places per backend."""
+
+    def demand() -> tuple[int, int, int]:
+        """(queued high, in flight + queued normal, queued low): requests."""
+        if batching is not None:
+            return 0, sum(b.in_flight for b in fleet.backends) + batching.core.queued, 0
+        sched = gate.scheduler
+        high, normal, low = (len(q) for q in sched.queues)
+        return high, sched.in_flight + normal, low
+
+    def per_backend(shares: dict[str, int]) -> None:
+        assert batching is not None
+        batching.placement.set_shares(shares)
+        batching.pump()  # a grown share may take queued requests now
+
+    shares = CapacityShares(
+        coord.link,
+        coord.replicas,
+        metrics,
+        demand,
+        lambda: gate.scheduler.in_flight,
+        gate.fleet_capacity,
+        gate.set_capacity_share,
+        lambda: fleet.backends,
+        batching.placement.backend_limit if batching is not None else None,
+        per_backend if batching is not None else None,
+    )
+    coord.add_sync("capacity", shares.sync)

@@ -157,6 +157,8 @@ async def model_response(
         await check_model(gw, model)
         # a follow-up goes where its previous response lives (gateway.flow.responses)
         previous = payload.get("previous_response_id") if endpoint == RESPONSES else None
+        if isinstance(previous, str):
+            await gw.responses.recall(previous)  # fleet mode: learned by another replica?
         pinned = gw.responses.follow_up(previous) if isinstance(previous, str) else None
     except Refusal as e:  # counted under the body's model when a backend serves it
         answered(metrics, endpoint, model_label(gw, payload), e.status, started)

@@ -176,6 +176,7 @@ async def by_id_response(
         if verdict is not None:
             ratelimit = list(ratelimit_headers(verdict).items())
         body = await read_body_counted(gw, receive, declared)
+        await gw.responses.recall(response_id)  # fleet mode: learned by another replica?
         held = gw.responses.holder(response_id)
         if held is not None and is_hung(held[0]):
             raise hung(response_id, held[0], recovery_s(gw.cfg.health))

@@ -95,6 +95,7 @@ class AdmissionGate:
             if caps and len(caps) == len(cfg.backends):
                 max_in_flight = max(1, math.ceil(sum(caps) * a.in_flight_per_seq))
         capacity = max_in_flight
+        self.fleet_capacity = capacity  # slots one gateway allows (fleet mode splits them)
         if cfg.batcher.enabled:
             # The batcher's buckets are the queue (gateway.flow.batching): it bounds in-flight per
             # backend and applies max_queued and max_queue_wait_s; no second queue here.
@@ -415,6 +416,24 @@ class AdmissionGate:
                 self.release(Ticket(ticket.prio))
             else:
                 waiter.set_result(None)
+
+    def set_capacity_share(self, slots: int, rate_slots: float | None = None) -> None:
+        """Fleet mode: this replica may hold ``slots`` requests in flight (its share of the
+        fleet's capacity, ``gateway.coord.capacity``); ``rate_slots``: the steadier share
+        its predicted waits use (default ``slots``). With the scheduler's bound on, ``slots``
+        becomes the bound (waiters woken when it grows; a lower one cuts nothing); with the
+        batcher (which bounds per backend), only the capacity its predictions use."""
+        sched = self.scheduler
+        if sched.max_in_flight is None:
+            if sched.capacity is not None:
+                sched.capacity = max(1, round(rate_slots if rate_slots is not None else slots))
+            return
+        for w in sched.resize(slots, self.clock(), rate_slots):
+            assert isinstance(w, asyncio.Future)
+            if w.done():  # gave up meanwhile: its slot goes back
+                self.release(Ticket(Prio.LOW))
+            else:
+                w.set_result(None)
 
     # ---- degraded mode ----------------------------------------------------------------------
     def tick(self, p99_ttft_s: float | None) -> None:

@@ -57,6 +57,8 @@ class Placement:
         self.kept_for: dict[str, Waiter] = {}
         self.now = 0.0
         self.nagle_at = math.inf
+        # fleet mode: backend id -> this replica's share of its places (set_shares)
+        self.shares: dict[str, int] | None = None
 
     def full(self, prio: int) -> int:
         """Size of a full merge group of bucket ``prio`` (requests)."""
@@ -67,11 +69,26 @@ class Placement:
         _decrement(self.merge_flight, slot)
 
     def limit(self, b: Backend) -> float:
-        """Places on ``b`` (sequences; ``inf`` without a known capacity)."""
+        """Places on ``b`` (sequences; ``inf`` without a known capacity); in fleet mode this
+        replica's share of them (:meth:`set_shares`)."""
+        own = self.backend_limit(b)
+        if self.shares is not None and b.id in self.shares:
+            return min(own, self.shares[b.id])
+        return own
+
+    def backend_limit(self, b: Backend) -> float:
+        """Places on ``b`` for one gateway: ``max_num_seqs x in_flight_per_seq``."""
         cap = b.capacity or self.default_cap
         if cap is None:
             return math.inf
         return max(1, math.ceil(cap * self.per_seq))
+
+    def set_shares(self, shares: dict[str, int]) -> None:
+        """Fleet mode: this replica's places per backend id (its share of
+        :meth:`backend_limit`, ``gateway.coord.capacity``). Places already reserved or in
+        flight above a lowered share are not taken back; no new one is bound there until
+        the backend is below it."""
+        self.shares = dict(shares)
 
     def room(self, b: Backend) -> float:
         """Places left on ``b`` (sequences; ``inf`` without a known capacity)."""

@@ -33,12 +33,18 @@ The rules (README, "The Responses API"):
   elsewhere, and a by-id call is pinned to one backend per attempt.
 - **Remembered** (:meth:`found`): an unknown id only when the backend's answer names it
   (a response object whose ``id`` is that id), never from the path alone.
+- **Fleet mode** (a :class:`ResponseDirectory`, ``gateway.coord.affinity``): each id learned
+  is published to the shared store in the background, and an id unknown here is looked up
+  there first (:meth:`recall`, the one store read on a request path: only for a follow-up or
+  a by-id call whose id this replica does not know, bounded by ``coordination.op_timeout_s``
+  and skipped while the store is down, when the rules above apply as in one process).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 from gateway.core.outcomes import INVALID_REQUEST, SERVER_ERROR, Refusal
 from gateway.core.vocab import BackendState, Cut
@@ -73,6 +79,17 @@ def created_id(opened: Opened) -> str | None:
     return id_in_events(opened.data)
 
 
+class ResponseDirectory(Protocol):
+    """Where several replicas share what each learned (fleet mode; none in one process)."""
+
+    def publish(self, response_id: str, backend_id: str, model: str) -> None:
+        """``backend_id`` created ``response_id``: tell the others (in the background)."""
+
+    async def lookup(self, response_id: str) -> tuple[str, str, float] | None:
+        """``(backend id, model, seconds since it was learned)`` of an id another replica
+        learned, or None (unknown, or the store did not answer in time)."""
+
+
 class ResponseRouting:
     """The response-id table (:class:`gateway.routing.response_owners.ResponseOwners`) and
     the decisions that read the fleet. ``clock``: monotonic seconds (the table's too)."""
@@ -86,6 +103,11 @@ class ResponseRouting:
         self.lost_at: dict[str, float] = {}
         # backend id -> the by-id calls waiting there for an answer's start
         self.waiting: dict[str, set[Cuttable]] = {}
+        self.directory: ResponseDirectory | None = None  # fleet mode (use_directory)
+
+    def use_directory(self, directory: ResponseDirectory) -> None:
+        """Fleet mode: publish what is learned here, look up what is not (wiring)."""
+        self.directory = directory
 
     # ---- learning ---------------------------------------------------------------------
     def learn(self, opened: Opened, model: str) -> None:
@@ -95,6 +117,8 @@ class ResponseRouting:
         rid = created_id(opened)
         if rid is not None:
             self.owners.remember(rid, opened.backend.id, model)
+            if self.directory is not None:
+                self.directory.publish(rid, opened.backend.id, model)
 
     def found(self, response_id: str, opened: Opened, model: str) -> None:
         """``opened`` answered a by-id call on ``response_id`` the gateway did not know:
@@ -104,6 +128,20 @@ class ResponseRouting:
         stream without that event) teaches nothing."""
         if created_id(opened) == response_id:
             self.owners.remember(response_id, opened.backend.id, model)
+            if self.directory is not None:
+                self.directory.publish(response_id, opened.backend.id, model)
+
+    async def recall(self, response_id: str) -> None:
+        """Fleet mode: an id this replica does not know is looked up in the shared store
+        and, when another replica learned it, remembered here (with the time it was
+        learned, so a backend restarted since still reads as gone). Nothing to do for an
+        id known here or without a directory."""
+        if self.directory is None or self.owners.owner(response_id) is not None:
+            return
+        found = await self.directory.lookup(response_id)
+        if found is not None:
+            backend_id, model, age_s = found
+            self.owners.remember(response_id, backend_id, model, self.clock() - age_s)
 
     def forget(self, response_id: str) -> None:
         """``response_id`` was deleted on its backend."""

@@ -129,6 +129,7 @@ def build_policy(
     clock: Callable[[], float],
     thermal: ThermalHook | None = None,
     rng: random.Random | None = None,
+    rendezvous: bool = False,
 ) -> Policy:
     """The policy ``routing.policy`` names, configured.
 
@@ -136,7 +137,8 @@ def build_policy(
     ``stale_after_s``: load samples older than this are ignored (``telemetry.stale_after_s``;
     ``load_thermal`` only); ``clock``: monotonic seconds; ``thermal``: the thermal hook
     (``load_thermal`` only; the simple policies are blind to heat by definition);
-    ``rng``: the slow-start draws (a fresh ``random.Random()`` when None).
+    ``rng``: the slow-start draws (a fresh ``random.Random()`` when None); ``rendezvous``:
+    sessions by rendezvous hashing (fleet mode; ``load_thermal`` only).
     """
     rng = rng or random.Random()
     name = routing.policy
@@ -150,6 +152,7 @@ def build_policy(
             slow_start_min_weight=lifecycle.slow_start_min_weight,
             rng=rng,
             thermal=thermal,
+            rendezvous=rendezvous,
         )
     slow = SlowStart(lifecycle.slow_start_s, lifecycle.slow_start_min_weight, rng)
     if name is RoutingPolicy.LEAST_REQUEST:

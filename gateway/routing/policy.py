@@ -37,6 +37,8 @@ plus a term for predicted temperature.
 Session affinity (header ``x-session-id`` by default) pins a session to the backend that
 served its first request, for prefix-cache reuse; when that backend stops being a candidate
 (unhealthy, draining, gone) the session is re-pinned to the best candidate and stays there.
+In fleet mode (``rendezvous``) a session goes instead to its rendezvous-hashing choice among
+the candidates (:mod:`gateway.routing.rendezvous`), which every replica computes alike.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Protocol, TypeVar
 
 from gateway.config import RoutingWeights
 from gateway.core.samples import LoadSample
+from gateway.routing import rendezvous
 from gateway.routing.thermal import ThermalChoice
 
 __all__ = [
@@ -248,8 +251,12 @@ class LoadThermalPolicy:
         slow_start_min_weight: float = 0.1,
         rng: random.Random | None = None,
         thermal: ThermalHook | None = None,
+        rendezvous: bool = False,
     ) -> None:
         self.weights = weights
+        # fleet mode: sessions by rendezvous hashing (gateway.routing.rendezvous), the same
+        # backend from every replica without a shared table
+        self.rendezvous = rendezvous
         self.stale_after_s = stale_after_s
         self.affinity = affinity
         self._thermal = thermal
@@ -274,7 +281,9 @@ class LoadThermalPolicy:
         penalties (backend id -> load-score units) added to the scores (every candidate
         hot: the hook keeps them all). With ``session_key``, a pinned backend still among
         the candidates wins (a session pinned to a warm backend stays there, for its prefix
-        cache; never on a hot one); otherwise the best one is chosen and pinned.
+        cache; never on a hot one); otherwise the best one is chosen and pinned. With
+        ``rendezvous`` (fleet mode), a session goes to its rendezvous-hashing choice among
+        the candidates instead (the same on every replica; load and slow start not asked).
         """
         penalties: Mapping[str, float] | None = None
         if self._thermal is not None and candidates:
@@ -283,6 +292,8 @@ class LoadThermalPolicy:
             penalties = choice.penalties
         if not candidates:
             return None
+        if session_key is not None and self.rendezvous:
+            return rendezvous.pick(session_key, candidates)
         if session_key is not None:
             pinned = self.affinity.get(session_key)
             if pinned is not None:

@@ -48,9 +48,13 @@ class ResponseOwners:
         self._clock = clock
         self._owners: OrderedDict[str, Owner] = OrderedDict()
 
-    def remember(self, response_id: str, backend_id: str, model: str) -> None:
-        """``backend_id`` holds ``response_id`` (for ``model``) from now on."""
-        self._owners[response_id] = Owner(backend_id, model, self._clock())
+    def remember(
+        self, response_id: str, backend_id: str, model: str, learned_at: float | None = None
+    ) -> None:
+        """``backend_id`` holds ``response_id`` (for ``model``) from ``learned_at`` (the
+        table's clock; default now: another replica may have learned it earlier)."""
+        at = self._clock() if learned_at is None else learned_at
+        self._owners[response_id] = Owner(backend_id, model, at)
         self._owners.move_to_end(response_id)
         while len(self._owners) > self._max:
             self._owners.popitem(last=False)
@@ -68,6 +72,12 @@ class ResponseOwners:
     def forget(self, response_id: str) -> None:
         """Drop ``response_id`` (deleted on its backend)."""
         self._owners.pop(response_id, None)
+
+    def live(self) -> list[tuple[str, Owner]]:
+        """Every id not expired and its owner, oldest learned first (fleet mode writes them
+        back to a shared store that lost them)."""
+        horizon = self._clock() - self._ttl
+        return [(rid, o) for rid, o in self._owners.items() if o.learned_at >= horizon]
 
     def __len__(self) -> int:
         return len(self._owners)

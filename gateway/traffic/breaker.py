@@ -77,6 +77,7 @@ class CircuitBreaker:
         "_closed_at",
         "_half_open_inflight",
         "_half_open_ok",
+        "_held",
         "_open_until",
         "_period",
         "_ttfts",
@@ -95,6 +96,7 @@ class CircuitBreaker:
         self.trips = 0
         self.last_trip_reason: str | None = None
         self._open_until = 0.0
+        self._held = False  # open because another replica's trip holds it (fleet mode)
         self._closed_at = clock()
         self._half_open_inflight = 0
         self._half_open_ok = 0
@@ -126,6 +128,17 @@ class CircuitBreaker:
     def half_open_in_flight(self) -> int:
         """Requests holding a half-open probe slot now (0 unless half-open)."""
         return self._half_open_inflight
+
+    @property
+    def open_until(self) -> float:
+        """When the open time of the last trip or hold ends (monotonic seconds)."""
+        return self._open_until
+
+    @property
+    def held(self) -> bool:
+        """Whether it is open (or half-open after) a hold another replica's trip put on it
+        (:meth:`hold_open_until`), not a trip of its own."""
+        return self._held
 
     def retry_in(self) -> float:
         """Seconds until this breaker lets a request through (0 if it does now)."""
@@ -175,6 +188,7 @@ class CircuitBreaker:
             self._half_open_ok += 1
             if self._half_open_ok >= self.cfg.half_open_successes:
                 self.state = BreakerState.CLOSED
+                self._held = False
                 self._closed_at = self._clock()
                 self._half_open_inflight = 0  # the other probes' outcomes count as ordinary
                 self.consecutive = 0
@@ -234,12 +248,45 @@ class CircuitBreaker:
         self.last_trip_reason = reason
         open_s = min(self.cfg.open_max_s, self.cfg.open_base_s * 2 ** (self.trips - 1))
         self._open_until = now + open_s
+        self._held = False
         self.state = BreakerState.OPEN
         self._half_open_inflight = 0
         self._half_open_ok = 0
 
+    # ---- fleet mode: another replica's trip ---------------------------------------------------
+    def hold_open_until(self, until: float) -> None:
+        """Hold the breaker open until ``until`` (monotonic seconds): another replica tripped
+        it and owns the half-open probing (``gateway.coord.protection``). No probe goes out
+        from here before then; after it the usual half-open follows (the owner is gone).
+        A breaker tripped by its own failures keeps its own open time when that ends later
+        (it stays the owner of its trip). Calling it again moves the end (the owner's record
+        was renewed)."""
+        if self.state is not BreakerState.CLOSED and not self._held:
+            if self._open_until >= until:
+                return
+        self.state = BreakerState.OPEN
+        self._held = True
+        self._open_until = until
+        self._half_open_inflight = 0
+        self._half_open_ok = 0
+
+    def release_hold(self) -> bool:
+        """The owner of the trip reports the backend recovered (its record is cleared):
+        a held breaker closes (its counts forgotten, the trips of its own kept). Returns
+        whether it was held; a breaker not held is left as it is."""
+        if not self._held:
+            return False
+        self._held = False
+        self.state = BreakerState.CLOSED
+        self._closed_at = self._clock()
+        self.consecutive = 0
+        self._half_open_inflight = 0
+        self._buckets.clear()
+        return True
+
     def reset(self) -> None:
         """Close and forget (a backend that came back through probes and warm-up)."""
+        self._held = False
         self.state = BreakerState.CLOSED
         self.consecutive = 0
         self.trips = 0

@@ -202,12 +202,35 @@ class Scheduler:
         self._done.append(now)
         if len(self._done) > 4096:
             self.service_rate(now)
-        for p, q in enumerate(self.queues):
-            if q:
-                self._granted(Prio(p), now)
-                return q.popleft()  # the slot passes on: in_flight unchanged
+        # (a bound lowered by resize below the requests running: the slot is not passed on)
+        if self.max_in_flight is None or self.in_flight <= self.max_in_flight:
+            for p, q in enumerate(self.queues):
+                if q:
+                    self._granted(Prio(p), now)
+                    return q.popleft()  # the slot passes on: in_flight unchanged
         self.in_flight -= 1
         return None
+
+    def resize(
+        self, max_in_flight: int, now: float, capacity: float | None = None
+    ) -> list[object]:
+        """Change the in-flight bound (fleet mode: this replica's share of the fleet's
+        capacity, :func:`gateway.traffic.shares.split`); the capacity for the service rate
+        follows it, or ``capacity`` (slots; a steadier figure than a bound that moves every
+        round, so predicted waits and Retry-After do not jump with it). Returns the waiters
+        that get a slot now (the bound grew; most urgent first, already counted as
+        running). A lower bound cuts nothing: running requests keep their slots, and freed
+        slots are not passed on until in flight is below it."""
+        self.max_in_flight = max_in_flight
+        # (0 for a round: no rate of zero)
+        self.capacity = max(1, round(capacity if capacity is not None else max_in_flight))
+        woken: list[object] = []
+        for p, q in enumerate(self.queues):
+            while q and self.in_flight < max_in_flight:
+                self.in_flight += 1
+                self._granted(Prio(p), now)
+                woken.append(q.popleft())
+        return woken
 
     def retry_after(self, prio: Prio, now: float) -> float:
         """Retry-After for a refused request of ``prio``: :meth:`predicted_wait` bounded to

@@ -28,7 +28,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: shared vocabulary, the config schema, metric declarations
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
-    #    the Responses API's response-id table (gateway.routing.response_owners)
+    #    the Responses API's response-id table (gateway.routing.response_owners),
+    #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
+    #    capacity shares (gateway.traffic.shares)
     ("gateway.routing.*", "gateway.traffic.*"),
     # 2: the fleet's state and control loops; the upstream transport (siblings);
     #    the maintenance-lease seam (gateway.fleet.leases: pure, LocalLeases)
@@ -36,8 +38,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 3: the request flow: lease, admission I/O, queue/batching, attempts, Responses API
     #    pinning (gateway.flow.responses)
     #    fleet mode's shared state over Redis (gateway.coord.*: a sibling of the flow;
-    #    gateway.coord.leases / lease_mirror / lease_scripts: fleet-wide maintenance)
-    #    gateway.coord.quota: global rate limits' buckets (the pure side: gateway.traffic.quota)
+    #    gateway.coord.leases / lease_mirror / lease_scripts: fleet-wide maintenance;
+    #    gateway.coord.quota: global rate limits (the pure side: gateway.traffic.quota);
+    #    coord.protection: coolings and breaker trips, coord.capacity: capacity shares,
+    #    coord.affinity: response ids)
     ("gateway.flow.*", "gateway.coord.*"),
     # 4: the component container (Gateway) and build_gateway
     ("gateway.wiring",),

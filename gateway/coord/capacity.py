@@ -1,0 +1,192 @@
+"""Capacity is not multiplied by the number of replicas (issue 14, item 5).
+
+One gateway bounds what it sends the backends: the admission scheduler's ``max_in_flight``
+(the fleet's ``sum(max_num_seqs) x admission.in_flight_per_seq``) and, with the batcher, the
+places per backend (``max_num_seqs x batcher.in_flight_per_seq``). N replicas each applying
+that bound would send N times as much. Here every replica reports its demand each sync round
+and takes a share of each bound from it (:func:`gateway.traffic.shares.split_classes`: a
+floor of one slot, high-priority waiters first, then in proportion to demand, the shares
+summing to the bound; it grows only into slots the others neither hold nor were given),
+applied through the flow's setters (``AdmissionGate.set_capacity_share``,
+``Placement.set_shares``). The shares are computed from what the round read, never on the
+request path.
+
+
+Key (prefix ``cap``): ``cap:demand``, a hash: replica id -> its report (JSON: ``d`` demand
+by class, smoothed: queued high, in flight plus queued normal, queued low; ``h`` requests
+holding a scheduler slot; ``s`` the share it applied), as of its last round. Only the
+replicas the heartbeat lists as alive are counted (a dead replica's entry is ignored and
+dropped), so a replica that leaves gives its share back within
+``coordination.replica_ttl_s``.
+
+
+The bound (``docs/architecture.md``, "Fleet mode"): the shares sum to the capacity, but a
+share that shrinks keeps the requests already running above it until they end (nothing is
+cut), and a replica acts on demands one sync round old; so the total in flight may exceed
+the capacity for about one request's service time after the load moves between replicas.
+Store down: the last shares stay in force (the replicas alive then, each holding its share:
+the total stays within the capacity); resync: the next round reports the demand again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.coord.link import RedisLink
+from gateway.coord.replicas import Replicas
+from gateway.fleet.backend import Backend
+from gateway.metrics import GatewayMetrics
+from gateway.traffic.shares import split_classes
+
+log = logging.getLogger("gateway.coord")
+
+# KEYS[1]: the demand hash. ARGV: this replica's id, its demand, then the live replica ids.
+# Writes its demand, drops entries of replicas not alive, returns the rest flat.
+DEMAND = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local live = {}
+for i = 3, #ARGV do live[ARGV[i]] = true end
+live[ARGV[1]] = true
+local all = redis.call('HGETALL', KEYS[1])
+local out = {}
+for j = 1, #all, 2 do
+  if live[all[j]] then
+    table.insert(out, all[j]); table.insert(out, all[j + 1])
+  else
+    redis.call('HDEL', KEYS[1], all[j])
+  end
+end
+return out
+"""
+
+
+# Weight of the newest demand reading in the smoothed demand (per sync round): about a
+# second of memory at the default 0.25 s round.
+DEMAND_ALPHA = 0.3
+
+
+class CapacityShares:
+    """This replica's share of the fleet's capacity, refreshed every sync round.
+
+    ``demand``: requests held here now by class, most urgent first (queued high; in flight
+    plus queued normal; queued low: :func:`gateway.traffic.shares.split_classes` meets a
+    class across the replicas before the next); ``held``: those holding a scheduler slot.
+    ``total``: the slots one gateway allows in all (``AdmissionGate.fleet_capacity``; None:
+    unbounded, nothing to split). ``backend_limit``: the places one gateway allows per
+    backend. The flow's setters: ``set_total(share, smoothed target)`` and
+    ``set_per_backend`` (None without the batcher)."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        replicas: Replicas,
+        metrics: GatewayMetrics,
+        demand: Callable[[], tuple[int, int, int]],
+        held: Callable[[], int],
+        total: int | None,
+        set_total: Callable[[int, float], None],
+        backends: Callable[[], Iterable[Backend]],
+        backend_limit: Callable[[Backend], float] | None = None,
+        set_per_backend: Callable[[dict[str, int]], None] | None = None,
+    ) -> None:
+        self.link = link
+        self.replicas = replicas
+        self.metrics = metrics
+        self.demand = demand
+        self.held = held
+        self.total = total
+        self.set_total = set_total
+        self.backends = backends
+        self.backend_limit = backend_limit
+        self.set_per_backend = set_per_backend
+        self.reports: dict[str, Report] = {}  # as last read (live replicas)
+        self.share: int | None = None  # this replica's slots, as last applied
+        self.per_backend: dict[str, int] = {}
+        self._demand: list[float] | None = None  # smoothed demand per class (requests)
+        self._rate_slots: float | None = None  # smoothed target share (slots)
+        self._script = link.client.register_script(DEMAND)
+        if total is not None:
+            metrics.capacity_share.set(total)
+
+    async def sync(self) -> None:
+        """Report the demand here, read the live replicas', apply the shares. Raises
+        :class:`gateway.coord.link.CoordinationUnavailable` (the last shares stay)."""
+        me = self.link.replica_id
+        now = [float(x) for x in self.demand()]
+        # smoothed over rounds (EWMA, DEMAND_ALPHA): a queue's round-to-round jitter would
+        # otherwise move slots back and forth, and every move is a transient over the bound
+        old = self._demand
+        d = now if old is None else [o + DEMAND_ALPHA * (x - o) for o, x in zip(old, now,
+                                                                             strict=True)]
+        self._demand = d
+        mine = Report(tuple(round(x, 2) for x in d), self.held(), self.share)
+        args: list[str | int] = [me, mine.dumps(), *self.replicas.ids()]
+        flat: list[Any] = await self.link.call(
+            "capacity", lambda c: self._script([self.link.key("cap", "demand")], args, client=c)
+        )
+        reports = {str(flat[i]): Report.loads(str(flat[i + 1])) for i in range(0, len(flat), 2)}
+        reports[me] = mine
+        self.reports = reports
+        self.apply()
+
+    def apply(self) -> None:
+        """Compute and set the shares from :attr:`reports` (this replica's part of them)."""
+        me = self.link.replica_id
+        demands = {r: rep.demand for r, rep in self.reports.items()}
+        if self.total is not None:
+            target = split_classes(self.total, demands)[me]
+            # grow only into slots the others do not hold: their share, or what they still
+            # run above a share that shrank (as of their last round)
+            held = sum(
+                max(rep.share if rep.share is not None else 0, rep.held)
+                for r, rep in self.reports.items() if r != me
+            )
+            share = max(0, min(target, self.total - held))
+            if share != self.share:
+                log.debug("capacity share %d of %d (target %d, %d replicas)", share,
+                          self.total, target, len(demands))
+            self.share = share
+            # the predictions' capacity: the target, smoothed (the applied share dips while
+            # the others hand slots over, which is no change in this replica's service rate)
+            r = self._rate_slots
+            self._rate_slots = target if r is None else r + DEMAND_ALPHA * (target - r)
+            self.set_total(share, self._rate_slots)
+            self.metrics.capacity_share.set(share)
+        if self.backend_limit is not None and self.set_per_backend is not None:
+            per: dict[str, int] = {}
+            for b in self.backends():
+                limit = self.backend_limit(b)
+                if limit != float("inf"):
+                    per[b.id] = split_classes(int(limit), demands, salt=b.id)[me]
+            self.per_backend = per
+            self.set_per_backend(per)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What one replica said in its last round: ``demand`` per class (requests: queued
+    high; in flight plus queued normal; queued low), ``held`` (requests holding one of the
+    scheduler's slots) and ``share`` (the bound it applied; None before its first share)."""
+
+    demand: tuple[float, ...]
+    held: int
+    share: int | None
+
+    def dumps(self) -> str:
+        return json.dumps({"d": self.demand, "h": self.held, "s": self.share})
+
+    @classmethod
+    def loads(cls, raw: str) -> Report:
+        """A stored report; an unreadable one counts as idle (demand 0, holding nothing,
+        no share yet)."""
+        try:
+            o = json.loads(raw)
+            share = o.get("s")
+            demand = tuple(float(x) for x in o["d"])
+            return cls(demand, int(o["h"]), None if share is None else int(share))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return cls((0.0,), 0, None)

@@ -1,0 +1,135 @@
+"""Capacity is not multiplied (issue 14, item 5): at 3x overload spread over 3 replicas, the
+backends' total in flight stays within what one replica allows (``max_num_seqs x
+admission.in_flight_per_seq`` per backend, summed), counted by the simulated backends
+themselves (their engines' running + waiting, sampled every 100 ms), and high-priority
+requests still meet the TTFT SLO. A short version of ``benchmarks/fleet_overload.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+
+from tests.lifecycle.support import chat_body
+
+SEQS = 4  # max_num_seqs of each simulated backend
+ITL_S = 0.25  # seconds per decode step
+TOKENS = 6
+SLO_TTFT_S = 2.0
+
+
+def _sample_in_flight(sims, stop: threading.Event, out: list[int]) -> None:
+    while not stop.is_set():
+        total = 0
+        for s in sims:
+            st = s.server.state.engine_stats()
+            total += st.num_running + st.num_waiting
+        out.append(total)
+        time.sleep(0.1)
+
+
+async def _overload(route: Callable[[str, int], str], rate: float, duration_s: float,
+                    ttfts: dict[str, list[float]], statuses: list[int]) -> None:
+    """Poisson arrivals at ``rate`` for ``duration_s``; the k-th request, of priority
+    ``prio``, goes to ``route(prio, k)`` (a replica's URL)."""
+    rng = random.Random(7)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+
+        async def one(url: str, prio: str) -> None:
+            t0 = time.monotonic()
+            async with client.stream("POST", url + "/v1/chat/completions",
+                                     json=chat_body(TOKENS, stream=True),
+                                     headers={"x-priority": prio}) as r:
+                statuses.append(r.status_code)
+                async for line in r.aiter_lines():
+                    if r.status_code == 200 and '"content":"' in line.replace(" ", "") \
+                            and '"content":""' not in line.replace(" ", ""):
+                        ttfts[prio].append(time.monotonic() - t0)
+                        break
+                await r.aread()
+
+        tasks = []
+        t_end = time.monotonic() + duration_s
+        k = 0
+        next_at = time.monotonic()
+        while next_at < t_end:
+            next_at += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            prio = rng.choices(("high", "normal", "low"), (0.2, 0.5, 0.3))[0]
+            tasks.append(asyncio.create_task(one(route(prio, k), prio)))
+            k += 1
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _run(sims, replicas, route_for: Callable[[list[str]], Callable[[str, int], str]]) -> None:
+    backends = [sims(n, itl_s=ITL_S, max_num_seqs=SEQS) for n in ("A", "B", "C")]
+    gws = replicas(3, {s.name.lower(): s.url for s in backends},
+                   backend={"max_num_seqs": SEQS}, slo={"ttft_s": SLO_TTFT_S},
+                   coordination={"sync_interval_s": 0.25})
+    one_replica = 3 * SEQS  # admission.in_flight_per_seq 1.0
+    assert all(gw.gateway.gate.fleet_capacity == one_replica for gw in gws)
+    service_s = (TOKENS + 1) * ITL_S
+    rate = 3.0 * one_replica / service_s  # 3x what the fleet completes per second
+
+    stop = threading.Event()
+    samples: list[int] = []
+    sampler = threading.Thread(target=_sample_in_flight, args=(backends, stop, samples))
+    ttfts: dict[str, list[float]] = {"high": [], "normal": [], "low": []}
+    statuses: list[int] = []
+    sampler.start()
+    try:
+        asyncio.run(_overload(route_for([gw.url for gw in gws]), rate, 30.0, ttfts, statuses))
+    finally:
+        stop.set()
+        sampler.join()
+    steady = samples[50:-30]  # from 5 s in, before the arrivals stop
+    steady_sorted = sorted(steady)
+    p99 = steady_sorted[int(0.99 * (len(steady_sorted) - 1))]
+    mean = sum(steady) / len(steady)
+    print(f"backends' total in flight: mean {mean:.1f}, P99 {p99}, max {max(steady)} "
+          f"(one replica allows {one_replica}); shares "
+          f"{[gw.gateway.metrics.capacity_share._value.get() for gw in gws]}")
+    assert p99 <= 1.1 * one_replica, f"P99 total in flight {p99} > {one_replica} + 10%"
+    assert mean >= 0.75 * one_replica, f"the fleet was starved: mean in flight {mean:.1f}"
+    assert set(statuses) <= {200, 429}, Counter(statuses)  # (429: shed, with Retry-After)
+    high = sorted(ttfts["high"])
+    assert len(high) >= 20
+    p99_high = high[int(0.99 * (len(high) - 1))]
+    print(f"high-priority P99 TTFT {p99_high:.2f} s ({len(high)} requests)")
+    assert p99_high <= SLO_TTFT_S
+
+
+def test_three_replicas_at_3x_overload_stay_within_one_replicas_in_flight(sims, replicas):
+    """Clients spread evenly over the replicas (each request to the next one)."""
+    _run(sims, replicas, lambda urls: lambda prio, k: urls[k % len(urls)])
+
+
+def test_priorities_hold_when_the_load_balancer_sends_every_high_request_to_one_replica(
+        sims, replicas):
+    """High-priority clients all on replica 1, the others on replicas 2 and 3: replica 1's
+    waiting high-priority requests take slots from the low-priority queues elsewhere."""
+    _run(sims, replicas,
+         lambda urls: lambda prio, k: urls[0] if prio == "high" else urls[1 + k % 2])
+
+
+def test_with_the_batcher_each_backends_places_are_split_between_the_replicas(
+        sims, replicas):
+    a = sims("A", max_num_seqs=SEQS)
+    gws = replicas(2, {"a": a.url}, backend={"max_num_seqs": SEQS},
+                   batcher={"enabled": True})
+
+    def shares() -> list[int]:
+        return [(gw.gateway.batching.placement.shares or {}).get("a", 0) for gw in gws]
+
+    from tests.support.scripted import wait_for
+    assert wait_for(lambda: sum(shares()) == SEQS and min(shares()) >= 1, 5), shares()
+    # a request through each replica still runs
+    for gw in gws:
+        r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(2), timeout=30)
+        assert r.status_code == 200, r.text
