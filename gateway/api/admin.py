@@ -12,6 +12,7 @@ on one replica only is what fleet mode exists to prevent. Reads keep working.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -377,6 +378,10 @@ async def cooldown_backend(backend_id: str, request: Request) -> Response:
     if _fleet_writes(gw) is not None:  # 503 while the store does not answer
         if not gw.controller.request_cooldown(b.id, "admin", rest, force=force):
             raise Refusal(409, _cooldown_refused(gw, b, force), code="invalid_state")
+        # in fleet mode the cycle starts once its lease is granted (one store call): say
+        # whether it did, rather than accept a cooldown the fleet then refuses in silence
+        if not await _cooldown_started(gw, b):
+            raise Refusal(409, _cooldown_refused(gw, b, force), code="invalid_state")
         return JSONResponse(backend_summary(gw, b), status_code=202)
     if not gw.controller.request_cooldown(b.id, "admin", rest, force=force):
         raise Refusal(
@@ -388,6 +393,23 @@ async def cooldown_backend(backend_id: str, request: Request) -> Response:
             code="invalid_state",
         )
     return JSONResponse(backend_summary(gw, b), status_code=202)
+
+
+async def _cooldown_started(gw: Gateway, b: Backend) -> bool:
+    """Fleet mode: wait until ``b``'s cooldown has taken its lease and left rotation (True)
+    or its procedure ended without (False: the lease was refused). Bounded by two store
+    round trips plus a second (``coordination.op_timeout_s``); still undecided then: True
+    (the procedure runs; ``/admin/fleet`` shows its lease once granted)."""
+    limit = gw.cfg.coordination.op_timeout_s * 4 + 1.0
+    loop = asyncio.get_running_loop()
+    until = loop.time() + limit
+    while loop.time() < until:
+        if b.state.value != "warm":
+            return True
+        if not gw.controller.busy(b):
+            return b.state.value != "warm"
+        await asyncio.sleep(0.02)
+    return True
 
 
 def _cooldown_refused(gw: Gateway, b: Backend, force: bool) -> str:
