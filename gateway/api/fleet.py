@@ -10,7 +10,8 @@ behind the admin key.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+
+from gateway.coord.link import redacted_url
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -20,20 +21,6 @@ FLEET_MODE_OFF = (
     "coordination.redis_url (or LLM_GATEWAY_COORDINATION__REDIS_URL) to share it with "
     "other replicas"
 )
-
-
-def redacted_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (the user name kept)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{parts.username or ''}:***@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def fleet_summary(gw: Gateway) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -49,6 +50,21 @@ class CoordinationUnavailable(Exception):
 def default_replica_id() -> str:
     """``<hostname>-<pid>-<4 hex>``: unique per process, readable in ``/admin/fleet``."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (the user name kept): how the store's
+    URL is shown in logs and in ``GET /admin/fleet``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{parts.username or ''}:***@{host}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisLink:
@@ -134,13 +150,13 @@ class RedisLink:
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.coord_errors.labels(op).inc()
-        detail = str(exc) or type(exc).__name__
+        detail = (str(exc) or type(exc).__name__).rstrip(".")
         if isinstance(exc, TimeoutError):
             detail = f"no answer within {self.cfg.op_timeout_s * 2:g} s"
         if self.up:
             log.warning(
                 "shared store %s stopped answering (%s: %s); running on the local share",
-                self.cfg.redis_url, op, detail,
+                redacted_url(self.cfg.redis_url or ""), op, detail,
             )
             self.down_since = self.clock()
         self.up = False
@@ -184,10 +200,13 @@ class RedisLink:
             self.metrics.coord_resyncs.inc()
             log.warning(
                 "shared store %s answers again after %.1f s; state written back",
-                self.cfg.redis_url, down_s,
+                redacted_url(self.cfg.redis_url or ""), down_s,
             )
         else:
-            log.info("shared store %s connected (replica %s)", self.cfg.redis_url, self.replica_id)
+            log.info(
+                "shared store %s connected (replica %s)",
+                redacted_url(self.cfg.redis_url or ""), self.replica_id,
+            )
         self.reason = ""
         return self.up
 
