@@ -45,6 +45,8 @@ class Coordination:
         self.link = RedisLink(c, metrics, self.replica_id)
         self.replicas = Replicas(self.link, metrics, f"{cfg.server.host}:{cfg.server.port}")
         self._syncs: list[tuple[str, SyncBody]] = [("heartbeat", self.replicas.heartbeat)]
+        # first of the resyncs: a replica whose id another live process holds writes nothing
+        self.link.on_resync(self.replicas.heartbeat)
         self._stops: list[SyncBody] = []
         self._fallbacks: list[tuple[str, SyncBody]] = []
         self.operator: OperatorActions | None = None  # share_operator_actions

@@ -148,6 +148,17 @@ class RedisLink:
             self._failed(op, exc)
             raise CoordinationUnavailable(self.reason) from exc
 
+    def refuse(self, op: str, reason: str) -> None:
+        """The store answered but this replica must not use it now (``reason``, for
+        operators: e.g. its replica id is taken): the link goes down as for a failed call
+        (local share, admin writes refused with ``reason``), probed again every
+        ``retry_interval_s``. Raises :class:`CoordinationUnavailable`."""
+        self.metrics.coord_errors.labels(op).inc()
+        if reason != self.reason:  # once, not at every retry
+            log.error("shared store %s: %s", redacted_url(self.cfg.redis_url or ""), reason)
+        self._go_down(reason)
+        raise CoordinationUnavailable(reason)
+
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.coord_errors.labels(op).inc()
         detail = (str(exc) or type(exc).__name__).rstrip(".")
@@ -158,9 +169,13 @@ class RedisLink:
                 "shared store %s stopped answering (%s: %s); running on the local share",
                 redacted_url(self.cfg.redis_url or ""), op, detail,
             )
+        self._go_down(f"the shared store (Redis) does not answer: {op}: {detail}")
+
+    def _go_down(self, reason: str) -> None:
+        if self.down_since is None:
             self.down_since = self.clock()
         self.up = False
-        self.reason = f"the shared store (Redis) does not answer: {op}: {detail}"
+        self.reason = reason
         self._next_try = self.clock() + self.cfg.retry_interval_s
         self.metrics.coord_up.set(0)
         self.metrics.coord_fallback.set(1)
@@ -186,16 +201,16 @@ class RedisLink:
         was_down = self.down_since is not None and self.reason != "not connected yet"
         self.up = True
         down_s = self.down_for_s()
-        self.down_since = None
         self.metrics.coord_up.set(1)
         self.metrics.coord_fallback.set(0)
         for cb in list(self._resync):
             try:
                 await cb()
             except CoordinationUnavailable:
-                return False
+                return False  # down again: down_since kept
             except Exception:  # a part's bug must not keep the others from resyncing
                 log.exception("resync callback failed")
+        self.down_since = None
         if was_down:
             self.metrics.coord_resyncs.inc()
             log.warning(
