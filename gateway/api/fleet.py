@@ -29,8 +29,9 @@ def fleet_summary(gw: Gateway) -> dict[str, Any]:
     local share), ``reason`` (why, while down), ``down_for_s``; ``replicas_alive``;
     ``replicas``: the live ones as last read, sorted by id (``id``, ``self``, ``host``,
     ``pid``, ``listen``, ``started`` (unix s), ``last_seen`` (unix s, the store's clock),
-    ``last_seen_s_ago``); ``leases``: the maintenance leases (``backend``, ``holder``,
-    ``cycle``, ``phase``, ``expires_in_s``) from ``gw.coord.leases`` when that part is
+    ``last_seen_s_ago``, ``config_differs``: what its config disagrees on with this one's
+    about the shared backends, or null); ``leases``: the maintenance leases (``backend``,
+    ``holder``, ``cycle``, ``phase``, ``expires_in_s``) from ``gw.coord.leases`` when that part is
     built, else empty. Without fleet mode: ``fleet_mode`` false and a ``message``."""
     coord = gw.coord
     if coord is None:
@@ -48,6 +49,7 @@ def fleet_summary(gw: Gateway) -> dict[str, Any]:
             "started": r.info.get("started"),
             "last_seen": round(r.seen_at, 3),
             "last_seen_s_ago": round(max(0.0, now - r.seen_at), 3),
+            "config_differs": coord.replicas.differences.get(r.id),
         }
         for r in sorted(coord.replicas.live, key=lambda r: r.id)
     ]

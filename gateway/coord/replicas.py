@@ -18,6 +18,7 @@ other stops gracefully, at most ``coordination.replica_ttl_s`` after it died.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -27,6 +28,8 @@ from typing import Any
 
 from gateway.coord.link import RedisLink
 from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway.coord")
 
 # KEYS: replicas zset, info hash. ARGV: replica id, ttl ms, info JSON, instance token.
 # Returns the live replicas and their last heartbeat (ms of the store's clock), flat; or
@@ -58,6 +61,28 @@ return out
 """
 
 
+def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """What two replicas' descriptions disagree on about the fleet they share (``backends``:
+    id -> URL, ``max_unavailable``), said for an operator; None when they agree or when
+    ``theirs`` does not say (an older replica). Replicas of one namespace share drains,
+    leases and verdicts by backend id, so the same id must be the same server everywhere."""
+    if "backends" not in theirs:
+        return None
+    a: dict[str, str] = mine.get("backends") or {}
+    b: dict[str, str] = theirs.get("backends") or {}
+    out = [f"{i}: {a[i]} here, {b[i]} there" for i in sorted(a.keys() & b.keys()) if a[i] != b[i]]
+    if a.keys() - b.keys():
+        out.append(f"only here: {', '.join(sorted(a.keys() - b.keys()))}")
+    if b.keys() - a.keys():
+        out.append(f"only there: {', '.join(sorted(b.keys() - a.keys()))}")
+    if mine.get("max_unavailable") != theirs.get("max_unavailable"):
+        out.append(
+            f"lifecycle.max_unavailable {mine.get('max_unavailable')} here, "
+            f"{theirs.get('max_unavailable')} there"
+        )
+    return "; ".join(out) or None
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaInfo:
     """One live replica: its id, last heartbeat (unix seconds, the store's clock) and what it
@@ -72,17 +97,26 @@ class Replicas:
     """The live replicas as last read (:meth:`heartbeat`); ``alive`` counts this one even
     before the first read (a lone replica is always 1)."""
 
-    def __init__(self, link: RedisLink, metrics: GatewayMetrics, listen: str = "") -> None:
+    def __init__(
+        self,
+        link: RedisLink,
+        metrics: GatewayMetrics,
+        listen: str = "",
+        fleet: dict[str, Any] | None = None,
+    ) -> None:
         self.link = link
         self.metrics = metrics
-        self.info = {
+        self.info: dict[str, Any] = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
             "listen": listen,
             "instance": secrets.token_hex(8),  # whose this id is (see the module's doc)
+            **(fleet or {}),  # backends (id -> URL), max_unavailable: see config_differences
         }
         self.live: list[ReplicaInfo] = []
+        # replica id -> what its config disagrees on with this one's (config_differences)
+        self.differences: dict[str, str] = {}
         self._script = link.client.register_script(HEARTBEAT)
 
     @property
@@ -124,6 +158,28 @@ class Replicas:
             live.append(ReplicaInfo(rid, score / 1000.0, info))
         self.live = live
         self.metrics.replicas_alive.set(len(live))
+        self._compare(live)
+
+    def _compare(self, live: list[ReplicaInfo]) -> None:
+        """Note (and log once per replica and difference) the live replicas whose config
+        disagrees with this one's about the shared fleet: same namespace, other backends
+        (e.g. two unrelated fleets on one Redis without their own ``namespace``)."""
+        found: dict[str, str] = {}
+        for r in live:
+            if r.id == self.link.replica_id:
+                continue
+            diff = config_differences(self.info, r.info)
+            if diff is None:
+                continue
+            found[r.id] = diff
+            if self.differences.get(r.id) != diff:
+                log.warning(
+                    "replica %s shares namespace %r but its config differs from this one's "
+                    "(%s): replicas of one namespace share drains, leases and verdicts by "
+                    "backend id; give unrelated fleets their own coordination.namespace",
+                    r.id, self.link.cfg.namespace, diff,
+                )
+        self.differences = found
 
     def _taken_reason(self, other_json: str) -> str:
         """Why this replica cannot use its id: who holds it, and what to change."""
