@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -1097,6 +1098,32 @@ class CoordinationConfig(_Strict):
     breaker_hold_s: float = Field(3.0, gt=0, le=60)
     capacity_shares: bool = True
 
+    @field_validator("redis_url")
+    @classmethod
+    def _parseable_url(cls, v: str | None) -> str | None:
+        """Refuse a URL the Redis client cannot use, at load time (``check-config`` and
+        ``serve`` then say which field is wrong instead of failing at startup): parsed by
+        redis-py's own ``parse_url`` (no connection is made), plus a database that must be
+        a number (redis-py ignores ``redis://host/abc`` and would use database 0)."""
+        if not v:
+            return v
+        from urllib.parse import urlsplit
+
+        from redis.connection import parse_url
+
+        try:
+            parse_url(v)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (want redis://[:password@]host[:port][/db], rediss://... or "
+                "unix:///path/to/redis.sock)"
+            ) from None
+        parts = urlsplit(v)
+        db = parts.path.strip("/")
+        if parts.scheme != "unix" and db and not db.isdigit():
+            raise ValueError(f"the database in the URL must be a number, got {db!r}")
+        return v
+
     @property
     def enabled(self) -> bool:
         """Whether fleet mode is on (a ``redis_url`` is set)."""
@@ -1163,6 +1190,10 @@ class GatewayConfig(BaseSettings):
         return (env_settings, init_settings)
 
 
+# the password of a URL's user info (``scheme://user:password@``), hidden in error messages
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+
+
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
@@ -1172,6 +1203,7 @@ def _format_errors(source: str, err: ValidationError) -> str:
             msg = "unknown field (check the spelling)"
         value = e.get("input")
         shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+        shown = _URL_PASSWORD.sub(r"\1***@", shown)  # e.g. a bad redis://:secret@host:x
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
 

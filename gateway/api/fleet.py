@@ -10,7 +10,8 @@ behind the admin key.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+
+from gateway.coord.link import redacted_url
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -22,28 +23,15 @@ FLEET_MODE_OFF = (
 )
 
 
-def redacted_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (the user name kept)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{parts.username or ''}:***@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def fleet_summary(gw: Gateway) -> dict[str, Any]:
     """This replica's view of the fleet. ``fleet_mode``; ``replica_id`` (this one);
     ``namespace``; ``store``: ``url`` (password hidden), ``up``, ``fallback`` (running on the
     local share), ``reason`` (why, while down), ``down_for_s``; ``replicas_alive``;
     ``replicas``: the live ones as last read, sorted by id (``id``, ``self``, ``host``,
     ``pid``, ``listen``, ``started`` (unix s), ``last_seen`` (unix s, the store's clock),
-    ``last_seen_s_ago``); ``leases``: the maintenance leases (``backend``, ``holder``,
-    ``cycle``, ``phase``, ``expires_in_s``) from ``gw.coord.leases`` when that part is
+    ``last_seen_s_ago``, ``config_differs``: what its config disagrees on with this one's
+    about the shared backends, or null); ``leases``: the maintenance leases (``backend``,
+    ``holder``, ``cycle``, ``phase``, ``expires_in_s``) from ``gw.coord.leases`` when that part is
     built, else empty. Without fleet mode: ``fleet_mode`` false and a ``message``."""
     coord = gw.coord
     if coord is None:
@@ -61,6 +49,7 @@ def fleet_summary(gw: Gateway) -> dict[str, Any]:
             "started": r.info.get("started"),
             "last_seen": round(r.seen_at, 3),
             "last_seen_s_ago": round(max(0.0, now - r.seen_at), 3),
+            "config_differs": coord.replicas.differences.get(r.id),
         }
         for r in sorted(coord.replicas.live, key=lambda r: r.id)
     ]

@@ -43,8 +43,16 @@ class Coordination:
         self.metrics = metrics
         self.replica_id = replica_id or c.replica_id or default_replica_id()
         self.link = RedisLink(c, metrics, self.replica_id)
-        self.replicas = Replicas(self.link, metrics, f"{cfg.server.host}:{cfg.server.port}")
+        fleet = {
+            "backends": {b.id: str(b.url) for b in cfg.backends},
+            "max_unavailable": cfg.lifecycle.max_unavailable,
+        }
+        self.replicas = Replicas(
+            self.link, metrics, f"{cfg.server.host}:{cfg.server.port}", fleet
+        )
         self._syncs: list[tuple[str, SyncBody]] = [("heartbeat", self.replicas.heartbeat)]
+        # first of the resyncs: a replica whose id another live process holds writes nothing
+        self.link.on_resync(self.replicas.heartbeat)
         self._stops: list[SyncBody] = []
         self._fallbacks: list[tuple[str, SyncBody]] = []
         self.operator: OperatorActions | None = None  # share_operator_actions

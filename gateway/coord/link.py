@@ -25,6 +25,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -49,6 +50,21 @@ class CoordinationUnavailable(Exception):
 def default_replica_id() -> str:
     """``<hostname>-<pid>-<4 hex>``: unique per process, readable in ``/admin/fleet``."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (the user name kept): how the store's
+    URL is shown in logs and in ``GET /admin/fleet``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{parts.username or ''}:***@{host}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisLink:
@@ -132,19 +148,34 @@ class RedisLink:
             self._failed(op, exc)
             raise CoordinationUnavailable(self.reason) from exc
 
+    def refuse(self, op: str, reason: str) -> None:
+        """The store answered but this replica must not use it now (``reason``, for
+        operators: e.g. its replica id is taken): the link goes down as for a failed call
+        (local share, admin writes refused with ``reason``), probed again every
+        ``retry_interval_s``. Raises :class:`CoordinationUnavailable`."""
+        self.metrics.coord_errors.labels(op).inc()
+        if reason != self.reason:  # once, not at every retry
+            log.error("shared store %s: %s", redacted_url(self.cfg.redis_url or ""), reason)
+        self._go_down(reason)
+        raise CoordinationUnavailable(reason)
+
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.coord_errors.labels(op).inc()
-        detail = str(exc) or type(exc).__name__
+        detail = (str(exc) or type(exc).__name__).rstrip(".")
         if isinstance(exc, TimeoutError):
             detail = f"no answer within {self.cfg.op_timeout_s * 2:g} s"
         if self.up:
             log.warning(
                 "shared store %s stopped answering (%s: %s); running on the local share",
-                self.cfg.redis_url, op, detail,
+                redacted_url(self.cfg.redis_url or ""), op, detail,
             )
+        self._go_down(f"the shared store (Redis) does not answer: {op}: {detail}")
+
+    def _go_down(self, reason: str) -> None:
+        if self.down_since is None:
             self.down_since = self.clock()
         self.up = False
-        self.reason = f"the shared store (Redis) does not answer: {op}: {detail}"
+        self.reason = reason
         self._next_try = self.clock() + self.cfg.retry_interval_s
         self.metrics.coord_up.set(0)
         self.metrics.coord_fallback.set(1)
@@ -170,24 +201,27 @@ class RedisLink:
         was_down = self.down_since is not None and self.reason != "not connected yet"
         self.up = True
         down_s = self.down_for_s()
-        self.down_since = None
         self.metrics.coord_up.set(1)
         self.metrics.coord_fallback.set(0)
         for cb in list(self._resync):
             try:
                 await cb()
             except CoordinationUnavailable:
-                return False
+                return False  # down again: down_since kept
             except Exception:  # a part's bug must not keep the others from resyncing
                 log.exception("resync callback failed")
+        self.down_since = None
         if was_down:
             self.metrics.coord_resyncs.inc()
             log.warning(
                 "shared store %s answers again after %.1f s; state written back",
-                self.cfg.redis_url, down_s,
+                redacted_url(self.cfg.redis_url or ""), down_s,
             )
         else:
-            log.info("shared store %s connected (replica %s)", self.cfg.redis_url, self.replica_id)
+            log.info(
+                "shared store %s connected (replica %s)",
+                redacted_url(self.cfg.redis_url or ""), self.replica_id,
+            )
         self.reason = ""
         return self.up
 

@@ -5,12 +5,22 @@ sorted set ``<ns>:replicas`` with the store's clock (milliseconds), drops the en
 than ``coordination.replica_ttl_s``, and reads the ones left. Its description (host, pid,
 start time, listening address) sits in the hash ``<ns>:replica_info``. The store's clock is
 the only one used, so hosts whose clocks disagree still agree on who is alive.
+
+A replica id belongs to one process at a time: each process stamps a random ``instance`` token
+in its description, and the script refuses to stamp an id whose entry is still alive under
+another instance (two replicas given the same ``coordination.replica_id``, e.g. one config
+copied to two hosts). The later one then runs on its local share, as if the store did not
+answer (no lease, no shared quota under a name it would share with the other), and says why
+in ``/ready``, ``/admin/fleet`` and its log, until the id is free again: at once after the
+other stops gracefully, at most ``coordination.replica_ttl_s`` after it died.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -19,11 +29,25 @@ from typing import Any
 from gateway.coord.link import RedisLink
 from gateway.metrics import GatewayMetrics
 
-# KEYS: replicas zset, info hash. ARGV: replica id, ttl ms, info JSON.
-# Returns the live replicas and their last heartbeat (ms of the store's clock), flat.
+log = logging.getLogger("gateway.coord")
+
+# KEYS: replicas zset, info hash. ARGV: replica id, ttl ms, info JSON, instance token.
+# Returns the live replicas and their last heartbeat (ms of the store's clock), flat; or
+# {TAKEN, the other's info JSON} when the id is alive under another instance.
+TAKEN = "!taken"
 HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local seen = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if seen and tonumber(seen) > now - tonumber(ARGV[2]) then
+  local prev = redis.call('HGET', KEYS[2], ARGV[1])
+  if prev then
+    local ok, p = pcall(cjson.decode, prev)
+    if ok and type(p) == 'table' and p.instance and p.instance ~= ARGV[4] then
+      return {'!taken', prev}
+    end
+  end
+end
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
@@ -35,6 +59,28 @@ local out = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 table.insert(out, tostring(now))
 return out
 """
+
+
+def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """What two replicas' descriptions disagree on about the fleet they share (``backends``:
+    id -> URL, ``max_unavailable``), said for an operator; None when they agree or when
+    ``theirs`` does not say (an older replica). Replicas of one namespace share drains,
+    leases and verdicts by backend id, so the same id must be the same server everywhere."""
+    if "backends" not in theirs:
+        return None
+    a: dict[str, str] = mine.get("backends") or {}
+    b: dict[str, str] = theirs.get("backends") or {}
+    out = [f"{i}: {a[i]} here, {b[i]} there" for i in sorted(a.keys() & b.keys()) if a[i] != b[i]]
+    if a.keys() - b.keys():
+        out.append(f"only here: {', '.join(sorted(a.keys() - b.keys()))}")
+    if b.keys() - a.keys():
+        out.append(f"only there: {', '.join(sorted(b.keys() - a.keys()))}")
+    if mine.get("max_unavailable") != theirs.get("max_unavailable"):
+        out.append(
+            f"lifecycle.max_unavailable {mine.get('max_unavailable')} here, "
+            f"{theirs.get('max_unavailable')} there"
+        )
+    return "; ".join(out) or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +97,26 @@ class Replicas:
     """The live replicas as last read (:meth:`heartbeat`); ``alive`` counts this one even
     before the first read (a lone replica is always 1)."""
 
-    def __init__(self, link: RedisLink, metrics: GatewayMetrics, listen: str = "") -> None:
+    def __init__(
+        self,
+        link: RedisLink,
+        metrics: GatewayMetrics,
+        listen: str = "",
+        fleet: dict[str, Any] | None = None,
+    ) -> None:
         self.link = link
         self.metrics = metrics
-        self.info = {
+        self.info: dict[str, Any] = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
             "listen": listen,
+            "instance": secrets.token_hex(8),  # whose this id is (see the module's doc)
+            **(fleet or {}),  # backends (id -> URL), max_unavailable: see config_differences
         }
         self.live: list[ReplicaInfo] = []
+        # replica id -> what its config disagrees on with this one's (config_differences)
+        self.differences: dict[str, str] = {}
         self._script = link.client.register_script(HEARTBEAT)
 
     @property
@@ -77,11 +133,16 @@ class Replicas:
     async def heartbeat(self) -> None:
         """Stamp this replica alive and read the others (one script call). Raises
         :class:`gateway.coord.link.CoordinationUnavailable` when the store does not answer
-        (the last list read is kept)."""
+        (the last list read is kept), or when another live process holds this replica's id
+        (the link is then down with that reason: see the module's doc)."""
         ns_ttl_ms = int(self.link.cfg.replica_ttl_s * 1000)
         keys = [self.link.key("replicas"), self.link.key("replica_info")]
-        args: list[str | int] = [self.link.replica_id, ns_ttl_ms, json.dumps(self.info)]
+        args: list[str | int] = [
+            self.link.replica_id, ns_ttl_ms, json.dumps(self.info), str(self.info["instance"])
+        ]
         flat = await self.link.call("heartbeat", lambda c: self._script(keys, args, client=c))
+        if flat and flat[0] == TAKEN:
+            self.link.refuse("heartbeat", self._taken_reason(str(flat[1])))
         infos = await self.link.call(
             "replica_info", lambda c: c.hgetall(self.link.key("replica_info"))
         )
@@ -97,6 +158,45 @@ class Replicas:
             live.append(ReplicaInfo(rid, score / 1000.0, info))
         self.live = live
         self.metrics.replicas_alive.set(len(live))
+        self._compare(live)
+
+    def _compare(self, live: list[ReplicaInfo]) -> None:
+        """Note (and log once per replica and difference) the live replicas whose config
+        disagrees with this one's about the shared fleet: same namespace, other backends
+        (e.g. two unrelated fleets on one Redis without their own ``namespace``)."""
+        found: dict[str, str] = {}
+        for r in live:
+            if r.id == self.link.replica_id:
+                continue
+            diff = config_differences(self.info, r.info)
+            if diff is None:
+                continue
+            found[r.id] = diff
+            if self.differences.get(r.id) != diff:
+                log.warning(
+                    "replica %s shares namespace %r but its config differs from this one's "
+                    "(%s): replicas of one namespace share drains, leases and verdicts by "
+                    "backend id; give unrelated fleets their own coordination.namespace",
+                    r.id, self.link.cfg.namespace, diff,
+                )
+        self.differences = found
+
+    def _taken_reason(self, other_json: str) -> str:
+        """Why this replica cannot use its id: who holds it, and what to change."""
+        try:
+            other = json.loads(other_json)
+        except ValueError:
+            other = {}
+        who = ", ".join(
+            f"{k} {other[k]}" for k in ("host", "pid", "listen") if other.get(k) not in (None, "")
+        )
+        return (
+            f"replica id {self.link.replica_id!r} is in use by another live replica"
+            f"{f' ({who})' if who else ''}: give each replica its own "
+            "coordination.replica_id (or leave it unset); running on the local share until "
+            f"the id is free (at most coordination.replica_ttl_s, {self.link.cfg.replica_ttl_s:g}"
+            " s, after the other stops)"
+        )
 
     async def leave(self) -> None:
         """Take this replica out of the list at once (a graceful stop); best effort."""
