@@ -149,7 +149,7 @@ class FleetLeases:
 
     def local_time(self, store_ms: float) -> float:
         """Store-clock milliseconds as this replica's monotonic seconds."""
-        return self.clock() + (store_ms / 1000.0 - self.link.now())
+        return self.link.to_local(store_ms / 1000.0, self.clock())
 
     def _in_ms(self, local: float | None) -> int:
         return -1 if local is None else max(0, int((local - self.clock()) * 1000))

@@ -122,6 +122,11 @@ class RedisLink:
         offset measured at the last probe)."""
         return self.wall() + self.offset_s
 
+    def to_local(self, store_s: float, local_now: float) -> float:
+        """Store-clock time ``store_s`` (unix seconds) on a local clock whose reading now is
+        ``local_now`` (e.g. monotonic seconds): ``local_now + (store_s - now())``."""
+        return local_now + (store_s - self.now())
+
     def on_resync(self, callback: Resync) -> None:
         """Run ``callback`` each time the store answers again after being down (and at the
         first connection): the part writes back what it holds."""

@@ -149,7 +149,7 @@ class GlobalQuotas:
 
     def _local(self, store_t: float) -> float:
         """Store time (unix seconds) as local monotonic seconds."""
-        return self.clock() + (store_t - self.link.now())
+        return self.link.to_local(store_t, self.clock())
 
     async def _run(
         self, op: str, items: Sequence[tuple[GlobalKeyLimiter, QuotaBucket, float, int, str]]

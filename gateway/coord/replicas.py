@@ -32,8 +32,9 @@ from gateway.metrics import GatewayMetrics
 log = logging.getLogger("gateway.coord")
 
 # KEYS: replicas zset, info hash. ARGV: replica id, ttl ms, info JSON, instance token.
-# Returns the live replicas and their last heartbeat (ms of the store's clock), flat; or
-# {TAKEN, the other's info JSON} when the id is alive under another instance.
+# Returns {the live replicas and their last heartbeat (ms of the store's clock), flat; the
+# info hash, flat}; or {TAKEN, the other's info JSON} when the id is alive under another
+# instance.
 TAKEN = "!taken"
 HEARTBEAT = """
 local t = redis.call('TIME')
@@ -55,9 +56,7 @@ if #gone > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
   redis.call('HDEL', KEYS[2], unpack(gone))
 end
-local out = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-table.insert(out, tostring(now))
-return out
+return {redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[2])}
 """
 
 
@@ -140,13 +139,11 @@ class Replicas:
         args: list[str | int] = [
             self.link.replica_id, ns_ttl_ms, json.dumps(self.info), str(self.info["instance"])
         ]
-        flat = await self.link.call("heartbeat", lambda c: self._script(keys, args, client=c))
-        if flat and flat[0] == TAKEN:
-            self.link.refuse("heartbeat", self._taken_reason(str(flat[1])))
-        infos = await self.link.call(
-            "replica_info", lambda c: c.hgetall(self.link.key("replica_info"))
-        )
-        pairs = flat[:-1]
+        reply = await self.link.call("heartbeat", lambda c: self._script(keys, args, client=c))
+        if reply and reply[0] == TAKEN:
+            self.link.refuse("heartbeat", self._taken_reason(str(reply[1])))
+        pairs, info_flat = reply
+        infos = {str(info_flat[i]): info_flat[i + 1] for i in range(0, len(info_flat), 2)}
         live: list[ReplicaInfo] = []
         for i in range(0, len(pairs), 2):
             rid, score = str(pairs[i]), float(pairs[i + 1])
