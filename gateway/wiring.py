@@ -91,7 +91,8 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         coord.share_operator_actions(controller)  # admin actions, GPU holds, baselines
         coord.leases.bind(controller)  # maintenance cycles under fleet-wide leases
         # coolings and breaker trips shared
-        coord.add_sync("protection", SharedProtection(coord.link, fleet, metrics, clock).sync)
+        protection = SharedProtection(coord.link, fleet, metrics, clock)
+        coord.add_part("protection", protection.sync, protection.resync)
     thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
     router = build_policy(
         cfg.routing,
@@ -114,9 +115,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         quotas = GlobalQuotas(coord.link, coord.replicas, metrics, cfg.coordination, clock)
         c = cfg.coordination
         gate.keys.use_quota(quotas, c.quota_chunk, c.quota_wait_s)
-        coord.add_sync("quota", quotas.sync)
-        coord.link.on_resync(quotas.resync)
-        coord.add_stop(quotas.stop)
+        coord.add_part("quota", quotas.sync, quotas.resync, quotas.stop)
     transport = transport if transport is not None else UpstreamPool(cfg.proxy)
     accounting = Accounting(metrics, clock, router.weight)
     pipeline = Pipeline(
@@ -134,7 +133,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
             coord.link, metrics, responses.owners, cfg.routing.responses_ttl_s, clock
         )
         responses.use_directory(shared)
-        coord.add_stop(shared.stop)
+        coord.add_part("responses", resync=shared.resync, stop=shared.stop)
     batching = (
         BatchDispatcher(cfg, fleet, pipeline, router, gate, metrics, controller, clock)
         if cfg.batcher.enabled
@@ -209,4 +208,4 @@ def _share_capacity(
         batching.placement.backend_limit if batching is not None else None,
         per_backend if batching is not None else None,
     )
-    coord.add_sync("capacity", shares.sync)
+    coord.add_part("capacity", shares.sync)

@@ -52,7 +52,6 @@ class SharedResponses:
         self.ttl_s = ttl_s
         self.clock = clock
         self.tasks: set[asyncio.Task[None]] = set()
-        link.on_resync(self.resync)
 
     def key(self, response_id: str) -> str:
         return self.link.key("aff", "resp", response_id)

@@ -58,9 +58,9 @@ class Coordination:
         self.operator: OperatorActions | None = None  # share_operator_actions
         # maintenance leases (bound to the fleet controller by wiring: leases.bind)
         self.leases = FleetLeases(self.link, self.replicas, metrics, cfg)
-        self.add_sync("leases", self.leases.sync)
-        self.add_fallback("leases", self.leases.fallback)
-        self.link.on_resync(self.leases.resync)
+        self.add_part(
+            "leases", self.leases.sync, self.leases.resync, fallback=self.leases.fallback
+        )
 
     def share_operator_actions(self, controller: FleetController) -> OperatorActions:
         """Fleet-wide operator actions and verdicts on ``controller``'s backends
@@ -68,11 +68,29 @@ class Coordination:
         drains and the calibrator."""
         ops = OperatorActions(self.cfg.coordination, self.link, controller, self.metrics)
         self.operator = ops
-        self.add_sync("operator", ops.sync)
-        self.link.on_resync(ops.resync)
-        self.add_stop(ops.stop)
+        self.add_part("operator", ops.sync, ops.resync, ops.stop)
         controller.share_verdicts(ops, ops)
         return ops
+
+    def add_part(
+        self,
+        name: str,
+        sync: SyncBody | None = None,
+        resync: SyncBody | None = None,
+        stop: SyncBody | None = None,
+        fallback: SyncBody | None = None,
+    ) -> None:
+        """Register a fleet-mode part's hooks, in the order parts are added: ``sync``
+        (:meth:`add_sync`), ``resync`` (:meth:`gateway.coord.link.RedisLink.on_resync`),
+        ``stop`` (:meth:`add_stop`) and ``fallback`` (:meth:`add_fallback`)."""
+        if sync is not None:
+            self.add_sync(name, sync)
+        if fallback is not None:
+            self.add_fallback(name, fallback)
+        if resync is not None:
+            self.link.on_resync(resync)
+        if stop is not None:
+            self.add_stop(stop)
 
     def add_sync(self, name: str, body: SyncBody) -> None:
         """Run ``body`` in every sync round, after the parts added before it. It may raise

@@ -113,7 +113,6 @@ class SharedProtection:
         self._published_cool: dict[str, float] = {}  # backend id -> local end published
         self._owned: dict[str, float] = {}  # backend id -> open_until (mono) published as owner
         self._closing: dict[str, int] = {}  # backend id -> rounds left to publish ``closed``
-        link.on_resync(self.resync)
 
     async def resync(self) -> None:
         """The store answers again (maybe empty): write everything again next round."""
