@@ -367,21 +367,30 @@ class MediumCycleConfig(CycleConfig):
 
 
 class RestartHook(_Strict):
-    """How the long cycle restarts a backend: a command or an HTTP call (not both).
+    """How the long cycle restarts a backend: a command, an HTTP call, or deleting its pod
+    through the Kubernetes API (exactly one).
 
     ``{backend_id}`` and ``{url}`` in the command's arguments or the URL are replaced, e.g.
-    ``command: [kubectl, delete, pod, "{backend_id}"]``.
+    ``url: "http://ops:9000/restart/{backend_id}"``. ``delete_pod: true`` deletes the
+    backend's pod (``BackendConfig.pod`` in ``namespace``, both filled in by Kubernetes
+    discovery from the EndpointSlice's ``targetRef``) with the gateway's service account
+    (RBAC: ``pods: delete``); its Deployment or StatefulSet starts a new one. No binary is
+    needed in the image.
     """
 
     command: list[str] | None = None
     url: str | None = None
     method: Literal["POST", "PUT", "DELETE", "GET"] = "POST"
+    delete_pod: bool = False
+    kubeconfig: str | None = Field(
+        None, description="for delete_pod: a kubeconfig file; None: in-cluster, then ~/.kube/config"
+    )
     timeout_s: float = Field(60.0, gt=0)
 
     @model_validator(mode="after")
     def _one_way(self) -> RestartHook:
-        if (self.command is None) == (self.url is None):
-            raise ValueError("give exactly one of 'command' or 'url'")
+        if (self.command is not None) + (self.url is not None) + self.delete_pod != 1:
+            raise ValueError("give exactly one of 'command', 'url' or 'delete_pod: true'")
         return self
 
 
@@ -988,6 +997,19 @@ class BackendConfig(_Strict):
         "exporter serves a whole node shared by several backends; None: all it reports",
     )
     power_domain: str | None = Field(None, description="name of a power_domains entry")
+    zone: str | None = Field(
+        None, description="topology zone (EndpointSlice 'zone', topology.kubernetes.io/zone)"
+    )
+    node: str | None = Field(None, description="the node it runs on (EndpointSlice 'nodeName')")
+    capacity_type: Literal["on-demand", "spot"] = Field(
+        "on-demand",
+        description="spot backends can be reclaimed; their zone's spot score steers traffic",
+    )
+    instance_type: str | None = Field(
+        None, description="node instance type (node.kubernetes.io/instance-type)"
+    )
+    pod: str | None = Field(None, description="its pod's name (restart_hook.delete_pod)")
+    namespace: str | None = Field(None, description="its pod's namespace (delete_pod)")
 
     @field_validator("url")
     @classmethod
@@ -1027,6 +1049,101 @@ class BackendConfig(_Strict):
                 raise ConfigError(f"backends[{self.id}].api_key_env: {self.api_key_env} is not set")
             return value
         return None
+
+
+class BackendTemplate(_Strict):
+    """What every discovered backend gets that discovery cannot see (the fields of a
+    ``backends:`` entry other than ``id``, ``url`` and placement). In ``gpu_metrics_url``,
+    ``{host}`` is replaced by the endpoint's address and ``{node}`` by its node's name (a
+    dcgm-exporter DaemonSet behind a per-node address, or an agent sidecar)."""
+
+    models: list[str] | None = None
+    api_key_env: str | None = None
+    max_num_seqs: int | None = Field(None, ge=1)
+    role: BackendRole = BackendRole.PRIMARY
+    gpu_metrics_url: str | None = None
+    gpu_indices: list[int] | None = None
+    power_domain: str | None = None
+    capacity_type: Literal["on-demand", "spot"] = Field(
+        "on-demand", description="unless the node's labels say otherwise"
+    )
+
+
+class DnsDiscoveryConfig(_Strict):
+    """Backends from a headless Service's A/AAAA records, re-resolved every ``interval_s``
+    seconds; each address is one backend (id ``host-port``, url ``scheme://host:port``).
+    ``nameservers``: ``host`` or ``host:port`` entries; None: the system's resolver."""
+
+    name: str = Field(min_length=1, description="e.g. vllm.default.svc.cluster.local")
+    port: int = Field(8000, ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    interval_s: float = Field(10.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    nameservers: list[str] | None = None
+
+
+class KubernetesDiscoveryConfig(_Strict):
+    """Backends from the EndpointSlices matching ``label_selector`` in ``namespace`` (list,
+    then watch; relist on 410 Gone and on every reconnect). ``port_name``: which named port
+    of the slice (None: the first). ``kubeconfig``: None means in-cluster config (the pod's
+    service account), falling back to ``~/.kube/config``. ``watch_nodes``: also watch the
+    nodes, for capacity type and zone labels and spot interruption taints and conditions.
+    ``watch_timeout_s``: each watch call's server-side timeout; ``retry_s``: the wait before
+    reconnecting after a failure (the last known fleet is kept meanwhile)."""
+
+    namespace: str | None = Field(
+        None, description="None: the gateway pod's own namespace, else 'default'"
+    )
+    label_selector: str = Field(
+        "app.kubernetes.io/name=vllm",
+        description="on EndpointSlices, e.g. kubernetes.io/service-name=vllm",
+    )
+    port_name: str | None = None
+    scheme: Literal["http", "https"] = "http"
+    kubeconfig: str | None = None
+    watch_nodes: bool = True
+    watch_timeout_s: int = Field(300, ge=1)
+    retry_s: float = Field(5.0, gt=0)
+
+
+class DiscoveryConfig(_Strict):
+    """Where the backends come from. ``static`` (the default): the ``backends:`` list, as
+    always. ``dns`` and ``kubernetes`` add and remove backends while the gateway runs
+    (``gateway/fleet/discovery.py``): a new endpoint enters ``cold`` (warm-up, slow start), a
+    terminating one is drained, a removed one leaves; while the source cannot be read the
+    last known fleet is kept. ``backends:`` entries are kept beside discovered ones.
+    ``template``: the settings every discovered backend gets."""
+
+    source: Literal["static", "dns", "kubernetes"] = "static"
+    dns: DnsDiscoveryConfig | None = None
+    kubernetes: KubernetesDiscoveryConfig | None = None
+    template: BackendTemplate = Field(default_factory=BackendTemplate)
+
+    @model_validator(mode="after")
+    def _source_block(self) -> DiscoveryConfig:
+        if self.source == "dns" and self.dns is None:
+            raise ValueError("source 'dns' needs a 'dns:' block (at least its 'name')")
+        if self.source == "kubernetes" and self.kubernetes is None:
+            object.__setattr__(self, "kubernetes", KubernetesDiscoveryConfig())
+        return self
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether backends come and go while the gateway runs."""
+        return self.source != "static"
+
+
+class SpotConfig(_Strict):
+    """Spot capacity: each zone has a spot health score in [``min_score``, 1] (1: no recent
+    notice). A spot interruption notice in a zone multiplies its score by
+    ``1 - notice_penalty``; what is missing from 1 then halves every ``half_life_s``
+    seconds. A spot backend's share of traffic is scaled by its zone's score
+    (``gateway/routing/spot.py``), so traffic leaves a zone's remaining spot backends before
+    the provider reclaims them too (providers reclaim by zone and instance type)."""
+
+    notice_penalty: float = Field(0.5, gt=0, le=1)
+    half_life_s: float = Field(600.0, gt=0)
+    min_score: float = Field(0.05, ge=0, le=1)
 
 
 class CoordinationConfig(_Strict):
@@ -1156,6 +1273,8 @@ class GatewayConfig(BaseSettings):
     power_domains: list[PowerDomainConfig] = Field(default_factory=list)
     backends: list[BackendConfig] = Field(default_factory=list)
     coordination: CoordinationConfig = Field(default_factory=CoordinationConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    spot: SpotConfig = Field(default_factory=SpotConfig)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:
@@ -1310,8 +1429,9 @@ def check_secrets(cfg: GatewayConfig) -> None:
 
 
 def require_backends(cfg: GatewayConfig) -> None:
-    """A gateway with no backend serves nothing: refuse to start (``ConfigError``)."""
-    if not cfg.backends:
+    """A gateway with no backend and no discovery serves nothing: refuse to start
+    (``ConfigError``). With ``discovery.source`` dns or kubernetes an empty list is fine."""
+    if not cfg.backends and not cfg.discovery.dynamic:
         raise ConfigError(
             "no backends configured: list at least one under 'backends:' "
             f"(or set {ENV_PREFIX}BACKENDS)"

@@ -24,7 +24,7 @@ def _gateway(request: Request) -> Gateway:
 
 async def list_models(request: Request) -> Response:
     """``GET /v1/models``: every backend in service asked now (model discovery,
-    :meth:`gateway.fleet.discovery.ModelDiscovery.list_live`), each id once, vLLM fields
+    :meth:`gateway.fleet.model_discovery.ModelDiscovery.list_live`), each id once, vLLM fields
     kept.
 
     Order is deterministic: backends in config order, each backend's own order. A backend

@@ -10,7 +10,7 @@ Each part has one job (its module says which):
   watchdog;
 * :mod:`~gateway.fleet.health`: probes on a fixed tick and the hung watchdog's rounds;
 * :mod:`~gateway.fleet.scraper`: load scrapes (parsing: :mod:`~gateway.fleet.telemetry`);
-* :mod:`~gateway.fleet.discovery`: model discovery, the only reader of ``/v1/models``;
+* :mod:`~gateway.fleet.model_discovery`: model discovery, the only reader of ``/v1/models``;
 * :mod:`~gateway.fleet.warmup`, :mod:`~gateway.fleet.calibrator`,
   :mod:`~gateway.fleet.hooks`: warm-up, calibration runs, restart hook and vLLM routes;
 * :mod:`~gateway.fleet.procedures`, :mod:`~gateway.fleet.drain`,
@@ -37,7 +37,6 @@ from gateway.fleet import liveness
 from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
-from gateway.fleet.discovery import ModelDiscovery
 from gateway.fleet.drain import Drains
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.gpu_monitor import GpuMonitor, RestDone
@@ -46,6 +45,7 @@ from gateway.fleet.hooks import BackendHooks
 from gateway.fleet.leases import MaintenanceLeases
 from gateway.fleet.loops import LoopBody, LoopRunner
 from gateway.fleet.maintenance import Maintenance
+from gateway.fleet.model_discovery import ModelDiscovery
 from gateway.fleet.probes import ProbeEndpoints
 from gateway.fleet.procedures import Procedures
 from gateway.fleet.scraper import LoadScraper
@@ -169,7 +169,7 @@ class FleetController:
 
     async def refresh_models_soon(self) -> None:
         """Refresh every backend's model list now, at most once a second
-        (:meth:`gateway.fleet.discovery.ModelDiscovery.refresh_models_soon`)."""
+        (:meth:`gateway.fleet.model_discovery.ModelDiscovery.refresh_models_soon`)."""
         await self.discovery.refresh_models_soon()
 
     @property

@@ -1,93 +1,122 @@
-"""Model discovery: what each backend serves, from its ``/v1/models`` (the only code that
-asks for it and records it on the backends).
+"""Backend discovery: one interface, three sources (``discovery.source`` in the config).
 
-The models loop (:meth:`ModelDiscovery.models_round`, every ``telemetry.models_refresh_s``)
-asks every backend that is not ``cold``; warm-up asks the backend it warms;
-:meth:`ModelDiscovery.refresh_models_soon` asks them all when a request names a model
-nobody lists (a LoRA adapter just loaded); :meth:`ModelDiscovery.list_live` asks the
-backends in service for the gateway's own ``GET /v1/models``. A backend configured with
-``models`` keeps that list (its cards are still kept); a 401/403 is a configuration error
-(:meth:`gateway.fleet.state.FleetState.auth_refused`), never a health verdict.
+* ``static``: the ``backends:`` list, as always (:class:`StaticSource`: one snapshot, then
+  nothing changes);
+* ``dns``: a headless Service's A/AAAA records, re-resolved on an interval
+  (:mod:`gateway.fleet.dns_source`);
+* ``kubernetes``: a list + watch of EndpointSlices by label selector, and of nodes for
+  placement labels and spot interruption notices (:mod:`gateway.fleet.kube_source`).
+
+A source reports to a :class:`DiscoverySink` (the gateway's :mod:`gateway.fleet.membership`,
+which alone adds backends to and removes them from the :class:`~gateway.fleet.fleet.Fleet`):
+always the **whole** current set of endpoints (:meth:`DiscoverySink.endpoints`), never a
+delta, so a missed event or a reconnect cannot leave the fleet wrong; an outage of the source
+(:meth:`DiscoverySink.outage`), during which the last known fleet is kept as it is; what it
+knows about nodes; and spot interruption notices.
+
+Endpoint conditions follow Kubernetes' EndpointSlice API (``discovery.k8s.io/v1``,
+`EndpointConditions <https://kubernetes.io/docs/concepts/services-networking/endpoint-slices/#conditions>`_):
+``ready`` (serving and not terminating), ``serving`` (passes its readiness probe, even while
+terminating), ``terminating``. A DNS record is ready and serving, never terminating.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
-
-from gateway.core.vocab import BackendState
-from gateway.fleet.backend import Backend
-from gateway.fleet.clients import ControlClients
-from gateway.fleet.fleet import Fleet
-from gateway.fleet.probes import fetch_models
-from gateway.fleet.records import ModelCard
-from gateway.fleet.state import FleetState
-
-S = BackendState
-
-# Backends whose models are the fleet's for the gateway's own model list: routable, and
-# those only resting (draining, cooldown): the model is still the fleet's while they are
-# out of rotation.
-LISTED = (S.WARM, S.DRAINING, S.COOLDOWN)
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 
-class ModelDiscovery:
-    """Learns and records what the backends of ``fleet`` serve (``clock``: monotonic
-    seconds)."""
+@dataclass(frozen=True)
+class Endpoint:
+    """One backend as a discovery source sees it.
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        state: FleetState,
-        clients: ControlClients,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.fleet = fleet
-        self.state = state
-        self.clients = clients
-        self.clock = clock
-        self._last_round = float("-inf")
-        self._lock = asyncio.Lock()
+    ``id``: the backend id it gets (stable for the endpoint's life: the pod name for
+    Kubernetes, ``host-port`` for DNS); ``url``: ``scheme://host:port``; ``host``: the
+    address alone (for ``{host}`` in the template's ``gpu_metrics_url``). ``zone``, ``node``,
+    ``pod``, ``namespace``: where it runs, when the source knows (EndpointSlice ``zone``,
+    ``nodeName``, ``targetRef``)."""
 
-    async def models_round(self) -> None:
-        """The models loop's body: refresh every backend that is not ``cold``."""
-        self._last_round = self.clock()
-        await asyncio.gather(
-            *(self.refresh_models(b) for b in self.fleet if b.state is not S.COLD)
-        )
+    id: str
+    url: str
+    host: str
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    zone: str | None = None
+    node: str | None = None
+    pod: str | None = None
+    namespace: str | None = None
 
-    async def refresh_models(self, backend: Backend) -> tuple[ModelCard, ...] | None:
-        """Ask ``backend``'s ``/v1/models`` and record the answer (its models, unless set
-        in config). Returns the cards, or None when it did not answer with a list (the
-        reason noted in its last error, or a configuration error for a 401/403)."""
-        res = await fetch_models(self.clients.control, backend, backend.api_key)
-        if res.status == "auth":
-            self.state.auth_refused(backend, res.detail, res.http_status)
-            return None
-        if res.cards is None:
-            backend.note_error(res.detail)
-            return None
-        if res.status == "ok":
-            self.state.clear_config_error(backend)
-        backend.models_listed(res.cards)
-        return res.cards
 
-    async def refresh_models_soon(self, min_interval_s: float = 1.0) -> None:
-        """Refresh every backend's model list now, at most once per ``min_interval_s``
-        seconds (concurrent callers wait for the one refresh).
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the node watch knows of one node: its zone (``topology.kubernetes.io/zone``),
+    capacity type (``karpenter.sh/capacity-type``, ``eks.amazonaws.com/capacityType``,
+    ``cloud.google.com/gke-spot`` / ``gke-preemptible``, ...: ``on-demand`` | ``spot`` | None
+    when no label says) and instance type (``node.kubernetes.io/instance-type``)."""
 
-        Used when a request names a model nobody lists (a LoRA adapter just loaded).
-        """
-        async with self._lock:
-            if self.clock() - self._last_round < min_interval_s:
-                return
-            await self.models_round()
+    name: str
+    zone: str | None = None
+    capacity_type: str | None = None
+    instance_type: str | None = None
 
-    async def list_live(self) -> list[tuple[Backend, tuple[ModelCard, ...]]]:
-        """Ask every backend in service (warm, draining, cooldown) for its models now and
-        record the answers; returns those that answered with their cards, in config order
-        (empty: none answered)."""
-        live = [b for b in self.fleet if b.state in LISTED]
-        results = await asyncio.gather(*(self.refresh_models(b) for b in live))
-        return [(b, cards) for b, cards in zip(live, results, strict=True) if cards is not None]
+
+@dataclass(frozen=True)
+class SpotNotice:
+    """A spot interruption notice: the provider will reclaim ``node`` (in ``zone``, of
+    ``instance_type``, when known). ``reason``: what said so (a taint key, a node condition,
+    ``admin``)."""
+
+    zone: str | None
+    node: str | None = None
+    instance_type: str | None = None
+    reason: str = "admin"
+
+
+class DiscoverySink(Protocol):
+    """Where a source reports. Every method is called from the event loop and returns at
+    once (the sink does its I/O in its own tasks)."""
+
+    def endpoints(self, snapshot: Sequence[Endpoint]) -> None:
+        """The whole current set of endpoints of the source (ids unique)."""
+
+    def outage(self, reason: str) -> None:
+        """The source cannot be read (``reason``: one line); the last known fleet is kept.
+        The next :meth:`endpoints` ends the outage."""
+
+    def nodes(self, nodes: Mapping[str, NodeInfo]) -> None:
+        """The whole current set of nodes by name (Kubernetes only)."""
+
+    def spot_notice(self, notice: SpotNotice) -> None:
+        """A node is about to be reclaimed (Kubernetes only; once per node and notice)."""
+
+
+class DiscoverySource(Protocol):
+    """A source of endpoints. ``name``: ``static`` | ``dns`` | ``kubernetes``."""
+
+    name: str
+
+    async def run(self, sink: DiscoverySink) -> None:
+        """Report to ``sink`` until cancelled. Never raises but ``CancelledError``: a
+        failure is reported as :meth:`DiscoverySink.outage` and retried."""
+
+
+class StaticSource:
+    """The ``backends:`` list: nothing to report (the fleet is built from it at start)."""
+
+    name = "static"
+
+    async def run(self, sink: DiscoverySink) -> None:
+        """Returns at once: a static fleet never changes."""
+        return None
+
+
+__all__ = [
+    "DiscoverySink",
+    "DiscoverySource",
+    "Endpoint",
+    "NodeInfo",
+    "SpotNotice",
+    "StaticSource",
+]

@@ -2,7 +2,7 @@
 
 A backend enters ``warming`` when its probes pass (from ``cold``, or ``unhealthy`` after
 ``health.recover_threshold`` passes); :class:`Warmup` then, once per backend at a time:
-learns its models (:mod:`gateway.fleet.discovery`), sends the warm-up requests at each
+learns its models (:mod:`gateway.fleet.model_discovery`), sends the warm-up requests at each
 batch shape (:func:`gateway.fleet.probes.warm_up`; a failure makes it ``unhealthy``,
 ``warmup_failed``), has it pass calibration again when it drifted before, or takes its
 first calibration baseline, and moves it to ``warm`` (``ready``).
@@ -17,7 +17,7 @@ from gateway.core.vocab import BackendState
 from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
-from gateway.fleet.discovery import ModelDiscovery
+from gateway.fleet.model_discovery import ModelDiscovery
 from gateway.fleet.probes import ProbeEndpoints, warm_up
 from gateway.fleet.records import Transition
 from gateway.fleet.state import FleetState

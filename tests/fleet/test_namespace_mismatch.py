@@ -16,8 +16,13 @@ from tests.support.servers import GatewayThread, gateway_config
 
 
 def entry(url: str, rid: str) -> dict:
-    return next(r for r in httpx.get(url + "/admin/fleet", timeout=5).json()["replicas"]
-                if r["id"] == rid)
+    """Replica ``rid``'s entry in ``url``'s ``/admin/fleet``; ``{}`` while that replica has
+    not been seen yet (its first heartbeat) or ``url`` is not listening yet."""
+    try:
+        replicas = httpx.get(url + "/admin/fleet", timeout=5).json()["replicas"]
+    except httpx.TransportError:
+        return {}
+    return next((r for r in replicas if r["id"] == rid), {})
 
 
 def test_replicas_whose_configs_disagree_on_one_namespace_say_so(redis_server, sims, caplog):
@@ -37,10 +42,10 @@ def test_replicas_whose_configs_disagree_on_one_namespace_say_so(redis_server, s
             gw.start(wait_ready=False)
             made.append(gw)
         r1, r2 = made
-        assert wait_for(lambda: entry(r1.url, "r2")["config_differs"] is not None, 10)
+        assert wait_for(lambda: entry(r1.url, "r2").get("config_differs") is not None, 10)
         said = entry(r1.url, "r2")["config_differs"]
         assert f"a: {a.url}" in said and "only here: b" in said and "max_unavailable" in said
-        assert entry(r2.url, "r1")["config_differs"] is not None
+        assert wait_for(lambda: entry(r2.url, "r1").get("config_differs") is not None, 10)
         assert entry(r1.url, "r1")["config_differs"] is None  # itself
         assert any("give unrelated fleets their own coordination.namespace" in r.getMessage()
                    for r in caplog.records)

@@ -352,11 +352,18 @@ def read_json_answer(sock: Any, bufsize: int = 65536) -> bytes:
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:
-    """Poll ``pred`` until true or ``timeout`` seconds; returns the last value."""
+    """Poll ``pred`` until true or ``timeout`` seconds; returns the last value.
+
+    While polling, a ``pred`` that raises (state not there yet: a server not listening, an
+    entry not listed) counts as false; the last call after the deadline is not guarded, so a
+    predicate that still raises then fails the test with its own error."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pred():
-            return True
+        try:
+            if pred():
+                return True
+        except Exception:  # "not yet"; the final call below re-raises
+            pass
         time.sleep(interval)
     return pred()
 
