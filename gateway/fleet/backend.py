@@ -34,7 +34,14 @@ from gateway.core.vocab import BackendState
 from gateway.fleet.cycles import CycleClock, never_due
 from gateway.fleet.gpu_health import GpuHealth
 from gateway.fleet.liveness import Liveness
-from gateway.fleet.records import ControlRecord, Cuttable, Deferral, ModelCard, Transition
+from gateway.fleet.records import (
+    ControlRecord,
+    Cuttable,
+    Deferral,
+    ModelCard,
+    Placement,
+    Transition,
+)
 from gateway.routing.thermal import ThermalTracker
 from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
 from gateway.traffic.capacity import EngineSample, ServiceModel
@@ -118,14 +125,23 @@ class Backend:
     # the key the gateway sends it (resolved once; None: none configured). Raises
     # ConfigError at construction when its ``api_key_env`` is unset.
     api_key: str | None = field(init=False)
+    # Where it runs (zone, node, capacity type, instance type): from its config, then
+    # from discovery through :meth:`placed` (membership's alone).
+    placement: Placement = field(init=False)
 
     def __post_init__(self) -> None:
         self.service = ServiceModel(self.config.max_num_seqs)
         self.api_key = self.config.resolved_api_key()
+        c = self.config
+        self.placement = Placement(c.zone, c.node, c.capacity_type, c.instance_type)
 
     @property
     def id(self) -> str:
         return self.config.id
+
+    def placed(self, placement: Placement) -> None:
+        """Record where it runs now (discovery saw its zone, node or node labels change)."""
+        self.placement = placement
 
     def take(self, places: int, pooled_extra: int) -> None:
         """Count a request sent here: ``places`` sequences (its :attr:`in_flight` share) and

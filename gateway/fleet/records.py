@@ -72,3 +72,20 @@ class ControlRecord:
     maintenance: str | None
     deferred: Deferral | None
     config_error: str | None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a backend runs: topology ``zone``, ``node``, ``capacity_type`` (``on-demand`` |
+    ``spot``) and ``instance_type``. From its config, then from discovery (EndpointSlice and
+    node labels) while it runs: :meth:`gateway.fleet.backend.Backend.placed`."""
+
+    zone: str | None = None
+    node: str | None = None
+    capacity_type: str = "on-demand"
+    instance_type: str | None = None
+
+    @property
+    def spot(self) -> bool:
+        """Whether the provider may reclaim it at short notice."""
+        return self.capacity_type == "spot"
