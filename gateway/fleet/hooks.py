@@ -1,5 +1,6 @@
-"""What the gateway does *to* a backend's server: the restart hook (a command or an HTTP
-call, ``lifecycle.restart_hook``) and vLLM's dev-mode routes (``/sleep``, ``/wake_up``,
+"""What the gateway does *to* a backend's server: the restart hook (a command, an HTTP call,
+or deleting its pod through the Kubernetes API: ``lifecycle.restart_hook``,
+:mod:`gateway.fleet.kube_pods`) and vLLM's dev-mode routes (``/sleep``, ``/wake_up``,
 ``/reset_prefix_cache``). Each is counted; a failure is noted on the backend, never
 raised.
 """
@@ -57,6 +58,14 @@ class BackendHooks:
                     raise
                 ok = proc.returncode == 0
                 detail = f"exit {proc.returncode}: {err.decode(errors='replace')[-200:]}"
+            elif hook.delete_pod:
+                # imported here: the Kubernetes client only loads where it is configured
+                from gateway.fleet.kube_pods import delete_pod
+
+                ok, detail = await delete_pod(
+                    backend.config.pod, backend.config.namespace, hook.kubeconfig,
+                    hook.timeout_s,
+                )
             else:
                 assert hook.url is not None
                 r = await self.clients.work.request(
