@@ -343,6 +343,14 @@ def test_deployments_select_their_own_pods(objs: list[Obj]) -> None:
         assert others == [], f"{d['metadata']['name']}'s selector also takes {others}"
 
 
+def test_each_object_once(objs: list[Obj]) -> None:
+    """One object per kind and name (a replaced ConfigMap is not also kept)."""
+    keys = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(keys) == len(set(keys))
+    names = [o["metadata"]["name"].rsplit("-", 1)[0] for o in of_kind(objs, "ConfigMap")]
+    assert len(names) == len(set(names)), names
+
+
 def test_every_namespaced_object_is_in_the_namespace(objs: list[Obj]) -> None:
     (ns,) = of_kind(objs, "Namespace")
     cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
