@@ -421,14 +421,21 @@ class AdmissionGate:
         """Fleet mode: this replica may hold ``slots`` requests in flight (its share of the
         fleet's capacity, ``gateway.coord.capacity``); ``rate_slots``: the steadier share
         its predicted waits use (default ``slots``). With the scheduler's bound on, ``slots``
-        becomes the bound (waiters woken when it grows; a lower one cuts nothing); with the
-        batcher (which bounds per backend), only the capacity its predictions use."""
+        becomes the bound (waiters woken when it grows; a lower one cuts nothing) and the
+        queue bound becomes ``admission.max_queued`` times ``rate_slots / fleet_capacity``
+        (at least 1: N replicas together queue what one gateway would, so the Retry-After a
+        refusal carries is one gateway's); with the batcher (which bounds per backend), only
+        the capacity its predictions use."""
         sched = self.scheduler
         if sched.max_in_flight is None:
             if sched.capacity is not None:
                 sched.capacity = max(1, round(rate_slots if rate_slots is not None else slots))
             return
-        for w in sched.resize(slots, self.clock(), rate_slots):
+        steady = rate_slots if rate_slots is not None else slots
+        queue = self.cfg.admission.max_queued
+        if self.fleet_capacity:  # the queue's share follows the capacity's
+            queue = max(1, math.ceil(queue * min(1.0, steady / self.fleet_capacity)))
+        for w in sched.resize(slots, self.clock(), rate_slots, queue):
             assert isinstance(w, asyncio.Future)
             if w.done():  # gave up meanwhile: its slot goes back
                 self.release(Ticket(Prio.LOW))

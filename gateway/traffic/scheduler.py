@@ -212,16 +212,26 @@ class Scheduler:
         return None
 
     def resize(
-        self, max_in_flight: int, now: float, capacity: float | None = None
+        self,
+        max_in_flight: int,
+        now: float,
+        capacity: float | None = None,
+        max_queued: int | None = None,
     ) -> list[object]:
         """Change the in-flight bound (fleet mode: this replica's share of the fleet's
         capacity, :func:`gateway.traffic.shares.split`); the capacity for the service rate
         follows it, or ``capacity`` (slots; a steadier figure than a bound that moves every
-        round, so predicted waits and Retry-After do not jump with it). Returns the waiters
-        that get a slot now (the bound grew; most urgent first, already counted as
-        running). A lower bound cuts nothing: running requests keep their slots, and freed
-        slots are not passed on until in flight is below it."""
+        round, so predicted waits and Retry-After do not jump with it); and, when given,
+        the queue bound ``max_queued`` (fleet mode: the same share of the configured queue,
+        so a replica's queue drains at its share of the rate in the time one gateway's
+        would, and Retry-After stays what one gateway would say). Returns the waiters that
+        get a slot now (the bound grew; most urgent first, already counted as running). A
+        lower bound cuts nothing: running requests keep their slots, and freed slots are
+        not passed on until in flight is below it; waiters beyond a lower queue bound keep
+        their places."""
         self.max_in_flight = max_in_flight
+        if max_queued is not None:
+            self.max_queued = max_queued
         # (0 for a round: no rate of zero)
         self.capacity = max(1, round(capacity if capacity is not None else max_in_flight))
         woken: list[object] = []

@@ -15,12 +15,14 @@ from collections.abc import Callable
 
 import httpx
 
+from tests.fleet.drills import drill_s
 from tests.lifecycle.support import chat_body
 
 SEQS = 4  # max_num_seqs of each simulated backend
 ITL_S = 0.25  # seconds per decode step
 TOKENS = 6
 SLO_TTFT_S = 2.0
+OVERLOAD_S = drill_s(30.0, 15.0)  # seconds of overload (benchmarks: 30)
 
 
 def _sample_in_flight(sims, stop: threading.Event, out: list[int]) -> None:
@@ -84,7 +86,7 @@ def _run(sims, replicas, route_for: Callable[[list[str]], Callable[[str, int], s
     statuses: list[int] = []
     sampler.start()
     try:
-        asyncio.run(_overload(route_for([gw.url for gw in gws]), rate, 30.0, ttfts, statuses))
+        asyncio.run(_overload(route_for([gw.url for gw in gws]), rate, OVERLOAD_S, ttfts, statuses))
     finally:
         stop.set()
         sampler.join()
