@@ -101,3 +101,20 @@ async def test_a_taint_that_is_not_a_notice_reports_none(
     async with running_source(kube, tmp_path, watch_nodes=True) as (_, sink):
         assert await until(lambda: bool(sink.of("nodes")) and kube.open_watches(NODES) == 1)
     assert sink.of("spot_notice") == []
+
+
+async def test_a_node_watch_refused_by_rbac_is_no_outage_of_the_fleet(
+        kube: KubeApiDouble, tmp_path: Path) -> None:
+    kube.forbidden.add(NODES)  # no ClusterRole for nodes
+    kube.put_slice("vllm", [endpoint("10.0.0.1", pod="vllm-0", node="n1")])
+    async with running_source(kube, tmp_path, watch_nodes=True) as (_, sink):
+        assert await until(lambda: len(kube.calls(NODES, watch=False)) >= 2)  # retried
+        assert await until(lambda: kube.open_watches() == 1)
+        kube.put_slice("vllm", [endpoint("10.0.0.1", pod="vllm-0", node="n1"),
+                                endpoint("10.0.0.2", pod="vllm-1", node="n1")])
+        assert await until(lambda: set(sink.fleet) == {"vllm-0", "vllm-1"})
+        kube.forbidden.clear()  # the ClusterRole is granted: the nodes come
+        kube.put_node("n1", labels=SPOT_A)
+        assert await until(lambda: bool(sink.of("nodes")))
+    assert sink.of("outage") == []
+    assert sink.of("nodes")[-1] == {"n1": NodeInfo("n1", "us-east-1a", "spot", "p4d.24xlarge")}

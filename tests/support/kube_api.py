@@ -25,8 +25,8 @@ It speaks the list + watch protocol of the API concepts page
 * ``DELETE /api/v1/namespaces/{ns}/pods/{name}``: recorded (:attr:`deleted_pods`); 404 for
   a pod it does not know (:meth:`put_pod`, or a slice endpoint's ``targetRef``).
 
-Every request needs ``Authorization: Bearer <token>`` (401 otherwise) and is logged in
-:attr:`requests`. The test drives it: :meth:`put_slice`, :meth:`delete_slice`,
+Every request needs ``Authorization: Bearer <token>`` (401 otherwise; a collection in
+:attr:`forbidden` answers 403, as without RBAC) and is logged in :attr:`requests`. The test drives it: :meth:`put_slice`, :meth:`delete_slice`,
 :meth:`put_node`, :meth:`delete_node`, :meth:`drop_watches` (connections cut mid-stream),
 :meth:`end_watches` (as a watch timeout), :meth:`set_down` (every connection cut at once);
 :meth:`write_kubeconfig` writes a kubeconfig file that points at it.
@@ -143,6 +143,8 @@ class KubeApiDouble:
         self._compacted_rv = 0
         self._watches: set[_Watch] = set()
         self._down = False
+        self.forbidden: set[str] = set()
+        """Collections (``SLICES``, ``NODES``) answered 403 Forbidden, as without RBAC."""
         self._lt: LoopThread | None = None
         self._runner: web.AppRunner | None = None
 
@@ -355,6 +357,10 @@ class KubeApiDouble:
         refused = self._refuse(request)
         if refused is not None:
             return refused
+        if resource in self.forbidden:
+            return web.json_response(_status(
+                403, "Forbidden", f'{resource} is forbidden: User "system:serviceaccount:'
+                f'default:llm-gateway" cannot list resource "{resource}"'), status=403)
         q = request.query
         selector = q.get("labelSelector", "")
         if _flag(q.get("watch")):
