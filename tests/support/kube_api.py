@@ -26,9 +26,10 @@ It speaks the list + watch protocol of the API concepts page
   a pod it does not know (:meth:`put_pod`, or a slice endpoint's ``targetRef``).
 
 Every request needs ``Authorization: Bearer <token>`` (401 otherwise; a collection in
-:attr:`forbidden` answers 403, as without RBAC) and is logged in :attr:`requests`. The test drives it: :meth:`put_slice`, :meth:`delete_slice`,
-:meth:`put_node`, :meth:`delete_node`, :meth:`drop_watches` (connections cut mid-stream),
-:meth:`end_watches` (as a watch timeout), :meth:`set_down` (every connection cut at once);
+:attr:`forbidden` answers 403, as without RBAC) and is logged in :attr:`requests`. The test
+drives it: :meth:`put_slice`, :meth:`delete_slice`, :meth:`put_node`, :meth:`delete_node`,
+:meth:`drop_watches` (connections cut mid-stream), :meth:`end_watches` (as a watch
+timeout), :meth:`set_down` (every connection cut at once);
 :meth:`write_kubeconfig` writes a kubeconfig file that points at it.
 """
 
