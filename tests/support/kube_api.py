@@ -45,59 +45,17 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.support.kube_store import (
+    NODES,
+    SLICES,
+    Change,
+    KubeStore,
+    Obj,
+    endpoint,
+    node_object,
+    slice_object,
+)
 from tests.support.servers import LoopThread, bound_socket
-
-Obj = dict[str, Any]
-
-SLICES = "endpointslices"
-NODES = "nodes"
-
-
-def endpoint(address: str, *, pod: str | None = None, ready: bool | None = True,
-             serving: bool | None = None, terminating: bool | None = None,
-             zone: str | None = None, node: str | None = None,
-             namespace: str = "default") -> Obj:
-    """One EndpointSlice endpoint (``discovery.k8s.io/v1`` ``Endpoint``); a condition given
-    as None is left out (the API's nil)."""
-    cond = {k: v for k, v in (("ready", ready), ("serving", serving),
-                              ("terminating", terminating)) if v is not None}
-    ep: Obj = {"addresses": [address], "conditions": cond}
-    if pod is not None:
-        ep["targetRef"] = {"kind": "Pod", "name": pod, "namespace": namespace}
-    if zone is not None:
-        ep["zone"] = zone
-    if node is not None:
-        ep["nodeName"] = node
-    return ep
-
-
-def selector_matches(selector: str, labels: Mapping[str, str]) -> bool:
-    """A label selector of equality and existence terms against ``labels``."""
-    for term in (t.strip() for t in selector.split(",") if t.strip()):
-        if "!=" in term:
-            k, v = (s.strip() for s in term.split("!=", 1))
-            if labels.get(k) == v:
-                return False
-        elif "=" in term:
-            k, v = (s.strip() for s in term.replace("==", "=").split("=", 1))
-            if labels.get(k) != v:
-                return False
-        elif term.startswith("!"):
-            if term[1:].strip() in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
-
-
-@dataclass
-class _Change:
-    rv: int
-    resource: str
-    namespace: str | None
-    kind: str  # ADDED | MODIFIED | DELETED
-    obj: Obj
-    old: Obj | None
 
 
 @dataclass(eq=False)
@@ -108,10 +66,6 @@ class _Watch:
     bookmarks: bool
     request: web.Request
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-
-
-def _labels(obj: Obj | None) -> dict[str, str]:
-    return dict(((obj or {}).get("metadata") or {}).get("labels") or {})
 
 
 def _flag(value: str | None) -> bool:
@@ -137,11 +91,8 @@ class KubeApiDouble:
         """(method, path, query) of every request, in order."""
         self.deleted_pods: list[tuple[str, str]] = []
         """(namespace, name) of every pod deleted."""
-        self._store: dict[str, dict[tuple[str | None, str], Obj]] = {SLICES: {}, NODES: {}}
+        self._store = KubeStore()
         self._pods: set[tuple[str, str]] = set()
-        self._rv = 1
-        self._history: list[_Change] = []
-        self._compacted_rv = 0
         self._watches: set[_Watch] = set()
         self._down = False
         self.forbidden: set[str] = set()
@@ -218,14 +169,10 @@ class KubeApiDouble:
         """Create or replace an EndpointSlice (labels default to
         ``app.kubernetes.io/name=vllm``); its endpoints' Pod targets become known pods.
         Returns its resourceVersion."""
-        eps = [dict(e) for e in endpoints]
-        obj: Obj = {
-            "kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
-            "metadata": {"name": name, "namespace": namespace,
-                         "labels": dict(labels or {"app.kubernetes.io/name": "vllm"})},
-            "addressType": address_type, "endpoints": eps, "ports": [dict(p) for p in ports],
-        }
-        for e in eps:
+        obj = slice_object(name, endpoints, ports,
+                           labels or {"app.kubernetes.io/name": "vllm"}, namespace,
+                           address_type)
+        for e in obj["endpoints"]:
             ref = e.get("targetRef") or {}
             if ref.get("kind") == "Pod":
                 self.put_pod(ref["name"], ref.get("namespace", namespace))
@@ -238,12 +185,7 @@ class KubeApiDouble:
                  taints: Iterable[Obj] = (), conditions: Iterable[Obj] = ()) -> int:
         """Create or replace a Node (a taint needs ``key`` and ``effect``; a condition
         ``type`` and ``status``). Returns its resourceVersion."""
-        obj: Obj = {
-            "kind": "Node", "apiVersion": "v1",
-            "metadata": {"name": name, "labels": dict(labels or {})},
-            "spec": {"taints": [dict(t) for t in taints]},
-            "status": {"conditions": [dict(c) for c in conditions]},
-        }
+        obj = node_object(name, labels or {}, taints, conditions)
         return int(self._run(self._put, NODES, None, obj))
 
     def delete_node(self, name: str) -> int:
@@ -255,7 +197,7 @@ class KubeApiDouble:
 
     @property
     def resource_version(self) -> int:
-        return int(self._run(lambda: self._rv))
+        return int(self._run(lambda: self._store.rv))
 
     def bookmark(self) -> None:
         """A BOOKMARK at the current resourceVersion to every watch that allows them."""
@@ -288,41 +230,25 @@ class KubeApiDouble:
 
     # ---- state (the double's loop only) -----------------------------------------------------
 
-    def _next_rv(self) -> int:
-        self._rv += 1
-        return self._rv
-
     def _put(self, resource: str, namespace: str | None, obj: Obj) -> int:
-        key = (namespace, obj["metadata"]["name"])
-        old = self._store[resource].get(key)
-        rv = self._next_rv()
-        obj["metadata"]["resourceVersion"] = str(rv)
-        self._store[resource][key] = obj
-        self._record(_Change(rv, resource, namespace, "MODIFIED" if old else "ADDED", obj, old))
-        return rv
+        return self._notify(self._store.put(resource, namespace, obj))
 
     def _delete(self, resource: str, namespace: str | None, name: str) -> int:
-        old = self._store[resource].pop((namespace, name))
-        rv = self._next_rv()
-        gone = json.loads(json.dumps(old))
-        gone["metadata"]["resourceVersion"] = str(rv)
-        self._record(_Change(rv, resource, namespace, "DELETED", gone, old))
-        return rv
+        return self._notify(self._store.delete(resource, namespace, name))
 
-    def _record(self, change: _Change) -> None:
-        self._history.append(change)
+    def _notify(self, change: Change) -> int:
         for w in self._watches:
             if w.resource == change.resource:
                 w.queue.put_nowait(change)
+        return change.rv
 
     def _bookmark(self) -> None:
         for w in self._watches:
             if w.bookmarks:
-                w.queue.put_nowait(("bookmark", self._rv))
+                w.queue.put_nowait(("bookmark", self._store.rv))
 
     def _compact(self) -> None:
-        self._history.clear()
-        self._compacted_rv = self._rv
+        self._store.compact()
 
     def _end_all(self, how: str) -> None:
         for w in list(self._watches):
@@ -366,38 +292,26 @@ class KubeApiDouble:
         selector = q.get("labelSelector", "")
         if _flag(q.get("watch")):
             return await self._watch(request, resource, namespace, selector)
-        items = [o for (ns, _), o in sorted(self._store[resource].items(),
-                                            key=lambda kv: kv[0][1])
-                 if ns == namespace and selector_matches(selector, _labels(o))]
         return web.json_response({"kind": list_kind, "apiVersion": api_version,
-                                  "metadata": {"resourceVersion": str(self._rv)},
-                                  "items": items})
+                                  "metadata": {"resourceVersion": str(self._store.rv)},
+                                  "items": self._store.items(resource, namespace, selector)})
 
     @staticmethod
     def _event(kind: str, obj: Obj) -> bytes:
         return (json.dumps({"type": kind, "object": obj}) + "\n").encode()
 
-    def _translate(self, w: _Watch, c: _Change) -> bytes | None:
-        """What a watch with ``w``'s namespace and selector sees of ``c``."""
-        if c.resource != w.resource or c.namespace != w.namespace:
-            return None
-        now = c.kind != "DELETED" and selector_matches(w.selector, _labels(c.obj))
-        before = c.old is not None and selector_matches(w.selector, _labels(c.old))
-        if now and before:
-            return self._event("MODIFIED", c.obj)
-        if now:
-            return self._event("ADDED", c.obj)
-        if before:
-            return self._event("DELETED", c.obj)
-        return None
+    def _translate(self, w: _Watch, c: Change) -> bytes | None:
+        """What ``w`` sees of ``c`` (a line of its stream), or None."""
+        seen = self._store.seen_as(c, w.resource, w.namespace, w.selector)
+        return None if seen is None else self._event(*seen)
 
     async def _watch(self, request: web.Request, resource: str, namespace: str | None,
                      selector: str) -> web.StreamResponse:
         q = request.query
         rv_text = q.get("resourceVersion", "")
         since = int(rv_text) if rv_text not in ("", "0") else None
-        if since is not None and since < self._compacted_rv:
-            msg = f"too old resource version: {since} ({self._compacted_rv})"
+        if since is not None and since < self._store.compacted_rv:
+            msg = f"too old resource version: {since} ({self._store.compacted_rv})"
             if self.gone_as_status:
                 return web.json_response(_status(410, "Expired", msg), status=410)
             resp = web.StreamResponse(headers={"content-type": "application/json"})
@@ -410,11 +324,7 @@ class KubeApiDouble:
                    _flag(q.get("allowWatchBookmarks")), request)
         # the backlog is taken and the watch registered with no await between: nothing
         # is missed or sent twice
-        if since is None:  # "any": synthetic ADDED of the current state first
-            backlog = [_Change(self._rv, resource, ns, "ADDED", o, None)
-                       for (ns, _), o in self._store[resource].items()]
-        else:
-            backlog = [c for c in self._history if c.rv > since]
+        backlog = self._store.backlog(resource, since)
         self._watches.add(w)
         resp = web.StreamResponse(headers={"content-type": "application/json"})
         resp.enable_chunked_encoding()
@@ -463,8 +373,8 @@ class KubeApiDouble:
         self._pods.discard((ns, name))
         self.deleted_pods.append((ns, name))
         return web.json_response({"kind": "Pod", "apiVersion": "v1", "metadata": {
-            "name": name, "namespace": ns, "resourceVersion": str(self._next_rv()),
+            "name": name, "namespace": ns, "resourceVersion": str(self._store.next_rv()),
             "deletionTimestamp": "2026-01-01T00:00:00Z"}})
 
 
-__all__ = ["NODES", "SLICES", "KubeApiDouble", "endpoint", "selector_matches"]
+__all__ = ["NODES", "SLICES", "KubeApiDouble", "endpoint"]
