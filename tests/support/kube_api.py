@@ -25,6 +25,8 @@ It speaks the list + watch protocol of the API concepts page
 * ``DELETE /api/v1/namespaces/{ns}/pods/{name}``: recorded (:attr:`deleted_pods`); 404 for
   a pod it does not know (:meth:`put_pod`, or a slice endpoint's ``targetRef``).
 
+Its state (objects, resourceVersions, history, selectors) is ``tests/support/kube_store.py``.
+
 Every request needs ``Authorization: Bearer <token>`` (401 otherwise; a collection in
 :attr:`forbidden` answers 403, as without RBAC) and is logged in :attr:`requests`. The test
 drives it: :meth:`put_slice`, :meth:`delete_slice`, :meth:`put_node`, :meth:`delete_node`,
