@@ -21,6 +21,7 @@ from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
 from gateway.coord.protection import SharedProtection
 from gateway.coord.quota import GlobalQuotas
+from gateway.core.readiness import Readiness
 from gateway.fleet.controller import FleetController
 from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
@@ -60,6 +61,8 @@ class Gateway:
     forecasts: ArrivalForecasts | None = None  # arrival counts and forecasts (cfg.forecast)
     batching: BatchDispatcher | None = None  # the predictive batcher (cfg.batcher)
     coord: Coordination | None = None  # fleet mode (cfg.coordination.redis_url)
+    # the gateway's own readiness checks (GET /ready): each part registers its own
+    readiness: Readiness = field(default_factory=Readiness)
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -153,6 +156,10 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         )
         # read before a cycle takes a backend out
         controller.maintenance.use_forecast(forecasts.rate_rps)
+    readiness = Readiness()
+    readiness.add("control_loops", controller.loops.readiness)
+    if coord is not None:
+        readiness.add("coordination", coord.readiness)
     return Gateway(
         cfg=cfg,
         fleet=fleet,
@@ -169,6 +176,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         forecasts=forecasts,
         batching=batching,
         coord=coord,
+        readiness=readiness,
     )
 
 

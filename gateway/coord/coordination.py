@@ -133,6 +133,23 @@ class Coordination:
                 self.replica_id, self.link.reason, self.cfg.coordination.retry_interval_s,
             )
 
+    def readiness(self) -> tuple[bool, str]:
+        """The ``coordination`` readiness check (:mod:`gateway.core.readiness`): ready once
+        the shared store has answered this replica since it started, whatever it does after.
+
+        A store outage after that never makes the replica not ready: requests still flow on
+        the local share (issue 14), and every replica would leave its load balancer at once.
+        A replica that has never reached the store is not ready: it knows neither how many
+        replicas share the rate limits (its local share would be the whole limit) nor the
+        fleet's maintenance and operator records, so it waits (``connect`` and then the
+        ``coordination`` loop retry every ``retry_interval_s``)."""
+        link = self.link
+        if not link.answered_once:
+            return False, f"the shared store has not answered since start: {link.reason}"
+        if link.up:
+            return True, "the shared store answers"
+        return True, f"running on the local share: {link.reason}"
+
     def start_loops(self, controller: FleetController) -> None:
         """Add the ``coordination`` loop (every ``coordination.sync_interval_s``)."""
         controller.add_loop("coordination", self.cfg.coordination.sync_interval_s, self.sync_round)

@@ -77,7 +77,7 @@ class FleetController:
         self.clock = clock
         self.wall = wall
         self.state = FleetState(fleet, metrics, cfg.breaker.unhealthy_after_trips, clock, wall)
-        self.loops = LoopRunner(metrics, wall)
+        self.loops = LoopRunner(metrics, wall, clock)
         self.clients = ControlClients(fleet, cfg.health, cfg.lifecycle, clock)
         # per (backend, model): the engine endpoint warm-up, probes and calibration use
         self.endpoints = ProbeEndpoints()
@@ -146,10 +146,13 @@ class FleetController:
         )
         await self.clients.close()
 
-    def add_loop(self, name: str, interval_s: float, body: LoopBody) -> None:
+    def add_loop(
+        self, name: str, interval_s: float, body: LoopBody, stall_after_s: float | None = None
+    ) -> None:
         """Run ``body`` every ``interval_s`` seconds until :meth:`stop`, as a control loop
-        (:meth:`gateway.fleet.loops.LoopRunner.add_loop`)."""
-        self.loops.add_loop(name, interval_s, body)
+        (:meth:`gateway.fleet.loops.LoopRunner.add_loop`; ``stall_after_s``: how long one
+        round may run before the gateway is not ready)."""
+        self.loops.add_loop(name, interval_s, body, stall_after_s)
 
     def use_leases(self, leases: MaintenanceLeases) -> None:
         """Fleet mode: every maintenance cycle runs under a lease from ``leases`` (the

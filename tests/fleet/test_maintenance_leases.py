@@ -242,7 +242,7 @@ def _serve_subprocess(tmp_path: Path, cfg: dict[str, Any]) -> tuple[subprocess.P
 
     def ready() -> bool:
         try:
-            r = httpx.get(url + "/ready", timeout=1)
+            r = httpx.get(url + "/ready/fleet", timeout=1)
             return r.status_code == 200 and len(r.json()["routable"]) >= len(cfg["backends"])
         except httpx.HTTPError:
             return False
