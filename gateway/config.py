@@ -1198,7 +1198,13 @@ class CoordinationConfig(_Strict):
     tripped it) probes half-open, and a dead owner's record ends that long after its open
     time, when each replica probes on its own again. ``capacity_shares`` (default on): each
     replica takes a share of every backend's in-flight capacity proportional to its demand
-    (``traffic/shares.py``), so N replicas together stay within what one allows."""
+    (``traffic/shares.py``), so N replicas together stay within what one allows.
+
+    Readiness (``/ready``): a replica is ready once the store has answered it since start,
+    and stays ready through later outages. One that has never reached it is not ready for
+    ``ready_grace_s`` (30 s), then ready on its local share (``null``: wait for the store
+    however long), so a Redis outage during a restart of every replica cannot leave the
+    fleet with no ready gateway (``gateway/coord/coordination.py`` ``readiness``)."""
 
     redis_url: str | None = None
     namespace: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -1214,6 +1220,7 @@ class CoordinationConfig(_Strict):
     quota_idle_s: float = Field(2.0, gt=0, le=60)
     breaker_hold_s: float = Field(3.0, gt=0, le=60)
     capacity_shares: bool = True
+    ready_grace_s: float | None = Field(30.0, ge=0)
 
     @field_validator("redis_url")
     @classmethod
