@@ -1144,7 +1144,8 @@ class SpotConfig(_Strict):
     ``notice_penalty`` (0.5, in (0, 1]): one notice halves the score, so a zone's spot
     backends lose half their share at once, two notices three quarters. ``half_life_s``
     (600 s): a zone is back to 0.75 ten minutes after one notice and to 0.97 after half an
-    hour, about how long a provider's spot pool takes to refill after a reclaim wave.
+    hour (a choice, not a measurement: set it to how long interruptions in one zone keep
+    coming with your provider; AWS warns each instance 2 minutes ahead).
     ``min_score`` (0.05, in [0, 1]): the floor, so a zone's spot backends keep a trickle of
     traffic (and their warm caches) however many notices arrive; 0 lets them go idle. A
     zone within 0.001 of 1 counts as recovered."""
