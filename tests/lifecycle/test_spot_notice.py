@@ -145,7 +145,7 @@ def test_a_notice_drains_the_node_without_failures_and_halves_the_zones_spot_sha
     # each request after the notice: a2 with probability 0.5 / 4 (binomial: 4 sigma)
     p = 0.5 / 4
     assert abs(after - n * p) <= 4 * math.sqrt(n * p * (1 - p)), (after, n, before)
-    assert after / n < before, (after, n, before)  # at full score it had about 1/5
+    assert before > 0.1, before  # at full score it had its part of 5 (about 1/5)
     zones = {z["zone"]: z for z in httpx.get(gw.url + "/admin/zones").json()["zones"]}
     assert zones["a"]["score"] == pytest.approx(0.5, abs=1e-3) and zones["b"]["score"] == 1.0
     assert [(b["id"], b["state"]) for b in zones["a"]["backends"]] == [
