@@ -22,7 +22,7 @@ PLACES = {"a1": ("a", "spot", "n1"), "a2": ("a", "spot", "n2"), "b1": ("b", "on-
 
 @pytest.fixture
 def two(redis_server: Any, sims: Callable[..., Sim]) -> Iterator[tuple[list[GatewayThread],
-                                                                       dict[str, Sim]]]:
+                                                                       dict[str, Sim], Any]]:
     backends = {k: sims(k, itl_s=0.005) for k in PLACES}
     entries = [{"id": k, "url": s.url, "zone": PLACES[k][0], "capacity_type": PLACES[k][1],
                 "node": PLACES[k][2], "instance_type": "m7i.large"} for k, s in backends.items()]
@@ -36,7 +36,7 @@ def two(redis_server: Any, sims: Callable[..., Sim]) -> Iterator[tuple[list[Gate
             gw.start(wait_ready=False)
         for gw in gws:
             gw.wait_ready(timeout=30, routable=len(backends))
-        yield gws, backends
+        yield gws, backends, redis_server
     finally:
         for gw in gws:
             gw.stop()
@@ -48,9 +48,9 @@ def score(gw: GatewayThread, zone: str) -> float:
 
 
 def test_a_notice_sent_to_one_replica_preempts_and_counts_once_on_every_replica(
-    two: tuple[list[GatewayThread], dict[str, Sim]],
+    two: tuple[list[GatewayThread], dict[str, Sim], Any],
 ) -> None:
-    (r1, r2), sim = two
+    (r1, r2), sim, redis_server = two
     r = httpx.post(r1.url + "/admin/zones/a/notice", json={"node": "n1"}, timeout=10)
     assert r.status_code == 202, r.text
     body = r.json()
@@ -81,3 +81,10 @@ def test_a_notice_sent_to_one_replica_preempts_and_counts_once_on_every_replica(
     assert again.status_code == 200 and again.json()["repeat"] is True, again.text
     time.sleep(0.3)
     assert score(r1, "a") == pytest.approx(0.5, abs=1e-3)
+    # store down: refused (503, OpenAI-shaped), nothing changes on any replica
+    redis_server.stop()
+    assert wait_for(lambda: r1.gateway.coord.link.fallback, timeout=10)
+    down = httpx.post(r1.url + "/admin/zones/a/notice", json={"node": "n2"}, timeout=10)
+    assert down.status_code == 503, down.text
+    assert down.json()["error"]["code"] == "coordination_unavailable"
+    assert admin(r1.url, "a2")["hold"] is None and score(r1, "a") == pytest.approx(0.5, abs=1e-3)
