@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from gateway.api import admin, ops
+from gateway.api import admin, ops, zones
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
 from gateway.api.errors import install_error_handlers
@@ -116,4 +116,5 @@ def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> Gatewa
     ops.install_routes(app)
     admin.install_routes(app)
     admin.install_fleet_route(app)
+    zones.install_routes(app)
     return GatewayApp(app, set(openai_api.SERVED_ROUTES) | set(cfg.proxy.passthrough_paths))

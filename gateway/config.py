@@ -1139,7 +1139,16 @@ class SpotConfig(_Strict):
     ``1 - notice_penalty``; what is missing from 1 then halves every ``half_life_s``
     seconds. A spot backend's share of traffic is scaled by its zone's score
     (``gateway/routing/spot.py``), so traffic leaves a zone's remaining spot backends before
-    the provider reclaims them too (providers reclaim by zone and instance type)."""
+    the provider reclaims them too (providers reclaim by zone and instance type).
+
+    ``notice_penalty`` (0.5, in (0, 1]): one notice halves the score, so a zone's spot
+    backends lose half their share at once, two notices three quarters. ``half_life_s``
+    (600 s): a zone is back to 0.75 ten minutes after one notice and to 0.97 after half an
+    hour (a choice, not a measurement: set it to how long interruptions in one zone keep
+    coming with your provider; AWS warns each instance 2 minutes ahead).
+    ``min_score`` (0.05, in [0, 1]): the floor, so a zone's spot backends keep a trickle of
+    traffic (and their warm caches) however many notices arrive; 0 lets them go idle. A
+    zone within 0.001 of 1 counts as recovered."""
 
     notice_penalty: float = Field(0.5, gt=0, le=1)
     half_life_s: float = Field(600.0, gt=0)

@@ -273,6 +273,26 @@ class ThermalCollector(Collector):
         yield from (temp, predicted, power, power_ratio, tier, domain_w, domain_budget)
 
 
+class ZoneScoreCollector(Collector):
+    """``gateway_spot_zone_score{zone}`` read at scrape time (the score decays continuously,
+    so a gauge set at each notice would be stale)."""
+
+    def __init__(self, scores: Callable[[], Mapping[str, float]]) -> None:
+        self._scores = scores
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "gateway_spot_zone_score",
+            "Spot health score of the zone (1: no recent spot interruption notice; a notice "
+            "multiplies it by 1 - spot.notice_penalty, the deficit halves every "
+            "spot.half_life_s); a spot backend's share of traffic is scaled by it",
+            labels=["zone"],
+        )
+        for zone, score in sorted(self._scores().items()):
+            g.add_metric([zone], score)
+        yield g
+
+
 class GatewayMetrics:
     """The gateway's metrics, registered in ``self.registry``."""
 
@@ -663,6 +683,14 @@ class GatewayMetrics:
             "Requests routed to a hot backend because every candidate was hot",
             registry=r,
         )
+        self.spot_interruptions = Counter(
+            "gateway_spot_interruptions",
+            "Spot interruption notices applied by this replica (Kubernetes node watch or "
+            "POST /admin/zones/{zone}/notice; a repeat for a node already noticed is not "
+            "counted), by zone and instance type ('unknown' when not said)",
+            ["zone", "instance_type"],
+            registry=r,
+        )
         # warm pool hit ratio = hits / requests, computed at scrape time
         self.warm_pool_requests = 0
         self.warm_pool_hits = 0
@@ -679,6 +707,12 @@ class GatewayMetrics:
     ) -> None:
         """Export the GPU and power-domain gauges of the thermal view ``view()`` returns."""
         self.registry.register(ThermalCollector(view, clock))
+
+    def attach_zone_scores(self, scores: Callable[[], Mapping[str, float]]) -> None:
+        """Export ``gateway_spot_zone_score{zone}``: each zone's spot health score in
+        [``spot.min_score``, 1] (``gateway.routing.spot``) read at scrape time from
+        ``scores()`` (zones whose score is below 1; a recovered zone leaves the gauge)."""
+        self.registry.register(ZoneScoreCollector(scores))
 
     def observe_latency(
         self, endpoint: str, model: str, first_byte_s: float | None, total_s: float

@@ -11,6 +11,7 @@ the controller's GPU monitor.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +20,13 @@ from gateway.config import ClientKey, GatewayConfig
 from gateway.coord.affinity import SharedResponses
 from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
+from gateway.coord.notices import SharedNotices
 from gateway.coord.protection import SharedProtection
 from gateway.coord.quota import GlobalQuotas
 from gateway.core.readiness import Readiness
 from gateway.fleet.controller import FleetController
 from gateway.fleet.fleet import Fleet
+from gateway.fleet.spot import SpotNotices
 from gateway.flow.accounting import Accounting
 from gateway.flow.admission import AdmissionGate
 from gateway.flow.batching import BatchDispatcher
@@ -34,7 +37,9 @@ from gateway.flow.responses import ResponseRouting
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.upstream import Transport, UpstreamPool
 from gateway.routing.policies import Policy, build_policy
+from gateway.routing.policy import LoadThermalPolicy
 from gateway.routing.response_owners import ResponseOwners
+from gateway.routing.spot import SpotSteering, ZoneScores
 
 
 @dataclass
@@ -53,6 +58,8 @@ class Gateway:
     responses: ResponseRouting  # which backend holds each Responses API response
     client_keys: dict[str, ClientKey]
     admin_key: str | None
+    # spot interruption notices: counted, the zone's score, preemption (gateway.fleet.spot)
+    spot: SpotNotices
     shutting_down: bool = False
     # requests still receiving their body (their tasks), and whether the shutdown's grace
     # period ended for them (then they are answered 503 without the rest of the body)
@@ -63,6 +70,8 @@ class Gateway:
     coord: Coordination | None = None  # fleet mode (cfg.coordination.redis_url)
     # the gateway's own readiness checks (GET /ready): each part registers its own
     readiness: Readiness = field(default_factory=Readiness)
+    # in fleet mode an admin spot notice is shared through the store (gateway.coord.notices)
+    shared_notices: SharedNotices | None = None
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -105,6 +114,23 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         thermal=controller.gpu.choose if thermal_aware else None,  # tiers, power caps, budgets
         rendezvous=coord is not None,  # fleet mode: a session maps alike on every replica
     )
+    scores = ZoneScores(cfg.spot, clock)  # written by SpotNotices, read by the router
+    metrics.attach_zone_scores(scores.snapshot)
+    if cfg.discovery.dynamic or any(b.capacity_type == "spot" for b in cfg.backends):
+        # a spot backend's share scaled by its zone's score (gateway.routing.spot); a fleet
+        # that can have none routes exactly as before
+        router = SpotSteering(
+            router,
+            scores,
+            random.Random(),
+            clock,
+            thermal=router.thermal if isinstance(router, LoadThermalPolicy) else None,
+        )
+    spot = SpotNotices(cfg, fleet, controller.drains, scores, metrics, clock)
+    shared_notices = None
+    if coord is not None:  # fleet mode: an admin notice applied once by every replica
+        shared_notices = SharedNotices(cfg, coord.link, spot, clock)
+        coord.add_part("spot_notices", shared_notices.sync, shared_notices.sync)
     gate = AdmissionGate(
         cfg,
         fleet,
@@ -177,6 +203,8 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         batching=batching,
         coord=coord,
         readiness=readiness,
+        spot=spot,
+        shared_notices=shared_notices,
     )
 
 
