@@ -70,6 +70,8 @@ def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> Gatewa
         if gw.coord is not None:
             await gw.coord.connect()  # fleet mode: the shared store before the loops
         await gw.controller.start()
+        if cfg.discovery.dynamic:  # backends come and go: the source's task
+            gw.controller.membership.start(gw.discovery)
         if gw.coord is not None:
             gw.coord.start_loops(gw.controller)
         if gw.gate.degraded is not None:

@@ -11,18 +11,22 @@ the controller's GPU monitor.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config import ClientKey, GatewayConfig
+from gateway.config import ClientKey, ConfigError, GatewayConfig
 from gateway.coord.affinity import SharedResponses
 from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
 from gateway.coord.protection import SharedProtection
 from gateway.coord.quota import GlobalQuotas
+from gateway.fleet.backend import Backend
 from gateway.fleet.controller import FleetController
-from gateway.fleet.fleet import Fleet
+from gateway.fleet.discovery import DiscoverySource, StaticSource
+from gateway.fleet.dns_source import DnsSource
+from gateway.fleet.fleet import Change, Fleet
 from gateway.flow.accounting import Accounting
 from gateway.flow.admission import AdmissionGate
 from gateway.flow.batching import BatchDispatcher
@@ -60,6 +64,8 @@ class Gateway:
     forecasts: ArrivalForecasts | None = None  # arrival counts and forecasts (cfg.forecast)
     batching: BatchDispatcher | None = None  # the predictive batcher (cfg.batcher)
     coord: Coordination | None = None  # fleet mode (cfg.coordination.redis_url)
+    # where the backends come from (cfg.discovery; run by controller.membership)
+    discovery: DiscoverySource = field(default_factory=StaticSource)
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -93,7 +99,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         # coolings and breaker trips shared
         protection = SharedProtection(coord.link, fleet, metrics, clock)
         coord.add_part("protection", protection.sync, protection.resync)
-    thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
+    thermal_aware = cfg.thermal.enabled and (controller.gpu.active or cfg.power_domains)
     router = build_policy(
         cfg.routing,
         cfg.lifecycle,
@@ -139,8 +145,11 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         if cfg.batcher.enabled
         else None
     )
-    if coord is not None and cfg.coordination.capacity_shares:
+    shares = (
         _share_capacity(coord, fleet, gate, batching, metrics)
+        if coord is not None and cfg.coordination.capacity_shares
+        else None
+    )
     forecasts = None
     if cfg.forecast.enabled or batching is not None:
 
@@ -153,6 +162,23 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         )
         # read before a cycle takes a backend out
         controller.maintenance.use_forecast(forecasts.rate_rps)
+
+    closing: set[asyncio.Task[None]] = set()  # removed backends' sessions being closed
+
+    def membership_changed(backend: Backend, change: Change) -> None:
+        """Discovery added or removed ``backend``: the parts that keep something per
+        backend follow (the controller's own parts listen themselves)."""
+        if change == "removed":
+            metrics.forget_backend(backend.id)
+            accounting.forget(backend.id)
+            task = asyncio.get_running_loop().create_task(transport.forget(backend.id))
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+        gate.fleet_changed(resize=shares is None)
+        if shares is not None:
+            shares.total = gate.fleet_capacity
+
+    fleet.on_change(membership_changed)
     return Gateway(
         cfg=cfg,
         fleet=fleet,
@@ -169,7 +195,29 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         forecasts=forecasts,
         batching=batching,
         coord=coord,
+        discovery=build_source(cfg),
     )
+
+
+def build_source(cfg: GatewayConfig) -> DiscoverySource:
+    """The discovery source ``cfg.discovery.source`` names: ``static`` (the ``backends:``
+    list), ``dns`` (:class:`gateway.fleet.dns_source.DnsSource`), ``kubernetes``
+    (``gateway.fleet.kube_source.KubeSource``, imported only when chosen). Raises
+    ``ConfigError`` when the Kubernetes source is not installed."""
+    d = cfg.discovery
+    if d.source == "dns":
+        assert d.dns is not None  # DiscoveryConfig's validator
+        return DnsSource(d.dns)
+    if d.source == "kubernetes":
+        try:
+            module = importlib.import_module("gateway.fleet.kube_source")
+        except ImportError as e:
+            raise ConfigError(
+                f"discovery.source 'kubernetes' is not available in this build ({e})"
+            ) from None
+        source: DiscoverySource = module.KubeSource(d.kubernetes)
+        return source
+    return StaticSource()
 
 
 def _share_capacity(
@@ -178,7 +226,7 @@ def _share_capacity(
     gate: AdmissionGate,
     batching: BatchDispatcher | None,
     metrics: GatewayMetrics,
-) -> None:
+) -> CapacityShares:
     """Fleet mode: this replica's share of the in-flight capacity, from its demand
     (:mod:`gateway.coord.capacity`), applied to the scheduler's bound and, with the
     batcher, to its places per backend."""
@@ -209,3 +257,4 @@ def _share_capacity(
         per_backend if batching is not None else None,
     )
     coord.add_part("capacity", shares.sync)
+    return shares

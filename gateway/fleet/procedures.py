@@ -65,6 +65,12 @@ class Procedures:
         if task is not None and not task.done():
             task.cancel()
 
+    def forget(self, backend: Backend) -> None:
+        """``backend`` left the fleet: cancel its procedure (if running) and drop it."""
+        self.cancel(backend)
+        self._tasks.pop(backend.id, None)
+        self._names.pop(backend.id, None)
+
     async def cancel_and_wait(self, backend: Backend) -> None:
         """Cancel the procedure running on ``backend`` and wait until it has ended (its
         marker cleared), so another can start in its place."""
