@@ -84,9 +84,15 @@ class Gateway:
         return RequestLease(self.controller)
 
 
-def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gateway:
+def build_gateway(
+    cfg: GatewayConfig,
+    transport: Transport | None = None,
+    source: DiscoverySource | None = None,
+) -> Gateway:
     """Wire the components for ``cfg`` (no I/O; the lifespan starts the loops).
-    ``transport``: how upstream requests are sent (default: the aiohttp pool)."""
+    ``transport``: how upstream requests are sent (default: the aiohttp pool); ``source``:
+    where discovered backends come from (default: :func:`build_source` of ``cfg``; tests
+    pass a stand-in for the Kubernetes API)."""
     clock = time.monotonic
     fleet = Fleet.from_config(cfg, clock)
     metrics = GatewayMetrics()
@@ -195,7 +201,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         forecasts=forecasts,
         batching=batching,
         coord=coord,
-        discovery=build_source(cfg),
+        discovery=source if source is not None else build_source(cfg),
     )
 
 

@@ -142,8 +142,9 @@ class Membership:
     def nodes(self, nodes: Mapping[str, NodeInfo]) -> None:
         """The node watch's whole set: placement of the backends on those nodes updated."""
         self._nodes = dict(nodes)
+        by_id = {e.id: e for e in self._snapshot}
         for b in self.fleet:
-            self._place(b)
+            self._place(b, by_id.get(b.id) if b.id in self._known else None)
 
     def spot_notice(self, notice: SpotNotice) -> None:
         """Handed to the spot handling (``on_spot_notice``); logged."""
@@ -172,6 +173,10 @@ class Membership:
         for i in p.rejoin:
             self._rejoin(i)
         self._gone = set(p.gone)
+        for e in self._snapshot:  # zone or node of a known endpoint changed
+            b = self.fleet.get(e.id) if e.id in self._known else None
+            if b is not None and e.id not in self._gone:
+                self._place(b, e)
         for e in p.add:
             self._add(e)
         self.round_now()
@@ -185,7 +190,7 @@ class Membership:
             log.error("discovery (%s): endpoint %s not added: %s", self.source_name, e.id, err)
             return
         self._known[e.id] = Known(e.url)
-        self._place(b)
+        self._place(b, e)
         self.metrics.discovery_changes.labels("added").inc()
         log.info("discovery (%s): backend %s added at %s (cold)", self.source_name, e.id, e.url)
 
@@ -280,18 +285,18 @@ class Membership:
                 fields[key] = value
         return BackendConfig(**fields)
 
-    def _place(self, b: Backend) -> None:
-        """``b``'s placement from the node watch (when it knows ``b``'s node)."""
-        node_name = b.placement.node or b.config.node
-        node = self._nodes.get(node_name) if node_name else None
-        if node is None:
-            return
+    def _place(self, b: Backend, e: Endpoint | None) -> None:
+        """``b``'s placement from its endpoint ``e`` (zone, node; None: a static backend)
+        and the node watch (zone, capacity type, instance type of its node, when known);
+        what neither says stays as it was."""
         p = b.placement
+        node_name = (e.node if e is not None else None) or p.node
+        node = self._nodes.get(node_name) if node_name else None
         new = Placement(
-            zone=node.zone or p.zone,
-            node=p.node or node.name,
-            capacity_type=node.capacity_type or p.capacity_type,
-            instance_type=node.instance_type or p.instance_type,
+            zone=(e.zone if e is not None else None) or (node.zone if node else None) or p.zone,
+            node=node_name,
+            capacity_type=(node.capacity_type if node else None) or p.capacity_type,
+            instance_type=(node.instance_type if node else None) or p.instance_type,
         )
         if new != p:
             b.placed(new)

@@ -55,6 +55,9 @@ class Procedures:
                 state.maintenance_ended(backend)
 
         task = asyncio.get_running_loop().create_task(wrapped())
+        # cancelled before it started (e.g. its backend left the fleet at once): the
+        # procedure's coroutine was never awaited; close it quietly
+        task.add_done_callback(lambda _: coro.close())
         self._tasks[backend.id] = task
         self._names[backend.id] = name
         return task

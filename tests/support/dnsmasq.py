@@ -80,7 +80,7 @@ class DnsServer:
 
         r = dns.resolver.Resolver(configure=False)
         r.nameservers = [dns.nameserver.Do53Nameserver("127.0.0.1", self.port)]
-        r.lifetime = 1.0
+        r.lifetime = 0.2
         got: list[str] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
