@@ -67,8 +67,12 @@ def test_a_terminating_pod_is_drained_never_cut_and_returns_when_it_serves_again
     fast, slow = pods("127.0.0.2"), pods("127.0.0.3", itl_s=0.05)
     slow.name = "slow"
     api = KubeApiStandIn()
+    # a drain deadline far shorter than the slow pod's streams (2 s): a terminating pod
+    # that still serves must not be cut by it
     cfg = gateway_config(
-        [{"id": "s1", "url": static.url}], discovery={"source": "kubernetes"}
+        [{"id": "s1", "url": static.url}],
+        discovery={"source": "kubernetes"},
+        lifecycle={"drain_deadline_s": 0.5},
     )
     gw = GatewayThread(cfg, source=api)
     api.gw = gw
@@ -90,9 +94,10 @@ def test_a_terminating_pod_is_drained_never_cut_and_returns_when_it_serves_again
             assert wait_for(lambda: backends(gw)["pod-slow"]["in_flight"] >= 1, 15)
             api.endpoints([ep(fast), ep(slow, ready=False, terminating=True)])
             assert wait_for(lambda: backends(gw)["pod-slow"]["state"] == "draining", 5)
-            # its streams (2 s each) finish there; nothing new is sent
-            served = slow.chat_requests()
+            # its streams (2 s each) finish there, uncut (the load checks each whole);
+            # nothing new is sent (every attempt there counts in flight until it ends)
             assert wait_for(lambda: backends(gw)["pod-slow"]["in_flight"] == 0, 15)
+            served = slow.chat_requests()
             before = load.ok
             assert wait_for(lambda: load.ok >= before + 10, 20)
             assert slow.chat_requests() == served, "a request reached a terminating pod"
@@ -103,7 +108,10 @@ def test_a_terminating_pod_is_drained_never_cut_and_returns_when_it_serves_again
             assert wait_for(lambda: backends(gw)["pod-slow"]["state"] == "warm", 5)
             assert wait_for(lambda: slow.chat_requests() > served, 15)
 
-            # gone from the snapshot: drained, then removed once nothing is in flight
+            # terminating again, then gone from the snapshot: removed once nothing is in
+            # flight there
+            api.endpoints([ep(fast), ep(slow, ready=False, terminating=True)])
+            assert wait_for(lambda: backends(gw)["pod-slow"]["in_flight"] == 0, 15)
             api.endpoints([ep(fast)])
             assert wait_for(lambda: "pod-slow" not in backends(gw), 20), backends(gw)
         finally:

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -57,6 +58,8 @@ class DnsServer:
         self.hosts = self.dir / "hosts"
         self.hosts.write_text("")
         self.proc: subprocess.Popen[bytes] | None = None
+        self._names: set[str] = set()  # the names of the records last set
+        self.problem = ""
 
     @property
     def nameserver(self) -> str:
@@ -67,9 +70,10 @@ class DnsServer:
         file rewritten, then SIGHUP, and waited for until a query shows it."""
         records = list(records)
         self.hosts.write_text("".join(f"{addr} {name}\n" for addr, name in records))
+        names = self._names | {n for _, n in records}  # a name removed too: until NXDOMAIN
+        self._names = {n for _, n in records}
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGHUP)
-            names = {n for _, n in records}
             for name in names:
                 want = sorted(a for a, n in records if n == name and ":" not in a)
                 self._wait_answer(name, want)
@@ -84,6 +88,8 @@ class DnsServer:
         got: list[str] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                break  # it exited (e.g. the port was taken)
             try:
                 ans = r.resolve(name, "A", raise_on_no_answer=False, search=False)
                 got = sorted(x.to_text() for x in ans.rrset or ())
@@ -97,22 +103,36 @@ class DnsServer:
         raise TimeoutError(f"dnsmasq still answers {got} for {name}, not {want}")
 
     def start(self, timeout: float = 10.0) -> DnsServer:
-        """Start the server and wait until it answers."""
-        self.proc = subprocess.Popen(
+        """Start the server and wait until it answers (another free port when the one
+        picked was taken meanwhile; kept across :meth:`stop` / :meth:`start` otherwise)."""
+        for _ in range(3):
+            if self._start_once(timeout):
+                return self
+            self.port = free_udp_port()
+        raise RuntimeError(f"dnsmasq did not start: {self.problem}")
+
+    def _start_once(self, timeout: float) -> bool:
+        with (self.dir / "log").open("ab") as log:
+            self.proc = self._spawn(log)
+        try:
+            self._wait_answer("probe-that-does-not-exist.test", [], timeout)
+        except TimeoutError as e:
+            self.stop()
+            err = (self.dir / "log").read_text(errors="replace")
+            self.problem = f"{e}; dnsmasq said: {err.strip()[-500:]}"
+            return False
+        return True
+
+    def _spawn(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [self.exe, "--no-daemon", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
              f"--addn-hosts={self.hosts}", f"--port={self.port}",
              "--listen-address=127.0.0.1", "--bind-interfaces", "--pid-file=",
              f"--user={getpass.getuser()}", "--local=/test/", "--local-ttl=0",
              "--cache-size=0", "--log-facility=-"],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=log,
         )
-        try:
-            self._wait_answer("probe-that-does-not-exist.test", [], timeout)
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
 
     def stop(self) -> None:
         """Stop the server (queries then time out: a resolver outage)."""
