@@ -11,6 +11,7 @@ records change under load, and a resolver outage keeps the fleet serving.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -74,6 +75,11 @@ def chats(pod: Sim) -> int:
     return pod.chat_requests()
 
 
+def bound_for(gw: GatewayThread, pods: int) -> int:
+    """The admission bound of ``pods`` pods of 16 sequences each (admission.in_flight_per_seq)."""
+    return math.ceil(16 * pods * gw.cfg.admission.in_flight_per_seq)
+
+
 @pytest.fixture
 def dns_gateway(
     dns_server: DnsServer, pods: Callable[..., Sim]
@@ -87,6 +93,7 @@ def dns_gateway(
             "source": "dns",
             "dns": {"name": NAME, "port": a.port, "interval_s": 0.2, "timeout_s": 0.5,
                     "nameservers": [dns_server.nameserver]},
+            "template": {"max_num_seqs": 16},
         },
     )
     gw = GatewayThread(cfg)
@@ -117,6 +124,8 @@ def test_records_changing_under_load_move_traffic_without_failing_a_request(
         history = httpx.get(f"{gw.url}/admin/backends/{c_id}", timeout=5).json()["history"]
         moves = [(h["from"], h["to"]) for h in history]
         assert moves[:2] == [("cold", "warming"), ("warming", "warm")], moves
+        # admission's bound follows the fleet's capacity (max_num_seqs from the template)
+        assert gw.gateway.gate.scheduler.max_in_flight == bound_for(gw, 3)
 
         # an address leaves the answer: drained (nothing new reaches it), then removed
         a_id = f"{a.host}-{a.port}"
@@ -127,6 +136,7 @@ def test_records_changing_under_load_move_traffic_without_failing_a_request(
         assert wait_for(lambda: a_id not in backends(gw), 10), backends(gw).get(a_id)
         assert gone is not None and gone.in_flight == 0
         served_by_a = chats(a)
+        assert gw.gateway.gate.scheduler.max_in_flight == bound_for(gw, 2)
         before = load.ok
         assert wait_for(lambda: load.ok >= before + 20, 20)
         assert chats(a) == served_by_a, "a request reached an address after its drain began"
