@@ -1072,7 +1072,11 @@ class BackendTemplate(_Strict):
 class DnsDiscoveryConfig(_Strict):
     """Backends from a headless Service's A/AAAA records, re-resolved every ``interval_s``
     seconds; each address is one backend (id ``host-port``, url ``scheme://host:port``).
-    ``nameservers``: ``host`` or ``host:port`` entries; None: the system's resolver."""
+    ``nameservers``: ``host`` or ``host:port`` entries; None: the system's resolver.
+    ``timeout_s``: one resolution's bound; past it, it is an outage (the fleet is kept).
+    NXDOMAIN / no record means no endpoint (cluster DNS answers so for a headless Service
+    without ready endpoints), acted on once two answers in a row say so and logged as an
+    error (``gateway/fleet/dns_source.py``)."""
 
     name: str = Field(min_length=1, description="e.g. vllm.default.svc.cluster.local")
     port: int = Field(8000, ge=1, le=65535)

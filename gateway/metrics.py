@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from gateway.core.samples import LoadSample
@@ -678,6 +679,33 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
+        # ---- discovery (gateway/fleet/membership.py) -------------------------------------
+        self.discovery_endpoints = Gauge(
+            "gateway_discovery_endpoints",
+            "Endpoints in the discovery source's last snapshot (static: the backends list)",
+            ["source"],
+            registry=r,
+        )
+        self.discovery_up = Gauge(
+            "gateway_discovery_up",
+            "1 while the discovery source answers, 0 during an outage (the last known "
+            "fleet is kept)",
+            ["source"],
+            registry=r,
+        )
+        self.discovery_outages = Counter(
+            "gateway_discovery_outages",
+            "Discovery outages (the source could not be read; counted when one begins)",
+            ["source"],
+            registry=r,
+        )
+        self.discovery_changes = Counter(
+            "gateway_discovery_changes",
+            "Fleet membership changes made by discovery: added, draining (terminating or "
+            "gone), rejoined, removed, ignored (an id taken by a static backend)",
+            ["change"],
+            registry=r,
+        )
         self.thermal_all_hot = Counter(
             "gateway_thermal_all_hot",
             "Requests routed to a hot backend because every candidate was hot",
@@ -697,6 +725,25 @@ class GatewayMetrics:
         self._req_children: dict[tuple[str, str, int], Counter] = {}
         # (endpoint, model) -> (TTFB child, duration child) of the two latency histograms
         self._latency_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def forget_backend(self, backend_id: str) -> None:
+        """Drop every series labelled ``backend=backend_id`` (gauges and counters): the
+        backend left the fleet, and a fleet whose pods come and go would otherwise grow
+        its series without bound. The per-backend gauges the collectors read from the fleet
+        leave with it by themselves."""
+        for metric in vars(self).values():
+            if not isinstance(metric, MetricWrapperBase):
+                continue
+            names: tuple[str, ...] = tuple(metric._labelnames)
+            if "backend" not in names:
+                continue
+            stale: set[tuple[str, ...]] = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.labels.get("backend") == backend_id:
+                        stale.add(tuple(sample.labels[n] for n in names))
+            for values in stale:
+                metric.remove(*values)
 
     def attach_fleet(self, fleet: Iterable[BackendGauges]) -> None:
         """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""

@@ -17,6 +17,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, load_config
+from gateway.fleet.discovery import DiscoverySource
 from gateway.serving import EmbeddedServer, uvicorn_config
 from gateway.wiring import Gateway
 
@@ -55,9 +56,9 @@ class LoopThread:
 class GatewayThread:
     """The real gateway app under uvicorn, in a thread. ``url`` is its base URL."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, source: DiscoverySource | None = None) -> None:
         self.cfg = cfg
-        self.app = create_app(cfg)
+        self.app = create_app(cfg, source=source)
         self._lt: LoopThread | None = None
         self._server: uvicorn.Server | None = None
         self.url = ""

@@ -76,11 +76,14 @@ PURE = (
     "gateway.fleet.cycles",
     "gateway.fleet.leases",
     "gateway.fleet.gpu_health",
+    "gateway.fleet.membership_plan",
     "gateway.proxy.sse",
     "gateway.proxy.inband",
 )
 """No I/O: these take time and data as arguments."""
-IO_LIBRARIES = ("aiohttp", "httpx", "fastapi", "starlette", "uvicorn", "redis", "socket")
+IO_LIBRARIES = (
+    "aiohttp", "httpx", "fastapi", "starlette", "uvicorn", "redis", "socket", "dns"
+)
 
 ROOT = Path(__file__).resolve().parents[2] / "gateway"
 
