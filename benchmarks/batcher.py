@@ -348,7 +348,7 @@ def run_http(
             g = procs.start(f"gateway-{'on' if batcher else 'off'}",
                             [py, "-m", "gateway.cli", "serve", "-c", str(cfgp)])
             url = f"http://127.0.0.1:{port}"
-            wait_http(url + "/ready")
+            wait_http(url + "/ready/fleet")  # a backend routable
             return g, url
 
         # (a) TTFT at 0.3x: both gateways up, each request to one of them at random

@@ -135,7 +135,7 @@ def start_gateway(
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+            if httpx.get(url + "/ready/fleet", timeout=2).status_code == 200:  # one routable
                 return p, url
         except httpx.HTTPError:
             pass

@@ -150,7 +150,7 @@ async def run_one(shares: bool, urls: list[str], redis_url: str, procs: Procs,
     try:
         async with aiohttp.ClientSession() as s:
             for u in gw_urls:
-                await wait_http(s, u + "/ready")
+                await wait_http(s, u + "/ready/fleet")  # a backend routable
         await asyncio.sleep(1.0)  # a few sync rounds: every replica sees the others
         if capacity is None:
             capacity = await capacity_rps(gw_urls, args, len(urls) * args.max_num_seqs)

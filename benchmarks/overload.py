@@ -344,7 +344,7 @@ async def run_one(admission: bool, urls: list[str], procs: Procs, args: argparse
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            await wait_http(s, url + "/ready")
+            await wait_http(s, url + "/ready/fleet")  # a backend routable
         if capacity is None:
             capacity = await measure_capacity(url, args, len(urls) * args.max_num_seqs)
             print(f"capacity: {capacity:.2f} requests/s "

@@ -383,7 +383,7 @@ def start_servers(
         wait_port(started["bare"], ports["bare"])
     for name in GATEWAYS:
         if name in started:
-            wait_ready(started[name], ports[name], "/ready")
+            wait_ready(started[name], ports[name], "/ready/fleet")  # a backend routable
     if "gateway-fleet" in started:
         check_fleet_mode(ports["gateway-fleet"])
     ports["direct"] = ports["backend"]

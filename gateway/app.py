@@ -14,11 +14,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from gateway.api import admin, ops
+from gateway.api import admin, ops, zones
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
 from gateway.api.errors import install_error_handlers
 from gateway.config import GatewayConfig, check_secrets
+from gateway.fleet.discovery import DiscoverySource
 from gateway.flow.responses import RESPONSES
 from gateway.proxy.upstream import Transport
 from gateway.wiring import build_gateway
@@ -57,19 +58,26 @@ class GatewayApp:
         await self.app(scope, receive, send)
 
 
-def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> GatewayApp:
+def create_app(
+    cfg: GatewayConfig,
+    transport: Transport | None = None,
+    source: DiscoverySource | None = None,
+) -> GatewayApp:
     """The gateway's ASGI app for ``cfg``. ``transport``: how upstream requests are sent
-    (default: the aiohttp pool; tests pass an in-process one). Raises ``ConfigError`` for
+    (default: the aiohttp pool; tests pass an in-process one); ``source``: the discovery
+    source (default: the one ``cfg.discovery`` names). Raises ``ConfigError`` for
     unresolvable secrets."""
     check_secrets(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gw = build_gateway(cfg, transport)
+        gw = build_gateway(cfg, transport, source)
         app.state.gateway = gw
         if gw.coord is not None:
             await gw.coord.connect()  # fleet mode: the shared store before the loops
         await gw.controller.start()
+        if cfg.discovery.dynamic:  # backends come and go: the source's task
+            gw.controller.membership.start(gw.discovery)
         if gw.coord is not None:
             gw.coord.start_loops(gw.controller)
         if gw.gate.degraded is not None:
@@ -116,4 +124,5 @@ def create_app(cfg: GatewayConfig, transport: Transport | None = None) -> Gatewa
     ops.install_routes(app)
     admin.install_routes(app)
     admin.install_fleet_route(app)
+    zones.install_routes(app)
     return GatewayApp(app, set(openai_api.SERVED_ROUTES) | set(cfg.proxy.passthrough_paths))

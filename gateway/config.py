@@ -1072,7 +1072,11 @@ class BackendTemplate(_Strict):
 class DnsDiscoveryConfig(_Strict):
     """Backends from a headless Service's A/AAAA records, re-resolved every ``interval_s``
     seconds; each address is one backend (id ``host-port``, url ``scheme://host:port``).
-    ``nameservers``: ``host`` or ``host:port`` entries; None: the system's resolver."""
+    ``nameservers``: ``host`` or ``host:port`` entries; None: the system's resolver.
+    ``timeout_s``: one resolution's bound; past it, it is an outage (the fleet is kept).
+    NXDOMAIN / no record means no endpoint (cluster DNS answers so for a headless Service
+    without ready endpoints), acted on once two answers in a row say so and logged as an
+    error (``gateway/fleet/dns_source.py``)."""
 
     name: str = Field(min_length=1, description="e.g. vllm.default.svc.cluster.local")
     port: int = Field(8000, ge=1, le=65535)
@@ -1139,7 +1143,16 @@ class SpotConfig(_Strict):
     ``1 - notice_penalty``; what is missing from 1 then halves every ``half_life_s``
     seconds. A spot backend's share of traffic is scaled by its zone's score
     (``gateway/routing/spot.py``), so traffic leaves a zone's remaining spot backends before
-    the provider reclaims them too (providers reclaim by zone and instance type)."""
+    the provider reclaims them too (providers reclaim by zone and instance type).
+
+    ``notice_penalty`` (0.5, in (0, 1]): one notice halves the score, so a zone's spot
+    backends lose half their share at once, two notices three quarters. ``half_life_s``
+    (600 s): a zone is back to 0.75 ten minutes after one notice and to 0.97 after half an
+    hour (a choice, not a measurement: set it to how long interruptions in one zone keep
+    coming with your provider; AWS warns each instance 2 minutes ahead).
+    ``min_score`` (0.05, in [0, 1]): the floor, so a zone's spot backends keep a trickle of
+    traffic (and their warm caches) however many notices arrive; 0 lets them go idle. A
+    zone within 0.001 of 1 counts as recovered."""
 
     notice_penalty: float = Field(0.5, gt=0, le=1)
     half_life_s: float = Field(600.0, gt=0)
@@ -1198,7 +1211,13 @@ class CoordinationConfig(_Strict):
     tripped it) probes half-open, and a dead owner's record ends that long after its open
     time, when each replica probes on its own again. ``capacity_shares`` (default on): each
     replica takes a share of every backend's in-flight capacity proportional to its demand
-    (``traffic/shares.py``), so N replicas together stay within what one allows."""
+    (``traffic/shares.py``), so N replicas together stay within what one allows.
+
+    Readiness (``/ready``): a replica is ready once the store has answered it since start,
+    and stays ready through later outages. One that has never reached it is not ready for
+    ``ready_grace_s`` (30 s), then ready on its local share (``null``: wait for the store
+    however long), so a Redis outage during a restart of every replica cannot leave the
+    fleet with no ready gateway (``gateway/coord/coordination.py`` ``readiness``)."""
 
     redis_url: str | None = None
     namespace: str = Field("llm-gateway", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -1214,6 +1233,7 @@ class CoordinationConfig(_Strict):
     quota_idle_s: float = Field(2.0, gt=0, le=60)
     breaker_hold_s: float = Field(3.0, gt=0, le=60)
     capacity_shares: bool = True
+    ready_grace_s: float | None = Field(30.0, ge=0)
 
     @field_validator("redis_url")
     @classmethod

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from gateway.core.samples import LoadSample
@@ -271,6 +272,26 @@ class ThermalCollector(Collector):
             domain_w.add_metric([d.name], d.draw_w)
             domain_budget.add_metric([d.name], d.budget_w)
         yield from (temp, predicted, power, power_ratio, tier, domain_w, domain_budget)
+
+
+class ZoneScoreCollector(Collector):
+    """``gateway_spot_zone_score{zone}`` read at scrape time (the score decays continuously,
+    so a gauge set at each notice would be stale)."""
+
+    def __init__(self, scores: Callable[[], Mapping[str, float]]) -> None:
+        self._scores = scores
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "gateway_spot_zone_score",
+            "Spot health score of the zone (1: no recent spot interruption notice; a notice "
+            "multiplies it by 1 - spot.notice_penalty, the deficit halves every "
+            "spot.half_life_s); a spot backend's share of traffic is scaled by it",
+            labels=["zone"],
+        )
+        for zone, score in sorted(self._scores().items()):
+            g.add_metric([zone], score)
+        yield g
 
 
 class GatewayMetrics:
@@ -658,9 +679,44 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
+        # ---- discovery (gateway/fleet/membership.py) -------------------------------------
+        self.discovery_endpoints = Gauge(
+            "gateway_discovery_endpoints",
+            "Endpoints in the discovery source's last snapshot (static: the backends list)",
+            ["source"],
+            registry=r,
+        )
+        self.discovery_up = Gauge(
+            "gateway_discovery_up",
+            "1 while the discovery source answers, 0 during an outage (the last known "
+            "fleet is kept)",
+            ["source"],
+            registry=r,
+        )
+        self.discovery_outages = Counter(
+            "gateway_discovery_outages",
+            "Discovery outages (the source could not be read; counted when one begins)",
+            ["source"],
+            registry=r,
+        )
+        self.discovery_changes = Counter(
+            "gateway_discovery_changes",
+            "Fleet membership changes made by discovery: added, draining (terminating or "
+            "gone), rejoined, removed, ignored (an id taken by a static backend)",
+            ["change"],
+            registry=r,
+        )
         self.thermal_all_hot = Counter(
             "gateway_thermal_all_hot",
             "Requests routed to a hot backend because every candidate was hot",
+            registry=r,
+        )
+        self.spot_interruptions = Counter(
+            "gateway_spot_interruptions",
+            "Spot interruption notices applied by this replica (Kubernetes node watch or "
+            "POST /admin/zones/{zone}/notice; a repeat for a node already noticed is not "
+            "counted), by zone and instance type ('unknown' when not said)",
+            ["zone", "instance_type"],
             registry=r,
         )
         # warm pool hit ratio = hits / requests, computed at scrape time
@@ -669,6 +725,25 @@ class GatewayMetrics:
         self._req_children: dict[tuple[str, str, int], Counter] = {}
         # (endpoint, model) -> (TTFB child, duration child) of the two latency histograms
         self._latency_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def forget_backend(self, backend_id: str) -> None:
+        """Drop every series labelled ``backend=backend_id`` (gauges and counters): the
+        backend left the fleet, and a fleet whose pods come and go would otherwise grow
+        its series without bound. The per-backend gauges the collectors read from the fleet
+        leave with it by themselves."""
+        for metric in vars(self).values():
+            if not isinstance(metric, MetricWrapperBase):
+                continue
+            names: tuple[str, ...] = tuple(metric._labelnames)
+            if "backend" not in names:
+                continue
+            stale: set[tuple[str, ...]] = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.labels.get("backend") == backend_id:
+                        stale.add(tuple(sample.labels[n] for n in names))
+            for values in stale:
+                metric.remove(*values)
 
     def attach_fleet(self, fleet: Iterable[BackendGauges]) -> None:
         """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
@@ -679,6 +754,12 @@ class GatewayMetrics:
     ) -> None:
         """Export the GPU and power-domain gauges of the thermal view ``view()`` returns."""
         self.registry.register(ThermalCollector(view, clock))
+
+    def attach_zone_scores(self, scores: Callable[[], Mapping[str, float]]) -> None:
+        """Export ``gateway_spot_zone_score{zone}``: each zone's spot health score in
+        [``spot.min_score``, 1] (``gateway.routing.spot``) read at scrape time from
+        ``scores()`` (zones whose score is below 1; a recovered zone leaves the gauge)."""
+        self.registry.register(ZoneScoreCollector(scores))
 
     def observe_latency(
         self, endpoint: str, model: str, first_byte_s: float | None, total_s: float

@@ -11,18 +11,26 @@ the controller's GPU monitor.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config import ClientKey, GatewayConfig
+from gateway.config import ClientKey, ConfigError, GatewayConfig
 from gateway.coord.affinity import SharedResponses
 from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
+from gateway.coord.notices import SharedNotices
 from gateway.coord.protection import SharedProtection
 from gateway.coord.quota import GlobalQuotas
+from gateway.core.readiness import Readiness
+from gateway.fleet.backend import Backend
 from gateway.fleet.controller import FleetController
-from gateway.fleet.fleet import Fleet
+from gateway.fleet.discovery import DiscoverySource, SpotNotice, StaticSource
+from gateway.fleet.dns_source import DnsSource
+from gateway.fleet.fleet import Change, Fleet
+from gateway.fleet.spot import SpotNotices
 from gateway.flow.accounting import Accounting
 from gateway.flow.admission import AdmissionGate
 from gateway.flow.batching import BatchDispatcher
@@ -33,7 +41,9 @@ from gateway.flow.responses import ResponseRouting
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.upstream import Transport, UpstreamPool
 from gateway.routing.policies import Policy, build_policy
+from gateway.routing.policy import LoadThermalPolicy
 from gateway.routing.response_owners import ResponseOwners
+from gateway.routing.spot import SpotSteering, ZoneScores
 
 
 @dataclass
@@ -52,6 +62,8 @@ class Gateway:
     responses: ResponseRouting  # which backend holds each Responses API response
     client_keys: dict[str, ClientKey]
     admin_key: str | None
+    # spot interruption notices: counted, the zone's score, preemption (gateway.fleet.spot)
+    spot: SpotNotices
     shutting_down: bool = False
     # requests still receiving their body (their tasks), and whether the shutdown's grace
     # period ended for them (then they are answered 503 without the rest of the body)
@@ -60,6 +72,12 @@ class Gateway:
     forecasts: ArrivalForecasts | None = None  # arrival counts and forecasts (cfg.forecast)
     batching: BatchDispatcher | None = None  # the predictive batcher (cfg.batcher)
     coord: Coordination | None = None  # fleet mode (cfg.coordination.redis_url)
+    # the gateway's own readiness checks (GET /ready): each part registers its own
+    readiness: Readiness = field(default_factory=Readiness)
+    # in fleet mode an admin spot notice is shared through the store (gateway.coord.notices)
+    shared_notices: SharedNotices | None = None
+    # where the backends come from (cfg.discovery; run by controller.membership)
+    discovery: DiscoverySource = field(default_factory=StaticSource)
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -78,9 +96,15 @@ class Gateway:
         return RequestLease(self.controller)
 
 
-def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gateway:
+def build_gateway(
+    cfg: GatewayConfig,
+    transport: Transport | None = None,
+    source: DiscoverySource | None = None,
+) -> Gateway:
     """Wire the components for ``cfg`` (no I/O; the lifespan starts the loops).
-    ``transport``: how upstream requests are sent (default: the aiohttp pool)."""
+    ``transport``: how upstream requests are sent (default: the aiohttp pool); ``source``:
+    where discovered backends come from (default: :func:`build_source` of ``cfg``; tests
+    pass a stand-in for the Kubernetes API)."""
     clock = time.monotonic
     fleet = Fleet.from_config(cfg, clock)
     metrics = GatewayMetrics()
@@ -93,7 +117,7 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         # coolings and breaker trips shared
         protection = SharedProtection(coord.link, fleet, metrics, clock)
         coord.add_part("protection", protection.sync, protection.resync)
-    thermal_aware = cfg.thermal.enabled and (controller.gpu.monitored or cfg.power_domains)
+    thermal_aware = cfg.thermal.enabled and (controller.gpu.active or cfg.power_domains)
     router = build_policy(
         cfg.routing,
         cfg.lifecycle,
@@ -102,6 +126,23 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         thermal=controller.gpu.choose if thermal_aware else None,  # tiers, power caps, budgets
         rendezvous=coord is not None,  # fleet mode: a session maps alike on every replica
     )
+    scores = ZoneScores(cfg.spot, clock)  # written by SpotNotices, read by the router
+    metrics.attach_zone_scores(scores.snapshot)
+    if cfg.discovery.dynamic or any(b.capacity_type == "spot" for b in cfg.backends):
+        # a spot backend's share scaled by its zone's score (gateway.routing.spot); a fleet
+        # that can have none routes exactly as before
+        router = SpotSteering(
+            router,
+            scores,
+            random.Random(),
+            clock,
+            thermal=router.thermal if isinstance(router, LoadThermalPolicy) else None,
+        )
+    spot = SpotNotices(cfg, fleet, controller.drains, scores, metrics, clock)
+    shared_notices = None
+    if coord is not None:  # fleet mode: an admin notice applied once by every replica
+        shared_notices = SharedNotices(cfg, coord.link, spot, clock)
+        coord.add_part("spot_notices", shared_notices.sync, shared_notices.sync)
     gate = AdmissionGate(
         cfg,
         fleet,
@@ -139,8 +180,11 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         if cfg.batcher.enabled
         else None
     )
-    if coord is not None and cfg.coordination.capacity_shares:
+    shares = (
         _share_capacity(coord, fleet, gate, batching, metrics)
+        if coord is not None and cfg.coordination.capacity_shares
+        else None
+    )
     forecasts = None
     if cfg.forecast.enabled or batching is not None:
 
@@ -153,6 +197,34 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         )
         # read before a cycle takes a backend out
         controller.maintenance.use_forecast(forecasts.rate_rps)
+    readiness = Readiness()
+    readiness.add("control_loops", controller.loops.readiness)
+    membership = controller.membership
+    readiness.add("discovery", membership.readiness)
+    # spot notices from the node watch (Kubernetes discovery) go to the spot handling
+    def spot_notice(notice: SpotNotice) -> None:
+        spot.notice(notice)
+
+    membership.on_spot_notice = spot_notice
+    if coord is not None:
+        readiness.add("coordination", coord.readiness)
+
+    closing: set[asyncio.Task[None]] = set()  # removed backends' sessions being closed
+
+    def membership_changed(backend: Backend, change: Change) -> None:
+        """Discovery added or removed ``backend``: the parts that keep something per
+        backend follow (the controller's own parts listen themselves)."""
+        if change == "removed":
+            metrics.forget_backend(backend.id)
+            accounting.forget(backend.id)
+            task = asyncio.get_running_loop().create_task(transport.forget(backend.id))
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+        gate.fleet_changed(resize=shares is None)
+        if shares is not None:
+            shares.total = gate.fleet_capacity
+
+    fleet.on_change(membership_changed)
     return Gateway(
         cfg=cfg,
         fleet=fleet,
@@ -169,7 +241,32 @@ def build_gateway(cfg: GatewayConfig, transport: Transport | None = None) -> Gat
         forecasts=forecasts,
         batching=batching,
         coord=coord,
+        readiness=readiness,
+        spot=spot,
+        shared_notices=shared_notices,
+        discovery=source if source is not None else build_source(cfg),
     )
+
+
+def build_source(cfg: GatewayConfig) -> DiscoverySource:
+    """The discovery source ``cfg.discovery.source`` names: ``static`` (the ``backends:``
+    list), ``dns`` (:class:`gateway.fleet.dns_source.DnsSource`), ``kubernetes``
+    (``gateway.fleet.kube_source.KubeSource``, imported only when chosen). Raises
+    ``ConfigError`` when the Kubernetes source is not installed."""
+    d = cfg.discovery
+    if d.source == "dns":
+        assert d.dns is not None  # DiscoveryConfig's validator
+        return DnsSource(d.dns)
+    if d.source == "kubernetes":
+        try:
+            module = importlib.import_module("gateway.fleet.kube_source")
+        except ImportError as e:
+            raise ConfigError(
+                f"discovery.source 'kubernetes' is not available in this build ({e})"
+            ) from None
+        source: DiscoverySource = module.KubeSource(d.kubernetes)
+        return source
+    return StaticSource()
 
 
 def _share_capacity(
@@ -178,7 +275,7 @@ def _share_capacity(
     gate: AdmissionGate,
     batching: BatchDispatcher | None,
     metrics: GatewayMetrics,
-) -> None:
+) -> CapacityShares:
     """Fleet mode: this replica's share of the in-flight capacity, from its demand
     (:mod:`gateway.coord.capacity`), applied to the scheduler's bound and, with the
     batcher, to its places per backend."""
@@ -209,3 +306,4 @@ def _share_capacity(
         per_backend if batching is not None else None,
     )
     coord.add_part("capacity", shares.sync)
+    return shares

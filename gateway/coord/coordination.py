@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from gateway.config import GatewayConfig
@@ -36,10 +37,16 @@ class Coordination:
     :func:`gateway.coord.link.default_replica_id`)."""
 
     def __init__(
-        self, cfg: GatewayConfig, metrics: GatewayMetrics, replica_id: str | None = None
+        self,
+        cfg: GatewayConfig,
+        metrics: GatewayMetrics,
+        replica_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         c = cfg.coordination
         self.cfg = cfg
+        self.clock = clock
+        self.started_at = clock()  # monotonic seconds (the readiness grace counts from it)
         self.metrics = metrics
         self.replica_id = replica_id or c.replica_id or default_replica_id()
         self.link = RedisLink(c, metrics, self.replica_id)
@@ -132,6 +139,34 @@ class Coordination:
                 "replica %s starts without the shared store (%s); retrying every %g s",
                 self.replica_id, self.link.reason, self.cfg.coordination.retry_interval_s,
             )
+
+    def readiness(self) -> tuple[bool, str]:
+        """The ``coordination`` readiness check (:mod:`gateway.core.readiness`): ready once
+        the shared store has answered this replica since it started, whatever it does after.
+
+        A store outage after that never makes the replica not ready: requests still flow on
+        the local share (issue 14), and every replica would leave its load balancer at once.
+        A replica that has never reached the store is not ready for up to
+        ``coordination.ready_grace_s`` (30 s): it knows neither how many replicas share the
+        rate limits (its local share would be the whole limit) nor the fleet's maintenance
+        and operator records, so it waits (``connect`` and then the ``coordination`` loop
+        retry every ``retry_interval_s``). After the grace it is ready on its local share,
+        as a replica is during an outage: otherwise a Redis outage during a rolling restart
+        (or a whole fleet's) would leave no replica ready and fail every request a backend
+        could serve. ``ready_grace_s: null`` waits for the store however long it takes."""
+        link = self.link
+        if not link.answered_once:
+            grace = self.cfg.coordination.ready_grace_s
+            waited = self.clock() - self.started_at
+            if grace is None or waited < grace:
+                return False, f"the shared store has not answered since start: {link.reason}"
+            return True, (
+                f"the shared store has not answered in {waited:.0f} s (ready_grace_s "
+                f"{grace:g} s): running on the local share: {link.reason}"
+            )
+        if link.up:
+            return True, "the shared store answers"
+        return True, f"running on the local share: {link.reason}"
 
     def start_loops(self, controller: FleetController) -> None:
         """Add the ``coordination`` loop (every ``coordination.sync_interval_s``)."""

@@ -105,6 +105,7 @@ class RedisLink:
             health_check_interval=0,
         )
         self.up = False  # until the first probe answers
+        self.answered_once = False  # the store has answered a probe since start
         self.reason = "not connected yet"
         self.down_since: float | None = clock()  # monotonic; None while up
         self.offset_s = 0.0  # store clock - local wall clock (seconds)
@@ -201,6 +202,7 @@ class RedisLink:
             self._failed("probe", exc)
             return False
         self.offset_s = (float(sec) + float(usec) / 1e6) - (t0 + t1) / 2
+        self.answered_once = True
         if self.up:
             return True
         was_down = self.down_since is not None and self.reason != "not connected yet"

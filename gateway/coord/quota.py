@@ -134,10 +134,18 @@ class GlobalQuotas:
 
     async def wait(self, limiter: GlobalKeyLimiter, timeout_s: float) -> bool:
         """Wait for the running fetches of ``limiter``'s buckets, at most ``timeout_s``
-        (none when the store is down: they fail at once). Returns whether they landed."""
-        running = [t for b in limiter.buckets() if (t := self.fetches.get(b)) is not None]
+        (none when the store is down: they fail at once). Returns whether they landed.
+
+        A key's first fetch on this replica (a bucket the store has not told it about yet)
+        is waited for as long as the store call itself may take (``op_timeout_s``): a
+        key's first request is never refused because the store took more than
+        ``quota_wait_s`` to answer once."""
+        buckets = [b for b in limiter.buckets() if b in self.fetches]
+        running = [self.fetches[b] for b in buckets]
         if not running:
             return True
+        if not all(b.heard for b in buckets):
+            timeout_s = max(timeout_s, self.link.cfg.op_timeout_s)
         _done, pending = await asyncio.wait(running, timeout=timeout_s)
         landed = not pending
         self.metrics.quota_waits.labels("landed" if landed else "timed_out").inc()

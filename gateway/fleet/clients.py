@@ -40,8 +40,11 @@ class ControlClients:
         self._work: httpx.AsyncClient | None = None
 
     def open(self) -> None:
-        """Open both clients (inside the running event loop)."""
-        h, n = self.health, len(self.fleet)
+        """Open both clients (inside the running event loop). Their pools are sized for
+        the fleet then, and for no fewer than 8 backends (discovery may add more; beyond
+        that a probe may wait for a connection, which the liveness transport does not count
+        against the backend)."""
+        h, n = self.health, max(8, len(self.fleet))
         # A hung backend holds up to ~5 of its connections (a probe, a scrape, model lists)
         # until they time out: room for that, so the others' probes never queue behind it.
         self._control = httpx.AsyncClient(
@@ -91,7 +94,8 @@ class LivenessTransport(httpx.AsyncBaseTransport):
     until then, and a timeout leaves it owed (``unanswered``), while a refused or reset
     connection, a wait for a pooled connection or a cancellation owe nothing (``dropped``).
     Requests to other URLs (a restart hook) pass through untouched. ``clock``: monotonic
-    seconds. Errors are re-raised unchanged."""
+    seconds. Errors are re-raised unchanged. The base-URL table follows the fleet's
+    membership (rebuilt when :attr:`Fleet.version` moves)."""
 
     def __init__(
         self,
@@ -103,14 +107,25 @@ class LivenessTransport(httpx.AsyncBaseTransport):
         self._inner = httpx.AsyncHTTPTransport(limits=limits)
         self._clock = clock
         self._owes = owes
-        # longest base URL first, so a backend under a path prefix wins over its host
-        self._bases = sorted(
-            ((b.base_url.rstrip("/"), b) for b in fleet), key=lambda x: len(x[0]), reverse=True
-        )
+        self._fleet = fleet
+        self._version = -1
+        self._bases: list[tuple[str, Backend]] = []
+
+    def _table(self) -> list[tuple[str, Backend]]:
+        """(base URL, backend), longest base URL first, so a backend under a path prefix
+        wins over its host; rebuilt when the fleet's membership changed."""
+        if self._version != self._fleet.version:
+            self._bases = sorted(
+                ((b.base_url.rstrip("/"), b) for b in self._fleet),
+                key=lambda x: len(x[0]),
+                reverse=True,
+            )
+            self._version = self._fleet.version
+        return self._bases
 
     def backend_of(self, url: str) -> Backend | None:
         """The backend whose base URL ``url`` is under, or None."""
-        for base, b in self._bases:
+        for base, b in self._table():
             if url.startswith(base) and (len(url) == len(base) or url[len(base)] in "/?#"):
                 return b
         return None

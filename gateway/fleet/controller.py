@@ -16,7 +16,11 @@ Each part has one job (its module says which):
 * :mod:`~gateway.fleet.procedures`, :mod:`~gateway.fleet.drain`,
   :mod:`~gateway.fleet.maintenance`: one procedure per backend, drains, the lifecycle loop
   and its cycles;
-* :mod:`~gateway.fleet.gpu_monitor`: GPU telemetry, thermal cooldowns, GPU faults.
+* :mod:`~gateway.fleet.gpu_monitor`: GPU telemetry, thermal cooldowns, GPU faults;
+* :mod:`~gateway.fleet.membership`: backends that discovery adds and removes (the
+  discovery source's task, the ``membership`` loop); a removed backend's probe, warm-up,
+  stall probe, procedure and learnt engine endpoints are dropped here
+  (:meth:`FleetController.forget`, a :meth:`Fleet.on_change` listener).
 
 Every decision comes from the pure rules of :mod:`gateway.fleet.lifecycle`,
 :mod:`~gateway.fleet.cycles` and :mod:`~gateway.fleet.liveness`. The request path reports
@@ -45,6 +49,8 @@ from gateway.fleet.hooks import BackendHooks
 from gateway.fleet.leases import MaintenanceLeases
 from gateway.fleet.loops import LoopBody, LoopRunner
 from gateway.fleet.maintenance import Maintenance
+from gateway.fleet.membership import CHECK_INTERVAL_S as MEMBERSHIP_INTERVAL_S
+from gateway.fleet.membership import Membership
 from gateway.fleet.model_discovery import ModelDiscovery
 from gateway.fleet.probes import ProbeEndpoints
 from gateway.fleet.procedures import Procedures
@@ -77,7 +83,7 @@ class FleetController:
         self.clock = clock
         self.wall = wall
         self.state = FleetState(fleet, metrics, cfg.breaker.unhealthy_after_trips, clock, wall)
-        self.loops = LoopRunner(metrics, wall)
+        self.loops = LoopRunner(metrics, wall, clock)
         self.clients = ControlClients(fleet, cfg.health, cfg.lifecycle, clock)
         # per (backend, model): the engine endpoint warm-up, probes and calibration use
         self.endpoints = ProbeEndpoints()
@@ -107,12 +113,18 @@ class FleetController:
             gpu_fault=self._gpu_fault,
             medium_cooldown_s=cfg.lifecycle.medium.cooldown_s,
             clock=clock,
+            expect_monitored=cfg.discovery.dynamic
+            and cfg.discovery.template.gpu_metrics_url is not None,
         )
         self.maintenance = Maintenance(
             cfg, fleet, self.state, self.procedures, self.drains, self.clients,
             self.endpoints, self.calibrator, self.hooks, metrics,
             scheduled_rest=self.gpu.scheduled_rest_done, clock=clock,
         )
+        self.membership = Membership(
+            cfg.discovery, cfg.lifecycle, fleet, self.drains, metrics, clock
+        )
+        fleet.on_change(self._membership_changed)
 
     # ---- start / stop -------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,11 +144,14 @@ class FleetController:
         self.add_loop("scrape", t.scrape_interval_s, self.scraper.scrape_round)
         self.add_loop("models", t.models_refresh_s, self.discovery.models_round)
         self.add_loop("lifecycle", lc.check_interval_s, self.maintenance.lifecycle_round)
-        if self.gpu.monitored:
+        if self.gpu.active:
             self.add_loop("gpu_telemetry", self.cfg.thermal.scrape_interval_s, self.gpu.round)
+        if self.cfg.discovery.dynamic:
+            self.add_loop("membership", MEMBERSHIP_INTERVAL_S, self.membership.round)
 
     async def stop(self) -> None:
         """Cancel every loop, warm-up, procedure and probe, then close the clients."""
+        await self.membership.stop()
         await asyncio.gather(
             self.loops.stop(),
             self.warmup.stop(),
@@ -146,10 +161,27 @@ class FleetController:
         )
         await self.clients.close()
 
-    def add_loop(self, name: str, interval_s: float, body: LoopBody) -> None:
+    def _membership_changed(self, backend: Backend, change: str) -> None:
+        if change == "removed":
+            self.forget(backend)
+
+    def forget(self, backend: Backend) -> None:
+        """``backend`` left the fleet: cancel its outstanding probe, warm-up, stall probe
+        and procedure, and drop what was learnt of it (engine endpoints). Its record is
+        detached: requests still holding it end there."""
+        self.health.forget(backend)
+        self.warmup.forget(backend)
+        self.maintenance.forget(backend)
+        self.procedures.forget(backend)
+        self.endpoints.forget(backend.id)
+
+    def add_loop(
+        self, name: str, interval_s: float, body: LoopBody, stall_after_s: float | None = None
+    ) -> None:
         """Run ``body`` every ``interval_s`` seconds until :meth:`stop`, as a control loop
-        (:meth:`gateway.fleet.loops.LoopRunner.add_loop`)."""
-        self.loops.add_loop(name, interval_s, body)
+        (:meth:`gateway.fleet.loops.LoopRunner.add_loop`; ``stall_after_s``: how long one
+        round may run before the gateway is not ready)."""
+        self.loops.add_loop(name, interval_s, body, stall_after_s)
 
     def use_leases(self, leases: MaintenanceLeases) -> None:
         """Fleet mode: every maintenance cycle runs under a lease from ``leases`` (the

@@ -57,10 +57,11 @@ class Drains:
         """Share the GPU-fault holds and restart claims through ``shared`` (fleet mode)."""
         self.shared = shared
 
-    async def drain(self, backend: Backend, deadline_s: float, reason: str) -> bool:
+    async def drain(self, backend: Backend, deadline_s: float | None, reason: str) -> bool:
         """Stop new requests to ``backend`` at once and wait for its in-flight ones.
 
-        At the deadline (seconds from now) the remaining requests are cut: streams end
+        At the deadline (seconds from now; None: none unless one is set later, e.g. by
+        :meth:`arm_deadline`) the remaining requests are cut: streams end
         with an error event then ``[DONE]``; a request still waiting for its answer is
         re-sent to another backend. Returns True when the backend is still ``draining``
         with nothing in flight (False: something else changed its state meanwhile).
@@ -70,7 +71,7 @@ class Drains:
         if backend.state is not S.DRAINING:
             return False
         started = self.clock()
-        if backend.drain_deadline is None:
+        if backend.drain_deadline is None and deadline_s is not None:
             self.state.set_drain_deadline(backend, started + deadline_s)
         cut = False
         while backend.in_flight > 0 and backend.state is S.DRAINING:
@@ -164,6 +165,52 @@ class Drains:
                     backend, "drain", self.manual_drain(backend, deadline_s, preempt)
                 )
         return True
+
+    # ---- discovery: an endpoint terminating or gone (gateway.fleet.membership) -----------------
+    def leave(self, backend: Backend, reason: str, deadline_s: float | None) -> None:
+        """Discovery says ``backend`` is going away (``reason``: ``endpoint_terminating``,
+        ``endpoint_removed``, ``endpoint_moved``): held out of rotation (``hold:
+        leaving``, unless another hold already keeps it out) and, when warm or warming,
+        drained as the procedure ``leave`` (then marked drained). ``deadline_s`` (seconds
+        from now): when what is still in flight is cut; None: never (the endpoint still
+        serves), until :meth:`arm_deadline`. Idempotent."""
+        if backend.hold is None:
+            self.state.hold(backend, "leaving", None)
+        if backend.state in (S.WARM, S.WARMING):
+            self.procedures.cancel(backend)  # e.g. a short cycle's probe
+            self.state.transition(backend, S.DRAINING, reason)
+            if deadline_s is not None:
+                self.state.set_drain_deadline(backend, self.clock() + deadline_s)
+            self.procedures.run(backend, "leave", self._leave(backend, reason))
+        elif deadline_s is not None:
+            self.arm_deadline(backend, deadline_s)
+
+    async def _leave(self, backend: Backend, reason: str) -> None:
+        if await self.drain(backend, None, reason):
+            self.state.mark_drained(backend)
+            log.info("backend %s: drained for discovery (%s)", backend.id, reason)
+
+    def arm_deadline(self, backend: Backend, deadline_s: float) -> None:
+        """A draining ``backend``'s drain cuts what is left ``deadline_s`` seconds from
+        now, or at its earlier deadline already set."""
+        if backend.state is not S.DRAINING:
+            return
+        at = self.clock() + deadline_s
+        if backend.drain_deadline is None or at < backend.drain_deadline:
+            self.state.set_drain_deadline(backend, at)
+
+    def rejoin(self, backend: Backend) -> None:
+        """Discovery sees ``backend`` serving again: its ``leaving`` hold ends and, when
+        its discovery drain is running or done, it returns to ``warm`` (reason
+        ``endpoint_back``, with slow start). A drain of another kind (an operator's, a
+        maintenance cycle's) is left as it is; a cold or unhealthy backend returns through
+        its probes."""
+        if backend.hold != "leaving":
+            return
+        self.state.release_hold(backend)
+        if backend.state is S.DRAINING and self.procedures.running(backend) in (None, "leave"):
+            self.procedures.cancel(backend)
+            self.state.transition(backend, S.WARM, "endpoint_back")
 
     # ---- GPU faults: holds every replica keeps -----------------------------------------------
     def hold_for_gpu_fault(self, backend: Backend, reason: str) -> None:

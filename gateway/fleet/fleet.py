@@ -1,10 +1,20 @@
 """The fleet: every :class:`~gateway.fleet.backend.Backend`, in config order, each built whole
-from the configuration (its circuit breaker, cycle clock, GPU trackers and API key)."""
+from the configuration (its circuit breaker, cycle clock, GPU trackers and API key).
+
+Membership changes while the gateway runs (discovery, :mod:`gateway.fleet.membership`, is
+the only caller of :meth:`Fleet.add` and :meth:`Fleet.remove`). Parts that keep something
+per backend either read the fleet live (the collectors, the probe and scrape loops,
+:attr:`Fleet.version` for a cache keyed on membership) or listen
+(:meth:`Fleet.on_change`) to forget a removed backend's things (its upstream session,
+procedures, metric series).
+"""
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 from gateway.config import (
     BackendConfig,
@@ -19,9 +29,18 @@ from gateway.fleet.gpu_health import GpuHealth
 from gateway.routing.thermal import ThermalTracker
 from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
 
+# What happened to the backend a membership listener is called with.
+Change = Literal["added", "removed"]
+MembershipListener = Callable[[Backend, Change], None]
+
+# Cycle-clock slots a discovered backend's first due times are spread over (by a hash of
+# its id: stable, and uniform over each period however many come and go).
+_SPREAD_SLOTS = 1024
+
 
 class Fleet:
-    """The set of backends, in config order, with lookups by id and by model.
+    """The set of backends, in config order (discovered ones after them, in the order they
+    came), with lookups by id and by model.
 
     Builds each :class:`Backend` whole: its circuit breaker from ``breaker`` (thresholds;
     the TTFT SLO ``ttft_slo_s`` arms its latency fuse), its cycle clock from ``lifecycle``
@@ -29,6 +48,7 @@ class Fleet:
     GPU trackers from ``thermal`` when it has a ``gpu_metrics_url``, its cold-start timer
     from now. Without those settings its parts are the defaults (a default breaker, no cycle
     ever due, no GPU trackers). Raises ``ConfigError`` for an unset ``api_key_env``.
+    :attr:`backends` is replaced, never changed in place, by :meth:`add` / :meth:`remove`.
     """
 
     def __init__(
@@ -41,28 +61,79 @@ class Fleet:
     ) -> None:
         self.backends: list[Backend] = []
         self._by_id: dict[str, Backend] = {}
+        self._breaker = breaker or BreakerConfig()
+        self._lifecycle = lifecycle
+        self._thermal = thermal
+        self._clock = clock
+        self._listeners: list[MembershipListener] = []
+        self.version = 0  # bumped by every add / remove (a cache key for per-backend tables)
         now = clock()
         for i, c in enumerate(configs):
-            monitored = thermal is not None and c.gpu_metrics_url is not None
-            b = Backend(
-                config=c,
-                models=tuple(c.models or ()),
-                breaker=CircuitBreaker(breaker or BreakerConfig(), clock),
-                cycles=(
-                    initial_cycle_clock(i, len(configs), now, lifecycle)
-                    if lifecycle is not None
-                    else never_due()
-                ),
-                thermal=ThermalTracker(thermal) if monitored and thermal else None,
-                gpu_health=(
-                    GpuHealth(thermal.xid_threshold, thermal.xid_window_s)
-                    if monitored and thermal
-                    else None
-                ),
-                first_seen=now,
-            )
+            b = self._build(c, i, len(configs), now)
             self.backends.append(b)
             self._by_id[c.id] = b
+
+    def _build(self, c: BackendConfig, index: int, count: int, now: float) -> Backend:
+        """One backend, whole: breaker, cycle clock (slot ``index`` of ``count`` of each
+        period), GPU trackers when it has a ``gpu_metrics_url``, cold-start timer from
+        ``now``."""
+        thermal = self._thermal
+        monitored = thermal is not None and c.gpu_metrics_url is not None
+        lifecycle = self._lifecycle
+        return Backend(
+            config=c,
+            models=tuple(c.models or ()),
+            breaker=CircuitBreaker(self._breaker, self._clock),
+            cycles=(
+                initial_cycle_clock(index, count, now, lifecycle)
+                if lifecycle is not None
+                else never_due()
+            ),
+            thermal=ThermalTracker(thermal) if monitored and thermal else None,
+            gpu_health=(
+                GpuHealth(thermal.xid_threshold, thermal.xid_window_s)
+                if monitored and thermal
+                else None
+            ),
+            first_seen=now,
+        )
+
+    # ---- membership (gateway.fleet.membership is the only caller) ---------------------------
+    def on_change(self, listener: MembershipListener) -> None:
+        """Call ``listener(backend, "added" | "removed")`` after every :meth:`add` /
+        :meth:`remove` (e.g. the upstream pool closes a removed backend's session)."""
+        self._listeners.append(listener)
+
+    def add(self, config: BackendConfig) -> Backend:
+        """Add a backend built whole from ``config`` (as at start: breaker, cycle clock with
+        its first due times spread over each period by a hash of its id, GPU trackers when
+        it has a ``gpu_metrics_url``, cold-start timer from now), state ``cold``: the probe
+        loop finds it, warm-up and slow start apply before it gets traffic. Raises
+        ``ValueError`` for an id already in the fleet and ``ConfigError`` for an unset
+        ``api_key_env``."""
+        if config.id in self._by_id:
+            raise ValueError(f"backend {config.id} is already in the fleet")
+        slot = zlib.crc32(config.id.encode()) % _SPREAD_SLOTS
+        b = self._build(config, slot, _SPREAD_SLOTS, self._clock())
+        self.backends = [*self.backends, b]  # a new list: a loop iterating the old one is safe
+        self._by_id[config.id] = b
+        self.version += 1
+        for listener in self._listeners:
+            listener(b, "added")
+        return b
+
+    def remove(self, backend_id: str) -> Backend | None:
+        """Take ``backend_id`` out of the fleet (the caller drained it first); returns the
+        removed backend, or None when it was not in the fleet. Requests still holding it
+        end on the detached record."""
+        b = self._by_id.pop(backend_id, None)
+        if b is None:
+            return None
+        self.backends = [x for x in self.backends if x is not b]
+        self.version += 1
+        for listener in self._listeners:
+            listener(b, "removed")
+        return b
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> Fleet:

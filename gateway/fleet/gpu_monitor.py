@@ -78,7 +78,9 @@ class GpuMonitor:
     ``request_cooldown(backend_id, reason, rest_done=...)``: start a medium cycle, True
     when it started; ``gpu_fault(backend, reason)``: a GPU fault (``gpu_xid`` /
     ``gpu_ecc``) to act on; ``medium_cooldown_s``: the fixed rest of a medium cycle
-    without telemetry (seconds); ``clock``: monotonic seconds."""
+    without telemetry (seconds); ``clock``: monotonic seconds; ``expect_monitored``:
+    backends discovery adds will have GPU telemetry (run the loop, export the gauges,
+    even while none is in the fleet). :attr:`active`: whether the loop runs."""
 
     def __init__(
         self,
@@ -92,6 +94,7 @@ class GpuMonitor:
         gpu_fault: Callable[[Backend, str], None],
         medium_cooldown_s: float,
         clock: Callable[[], float] = time.monotonic,
+        expect_monitored: bool = False,
     ) -> None:
         self.cfg = cfg
         self.fleet = fleet
@@ -103,12 +106,36 @@ class GpuMonitor:
         self.medium_cooldown_s = medium_cooldown_s
         self.clock = clock
         self.budgets_w = {d.name: d.budget_w for d in power_domains}
-        self.domain_of = {b.id: b.config.power_domain for b in fleet}
-        self.monitored = [b for b in fleet if b.thermal is not None]
-        self.view: ThermalView = self._build(clock())  # all unknown until scraped
+        # discovered backends will have GPU telemetry (the discovery template's
+        # gpu_metrics_url): the loop runs even while none is in the fleet yet
+        self.active = any(b.thermal is not None for b in fleet) or expect_monitored
+        self._version = -1
+        self._domain_of: dict[str, str | None] = {}
+        self._monitored: list[Backend] = []
         self._last_tier: dict[str, ThermalTier] = {}
-        if self.monitored or self.budgets_w:
+        self.view: ThermalView = self._build(clock())  # all unknown until scraped
+        if self.active or self.budgets_w:
             self.metrics.attach_thermal(lambda: self.view, clock)
+
+    def _follow(self) -> None:
+        """Rebuild the per-backend tables when the fleet's membership changed."""
+        if self._version != self.fleet.version:
+            self._domain_of = {b.id: b.config.power_domain for b in self.fleet}
+            self._monitored = [b for b in self.fleet if b.thermal is not None]
+            self._last_tier = {k: v for k, v in self._last_tier.items() if k in self._domain_of}
+            self._version = self.fleet.version
+
+    @property
+    def domain_of(self) -> dict[str, str | None]:
+        """Each backend's power domain by id (None: none), as the fleet is now."""
+        self._follow()
+        return self._domain_of
+
+    @property
+    def monitored(self) -> list[Backend]:
+        """The backends with GPU telemetry, as the fleet is now."""
+        self._follow()
+        return self._monitored
 
     # ---- the loop ------------------------------------------------------------------------
     async def round(self) -> None:

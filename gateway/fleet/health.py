@@ -64,6 +64,12 @@ class HealthChecks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def forget(self, backend: Backend) -> None:
+        """``backend`` left the fleet: cancel its outstanding probe (if running) and drop it."""
+        task = self._probing.pop(backend.id, None)
+        if task is not None:
+            task.cancel()
+
     async def probe_round(self) -> None:
         """Probe every backend once and wait for all the answers (the start-up round)."""
         await asyncio.gather(*(self.probe_one(b) for b in self.fleet))

@@ -116,6 +116,12 @@ class Maintenance:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def forget(self, backend: Backend) -> None:
+        """``backend`` left the fleet: cancel its stall probe (if running) and drop it."""
+        task = self._stall.pop(backend.id, None)
+        if task is not None:
+            task.cancel()
+
     def _stalling(self, b: Backend) -> bool:
         task = self._stall.get(b.id)
         return task is not None and not task.done()

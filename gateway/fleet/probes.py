@@ -189,6 +189,13 @@ class ProbeEndpoints:
         self._unserved: dict[tuple[str, str], str] = {}
         self._reported: set[tuple[str, str]] = set()
 
+    def forget(self, backend_id: str) -> None:
+        """``backend_id`` left the fleet: drop what was learnt of it."""
+        for table in (self._found, self._unserved):
+            for key in [k for k in table if k[0] == backend_id]:
+                del table[key]
+        self._reported = {k for k in self._reported if k[0] != backend_id}
+
     def get(self, backend_id: str, model: str) -> str | None:
         """The endpoint that last answered for ``model`` on the backend, or None."""
         return self._found.get((backend_id, model))

@@ -55,6 +55,9 @@ class Procedures:
                 state.maintenance_ended(backend)
 
         task = asyncio.get_running_loop().create_task(wrapped())
+        # cancelled before it started (e.g. its backend left the fleet at once): the
+        # procedure's coroutine was never awaited; close it quietly
+        task.add_done_callback(lambda _: coro.close())
         self._tasks[backend.id] = task
         self._names[backend.id] = name
         return task
@@ -64,6 +67,12 @@ class Procedures:
         task = self._tasks.get(backend.id)
         if task is not None and not task.done():
             task.cancel()
+
+    def forget(self, backend: Backend) -> None:
+        """``backend`` left the fleet: cancel its procedure (if running) and drop it."""
+        self.cancel(backend)
+        self._tasks.pop(backend.id, None)
+        self._names.pop(backend.id, None)
 
     async def cancel_and_wait(self, backend: Backend) -> None:
         """Cancel the procedure running on ``backend`` and wait until it has ended (its

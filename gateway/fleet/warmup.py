@@ -58,6 +58,12 @@ class Warmup:
             return
         self._tasks[backend.id] = asyncio.get_running_loop().create_task(self.warm(backend))
 
+    def forget(self, backend: Backend) -> None:
+        """``backend`` left the fleet: cancel its warm-up (if running) and drop it."""
+        task = self._tasks.pop(backend.id, None)
+        if task is not None:
+            task.cancel()
+
     async def wait_all(self) -> None:
         """Wait for the warm-ups started so far (their failures are theirs)."""
         if self._tasks:

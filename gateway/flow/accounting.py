@@ -39,6 +39,12 @@ class Accounting:
         # (monotonic time, TTFT seconds) of recent streams: the latency fuse, degraded mode
         self.ttft_window: deque[tuple[float, float]] = deque(maxlen=4096)
 
+    def forget(self, backend_id: str) -> None:
+        """``backend_id`` left the fleet (its series were dropped): drop the cached label
+        children, so a backend coming back under that id is counted afresh."""
+        for key in [k for k in self._attempt_children if k[0] == backend_id]:
+            del self._attempt_children[key]
+
     def attempt(self, backend: Backend, outcome: str) -> None:
         """Count one attempt on ``backend`` ending with ``outcome`` (``ok``, ``http_4xx``,
         a :class:`gateway.core.vocab.FailureKind` or a stream's end)."""

@@ -91,9 +91,7 @@ class AdmissionGate:
         self.clock = clock
         max_in_flight = a.max_in_flight
         if max_in_flight is None:
-            caps = [b.max_num_seqs for b in cfg.backends if b.max_num_seqs is not None]
-            if caps and len(caps) == len(cfg.backends):
-                max_in_flight = max(1, math.ceil(sum(caps) * a.in_flight_per_seq))
+            max_in_flight = self._derived_capacity()
         capacity = max_in_flight
         self.fleet_capacity = capacity  # slots one gateway allows (fleet mode splits them)
         if cfg.batcher.enabled:
@@ -113,6 +111,43 @@ class AdmissionGate:
         # Power layer: draw / budget of the roomiest power domain among a model's routable
         # backends (gateway.fleet.gpu_monitor.GpuMonitor.power_level); None: no domains.
         self.power_level = power_level
+
+    def _derived_capacity(self) -> int | None:
+        """The in-flight bound from the fleet as it is now: ``sum(max_num_seqs) x
+        admission.in_flight_per_seq`` when every backend states its ``max_num_seqs``, else
+        None (unbounded here: the backends' own queues and the resource layer bound it)."""
+        caps = [b.config.max_num_seqs for b in self.fleet]
+        if not caps or any(c is None for c in caps):
+            return None
+        known = [c for c in caps if c is not None]
+        return max(1, math.ceil(sum(known) * self.cfg.admission.in_flight_per_seq))
+
+    def fleet_changed(self, resize: bool = True) -> None:
+        """The fleet's membership changed (discovery): the capacity derived from its
+        ``max_num_seqs`` follows (a configured ``admission.max_in_flight`` stays). With
+        ``resize`` (not in fleet mode's capacity shares, which resize it themselves each
+        round from :attr:`fleet_capacity`) the scheduler's bound moves now: waiters are
+        woken when it grows or goes, a lower one cuts nothing."""
+        if self.cfg.admission.max_in_flight is not None:
+            return
+        capacity = self._derived_capacity()
+        if capacity == self.fleet_capacity:
+            return
+        self.fleet_capacity = capacity
+        if not resize:
+            return
+        sched = self.scheduler
+        if self.cfg.batcher.enabled:  # the batcher bounds per backend: the rate's capacity
+            sched.capacity = capacity
+            return
+        now = self.clock()
+        woken = sched.resize(capacity, now) if capacity is not None else sched.unbound(now)
+        for w in woken:
+            assert isinstance(w, asyncio.Future)
+            if w.done():  # gave up meanwhile: its slot goes back
+                self.release(Ticket(Prio.LOW))
+            else:
+                w.set_result(None)
 
     # ---- helpers -------------------------------------------------------------------------
     def priority(self, header: bytes | None, key: ClientKey | None) -> Prio:

@@ -78,6 +78,9 @@ class Transport(Protocol):
         self, target: Target, req: UpstreamRequest, api_key: str | None
     ) -> UpstreamResponse: ...
 
+    async def forget(self, backend_id: str) -> None:
+        """``backend_id`` left the fleet: close what is pooled for it."""
+
     async def close(self) -> None: ...
 
 # RFC 9110 section 7.6.1 hop-by-hop headers, plus headers the gateway sets itself.
@@ -315,6 +318,13 @@ class UpstreamPool:
             return 0
         acquired = getattr(s.connector, "_acquired", ())
         return len(acquired)
+
+    async def forget(self, backend_id: str) -> None:
+        """``backend_id`` left the fleet (discovery removed it once nothing was in flight
+        there): close its session and pooled connections."""
+        s = self._sessions.pop(backend_id, None)
+        if s is not None:
+            await s.close()
 
     async def close(self) -> None:
         sessions, self._sessions = list(self._sessions.values()), {}

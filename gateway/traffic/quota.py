@@ -111,8 +111,8 @@ class QuotaBucket:
     state of a new key). See the module docstring for the rules."""
 
     __slots__ = (
-        "balance", "chunk", "fetching", "kind", "level", "level_at", "limit", "low", "owed",
-        "rate", "share", "share_paid", "share_used", "surplus", "used_at",
+        "balance", "chunk", "fetching", "heard", "kind", "level", "level_at", "limit", "low",
+        "owed", "rate", "share", "share_paid", "share_used", "surplus", "used_at",
     )
 
     def __init__(self, kind: str, limit: int, chunk_fraction: float, now: float) -> None:
@@ -127,6 +127,7 @@ class QuotaBucket:
         self.fetching = False
         self.level = float(limit)
         self.level_at = now
+        self.heard = False  # the store has told this replica the global bucket's level
         self.used_at = now
         self.share: TokenBucket | None = None  # the local share while the store is down
         self.share_paid = 0.0  # balance folded into the share (already taken globally)
@@ -149,6 +150,7 @@ class QuotaBucket:
         """The global bucket was at ``level`` at local monotonic ``at``."""
         self.level = level
         self.level_at = at
+        self.heard = True
 
     def fetch_failed(self) -> None:
         """The running fetch got no answer (the store is down or slow)."""

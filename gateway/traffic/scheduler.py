@@ -242,6 +242,20 @@ class Scheduler:
                 woken.append(q.popleft())
         return woken
 
+    def unbound(self, now: float) -> list[object]:
+        """Drop the in-flight bound (the fleet's capacity is no longer known, e.g. a
+        discovered backend states no ``max_num_seqs``). Returns every waiter, most urgent
+        first, each now counted as running."""
+        self.max_in_flight = None
+        self.capacity = None
+        woken: list[object] = []
+        for p, q in enumerate(self.queues):
+            while q:
+                self.in_flight += 1
+                self._granted(Prio(p), now)
+                woken.append(q.popleft())
+        return woken
+
     def retry_after(self, prio: Prio, now: float) -> float:
         """Retry-After for a refused request of ``prio``: :meth:`predicted_wait` bounded to
         [1, 60] s (60 when nothing is finishing yet)."""

@@ -60,7 +60,7 @@ def test_a_session_lands_on_one_backend_from_every_replica_and_moves_together(
         httpx.delete(s.url + "/sim/stats", timeout=5)
     for gw in gws:
         assert wait_for(lambda gw=gw: gone_name.lower() not in
-                        httpx.get(gw.url + "/ready").json()["routable"], 10)
+                        httpx.get(gw.url + "/ready/fleet").json()["routable"], 10)
     for i, sid in enumerate(SESSIONS):
         for k in range(3):
             _send(gws[(i + k) % 3].url, sid, f"q{next(n)}")

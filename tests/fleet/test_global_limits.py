@@ -228,3 +228,28 @@ def test_tpm_is_global_and_charged_the_reported_usage(sims, replicas):
     print(f"{len(used)} answers used {total} tokens in {span:.1f} s; bound {bound:.0f}")
     assert total <= bound + per_request, f"{total} tokens used, over the bound {bound:.0f}"
     assert total >= tpm, "the burst is spent: the limit admits, not far below"
+
+
+def test_a_keys_first_request_waits_for_a_slow_stores_first_answer(redis_server, sims,
+                                                                    replicas):
+    """A key's first request on a replica finds no balance and starts the first fetch; a
+    store that takes 120 ms to answer (frozen, then thawed) must not make it a 429 (before:
+    it waited only ``quota_wait_s``, 20 ms, and a loaded machine refused new keys)."""
+    a = sims("A", itl_s=0.001)
+    (r1,) = replicas(1, {"a": a.url}, auth=keyed(60))
+    out: list[int] = []
+
+    def first() -> None:
+        out.append(httpx.post(r1.url + "/v1/chat/completions", json=chat_body(max_tokens=1),
+                              headers={"authorization": f"Bearer {KEY}"},
+                              timeout=30).status_code)
+
+    redis_server.pause()
+    try:
+        t = threading.Thread(target=first)
+        t.start()
+        time.sleep(0.12)
+    finally:
+        redis_server.resume()
+    t.join(30)
+    assert out == [200], out

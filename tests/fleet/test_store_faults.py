@@ -147,5 +147,5 @@ def test_store_outage_and_freeze_under_load_fail_no_request(redis_server, sims, 
         assert all(n > 0 for n in counts.values()), (phase, counts)  # load through each
     assert all(n > 0 for n in served_outage), served_outage  # no backend out meanwhile
     for u in urls:  # no backend stuck out of rotation on any replica
-        assert wait_for(lambda u=u: sorted(httpx.get(u + "/ready").json()["routable"])
+        assert wait_for(lambda u=u: sorted(httpx.get(u + "/ready/fleet").json()["routable"])
                         == ["a", "b", "c"], 10), httpx.get(u + "/admin/backends").text

@@ -51,14 +51,16 @@ class Sim:
     """One simulated vLLM serving ``m1`` (``engine_label`` = its name, so its
     ``system_fingerprint`` differs from its peers'). ``itl_s`` is the decode step (seconds
     per token of a lone stream). ``kill()`` stops it (port closed: connection refused);
-    ``restart()`` serves a fresh one with the same config on the same port."""
+    ``restart()`` serves a fresh one with the same config on the same port. ``host`` /
+    ``port``: where it listens (default a free port on 127.0.0.1)."""
 
     def __init__(self, name: str, itl_s: float = 0.01, max_num_seqs: int = 16,
-                 **config: Any) -> None:
+                 host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
         self.name = name
+        self.host = host
         engine = EngineParams(itl_base_s=itl_s, itl_per_seq_s=0.0, max_num_seqs=max_num_seqs)
         self.config = SimConfig(model=MODEL, engine_label=name, engine=engine, **config)
-        self.server = SimServerThread(self.config)
+        self.server = SimServerThread(self.config, host=host, port=port)
         self.url = self.server.start()
         self.port = int(self.url.rsplit(":", 1)[1])
         self.alive = True
@@ -72,7 +74,7 @@ class Sim:
         self.alive = False
 
     def restart(self) -> None:
-        self.server = SimServerThread(self.config, port=self.port)
+        self.server = SimServerThread(self.config, host=self.host, port=self.port)
         assert self.server.start() == self.url
         self.alive = True
 

@@ -2,7 +2,7 @@
 serves for the model, and a 404 of an endpoint is not a health verdict.
 
 A chat-only OpenAI-compatible server (404 on ``/v1/completions`` and ``/v1/embeddings``)
-used to go ``warming -> unhealthy (warmup_failed)`` every 2 s forever, ``/ready`` 503.
+used to go ``warming -> unhealthy (warmup_failed)`` every 2 s forever, never routable.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def not_found(conn: Conn) -> object:
 
 def test_chat_only_backend_warms_and_serves_chat(backends, lc_gateway):
     """A backend that serves only chat (404 to completions and embeddings) becomes warm and
-    ``/ready`` is 200: warm-up found chat with one completions request (404) and then went
+    routable (``/ready/fleet``): warm-up found chat with one completions request (404) and then went
     straight to it (shapes 1 and 2: three chat requests of prompt ``ping`` as a user
     message, ``max_tokens`` 4, temperature 0); the calibration baseline was taken on chat
     (the prompts as user messages, temperature 0, the seed, ``max_tokens``; the answers'
@@ -67,7 +67,7 @@ def test_chat_only_backend_warms_and_serves_chat(backends, lc_gateway):
 
     a = backends(chat_only)
     gw = lc_gateway({"a": a.url}, **SECTIONS)
-    assert httpx.get(gw.url + "/ready").status_code == 200
+    assert httpx.get(gw.url + "/ready/fleet").json()["routable"] == ["a"]
     assert history(gw.url, "a") == [("cold", "warming", "probe_ok"), ("warming", "warm", "ready")]
 
     early = list(seen)  # what warm-up, calibration (and maybe a short cycle) sent
@@ -123,7 +123,7 @@ def test_backend_serving_no_probe_endpoint_still_warm(backends, lc_gateway):
 
     a = backends(nothing)
     gw = lc_gateway({"a": a.url}, **SECTIONS)
-    assert httpx.get(gw.url + "/ready").status_code == 200
+    assert httpx.get(gw.url + "/ready/fleet").json()["routable"] == ["a"]
     assert history(gw.url, "a") == [("cold", "warming", "probe_ok"), ("warming", "warm", "ready")]
     assert {"/v1/completions", CHAT, "/v1/embeddings"} <= set(seen)
 
@@ -150,8 +150,9 @@ def test_backend_serving_no_probe_endpoint_still_warm(backends, lc_gateway):
 
 def test_a_backend_configured_for_a_model_it_does_not_serve_fails_its_warm_up(sims):
     """A 404 about the *model* (vLLM: ``The model `nope` does not exist.``) is a verdict,
-    not a missing endpoint: the backend configured for ``nope`` never becomes routable and
-    ``/ready`` stays 503 (it went warm and took traffic it could only 404)."""
+    not a missing endpoint: the backend configured for ``nope`` never becomes routable:
+    ``/ready/fleet`` stays 503 (it went warm and took traffic it could only 404), while the
+    gateway itself is ready (``/ready`` 200: it answers such requests itself)."""
     from tests.support.servers import GatewayThread, gateway_config
 
     s = sims("a")
@@ -163,6 +164,7 @@ def test_a_backend_configured_for_a_model_it_does_not_serve_fails_its_warm_up(si
         assert wait_for(lambda: any(t[2] == "warmup_failed"
                                     for t in history(gw.url, "a")), 15), history(gw.url, "a")
         assert admin(gw.url, "a")["state"] != "warm"
-        assert httpx.get(gw.url + "/ready", timeout=5).status_code == 503
+        assert httpx.get(gw.url + "/ready/fleet", timeout=5).status_code == 503
+        assert httpx.get(gw.url + "/ready", timeout=5).status_code == 200
     finally:
         gw.stop()

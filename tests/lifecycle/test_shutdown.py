@@ -72,8 +72,9 @@ class GatewayProcess:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-2000:]
             try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
+                if (httpx.get(self.url + "/ready", timeout=1).status_code == 200
+                        and httpx.get(self.url + "/ready/fleet", timeout=1).status_code == 200):
+                    return  # ready, and its backend routable
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)

@@ -17,6 +17,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, load_config
+from gateway.fleet.discovery import DiscoverySource
 from gateway.serving import EmbeddedServer, uvicorn_config
 from gateway.wiring import Gateway
 
@@ -55,9 +56,9 @@ class LoopThread:
 class GatewayThread:
     """The real gateway app under uvicorn, in a thread. ``url`` is its base URL."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, source: DiscoverySource | None = None) -> None:
         self.cfg = cfg
-        self.app = create_app(cfg)
+        self.app = create_app(cfg, source=source)
         self._lt: LoopThread | None = None
         self._server: uvicorn.Server | None = None
         self.url = ""
@@ -87,15 +88,20 @@ class GatewayThread:
         return self.url
 
     def wait_ready(self, timeout: float = 20, routable: int | None = None) -> None:
+        """Wait until the gateway is ready (``/ready`` 200: its own checks) and at least
+        ``routable`` backends (default 1) are routable (``/ready/fleet``)."""
+        want = 1 if routable is None else routable
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            r = httpx.get(self.url + "/ready")
-            if r.status_code == 200 and (
-                routable is None or len(r.json()["routable"]) >= routable
-            ):
-                return
+            if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
+                fleet = httpx.get(self.url + "/ready/fleet", timeout=5).json()
+                if len(fleet["routable"]) >= want:
+                    return
             time.sleep(0.05)
-        raise TimeoutError(f"gateway not ready: {httpx.get(self.url + '/admin/backends').text}")
+        raise TimeoutError(
+            f"gateway not ready: {httpx.get(self.url + '/ready', timeout=5).text}; "
+            f"backends: {httpx.get(self.url + '/admin/backends', timeout=5).text}"
+        )
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
         """Run a coroutine on the gateway's loop (to read or poke its state safely)."""

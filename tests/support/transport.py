@@ -87,6 +87,7 @@ class ScriptedTransport:
     sent: list[tuple[str, UpstreamRequest]] = field(default_factory=list)
     responses: list[ScriptedResponse] = field(default_factory=list)
     closed: bool = False
+    forgotten: list[str] = field(default_factory=list)  # backends removed from the fleet
 
     async def send(
         self, target: Target, req: UpstreamRequest, api_key: str | None
@@ -95,6 +96,9 @@ class ScriptedTransport:
         resp = await self.handler(target, req)
         self.responses.append(resp)
         return resp
+
+    async def forget(self, backend_id: str) -> None:
+        self.forgotten.append(backend_id)
 
     async def close(self) -> None:
         self.closed = True

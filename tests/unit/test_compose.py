@@ -1,7 +1,11 @@
 """docker-compose.yml, checked statically (Docker cannot run on this machine kind): in both
 profiles a ``redis`` service and two gateway replicas in fleet mode behind an nginx balancer
 on port 8000; every command, config file, env override, service name and port they
-reference exists and agrees. And ``.ci/run`` installs the Redis server the fleet tests use."""
+reference exists and agrees. What running it needs (issue 15 item 6): vLLM in dev mode with
+sleep mode where the config sleeps, pinned images, restart policies, healthchecks behind
+every ``service_healthy`` dependency, dcgm-exporter beside the GPU services (the config's
+``gpu_metrics_url``), the admin key from the environment, the ``sim`` profile without GPUs.
+And ``.ci/run`` installs the Redis server the fleet tests use."""
 
 from __future__ import annotations
 
@@ -16,8 +20,11 @@ import yaml
 
 from gateway.cli import build_parser
 from gateway.config import GatewayConfig, load_config
+from gateway.fleet import telemetry
 
 ROOT = Path(__file__).resolve().parents[2]
+# what `docker compose` reads from the environment (or .env) in these checks
+COMPOSE_ENV = {"GATEWAY_ADMIN_KEY": "admin-key-from-env"}
 PROFILES = {
     # profile -> (balancer, its two replicas, the backends' services)
     "default": ("gateway", ("gateway-1", "gateway-2"), ("vllm-a", "vllm-b")),
@@ -48,15 +55,39 @@ def started_by(name: str) -> set[str]:
     return seen
 
 
-def replica_config(svc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> GatewayConfig:
+class Unset(Exception):
+    """A required variable (``${VAR:?message}``) is unset: compose stops with ``message``."""
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """``value`` as compose substitutes it from ``env``: ``${VAR}``, ``${VAR:-default}``,
+    ``${VAR:?message}`` (unset or empty: :class:`Unset`); ``$$`` is a literal ``$``."""
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group("name"), m.group("op"), m.group("arg") or ""
+        got = env.get(name, "")
+        if op == ":?" and not got:
+            raise Unset(f"{name}: {arg}")
+        if op == ":-" and not got:
+            return arg
+        return got
+
+    return re.sub(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:[-?])(?P<arg>[^}]*))?\}", one, value)
+
+
+def replica_config(svc: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                   env: dict[str, str] | None = None) -> GatewayConfig:
     """The config a replica service runs: its file (the Dockerfile copies config/ to
-    /app/config/) under its ``LLM_GATEWAY_*`` environment."""
+    /app/config/) under its ``LLM_GATEWAY_*`` environment, interpolated from ``env``
+    (default :data:`COMPOSE_ENV`)."""
     args = build_parser().parse_args(svc["command"])
     assert args.command == "serve" and args.config.startswith("/app/config/")
     with monkeypatch.context() as m:
         for k, v in svc.get("environment", {}).items():
             if k.startswith("LLM_GATEWAY_"):
-                m.setenv(k, str(v))
+                m.setenv(k, interpolate(str(v), COMPOSE_ENV if env is None else env))
         return load_config(ROOT / args.config.removeprefix("/app/"))
 
 
@@ -67,7 +98,8 @@ def published(svc: dict[str, Any]) -> list[tuple[int, int]]:
 def test_default_profile_runs_redis_two_replicas_and_gpu_vllm():
     svcs = services()
     default = {n for n, s in svcs.items() if not s.get("profiles")}
-    assert default == {"redis", "gateway", "gateway-1", "gateway-2", "vllm-a", "vllm-b"}
+    assert default == {"redis", "gateway", "gateway-1", "gateway-2", "vllm-a", "vllm-b",
+                       "dcgm-exporter"}
     for name in ("vllm-a", "vllm-b"):
         devices = svcs[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
@@ -139,3 +171,118 @@ def test_ci_installs_redis_server_when_missing():
     assert re.search(r"apt-get update", text) and re.search(
         r"apt-get install -y[^\n]*redis-server", text)
     assert subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")]).returncode == 0
+
+
+# ---- what running it needs (issue 15 item 6) ----------------------------------------------
+
+def healthcheck_cmd(svc: dict[str, Any]) -> str:
+    test = svc["healthcheck"]["test"]
+    assert test[0] in ("CMD", "CMD-SHELL"), test
+    return " ".join(test[1:])
+
+
+@pytest.mark.parametrize("name", ["vllm-a", "vllm-b"])
+def test_vllm_runs_in_dev_mode_with_sleep_mode_where_the_config_sleeps(name, monkeypatch):
+    """The medium cycle's ``POST /reset_prefix_cache`` (and ``/sleep``, ``/wake_up``) exist
+    only with ``VLLM_SERVER_DEV_MODE=1``; the config the replicas run puts vLLM to sleep
+    (``lifecycle.medium.sleep``), so vLLM runs with ``--enable-sleep-mode``. Its image is a
+    pinned release, and its port is published nowhere (dev-mode routes are for the gateway
+    only)."""
+    svcs = services()
+    vllm = svcs[name]
+    assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    cfg = replica_config(svcs["gateway-1"], monkeypatch)
+    assert cfg.lifecycle.medium.sleep is True
+    assert "--enable-sleep-mode" in vllm["command"]
+    assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+", vllm["image"]), vllm["image"]
+    assert "ports" not in vllm
+    assert "/health" in healthcheck_cmd(vllm)
+
+
+def test_pulled_images_are_pinned_and_every_service_restarts():
+    """Every image pulled from a registry names a tag other than ``latest`` (the gateway's
+    own image is built here); every service has a restart policy."""
+    for name, svc in services().items():
+        assert svc.get("restart") in ("unless-stopped", "always", "on-failure"), name
+        if "build" in svc:
+            continue
+        image = svc["image"]
+        tag = image.rsplit("/", 1)[-1].partition(":")[2]
+        assert tag and tag != "latest", (name, image)
+
+
+def test_dependencies_wait_for_health_and_healthchecks_probe_the_right_thing(monkeypatch):
+    """Every ``depends_on`` entry names its condition; a dependency with a healthcheck is
+    waited for until healthy (and ``service_healthy`` only on one that has a healthcheck):
+    Redis by ``redis-cli ping``, vLLM and the simulators by ``/health``, the gateway replicas
+    by ``/health`` on their own port."""
+    svcs = services()
+    for name, svc in svcs.items():
+        deps = svc.get("depends_on", {})
+        assert isinstance(deps, dict), f"{name}: depends_on without conditions"
+        for dep, how in deps.items():
+            want = "service_healthy" if "healthcheck" in svcs[dep] else "service_started"
+            assert how == {"condition": want}, (name, dep, how)
+    assert healthcheck_cmd(svcs["redis"]) == "redis-cli ping"
+    for profile, (_lb, pair, backends) in PROFILES.items():
+        for name in pair:
+            port = replica_config(svcs[name], monkeypatch).server.port
+            assert f"127.0.0.1:{port}/health" in healthcheck_cmd(svcs[name]), (profile, name)
+            assert svcs[name]["depends_on"]["redis"] == {"condition": "service_healthy"}
+        for name in backends:
+            assert "127.0.0.1:8000/health" in healthcheck_cmd(svcs[name]), name
+
+
+def test_dcgm_exporter_beside_the_gpus_feeds_the_configs_gpu_metrics(monkeypatch):
+    """dcgm-exporter (a pinned ``nvcr.io/nvidia/k8s/dcgm-exporter`` tag) runs in the GPU
+    profile with the vLLM services' GPUs; each backend's ``gpu_metrics_url`` is that service
+    on its port 9400 and ``gpu_indices`` its vLLM service's GPU; the collectors file it is
+    given exists and selects every DCGM field the gateway reads."""
+    svcs = services()
+    dcgm = svcs["dcgm-exporter"]
+    assert re.fullmatch(r"nvcr\.io/nvidia/k8s/dcgm-exporter:\d+\.\d+\.\d+-\d+\.\d+\.\d+-\S+",
+                        dcgm["image"]), dcgm["image"]
+    assert "SYS_ADMIN" in dcgm["cap_add"] and "ports" not in dcgm
+    gpus = dcgm["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    cfg = replica_config(svcs["gateway-1"], monkeypatch)
+    for b in cfg.backends:
+        u = urlsplit(str(b.gpu_metrics_url))
+        assert (u.hostname, u.port, u.path) == ("dcgm-exporter", 9400, "/metrics"), b.id
+        devices = svcs[urlsplit(b.base_url).hostname]["deploy"]["resources"]["reservations"]
+        assert [str(i) for i in b.gpu_indices or []] == devices["devices"][0]["device_ids"]
+        assert set(devices["devices"][0]["device_ids"]) <= set(gpus)
+    assert all("dcgm-exporter" in svcs[n]["depends_on"] for n in PROFILES["default"][1])
+    args = dcgm["command"]
+    collectors = args[args.index("-f") + 1]
+    (mount,) = [v for v in dcgm["volumes"] if v.split(":")[1] == collectors]
+    fields = {line.split(",")[0].strip()
+              for line in (ROOT / mount.split(":")[0]).read_text().splitlines()
+              if line.strip() and not line.startswith("#")}
+    read = {telemetry.DCGM_TEMP, telemetry.DCGM_POWER, telemetry.DCGM_POWER_LIMIT,
+            telemetry.DCGM_ENFORCED_LIMIT, telemetry.DCGM_SM_CLOCK, telemetry.DCGM_XID,
+            telemetry.DCGM_ECC_DBE}
+    assert read <= fields, read - fields
+
+
+def test_sim_profile_needs_no_gpu():
+    """``docker compose --profile sim up gateway-sim`` starts nothing that reserves a GPU
+    (no vLLM, no dcgm-exporter)."""
+    svcs = services()
+    for name in started_by("gateway-sim"):
+        assert "deploy" not in svcs[name], name
+    assert not {"vllm-a", "vllm-b", "dcgm-exporter"} & started_by("gateway-sim")
+
+
+def test_admin_key_comes_from_the_environment_never_unset(monkeypatch):
+    """Each replica's admin key is ``${VAR:?message}``: set, it guards the admin API (the
+    loaded config's key); unset, compose stops with the message instead of publishing an
+    open admin API. No literal key in the file."""
+    svcs = services()
+    for profile, (_lb, pair, _b) in PROFILES.items():
+        for name in pair:
+            raw = svcs[name]["environment"]["LLM_GATEWAY_AUTH__ADMIN_KEY"]
+            assert re.fullmatch(r"\$\{(\w+):\?[^}]+\}", raw), (profile, name, raw)
+            cfg = replica_config(svcs[name], monkeypatch)
+            assert cfg.auth.resolved_admin_key() == COMPOSE_ENV["GATEWAY_ADMIN_KEY"]
+            with pytest.raises(Unset, match="GATEWAY_ADMIN_KEY"):
+                replica_config(svcs[name], monkeypatch, env={})

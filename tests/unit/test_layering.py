@@ -77,12 +77,15 @@ PURE = (
     "gateway.fleet.leases",
     "gateway.fleet.gpu_health",
     "gateway.fleet.kube_objects",
+    "gateway.fleet.membership_plan",
     "gateway.proxy.sse",
     "gateway.proxy.inband",
 )
 """No I/O: these take time and data as arguments."""
-IO_LIBRARIES = ("aiohttp", "httpx", "fastapi", "starlette", "uvicorn", "redis", "socket",
-                "kubernetes_asyncio")
+IO_LIBRARIES = (
+    "aiohttp", "httpx", "fastapi", "starlette", "uvicorn", "redis", "socket", "dns",
+    "kubernetes_asyncio",
+)
 
 ROOT = Path(__file__).resolve().parents[2] / "gateway"
 

@@ -67,3 +67,15 @@ def test_a_replicas_capacity_share_takes_the_same_share_of_the_queue():
     assert gate.scheduler.max_queued == 1  # never below one place
     gate.set_capacity_share(30, 30.0)
     assert gate.scheduler.max_queued == 100
+
+
+def test_unbound_wakes_every_waiter_and_then_runs_everything():
+    """Discovery added a backend that states no max_num_seqs: the bound goes."""
+    s = Scheduler(1, 10)
+    assert s.offer(Prio.NORMAL, 0.0).action == "run"
+    for prio, w in ((Prio.LOW, "low"), (Prio.HIGH, "high")):
+        assert s.offer(prio, 0.0).action == "queue"
+        s.enqueue(prio, w)
+    assert s.unbound(0.0) == ["high", "low"]
+    assert s.in_flight == 3 and s.queued == 0
+    assert s.offer(Prio.LOW, 0.0).action == "run"
