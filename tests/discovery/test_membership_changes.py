@@ -78,10 +78,14 @@ def test_a_terminating_pod_is_drained_never_cut_and_returns_when_it_serves_again
     api.gw = gw
     notices: list[SpotNotice] = []
     try:
-        gw.start()
+        gw.start(wait_ready=False)
+        # not ready until the source has reported the fleet once (the discovery check)
+        assert wait_for(lambda: "discovery" in httpx.get(gw.url + "/ready").json().get(
+            "failing", []), 10)
         gw.gateway.controller.membership.on_spot_notice = notices.append
         # an endpoint with a static backend's id is ignored; the static one stays as it is
         api.endpoints([ep(fast), ep(slow), Endpoint(id="s1", url=fast.url, host=fast.host)])
+        gw.wait_ready()
         ids = {"s1", "pod-127.0.0.2", "pod-slow"}
         assert wait_for(
             lambda: {i for i, b in backends(gw).items() if b["state"] == "warm"} == ids, 15

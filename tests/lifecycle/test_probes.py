@@ -141,7 +141,7 @@ def test_not_ready_while_a_control_loop_is_stuck_in_a_round(sims, lc_gateway):
 
 
 def test_not_ready_until_a_registered_check_passes(sims, lc_gateway):
-    """A check registered on the gateway's readiness (as discovery registers "synced")
+    """A check registered on the gateway's readiness (as discovery registers its own)
     keeps ``/ready`` at 503 naming it and its detail until it passes; a check that raises
     is a failing check, its exception in the detail, not a broken probe."""
     a = sims("A")
@@ -154,17 +154,17 @@ def test_not_ready_until_a_registered_check_passes(sims, lc_gateway):
         return synced["value"], "first snapshot in" if synced["value"] else "no snapshot yet"
 
     async def register() -> None:
-        gw.gateway.readiness.add("discovery", discovery_check)
+        gw.gateway.readiness.add("test_check", discovery_check)
 
     gw.run(register())
     r = httpx.get(gw.url + "/ready")
-    assert r.status_code == 503 and r.json()["failing"] == ["discovery"], r.text
-    assert r.json()["checks"]["discovery"] == {"ok": False, "detail": "no snapshot yet"}
+    assert r.status_code == 503 and r.json()["failing"] == ["test_check"], r.text
+    assert r.json()["checks"]["test_check"] == {"ok": False, "detail": "no snapshot yet"}
     assert r.json()["checks"]["control_loops"]["ok"] is True
     synced["value"] = True
     r = httpx.get(gw.url + "/ready")
-    assert r.status_code == 200 and r.json()["checks"]["discovery"]["ok"] is True, r.text
+    assert r.status_code == 200 and r.json()["checks"]["test_check"]["ok"] is True, r.text
     synced["raise"] = True
     r = httpx.get(gw.url + "/ready")
     assert r.status_code == 503 and "RuntimeError: source gone" in \
-        r.json()["checks"]["discovery"]["detail"], r.text
+        r.json()["checks"]["test_check"]["detail"], r.text
