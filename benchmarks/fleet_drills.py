@@ -2,8 +2,9 @@
 
 Runs, with ``FLEET_DRILLS=full`` (``tests/fleet/drills.py``), the tests whose must-hold
 figures need minutes: three replicas under load for 120 s with fast maintenance cycles, 600
-requests per minute through three replicas for 60 s, a TPM limit for 20 s, 3x overload for
-30 s (twice), and the store stopped for 20 s under load. Each prints its figures (``-s``);
+requests per minute through three replicas for 60 s, a TPM limit for 20 s, the store stopped
+for 10 s under a 120 rpm limit, 3x overload for 30 s (twice), and the store stopped for 20 s
+under load. Each prints its figures (``-s``);
 pytest's own summary says whether every bound held. Needs ``redis-server`` on PATH.
 
     python benchmarks/fleet_drills.py            # all (about 6 minutes)
@@ -25,6 +26,8 @@ DRILLS = [
     "tests/fleet/test_global_limits.py::"
     "test_600_rpm_over_three_replicas_admits_at_most_the_bound_in_a_minute",
     "tests/fleet/test_global_limits.py::test_tpm_is_global_and_charged_the_reported_usage",
+    "tests/fleet/test_global_limits.py::"
+    "test_redis_stopped_mid_load_keeps_answering_on_the_local_share",
     "tests/fleet/test_capacity_shares.py",
     "tests/fleet/test_store_faults.py",
 ]
