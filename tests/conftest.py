@@ -7,8 +7,19 @@ from typing import Any
 
 import pytest
 
+from tests.realvllm.servers import launch_early, stop_early
 from tests.support.scripted import ScriptedBackend
 from tests.support.servers import GatewayThread, gateway_config
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Boot the real vLLM servers in the background (niceness 19) when the session will
+    use them, so their two minutes of boot overlap the rest of the suite."""
+    launch_early(session)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    stop_early(session)
 
 
 @pytest.fixture

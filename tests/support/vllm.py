@@ -228,6 +228,7 @@ class VllmServer:
         cache_root: Path | None = None,
         env: dict[str, str] | None = None,
         start_timeout: float = START_TIMEOUT_S,
+        nice: int = 0,
     ) -> None:
         self.venv = Path(venv) if venv is not None else default_vllm_venv()
         self.model_dir = Path(model_dir) if model_dir is not None else default_tiny_model_dir()
@@ -240,6 +241,9 @@ class VllmServer:
         self.cache_root = Path(cache_root) if cache_root is not None else None
         self.env = dict(env or {})
         self.start_timeout = start_timeout
+        # scheduling niceness of the server's processes (19: it boots on idle CPU only,
+        # e.g. in the background of a test session, without slowing timing-sensitive tests)
+        self.nice = nice
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
@@ -296,8 +300,10 @@ class VllmServer:
         env.update(self.env)
         self._log_file = open(self.log_path, "ab")  # closed in stop()
         self.started_at = time.monotonic()
+        niced = ["nice", "-n", str(self.nice)] if self.nice else []
         self.proc = subprocess.Popen(
-            ["bash", str(SERVE_SH), str(self.port), str(self.model_dir), *self.extra_args],
+            [*niced, "bash", str(SERVE_SH), str(self.port), str(self.model_dir),
+             *self.extra_args],
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,

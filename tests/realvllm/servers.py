@@ -1,0 +1,66 @@
+"""The session's real vLLM servers: ``a`` (plain), ``b`` (with ``--api-key``) and ``embed``
+(the same model served as an embedding model).
+
+They take about two minutes of CPU to boot on two cores. When the session will run a test
+under ``tests/realvllm``, :func:`launch_early` starts them as soon as collection is done,
+at niceness 19: they boot on the CPU the rest of the suite leaves idle (most tests wait on
+sockets and timers), without slowing its timing-sensitive tests, and are ready (or nearly)
+when the first real-vLLM test asks for them. The ``real_vllm`` fixture waits for them
+(``START_TIMEOUT_S`` from when it starts waiting) and stops them at the end."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.support.vllm import (
+    VllmServer,
+    default_vllm_venv,
+    ensure_tiny_model,
+    vllm_unavailable_reason,
+)
+
+BACKEND_KEY = "backend-secret"
+# vLLM keeps Responses API objects (for ``previous_response_id`` and GET by id) only with this
+RESPONSES_STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+EARLY: pytest.StashKey[dict[str, VllmServer]] = pytest.StashKey()
+
+
+def make_servers(venv: Path, logs: Path, nice: int = 0) -> dict[str, VllmServer]:
+    """The three servers (not launched), logging under ``logs``."""
+    model = ensure_tiny_model(venv)
+    return {
+        "a": VllmServer(venv, model, log_path=logs / "a.log", env=RESPONSES_STORE, nice=nice),
+        "b": VllmServer(venv, model, api_key=BACKEND_KEY, log_path=logs / "b.log",
+                        env=RESPONSES_STORE, nice=nice),
+        "embed": VllmServer(venv, model, log_path=logs / "embed.log", nice=nice,
+                            extra_args=["--runner", "pooling", "--convert", "embed"]),
+    }
+
+
+def launch_early(session: pytest.Session) -> None:
+    """Launch the servers in the background (niceness 19) if a collected test will use
+    them and vLLM is installed; the ``real_vllm`` fixture picks them up."""
+    if not any(item.nodeid.startswith("tests/realvllm/") for item in session.items):
+        return
+    venv = default_vllm_venv()
+    if vllm_unavailable_reason(venv):
+        return  # the fixture skips with the reason
+    logs = Path(tempfile.mkdtemp(prefix="vllm-logs-"))
+    servers = make_servers(venv, logs, nice=19)
+    try:
+        for s in servers.values():
+            s.launch()
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        raise
+    session.config.stash[EARLY] = servers
+
+
+def stop_early(session: pytest.Session) -> None:
+    """Stop servers launched early that no fixture took (e.g. the session was cut short)."""
+    for s in session.config.stash.get(EARLY, {}).values():
+        s.stop()
