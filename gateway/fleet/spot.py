@@ -19,6 +19,13 @@ aws-node-termination-handler, Karpenter's disruption, GKE preemption, through
   instance goes away or ``lifecycle.preempt_hold_s``. A notice **without a node** (a
   provider's zone-wide or instance-type warning) preempts nothing: which instance goes is not
   known, so only the score drops and the zone's spot backends keep a reduced share.
+* **A node known to be on-demand** (``notice.capacity_type``, from its labels): the
+  handlers' taints also mark nodes that go for other reasons than a spot reclaim (Karpenter's
+  ``karpenter.sh/disrupted`` for consolidation, drift and expiry; aws-node-termination-
+  handler's ASG scale-in): its backends are preempted (the node goes), but it is not counted
+  as a spot interruption and the zone's spot score is unchanged, since it says nothing about
+  the zone's spot capacity. (A spot node consolidated by Karpenter cannot be told from a
+  reclaimed one by its taint: it counts.)
 * **Idempotent per node**: a notice for a node already noticed within
   ``lifecycle.preempt_hold_s`` (the time its preemption holds its backends out) is a
   *repeat* (a node watch that reports the same taint twice, or the same node from an admin
@@ -139,6 +146,14 @@ class SpotNotices:
             for b in backends:
                 if self.drains.start_drain(b, left, preempt=True):
                     preempted.append(b.id)
+        if notice.capacity_type == "on-demand":  # the node goes, the spot pool says nothing
+            log.warning(
+                "node %s (on-demand, zone %s) is going away (%s): preempted: %s; not a spot "
+                "interruption (not counted, zone score unchanged)", notice.node or "-",
+                zone or UNKNOWN, notice.reason, ", ".join(preempted) or "none",
+            )
+            return NoticeOutcome(zone, notice.node, itype, notice.reason, before, before,
+                                 tuple(preempted), ids, repeat=False)
         if self.is_repeat(notice.node, now):
             if preempted:
                 log.warning("spot interruption notice (%s) for node %s again: preempted "
