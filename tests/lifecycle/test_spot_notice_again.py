@@ -73,3 +73,41 @@ def test_a_notice_again_after_an_undrain_preempts_the_node_again_without_countin
     # and once more while it is still preempted: nothing to do
     third = notice(gw, "n1")
     assert third.status_code == 200 and third.json()["preempted"] == [], third.text
+
+
+def test_a_notice_for_a_resting_backend_sends_it_cold_and_back_after_the_hold(
+    sims: Callable[..., Sim],
+) -> None:
+    """A backend resting in a medium cycle (an admin's cooldown) when its node's notice
+    comes: the cycle ends, then it is ``cold`` like every preempted backend, and once the
+    preemption's hold is over (the instance stayed: a false alarm, a rebalance
+    recommendation) its probes bring it back through warming. Before the fix it stayed in
+    ``cooldown``, drained, for good: nothing brought it back but an operator."""
+    backends = {k: sims(k, itl_s=0.005) for k in ("a1", "a2")}
+    entries = [
+        {"id": "a1", "url": backends["a1"].url, "zone": "a", "capacity_type": "spot",
+         "node": "n1"},
+        {"id": "a2", "url": backends["a2"].url, "zone": "a", "capacity_type": "on-demand",
+         "node": "n2"},
+    ]
+    cfg = gateway_config(entries, lifecycle={"preempt_hold_s": 3, "medium": {"cooldown_s": 1}})
+    gw = GatewayThread(cfg)
+    gw.start(wait_ready=False)
+    try:
+        gw.wait_ready(timeout=30, routable=2)
+        r = post_admin(gw.url, "a1", "cooldown", {"force": True, "min_rest_s": 2})
+        assert r.status_code in (200, 202), r.text
+        assert wait_for(lambda: admin(gw.url, "a1")["state"] == "cooldown", timeout=10)
+        got = notice(gw, "n1")
+        assert got.status_code == 202 and got.json()["preempted"] == ["a1"], got.text
+        assert wait_for(lambda: admin(gw.url, "a1")["state"] == "cold", timeout=15), \
+            admin(gw.url, "a1")
+        # the hold (3 s) over and the instance still there: back through warming
+        assert wait_for(lambda: admin(gw.url, "a1")["state"] == "warm", timeout=20), \
+            admin(gw.url, "a1")
+        a1 = admin(gw.url, "a1")
+        assert a1["hold"] is None and a1["drained"] is False, a1
+        states = [t["to"] for t in a1["history"]]
+        assert states[-3:] == ["cold", "warming", "warm"], states
+    finally:
+        gw.stop()
