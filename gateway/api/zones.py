@@ -10,7 +10,9 @@
   backends on that node are preempted (``lifecycle.preempt_deadline_s`` drain, then held
   out); without, only the zone's score drops. Answers 202 with what it did (``preempted``,
   ``score_before``, ``score``, the zone's backends), or 200 with ``"repeat": true`` when the
-  node was already noticed within ``lifecycle.preempt_hold_s`` (nothing done). 404 for a
+  node was already noticed within ``lifecycle.preempt_hold_s`` (not counted, the score
+  unchanged; only the node's backends back in rotation since, e.g. undrained, are preempted
+  again, listed in ``preempted``; in fleet mode ``fleet.notice_id`` is then null). 404 for a
   zone no backend is in; 400 for an unknown field, a field that is not a non-empty string,
   or a node whose backends are in another zone. In fleet mode the notice is applied by every
   replica (:mod:`gateway.coord.notices`; preemption through the operator's op records) and
@@ -151,24 +153,29 @@ async def zone_notice(zone: str, request: Request) -> Response:
             code="invalid_value",
         )
     ops = _fleet_writes(gw)  # fleet mode; 503 while the store does not answer
-    if ops is None or gw.shared_notices is None or gw.spot.is_repeat(node):
+    if ops is None or gw.shared_notices is None:
         return _answer(gw, gw.spot.notice(notice), None)
     lc = gw.cfg.lifecycle
     preempted: list[str] = []
+    repeat = gw.spot.is_repeat(node)
     try:  # each step is idempotent: a notice retried after a 503 finishes what is left
+        # a repeat too: a backend undrained since the first notice is preempted again
         for b in on_node:
             if Drains.would_start_drain(b, preempt=True):
                 await ops.submit(b, "preempt", lc.preempt_deadline_s, lc.preempt_hold_s)
                 preempted.append(b.id)
-        rec, out = await gw.shared_notices.submit(notice)
+        if repeat:  # not shared again: every replica applied the first one
+            rec, out = None, gw.spot.notice(notice, preempt=False)
+        else:
+            rec, out = await gw.shared_notices.submit(notice)
     except CoordinationUnavailable as e:
         raise _store_down(gw, str(e)) from None
     assert gw.coord is not None
     fleet = {
         "accepted": "fleet-wide",
-        "notice_id": rec.id,
-        "by": rec.by,
-        "at": rec.at,
+        "notice_id": None if rec is None else rec.id,
+        "by": gw.coord.link.replica_id if rec is None else rec.by,
+        "at": None if rec is None else rec.at,
         "replicas": gw.coord.replicas.ids(),
         "applied_within_s": gw.cfg.coordination.sync_interval_s
         + gw.cfg.coordination.op_timeout_s,

@@ -99,6 +99,8 @@ class LeaseMirror:
             await self._stop_following(b)
             if b.state in (S.DRAINING, S.COOLDOWN) and b.hold is None:
                 st.transition(b, S.WARM, "fleet_cooldown_done")
+            elif b.state is S.COOLDOWN and b.hold == "preempted":
+                self.controller.drains.rest_over_held(b)  # preempted while it rested: cold
             return False
         elif action is MirrorAction.NONE:
             if f is not None:

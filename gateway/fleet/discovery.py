@@ -66,12 +66,17 @@ class NodeInfo:
 class SpotNotice:
     """A spot interruption notice: the provider will reclaim ``node`` (in ``zone``, of
     ``instance_type``, when known). ``reason``: what said so (a taint key, a node condition,
-    ``admin``)."""
+    ``admin``). ``capacity_type``: the node's, when its labels say (``on-demand`` | ``spot``;
+    None: not said, as from the admin API). The handlers' taints also mark nodes that go for
+    other reasons (Karpenter's ``karpenter.sh/disrupted`` for consolidation and drift, an
+    ASG's scale-in): a notice for a node known to be ``on-demand`` is no evidence about the
+    zone's spot capacity (:mod:`gateway.fleet.spot`)."""
 
     zone: str | None
     node: str | None = None
     instance_type: str | None = None
     reason: str = "admin"
+    capacity_type: str | None = None
 
 
 class DiscoverySink(Protocol):

@@ -104,6 +104,16 @@ class Drains:
             self.state.mark_drained(backend)
             log.info("backend %s: drained (nothing in flight)", backend.id)
 
+    def rest_over_held(self, backend: Backend) -> None:
+        """A resting ``backend`` (``cooldown``) whose cycle ended while a hold keeps it out:
+        a spot preemption sends it ``cold`` (as every preempted backend: its probes bring it
+        back through warming once the hold is over, or it went away), any other hold (an
+        admin drain) keeps it drained, out of rotation until an undrain."""
+        if backend.hold == "preempted" and backend.state is S.COOLDOWN:
+            self.state.transition(backend, S.COLD, "spot_preemption")
+        else:
+            self.state.mark_drained(backend)
+
     @staticmethod
     def would_start_drain(backend: Backend, preempt: bool = False) -> bool:
         """Whether :meth:`start_drain` would change anything (False: already held the same
@@ -138,7 +148,9 @@ class Drains:
         preemption until the instance goes away (or ``lifecycle.preempt_hold_s``). A warm or
         warming backend starts draining now (``deadline_s`` from now); one already draining
         keeps its procedure and gets the earlier of the two deadlines; one resting or down
-        just stays out when its cycle or probes would have brought it back. Returns False
+        just stays out when its cycle or probes would have brought it back (a preempted one
+        resting goes ``cold`` when its cycle ends, at once when none runs:
+        :meth:`rest_over_held`). Returns False
         when nothing changed (already held the same way).
         """
         now = self.clock()
@@ -164,6 +176,8 @@ class Drains:
                 self.procedures.run(
                     backend, "drain", self.manual_drain(backend, deadline_s, preempt)
                 )
+        elif backend.state is S.COOLDOWN and preempt and not self.procedures.busy(backend):
+            self.rest_over_held(backend)  # resting, its cycle over (e.g. drained): cold now
         return True
 
     # ---- discovery: an endpoint terminating or gone (gateway.fleet.membership) -----------------

@@ -277,7 +277,8 @@ class KubeSource:
                 log.warning("node %s (zone %s, %s): spot interruption notice (%s)",
                             name, info.zone, info.instance_type, reason)
                 self._sink.spot_notice(SpotNotice(
-                    zone=info.zone, node=name, instance_type=info.instance_type, reason=reason
+                    zone=info.zone, node=name, instance_type=info.instance_type, reason=reason,
+                    capacity_type=info.capacity_type,
                 ))
         self._noticed = seen
 

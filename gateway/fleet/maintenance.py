@@ -442,8 +442,8 @@ class Maintenance:
             return
         if not await self.calibrator.calibrate(backend):
             return
-        if backend.hold is not None:
-            self.state.mark_drained(backend)  # an admin drained it meanwhile: it stays out
+        if backend.hold is not None:  # drained (stays out) or preempted (cold) meanwhile
+            self.drains.rest_over_held(backend)
             return
         if backend.state is S.COOLDOWN:
             self.state.transition(backend, S.WARM, "cooldown_done")

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.config import BackendConfig, DiscoveryConfig, LifecycleConfig
+from gateway.core.wording import plural
 from gateway.fleet import membership_plan
 from gateway.fleet.backend import Backend
 from gateway.fleet.discovery import DiscoverySource, Endpoint, NodeInfo, SpotNotice
@@ -149,7 +150,12 @@ class Membership:
             )
         if not self.up:
             return True, f"keeping the last known fleet: {self.outage_reason}"
-        return True, f"{self.source_name}: {len(self._known)} endpoints"
+        if not self.cfg.dynamic:
+            return True, f"static: {plural(len(self.static_ids), 'backend')} from the config"
+        # the count of gateway_discovery_endpoints{source}: the source's last snapshot
+        return True, f"{self.source_name}: {plural(len(self._snapshot), 'endpoint')}" + (
+            f" (and {len(self.static_ids)} static)" if self.static_ids else ""
+        )
 
     def nodes(self, nodes: Mapping[str, NodeInfo]) -> None:
         """The node watch's whole set: placement of the backends on those nodes updated."""

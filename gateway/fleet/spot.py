@@ -19,11 +19,20 @@ aws-node-termination-handler, Karpenter's disruption, GKE preemption, through
   instance goes away or ``lifecycle.preempt_hold_s``. A notice **without a node** (a
   provider's zone-wide or instance-type warning) preempts nothing: which instance goes is not
   known, so only the score drops and the zone's spot backends keep a reduced share.
+* **A node known to be on-demand** (``notice.capacity_type``, from its labels): the
+  handlers' taints also mark nodes that go for other reasons than a spot reclaim (Karpenter's
+  ``karpenter.sh/disrupted`` for consolidation, drift and expiry; aws-node-termination-
+  handler's ASG scale-in): its backends are preempted (the node goes), but it is not counted
+  as a spot interruption and the zone's spot score is unchanged, since it says nothing about
+  the zone's spot capacity. (A spot node consolidated by Karpenter cannot be told from a
+  reclaimed one by its taint: it counts.)
 * **Idempotent per node**: a notice for a node already noticed within
   ``lifecycle.preempt_hold_s`` (the time its preemption holds its backends out) is a
-  *repeat*: nothing is counted, the score does not drop again, nothing more is preempted
-  (a node watch that reports the same taint twice, or the same node from an admin and from
-  Kubernetes). Notices without a node are never repeats.
+  *repeat* (a node watch that reports the same taint twice, or the same node from an admin
+  and from Kubernetes): nothing is counted and the score does not drop again, but the node's
+  backends that are back in rotation (undrained by an operator since) are preempted again:
+  the node is still going away, and a backend already preempted is left as it is. Notices
+  without a node are never repeats.
 
 In fleet mode an admin notice is shared by :mod:`gateway.coord.notices`: every replica applies
 it once (counts it, drops its own copy of the score) and preempts through the operator's op
@@ -58,8 +67,9 @@ class NoticeOutcome:
     from the node's backends; None when unknown); ``score_before`` / ``score``: the zone's
     score in [``min_score``, 1] before and after (None without a zone); ``preempted``: ids of
     the backends whose preemption this notice started; ``on_node``: ids of every backend
-    placed on the node; ``repeat``: the node was noticed within ``preempt_hold_s``, nothing
-    was done."""
+    placed on the node; ``repeat``: the node was noticed within ``preempt_hold_s``: not
+    counted, the score unchanged; ``preempted`` then holds only backends that were back in
+    rotation."""
 
     zone: str | None
     node: str | None
@@ -130,20 +140,31 @@ class SpotNotices:
         )
         ids = tuple(b.id for b in backends)
         before = None if zone is None else self.scores.score(zone, now)
+        preempted: list[str] = []
+        if preempt:  # a repeat too: a backend undrained since the first notice goes again
+            left = self.cfg.lifecycle.preempt_deadline_s if deadline_s is None else deadline_s
+            for b in backends:
+                if self.drains.start_drain(b, left, preempt=True):
+                    preempted.append(b.id)
+        if notice.capacity_type == "on-demand":  # the node goes, the spot pool says nothing
+            log.warning(
+                "node %s (on-demand, zone %s) is going away (%s): preempted: %s; not a spot "
+                "interruption (not counted, zone score unchanged)", notice.node or "-",
+                zone or UNKNOWN, notice.reason, ", ".join(preempted) or "none",
+            )
+            return NoticeOutcome(zone, notice.node, itype, notice.reason, before, before,
+                                 tuple(preempted), ids, repeat=False)
         if self.is_repeat(notice.node, now):
-            return NoticeOutcome(zone, notice.node, itype, notice.reason, before, before, (),
-                                 ids, repeat=True)
+            if preempted:
+                log.warning("spot interruption notice (%s) for node %s again: preempted "
+                            "again: %s", notice.reason, notice.node, ", ".join(preempted))
+            return NoticeOutcome(zone, notice.node, itype, notice.reason, before, before,
+                                 tuple(preempted), ids, repeat=True)
         if notice.node is not None:
             self._noticed = {n: t for n, t in self._noticed.items() if t > now}
             self._noticed[notice.node] = at + self.cfg.lifecycle.preempt_hold_s
         self.metrics.spot_interruptions.labels(zone or UNKNOWN, itype or UNKNOWN).inc()
         after = None if zone is None else self.scores.notice(zone, at)
-        preempted: list[str] = []
-        if preempt:
-            left = self.cfg.lifecycle.preempt_deadline_s if deadline_s is None else deadline_s
-            for b in backends:
-                if self.drains.start_drain(b, left, preempt=True):
-                    preempted.append(b.id)
         log.warning(
             "spot interruption notice (%s): zone %s, node %s, instance type %s; zone score "
             "%s -> %s; preempted: %s",

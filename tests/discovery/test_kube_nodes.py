@@ -68,7 +68,7 @@ async def test_each_notice_is_reported_once_per_node(
         assert await until(lambda: kube.open_watches(NODES) == 1)
         kube.put_node("n1", labels=SPOT_A, **marks)
         want = SpotNotice(zone="us-east-1a", node="n1", instance_type="p4d.24xlarge",
-                          reason=reason)
+                          reason=reason, capacity_type="spot")
         assert await until(lambda: sink.of("spot_notice") == [want])
         # the node keeps changing (labels, a heartbeat's status): no second notice
         kube.put_node("n1", labels={**SPOT_A, "extra": "1"}, **marks)

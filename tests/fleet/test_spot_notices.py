@@ -88,3 +88,31 @@ def test_a_notice_sent_to_one_replica_preempts_and_counts_once_on_every_replica(
     assert down.status_code == 503, down.text
     assert down.json()["error"]["code"] == "coordination_unavailable"
     assert admin(r1.url, "a2")["hold"] is None and score(r1, "a") == pytest.approx(0.5, abs=1e-3)
+
+
+def test_a_notice_again_after_an_undrain_preempts_on_every_replica_without_counting_twice(
+    two: tuple[list[GatewayThread], dict[str, Sim], Any],
+) -> None:
+    (r1, r2), _sim, _redis = two
+    first = httpx.post(r1.url + "/admin/zones/a/notice", json={"node": "n1"}, timeout=10)
+    assert first.status_code == 202, first.text
+    for gw in (r1, r2):
+        assert wait_for(lambda gw=gw: admin(gw.url, "a1")["state"] == "cold", timeout=40)
+    # an operator takes a1 back through r1: every replica undrains it
+    assert httpx.post(r1.url + "/admin/backends/a1/undrain", timeout=10).status_code == 200
+    for gw in (r1, r2):
+        assert wait_for(lambda gw=gw: admin(gw.url, "a1")["state"] == "warm", timeout=30)
+    # the node's notice again, now through r2: a1 goes out on every replica, counted once
+    again = httpx.post(r2.url + "/admin/zones/a/notice", json={"node": "n1"}, timeout=10)
+    assert again.status_code == 200, again.text
+    body = again.json()
+    assert body["repeat"] is True and body["preempted"] == ["a1"], body
+    assert body["fleet"]["accepted"] == "fleet-wide" and body["fleet"]["notice_id"] is None
+    for gw in (r1, r2):
+        assert wait_for(lambda gw=gw: admin(gw.url, "a1")["hold"] == "preempted", timeout=5)
+    time.sleep(0.5)  # several sync rounds
+    for gw in (r1, r2):
+        assert score(gw, "a") == pytest.approx(0.5, abs=1e-3), gw.url
+        m = metric_samples(gw.url)
+        assert metric(m, "gateway_spot_interruptions_total", zone="a",
+                      instance_type="m7i.large") == 1.0, gw.url

@@ -168,3 +168,17 @@ def test_not_ready_until_a_registered_check_passes(sims, lc_gateway):
     r = httpx.get(gw.url + "/ready")
     assert r.status_code == 503 and "RuntimeError: source gone" in \
         r.json()["checks"]["test_check"]["detail"], r.text
+
+
+def test_the_discovery_check_of_a_static_fleet_counts_its_backends(sims, lc_gateway):
+    """``/ready``'s ``discovery`` detail says what the fleet came from, with the count
+    ``gateway_discovery_endpoints{source="static"}`` gives, not "0 endpoints"."""
+    a, b = sims("A"), sims("B")
+    gw = lc_gateway({"a": a.url, "b": b.url})
+    r = httpx.get(gw.url + "/ready")
+    assert r.status_code == 200, r.text
+    assert r.json()["checks"]["discovery"] == {"ok": True,
+                                               "detail": "static: 2 backends from the config"}
+    gauge = [line for line in httpx.get(gw.url + "/metrics").text.splitlines()
+             if line.startswith('gateway_discovery_endpoints{source="static"}')]
+    assert gauge == ['gateway_discovery_endpoints{source="static"} 2.0']

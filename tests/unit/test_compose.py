@@ -211,6 +211,28 @@ def test_pulled_images_are_pinned_and_every_service_restarts():
         assert tag and tag != "latest", (name, image)
 
 
+def test_images_both_deployments_share_are_the_same_release():
+    """Redis and vLLM (and dcgm-exporter) run the same pinned release in compose as in the
+    Kubernetes manifests (``deploy/kubernetes/``): "pinned" means one version, and a
+    floating tag such as ``redis:7-alpine`` would be another release on every pull."""
+    in_kube: dict[str, str] = {}
+    for path in sorted((ROOT / "deploy" / "kubernetes").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+            for c in spec.get("containers", []) if isinstance(spec, dict) else []:
+                repo, _, tag = c["image"].rpartition(":")
+                in_kube[repo] = tag
+    compared = 0
+    for name, svc in services().items():
+        if "build" in svc:
+            continue
+        repo, _, tag = svc["image"].rpartition(":")
+        if repo in in_kube:
+            assert tag == in_kube[repo], (name, svc["image"], in_kube[repo])
+            compared += 1
+    assert compared >= 3  # redis, the two vLLM services, dcgm-exporter
+
+
 def test_dependencies_wait_for_health_and_healthchecks_probe_the_right_thing(monkeypatch):
     """Every ``depends_on`` entry names its condition; a dependency with a healthcheck is
     waited for until healthy (and ``service_healthy`` only on one that has a healthcheck):
