@@ -44,7 +44,7 @@ from kubernetes_asyncio.config import ConfigException
 
 from gateway.config import KubernetesDiscoveryConfig
 from gateway.fleet.discovery import DiscoverySink, Endpoint, NodeInfo, SpotNotice
-from gateway.fleet.kube_client import api_client, default_namespace
+from gateway.fleet.kube_client import api_client, api_error, default_namespace
 from gateway.fleet.kube_objects import Obj, merge_slices, node_info, notice_reasons
 
 log = logging.getLogger("gateway.discovery")
@@ -74,7 +74,7 @@ class Gone(Exception):
 def _reason(e: BaseException) -> str:
     """One line for a failure (``ApiException``'s own text spans lines)."""
     if isinstance(e, ApiException):
-        return f"HTTP {e.status}: {str(e.reason or '').splitlines()[0] if e.reason else ''}"
+        return api_error(e)
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
