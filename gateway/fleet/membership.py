@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.config import BackendConfig, DiscoveryConfig, LifecycleConfig
-from gateway.core.vocab import BackendState as S
 from gateway.fleet import membership_plan
 from gateway.fleet.backend import Backend
 from gateway.fleet.discovery import DiscoverySource, Endpoint, NodeInfo, SpotNotice
@@ -263,15 +262,15 @@ class Membership:
         again (a moved endpoint's new address is added).
 
         A leaving backend whose ``leaving`` hold another hold replaced (an operator's drain,
-        a preemption, a restart) is drained again here once that hold ends and it is back
-        in service (the hold expired, an undrain), so nothing brings a terminating or gone
-        endpoint back into rotation."""
+        a preemption, a restart) is held ``leaving`` again here once that hold ends (it
+        expired, an undrain), and drained again if it got back into service meanwhile, so
+        nothing brings a terminating or gone endpoint back into rotation."""
         for leave in list(self._leaving.values()):
             b = self.fleet.get(leave.id)
-            if b is not None and b.hold is None and b.state in (S.WARM, S.WARMING):
-                log.warning(
-                    "discovery (%s): backend %s is back in service but its endpoint is "
-                    "leaving (%s): draining it again", self.source_name, b.id, leave.reason,
+            if b is not None and b.hold is None:
+                log.info(
+                    "discovery (%s): backend %s: its hold ended but its endpoint is "
+                    "leaving (%s): held out again", self.source_name, b.id, leave.reason,
                 )
                 deadline_s = self.lifecycle.drain_deadline_s if leave.deadline else None
                 self.drains.leave(b, leave.reason, deadline_s)
