@@ -27,6 +27,7 @@ from gateway.cli import main
 from tests.discovery.test_dns_discovery import backends, chats
 from tests.lifecycle.support import MODEL, Sim, admin, wait_for
 from tests.support.kube_api import KubeApiDouble, endpoint
+from tests.support.redis_server import RedisServer
 from tests.support.servers import GatewayThread, gateway_config
 
 DNS = "discovery: {source: dns, dns: {name: vllm.test, nameservers: [%s]}%s}\n"
@@ -208,3 +209,59 @@ def test_an_endpoint_without_a_node_is_served_without_gpu_telemetry(
         assert admin(gw.url, "vllm-a")["gpu"]["monitored"] is True
     finally:
         gw.stop()
+
+
+def test_fleet_mode_a_pod_discovered_again_starts_afresh_on_every_replica(
+    kube: KubeApiDouble, pods: Callable[..., Sim], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Fleet mode (real Redis), two replicas discovering the same pods: the operator
+    drains vllm-a; its pod goes and comes back under the same name (a StatefulSet's) at
+    another address: a new backend, warm on both replicas, as in the one-process gateway.
+    A third replica started then must see it the same (it applied the old drain, a
+    standing order in the store for a backend that is no longer there)."""
+    a, a2, b = pods("127.0.0.2"), pods("127.0.0.5"), pods("127.0.0.3")
+    ports = [{"name": "http", "port": a.port}]
+    kube.put_slice("vllm-x", [endpoint(a.host, pod="vllm-a"), endpoint(b.host, pod="vllm-b")],
+                   ports=ports)
+    kubeconfig = str(kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    made: list[GatewayThread] = []
+
+    def replica(i: int) -> GatewayThread:
+        cfg = gateway_config([], discovery={"source": "kubernetes", "kubernetes": {
+            "kubeconfig": kubeconfig, "namespace": "default", "retry_s": 0.2,
+            "watch_nodes": False}},
+            coordination={"redis_url": redis_server.url, "replica_id": f"r{i}",
+                          "sync_interval_s": 0.1})
+        gw = GatewayThread(cfg)
+        made.append(gw)
+        gw.start(wait_ready=False)
+        return gw
+
+    def warm(gw: GatewayThread) -> set[str]:
+        return {i for i, x in backends(gw).items() if x["state"] == "warm"}
+
+    try:
+        r1, r2 = replica(1), replica(2)
+        for gw in (r1, r2):
+            assert wait_for(lambda gw=gw: warm(gw) == {"vllm-a", "vllm-b"}, 30), backends(gw)
+        r = httpx.post(f"{r1.url}/admin/backends/vllm-a/drain", timeout=5)
+        assert r.status_code == 202, r.text
+        for gw in (r1, r2):
+            assert wait_for(lambda gw=gw: admin(gw.url, "vllm-a")["hold"] == "admin_drain", 10)
+
+        kube.put_slice("vllm-x", [endpoint(b.host, pod="vllm-b")], ports=ports)
+        for gw in (r1, r2):
+            assert wait_for(lambda gw=gw: "vllm-a" not in backends(gw), 15), backends(gw)
+        kube.put_slice("vllm-x", [endpoint(a2.host, pod="vllm-a"), endpoint(b.host, pod="vllm-b")],
+                       ports=ports)
+        for gw in (r1, r2):
+            assert wait_for(lambda gw=gw: warm(gw) == {"vllm-a", "vllm-b"}, 30), backends(gw)
+
+        r3 = replica(3)
+        assert wait_for(lambda: "vllm-a" in backends(r3) and backends(r3)["vllm-a"]["state"]
+                        in ("warm", "draining"), 30), backends(r3)
+        assert wait_for(lambda: warm(r3) == {"vllm-a", "vllm-b"}, 30), backends(r3)
+        assert admin(r3.url, "vllm-a")["hold"] is None
+    finally:
+        for gw in made:
+            gw.stop()
