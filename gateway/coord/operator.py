@@ -30,6 +30,9 @@ after a Redis restart that lost everything): every replica writes back the recor
 (:data:`WRITE_BACK`: the newer by store time wins) and the baselines it holds (first wins),
 then adopts what the store has.
 
+**Discovery**: a backend removed from the fleet takes its record with it (:data:`DROP`), so
+one discovered again under the same id starts afresh on every replica, later ones included.
+
 Keys: ``<ns>:ops:records`` (hash: backend id -> record JSON), ``<ns>:ops:baselines`` (hash:
 backend id -> ``{"answers", "endpoint"}`` JSON), ``<ns>:ops:gpu_restart:<backend>`` (the
 restart claim: holder replica id, TTL).
