@@ -265,3 +265,33 @@ def test_fleet_mode_a_pod_discovered_again_starts_afresh_on_every_replica(
     finally:
         for gw in made:
             gw.stop()
+
+
+def test_a_selector_or_port_name_that_matches_nothing_is_said(
+    kube: KubeApiDouble, pods: Callable[..., Sim], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Service always has an EndpointSlice, even without pods: none matching the selector
+    is a mistyped selector or namespace, and the log says so (the fleet stays empty, and
+    before only ``/ready``'s "0 endpoints" hinted at it). A slice without the configured
+    ``port_name``: said too, naming the slice."""
+    a = pods("127.0.0.2")
+    kube.put_slice("vllm-x", [endpoint(a.host, pod="vllm-a")],
+                   ports=[{"name": "metrics", "port": a.port}],
+                   labels={"app.kubernetes.io/name": "vllm"})
+    caplog.set_level("WARNING", logger="gateway.discovery")
+    kubeconfig = str(kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    for selector, said in (("app.kubernetes.io/name=vlm", "no EndpointSlice in namespace "
+                            "default matches label_selector 'app.kubernetes.io/name=vlm'"),
+                           ("app.kubernetes.io/name=vllm", "EndpointSlices vllm-x have no "
+                            "port named 'http'")):
+        cfg = gateway_config([], discovery={"source": "kubernetes", "kubernetes": {
+            "kubeconfig": kubeconfig, "namespace": "default", "label_selector": selector,
+            "port_name": "http", "retry_s": 0.2, "watch_nodes": False}})
+        gw = GatewayThread(cfg)
+        try:
+            gw.start(wait_ready=False)
+            assert wait_for(lambda said=said: said in caplog.text, 15), caplog.text[-2000:]
+            assert backends(gw) == {}
+        finally:
+            gw.stop()
