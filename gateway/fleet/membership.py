@@ -25,8 +25,8 @@ turns it into actions (its module docstring has the rules), applied here:
 An **outage** of the source keeps the fleet exactly as it is (no removals), logged once
 when it begins and when it ends, exported as ``gateway_discovery_up{source} 0`` and counted
 in ``gateway_discovery_outages_total{source}``. Static ``backends:`` entries are never
-removed; a discovered id equal to a static one is ignored with a warning. ``nodes()``
-updates the placement of the backends on those nodes (:meth:`Backend.placed`);
+removed; a discovered endpoint with the id or URL of a static one is ignored with a
+warning. ``nodes()`` updates the placement of the backends on those nodes (:meth:`Backend.placed`);
 ``spot_notice()`` is handed to ``on_spot_notice`` (the spot handling; ignored when None).
 :attr:`Membership.synced` says a first snapshot arrived (at once for the static source).
 """
@@ -77,6 +77,7 @@ class Membership:
         self.clock = clock
         self.on_spot_notice = on_spot_notice
         self.static_ids = frozenset(b.id for b in fleet)
+        self.static_urls = frozenset(b.base_url for b in fleet)
         self.source_name: str = cfg.source
         self.synced = not cfg.dynamic  # the static list is the whole fleet at once
         self.up = True
@@ -171,13 +172,16 @@ class Membership:
     # ---- applying a snapshot ---------------------------------------------------------------
     def apply(self) -> Plan:
         """Plan the last snapshot against the fleet and apply it; returns the plan."""
-        p = membership_plan.plan(self._known, self._snapshot, self.static_ids)
+        p = membership_plan.plan(
+            self._known, self._snapshot, self.static_ids, self.static_urls
+        )
         for i in p.collisions:
             if i not in self._collided:
                 self._collided.add(i)
                 self.metrics.discovery_changes.labels("ignored").inc()
                 log.warning(
-                    "discovery (%s): endpoint %s has the id of a static backend; ignored",
+                    "discovery (%s): endpoint %s has the id or the URL of a static "
+                    "backend; ignored",
                     self.source_name,
                     i,
                 )

@@ -295,3 +295,27 @@ def test_a_selector_or_port_name_that_matches_nothing_is_said(
             assert backends(gw) == {}
         finally:
             gw.stop()
+
+
+def test_a_discovered_endpoint_at_a_static_backends_url_is_ignored(
+    kube: KubeApiDouble, pods: Callable[..., Sim], tmp_path: Path
+) -> None:
+    """The same server listed under ``backends:`` and discovered: one backend, not two
+    (two ids for one server: a cycle drains one while the other still sends it requests,
+    and its load counts twice). The other endpoint is added as usual."""
+    a, b = pods("127.0.0.2"), pods("127.0.0.3")
+    kube.put_slice("vllm-x", [endpoint(a.host, pod="vllm-a"), endpoint(b.host, pod="vllm-b")],
+                   ports=[{"name": "http", "port": a.port}])
+    kubeconfig = str(kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    cfg = gateway_config([{"id": "static-a", "url": a.url}], discovery={
+        "source": "kubernetes", "kubernetes": {"kubeconfig": kubeconfig,
+                                               "namespace": "default", "retry_s": 0.2,
+                                               "watch_nodes": False}})
+    gw = GatewayThread(cfg)
+    try:
+        gw.start(wait_ready=False)
+        assert wait_for(lambda: "vllm-b" in backends(gw), 20), backends(gw)
+        time.sleep(0.5)
+        assert set(backends(gw)) == {"static-a", "vllm-b"}
+    finally:
+        gw.stop()
