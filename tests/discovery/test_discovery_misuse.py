@@ -319,3 +319,58 @@ def test_a_discovered_endpoint_at_a_static_backends_url_is_ignored(
         assert set(backends(gw)) == {"static-a", "vllm-b"}
     finally:
         gw.stop()
+
+
+def test_fleet_mode_a_pod_removed_during_its_cycle_gives_its_lease_back(
+    kube: KubeApiDouble, pods: Callable[..., Sim], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Fleet mode, two replicas: vllm-a rests in an operator's cooldown (a long rest) under
+    r1's maintenance lease, followed out of rotation by r2. Its pod goes (the cycle is
+    cancelled with the backend) and comes back under the same name: the old lease must
+    not outlive it (r1 renewed it forever, so r2 held the new vllm-a out for good)."""
+    a, a2, b = pods("127.0.0.2"), pods("127.0.0.5"), pods("127.0.0.3")
+    ports = [{"name": "http", "port": a.port}]
+    kube.put_slice("vllm-x", [endpoint(a.host, pod="vllm-a"), endpoint(b.host, pod="vllm-b")],
+                   ports=ports)
+    kubeconfig = str(kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    made: list[GatewayThread] = []
+
+    def replica(i: int) -> GatewayThread:
+        cfg = gateway_config([], discovery={"source": "kubernetes", "kubernetes": {
+            "kubeconfig": kubeconfig, "namespace": "default", "retry_s": 0.2,
+            "watch_nodes": False}},
+            coordination={"redis_url": redis_server.url, "replica_id": f"r{i}",
+                          "sync_interval_s": 0.1, "lease_ttl_s": 2.0})
+        gw = GatewayThread(cfg)
+        made.append(gw)
+        gw.start(wait_ready=False)
+        return gw
+
+    def warm(gw: GatewayThread) -> set[str]:
+        return {i for i, x in backends(gw).items() if x["state"] == "warm"}
+
+    def leases(gw: GatewayThread) -> list[str]:
+        fleet = httpx.get(gw.url + "/admin/fleet", timeout=5).json()
+        return [str(x["backend"]) for x in fleet["leases"]]
+
+    try:
+        r1, r2 = replica(1), replica(2)
+        for gw in (r1, r2):
+            assert wait_for(lambda gw=gw: warm(gw) == {"vllm-a", "vllm-b"}, 30), backends(gw)
+        r = httpx.post(f"{r1.url}/admin/backends/vllm-a/cooldown", timeout=10,
+                       json={"min_rest_s": 300, "force": True})
+        assert r.status_code == 202, r.text
+        assert wait_for(lambda: "vllm-a" in leases(r1), 10)
+        assert wait_for(lambda: "vllm-a" not in warm(r2), 10), backends(r2)
+
+        kube.put_slice("vllm-x", [endpoint(b.host, pod="vllm-b")], ports=ports)
+        for gw in (r1, r2):
+            assert wait_for(lambda gw=gw: "vllm-a" not in backends(gw), 15), backends(gw)
+        kube.put_slice("vllm-x", [endpoint(a2.host, pod="vllm-a"), endpoint(b.host, pod="vllm-b")],
+                       ports=ports)
+        for gw in (r1, r2):
+            assert wait_for(lambda gw=gw: warm(gw) == {"vllm-a", "vllm-b"}, 30), backends(gw)
+        assert wait_for(lambda: leases(r1) == [], 10), leases(r1)
+    finally:
+        for gw in made:
+            gw.stop()
