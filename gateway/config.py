@@ -1127,7 +1127,9 @@ class KubernetesDiscoveryConfig(_Strict):
     """Backends from the EndpointSlices matching ``label_selector`` in ``namespace`` (list,
     then watch; relist on 410 Gone and on every reconnect). ``port_name``: which named port
     of the slice (None: the first). ``kubeconfig``: None means in-cluster config (the pod's
-    service account), falling back to ``~/.kube/config``. ``watch_nodes``: also watch the
+    service account), falling back to ``~/.kube/config``; checked at start (a named file
+    must exist, and without one some credentials must be there: :func:`check_secrets`).
+    ``watch_nodes``: also watch the
     nodes, for capacity type and zone labels and spot interruption taints and conditions.
     ``watch_timeout_s``: each watch call's server-side timeout; ``retry_s``: the wait before
     reconnecting after a failure (the last known fleet is kept meanwhile)."""
