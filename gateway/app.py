@@ -66,8 +66,8 @@ def create_app(
     """The gateway's ASGI app for ``cfg``. ``transport``: how upstream requests are sent
     (default: the aiohttp pool; tests pass an in-process one); ``source``: the discovery
     source (default: the one ``cfg.discovery`` names). Raises ``ConfigError`` for
-    unresolvable secrets."""
-    check_secrets(cfg)
+    unresolvable secrets (a stand-in ``source`` needs no Kubernetes credentials)."""
+    check_secrets(cfg, discovery_credentials=source is None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -11,6 +11,7 @@ problem (:class:`ConfigError`), never silently.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -1069,10 +1070,39 @@ class BackendTemplate(_Strict):
     )
 
 
+def parse_nameserver(entry: str) -> tuple[str, int]:
+    """A ``discovery.dns.nameservers`` entry -> (IP address, UDP/TCP port): ``10.96.0.10``,
+    ``127.0.0.1:5353``, an IPv6 address, or ``[v6]:port``; the port defaults to 53.
+    dnspython queries addresses only, so a host name is refused here, at load, rather than
+    timing out at every resolution. Raises ``ValueError`` saying what is wrong."""
+    text = entry.strip()
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"{entry!r}: expected [IPv6]:port")
+        port_text = rest[1:]
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"{entry!r}: not an IP address (a nameserver is an address, optionally with "
+            "':port', e.g. 10.96.0.10 or 127.0.0.1:5353)"
+        ) from None
+    if not port_text:
+        return host, 53
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{entry!r}: the port must be a number from 1 to 65535")
+    return host, int(port_text)
+
+
 class DnsDiscoveryConfig(_Strict):
     """Backends from a headless Service's A/AAAA records, re-resolved every ``interval_s``
     seconds; each address is one backend (id ``host-port``, url ``scheme://host:port``).
-    ``nameservers``: ``host`` or ``host:port`` entries; None: the system's resolver.
+    ``nameservers``: ``host`` or ``host:port`` entries (IP addresses,
+    :func:`parse_nameserver`, checked at load); None: the system's resolver.
     ``timeout_s``: one resolution's bound; past it, it is an outage (the fleet is kept).
     NXDOMAIN / no record means no endpoint (cluster DNS answers so for a headless Service
     without ready endpoints), acted on once two answers in a row say so and logged as an
@@ -1085,12 +1115,21 @@ class DnsDiscoveryConfig(_Strict):
     timeout_s: float = Field(2.0, gt=0)
     nameservers: list[str] | None = None
 
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, v: list[str] | None) -> list[str] | None:
+        for entry in v or ():
+            parse_nameserver(entry)
+        return v
+
 
 class KubernetesDiscoveryConfig(_Strict):
     """Backends from the EndpointSlices matching ``label_selector`` in ``namespace`` (list,
     then watch; relist on 410 Gone and on every reconnect). ``port_name``: which named port
     of the slice (None: the first). ``kubeconfig``: None means in-cluster config (the pod's
-    service account), falling back to ``~/.kube/config``. ``watch_nodes``: also watch the
+    service account), falling back to ``~/.kube/config``; checked at start (a named file
+    must exist, and without one some credentials must be there: :func:`check_secrets`).
+    ``watch_nodes``: also watch the
     nodes, for capacity type and zone labels and spot interruption taints and conditions.
     ``watch_timeout_s``: each watch call's server-side timeout; ``retry_s``: the wait before
     reconnecting after a failure (the last known fleet is kept meanwhile)."""
@@ -1127,9 +1166,40 @@ class DiscoveryConfig(_Strict):
     def _source_block(self) -> DiscoveryConfig:
         if self.source == "dns" and self.dns is None:
             raise ValueError("source 'dns' needs a 'dns:' block (at least its 'name')")
+        for block in ("dns", "kubernetes"):
+            if self.source == "static" and getattr(self, block) is not None:
+                raise ValueError(
+                    f"a '{block}:' block is given but source is 'static' (the default), which "
+                    f"reads only the backends: list: add 'source: {block}'"
+                )
         if self.source == "kubernetes" and self.kubernetes is None:
             object.__setattr__(self, "kubernetes", KubernetesDiscoveryConfig())
+        self._check_template()
         return self
+
+    def _check_template(self) -> None:
+        """The template must make a valid backend for every endpoint (checked here, with a
+        sample address and node, so a bad template fails at load instead of leaving every
+        discovered endpoint out of the fleet)."""
+        t = self.template
+        if self.source == "dns" and t.gpu_metrics_url and "{node}" in t.gpu_metrics_url:
+            raise ValueError(
+                "template.gpu_metrics_url: DNS records name no node, so '{node}' cannot be "
+                "filled in: use '{host}' (the endpoint's address)"
+            )
+        fields = t.model_dump(exclude_none=True)
+        if t.gpu_metrics_url is not None:
+            fields["gpu_metrics_url"] = t.gpu_metrics_url.replace(
+                "{host}", "192.0.2.1").replace("{node}", "node-1")
+        try:
+            BackendConfig.model_validate(
+                {**fields, "id": "template", "url": "http://192.0.2.1:8000"}
+            )
+        except ValidationError as e:
+            raise ValueError("; ".join(
+                f"template.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+                for err in e.errors()
+            )) from None
 
     @property
     def dynamic(self) -> bool:
@@ -1311,6 +1381,11 @@ class GatewayConfig(BaseSettings):
                 raise ValueError(
                     f"backend {b.id!r}: power_domain {b.power_domain!r} is not in power_domains"
                 )
+        tpd = self.discovery.template.power_domain
+        if self.discovery.dynamic and tpd is not None and tpd not in domains:
+            raise ValueError(
+                f"discovery.template: power_domain {tpd!r} is not in power_domains"
+            )
         names = [k.name for k in self.auth.client_keys]
         if len(names) != len(set(names)):
             raise ValueError("auth.client_keys: names must be unique")
@@ -1438,14 +1513,61 @@ def with_server_overrides(cfg: GatewayConfig, **server: Any) -> GatewayConfig:
     return cfg.model_copy(update={"server": new})
 
 
-def check_secrets(cfg: GatewayConfig) -> None:
-    """Resolve every key once (client keys, the admin key, backend keys), so that a missing
-    environment variable fails at start. Raises :class:`ConfigError` naming it."""
+def check_secrets(cfg: GatewayConfig, discovery_credentials: bool = True) -> None:
+    """Resolve every credential the config points at once, so that a missing one fails at
+    start (``check-config`` and ``serve``, exit status 2) instead of at first use: the
+    client keys, the admin key, the backends' keys, the discovery template's
+    ``api_key_env`` (every discovered backend would be left out without it), and the
+    Kubernetes credentials of discovery and of the ``delete_pod`` restart hook
+    (:func:`kube_credentials_problem`; discovery's only with ``discovery_credentials``,
+    False when a test runs the gateway with a stand-in source). Raises
+    :class:`ConfigError` naming it."""
     for k in cfg.auth.client_keys:
         k.resolve()
     cfg.auth.resolved_admin_key()
     for b in cfg.backends:
         b.resolved_api_key()
+    d = cfg.discovery
+    env = d.template.api_key_env
+    if d.dynamic and env and not os.environ.get(env):
+        raise ConfigError(f"discovery.template.api_key_env: {env} is not set")
+    kube: list[tuple[str, str | None]] = []
+    if discovery_credentials and d.source == "kubernetes" and d.kubernetes is not None:
+        kube.append(("discovery.kubernetes.kubeconfig", d.kubernetes.kubeconfig))
+    hook = cfg.lifecycle.restart_hook
+    if hook is not None and hook.delete_pod:
+        kube.append(("lifecycle.restart_hook.kubeconfig", hook.kubeconfig))
+    for where, path in kube:
+        problem = kube_credentials_problem(path)
+        if problem is not None:
+            raise ConfigError(f"{where}: {problem}")
+
+
+def kube_credentials_problem(
+    kubeconfig: str | None, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """Why the Kubernetes API cannot be reached with these credentials, or None when they
+    are there: a named ``kubeconfig`` file must exist; without one, the pod's service
+    account (``KUBERNETES_SERVICE_HOST`` set) or ``$KUBECONFIG`` / ``~/.kube/config``, the
+    order ``gateway.fleet.kube_client.api_client`` tries them in. Only presence is
+    checked: a file that does not parse, or a token the API refuses, is an outage said at
+    run time."""
+    env = os.environ if environ is None else environ
+    if kubeconfig is not None:
+        path = Path(kubeconfig).expanduser()
+        if not path.is_file():
+            return f"{kubeconfig}: no such file (a kubeconfig file; null: in-cluster config)"
+        return None
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    named = [p for p in env.get("KUBECONFIG", "").split(os.pathsep) if p]
+    files = [Path(p).expanduser() for p in named] or [Path("~/.kube/config").expanduser()]
+    if any(f.is_file() for f in files):
+        return None
+    return (
+        "no Kubernetes credentials: not in a cluster (KUBERNETES_SERVICE_HOST is not set) "
+        f"and no kubeconfig at {', '.join(str(f) for f in files)}; name one with 'kubeconfig:'"
+    )
 
 
 def require_backends(cfg: GatewayConfig) -> None:

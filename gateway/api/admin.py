@@ -351,9 +351,20 @@ async def preempt_backend(backend_id: str, request: Request) -> Response:
 
 
 async def undrain_backend(backend_id: str, request: Request) -> Response:
-    """Return a draining or resting backend to rotation (through slow start)."""
+    """Return a draining or resting backend to rotation (through slow start). Refused
+    (409 ``backend_leaving``) while discovery is taking it out of the fleet (its endpoint
+    terminating or gone): the operator cannot bring back what Kubernetes or DNS removes."""
     gw = _gateway(request)
     b = _backend(gw, backend_id)
+    leaving = gw.controller.membership.leaving(b.id)
+    if leaving is not None:
+        raise Refusal(
+            409,
+            f"Backend '{backend_id}' is leaving the fleet ({leaving}: discovery "
+            f"({gw.controller.membership.source_name}) no longer lists its endpoint as "
+            "serving); it returns by itself if its endpoint serves again.",
+            code="backend_leaving",
+        )
     ops = _fleet_writes(gw)
     if ops is not None and (Drains.would_undrain(b) or ops.holds(b)):
         return await _submit(gw, ops, b, "undrain")

@@ -137,6 +137,21 @@ class FleetLeases:
         self.controller = controller
         self.mirror = LeaseMirror(controller, self.link.replica_id, self.clock)
         controller.use_leases(self)
+        controller.fleet.on_change(self._membership_changed)
+
+    def _membership_changed(self, backend: Backend, change: str) -> None:
+        """Discovery removed ``backend`` (its cycle, if any, was cancelled with it): the
+        lease held on it is given back at the next sync round (renewed forever otherwise:
+        every other replica would hold a backend discovered again under that id out of
+        rotation, and none could run its cycles), and it is no longer followed here."""
+        if change != "removed":
+            return
+        h = self.held.pop(backend.id, None)
+        if h is not None:
+            self.metrics.leases_held.set(len(self.held))
+            self._releases[backend.id] = (h.lease, self.link.replica_id)
+        if self.mirror is not None:
+            self.mirror.following.pop(backend.id, None)
 
     # ---- keys and clocks -------------------------------------------------------------------
     def _keys(self, backend_id: str) -> tuple[str, str, str]:

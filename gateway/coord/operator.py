@@ -30,6 +30,9 @@ after a Redis restart that lost everything): every replica writes back the recor
 (:data:`WRITE_BACK`: the newer by store time wins) and the baselines it holds (first wins),
 then adopts what the store has.
 
+**Discovery**: a backend removed from the fleet takes its record with it (:data:`DROP`), so
+one discovered again under the same id starts afresh on every replica, later ones included.
+
 Keys: ``<ns>:ops:records`` (hash: backend id -> record JSON), ``<ns>:ops:baselines`` (hash:
 backend id -> ``{"answers", "endpoint"}`` JSON), ``<ns>:ops:gpu_restart:<backend>`` (the
 restart claim: holder replica id, TTL).
@@ -103,6 +106,17 @@ end
 return n
 """
 
+# KEYS: records hash. ARGV: backend, op id. Deletes the backend's record only while it is
+# that op (a newer one, e.g. for a pod of the same name discovered again, stays).
+DROP = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur and cjson.decode(cur).id == ARGV[2] then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""
+
 # KEYS: baselines hash. ARGV: backend, baseline JSON {answers, endpoint}. The stored one is
 # kept unless it is for another engine endpoint (that one is no longer served: the new one
 # replaces it). Returns the fleet's baseline JSON.
@@ -174,8 +188,10 @@ class OperatorActions:
         self._claim = link.client.register_script(CLAIM)
         self._write_back = link.client.register_script(WRITE_BACK)
         self._offer = link.client.register_script(OFFER)
+        self._drop = link.client.register_script(DROP)
         self.records_key = link.key("ops", "records")
         self.baselines_key = link.key("ops", "baselines")
+        controller.fleet.on_change(self._membership_changed)
 
     # ---- operator actions (the admin API) -----------------------------------------------------
     async def submit(
@@ -345,6 +361,31 @@ class OperatorActions:
         except (ValueError, AttributeError):
             return baseline
         return fleet
+
+    # ---- discovery: a backend left the fleet ----------------------------------------------------
+    def _membership_changed(self, backend: Backend, change: str) -> None:
+        """Discovery removed ``backend``: its op record is forgotten here and deleted from
+        the store (:data:`DROP`, only while it is still the record applied here), so a
+        backend discovered again under the same id (a StatefulSet's pod, a reused
+        address) starts afresh on every replica, as in the one-process gateway, instead of
+        inheriting a drain that replicas started later would apply and running ones would
+        not. The store down: the record stays there (nothing else is lost)."""
+        if change != "removed":
+            return
+        rec = self.known.pop(backend.id, None)
+        if rec is None or self.link.fallback:
+            return
+        args = [backend.id, rec.id]
+
+        async def drop() -> None:
+            try:
+                await self.link.call(
+                    "ops_drop", lambda c: self._drop([self.records_key], args, client=c)
+                )
+            except CoordinationUnavailable:
+                pass
+
+        self._spawn(drop())
 
     # ---- tasks ----------------------------------------------------------------------------------
     def _spawn(self, coro: Awaitable[None]) -> None:

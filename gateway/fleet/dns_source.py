@@ -42,7 +42,7 @@ import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
-from gateway.config import DnsDiscoveryConfig
+from gateway.config import DnsDiscoveryConfig, parse_nameserver
 from gateway.fleet.discovery import DiscoverySink, Endpoint
 
 log = logging.getLogger("gateway.discovery")
@@ -70,16 +70,11 @@ def endpoint_of(address: str, port: int, scheme: str) -> Endpoint:
 
 
 def nameserver_of(entry: str) -> dns.nameserver.Do53Nameserver:
-    """A ``nameservers`` entry: ``host``, ``host:port``, an IPv6 address, or
-    ``[v6]:port``. Raises ``ValueError`` for a port that is not a number."""
-    entry = entry.strip()
-    if entry.startswith("["):
-        host, _, rest = entry[1:].partition("]")
-        return dns.nameserver.Do53Nameserver(host, int(rest[1:]) if rest else 53)
-    if entry.count(":") == 1:
-        host, port = entry.split(":")
-        return dns.nameserver.Do53Nameserver(host, int(port))
-    return dns.nameserver.Do53Nameserver(entry)
+    """A ``nameservers`` entry (:func:`gateway.config.parse_nameserver`: ``host``,
+    ``host:port``, an IPv6 address, ``[v6]:port``; checked at load). Raises ``ValueError``
+    for one that is not an address with an optional port."""
+    host, port = parse_nameserver(entry)
+    return dns.nameserver.Do53Nameserver(host, port)
 
 
 class DnsSource:

@@ -11,10 +11,11 @@ token and CA under :data:`SERVICE_ACCOUNT_DIR`), and outside a cluster ``$KUBECO
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kubernetes_asyncio import config as kube_config
-from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client import ApiClient, ApiException, Configuration
 from kubernetes_asyncio.config import ConfigException
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -27,15 +28,44 @@ async def api_client(kubeconfig: str | None) -> ApiClient:
     ``~/.kube/config``. Raises ``ConfigException`` or ``OSError`` when none can be read."""
     cfg = Configuration()
     if kubeconfig is not None:
+        if _missing(kubeconfig):
+            # the library would say "Expected key current-context": say what is wrong
+            raise ConfigException(f"kubeconfig {kubeconfig}: no such file")
         await kube_config.load_kube_config(
             config_file=kubeconfig, client_configuration=cfg, persist_config=False
         )
     else:
         try:
             kube_config.load_incluster_config(client_configuration=cfg)
-        except ConfigException:
-            await kube_config.load_kube_config(client_configuration=cfg, persist_config=False)
+        except ConfigException as in_cluster:
+            try:
+                await kube_config.load_kube_config(
+                    client_configuration=cfg, persist_config=False
+                )
+            except ConfigException as e:
+                raise ConfigException(
+                    f"no in-cluster config ({in_cluster}) and no usable kubeconfig ({e})"
+                ) from None
     return ApiClient(configuration=cfg)
+
+
+def _missing(path: str) -> bool:
+    """Whether no file is at ``path`` (one stat: too short to hand to a thread)."""
+    return not Path(path).expanduser().is_file()
+
+
+def api_error(e: ApiException) -> str:
+    """One line for an API error: ``HTTP <status> <reason>: <the Status's message>``. The
+    API server explains itself in the body's ``Status.message`` (an RBAC refusal names the
+    service account, verb, resource and namespace; a bad label selector says what does not
+    parse), which ``ApiException``'s own text buries in several lines."""
+    head = f"HTTP {e.status} {str(e.reason or '').splitlines()[0] if e.reason else ''}".rstrip()
+    try:
+        body = json.loads(e.body) if e.body else None
+    except (TypeError, ValueError):
+        body = None
+    message = body.get("message") if isinstance(body, dict) else None
+    return f"{head}: {message}" if message else head
 
 
 def default_namespace(service_account_dir: Path = SERVICE_ACCOUNT_DIR) -> str:
@@ -48,4 +78,4 @@ def default_namespace(service_account_dir: Path = SERVICE_ACCOUNT_DIR) -> str:
     return ns or "default"
 
 
-__all__ = ["SERVICE_ACCOUNT_DIR", "api_client", "default_namespace"]
+__all__ = ["SERVICE_ACCOUNT_DIR", "api_client", "api_error", "default_namespace"]

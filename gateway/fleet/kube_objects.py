@@ -149,6 +149,17 @@ def slice_endpoints(slice_: Obj, port_name: str | None, scheme: str) -> list[End
     return out
 
 
+def without_port(slices: Mapping[str, Obj], port_name: str | None) -> list[str]:
+    """The names of the ``slices`` (by name) that have ports but none named ``port_name``
+    (None: any port will do, so none), sorted: their endpoints are skipped."""
+    if port_name is None:
+        return []
+    return sorted(
+        name for name, s in slices.items()
+        if s.get("ports") and _slice_port(s.get("ports"), port_name) is None
+    )
+
+
 def _rank(e: Endpoint) -> tuple[bool, bool, bool]:
     return (e.ready, e.serving, not e.terminating)
 
@@ -242,4 +253,5 @@ __all__ = [
     "node_info",
     "notice_reasons",
     "slice_endpoints",
+    "without_port",
 ]

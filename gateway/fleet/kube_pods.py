@@ -17,7 +17,7 @@ import aiohttp
 from kubernetes_asyncio.client import ApiException, CoreV1Api
 from kubernetes_asyncio.config import ConfigException
 
-from gateway.fleet.kube_client import api_client, default_namespace
+from gateway.fleet.kube_client import api_client, api_error, default_namespace
 
 
 async def delete_pod(
@@ -41,8 +41,7 @@ async def delete_pod(
             finally:
                 await client.close()
     except ApiException as e:
-        reason = str(e.reason or "").splitlines()[0] if e.reason else ""
-        return False, f"deleting pod {ns}/{pod}: HTTP {e.status} {reason}".rstrip()
+        return False, f"deleting pod {ns}/{pod}: {api_error(e)}"
     except (aiohttp.ClientError, TimeoutError, OSError, ConfigException, ValueError) as e:
         return False, f"deleting pod {ns}/{pod}: {type(e).__name__}: {e}".rstrip(": ")
     return True, f"pod {ns}/{pod} deleted"

@@ -44,8 +44,14 @@ from kubernetes_asyncio.config import ConfigException
 
 from gateway.config import KubernetesDiscoveryConfig
 from gateway.fleet.discovery import DiscoverySink, Endpoint, NodeInfo, SpotNotice
-from gateway.fleet.kube_client import api_client, default_namespace
-from gateway.fleet.kube_objects import Obj, merge_slices, node_info, notice_reasons
+from gateway.fleet.kube_client import api_client, api_error, default_namespace
+from gateway.fleet.kube_objects import (
+    Obj,
+    merge_slices,
+    node_info,
+    notice_reasons,
+    without_port,
+)
 
 log = logging.getLogger("gateway.discovery")
 
@@ -74,7 +80,7 @@ class Gone(Exception):
 def _reason(e: BaseException) -> str:
     """One line for a failure (``ApiException``'s own text spans lines)."""
     if isinstance(e, ApiException):
-        return f"HTTP {e.status}: {str(e.reason or '').splitlines()[0] if e.reason else ''}"
+        return api_error(e)
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -246,12 +252,33 @@ class KubeSource:
     # ---- EndpointSlices ---------------------------------------------------------------------
 
     def _slices_synced(self, slices: Mapping[str, Obj], listed: bool) -> None:
+        if listed:
+            self._warn_if_misconfigured(slices)
         endpoints = merge_slices(slices, self.cfg.port_name, self.cfg.scheme)
         if listed or endpoints != self._reported:
             self._reported = endpoints
             self._last_failure.pop("slices", None)
             assert self._sink is not None
             self._sink.endpoints(endpoints)
+
+    def _warn_if_misconfigured(self, slices: Mapping[str, Obj]) -> None:
+        """After a list: say (once per distinct problem) when no EndpointSlice matches the
+        selector (a Service always has one, even without pods: none at all means a wrong
+        ``label_selector`` or ``namespace``), or when matching slices lack ``port_name``
+        (their endpoints are skipped)."""
+        cfg = self.cfg
+        if not slices:
+            line = (f"no EndpointSlice in namespace {self.namespace} matches label_selector "
+                    f"{cfg.label_selector!r} (a Service has one even with no pods: check "
+                    "discovery.kubernetes.label_selector and namespace)")
+        else:
+            names = without_port(slices, cfg.port_name)
+            line = (f"EndpointSlices {', '.join(names)} have no port named {cfg.port_name!r}: "
+                    "their endpoints are skipped (check discovery.kubernetes.port_name)"
+                    ) if names else ""
+        if line and self._last_failure.get("config") != line:
+            log.warning("kubernetes discovery: %s", line)
+        self._last_failure["config"] = line
 
     def _slices_failed(self, reason: str) -> None:
         self._log_failure("slices", f"EndpointSlices in {self.namespace}: {reason}")

@@ -25,8 +25,8 @@ turns it into actions (its module docstring has the rules), applied here:
 An **outage** of the source keeps the fleet exactly as it is (no removals), logged once
 when it begins and when it ends, exported as ``gateway_discovery_up{source} 0`` and counted
 in ``gateway_discovery_outages_total{source}``. Static ``backends:`` entries are never
-removed; a discovered id equal to a static one is ignored with a warning. ``nodes()``
-updates the placement of the backends on those nodes (:meth:`Backend.placed`);
+removed; a discovered endpoint with the id or URL of a static one is ignored with a
+warning. ``nodes()`` updates the placement of the backends on those nodes (:meth:`Backend.placed`);
 ``spot_notice()`` is handed to ``on_spot_notice`` (the spot handling; ignored when None).
 :attr:`Membership.synced` says a first snapshot arrived (at once for the static source).
 """
@@ -78,6 +78,7 @@ class Membership:
         self.clock = clock
         self.on_spot_notice = on_spot_notice
         self.static_ids = frozenset(b.id for b in fleet)
+        self.static_urls = frozenset(b.base_url for b in fleet)
         self.source_name: str = cfg.source
         self.synced = not cfg.dynamic  # the static list is the whole fleet at once
         self.up = True
@@ -87,6 +88,7 @@ class Membership:
         self._known: dict[str, Known] = {}  # discovered backends in the fleet, by id
         self._gone: set[str] = set()  # discovered ids drained to be removed
         self._deadline: dict[str, float] = {}  # monotonic cut time of each leaving one
+        self._leaving: dict[str, membership_plan.Leave] = {}  # why each leaving one leaves
         self._collided: set[str] = set()  # collisions already warned about
         self._task: asyncio.Task[None] | None = None
         metrics.discovery_up.labels(self.source_name).set(1)
@@ -176,13 +178,16 @@ class Membership:
     # ---- applying a snapshot ---------------------------------------------------------------
     def apply(self) -> Plan:
         """Plan the last snapshot against the fleet and apply it; returns the plan."""
-        p = membership_plan.plan(self._known, self._snapshot, self.static_ids)
+        p = membership_plan.plan(
+            self._known, self._snapshot, self.static_ids, self.static_urls
+        )
         for i in p.collisions:
             if i not in self._collided:
                 self._collided.add(i)
                 self.metrics.discovery_changes.labels("ignored").inc()
                 log.warning(
-                    "discovery (%s): endpoint %s has the id of a static backend; ignored",
+                    "discovery (%s): endpoint %s has the id or the URL of a static "
+                    "backend; ignored",
                     self.source_name,
                     i,
                 )
@@ -228,6 +233,10 @@ class Membership:
                 f", cut after {deadline_s:g} s" if deadline_s is not None else ", not cut",
             )
         self.drains.leave(b, leave.reason, deadline_s)
+        prior = self._leaving.get(b.id)
+        self._leaving[b.id] = membership_plan.Leave(
+            b.id, leave.reason, leave.deadline or (prior is not None and prior.deadline)
+        )
         if deadline_s is not None:
             at = self.clock() + deadline_s
             self._deadline[b.id] = min(self._deadline.get(b.id, at), at)
@@ -240,6 +249,7 @@ class Membership:
             return
         self.drains.rejoin(b)
         self._deadline.pop(backend_id, None)
+        self._leaving.pop(backend_id, None)
         self._known[backend_id] = Known(k.url)
         self.metrics.discovery_changes.labels("rejoined").inc()
         log.info("discovery (%s): backend %s serving again", self.source_name, backend_id)
@@ -249,9 +259,31 @@ class Membership:
         """The ``membership`` loop's body: :meth:`round_now`."""
         self.round_now()
 
+    def leaving(self, backend_id: str) -> str | None:
+        """Why discovery is taking ``backend_id`` out of the fleet (``endpoint_terminating``,
+        ``endpoint_removed``, ``endpoint_moved``), or None when it is not (the admin API
+        refuses to undrain such a backend: discovery, not the operator, says it is going)."""
+        leave = self._leaving.get(backend_id)
+        return leave.reason if leave is not None else None
+
     def round_now(self) -> None:
-        """Remove every gone backend that :func:`membership_plan.removable` lets go; when
-        one left, the snapshot is planned again (a moved endpoint's new address is added)."""
+        """Keep every leaving backend out of rotation, and remove every gone backend that
+        :func:`membership_plan.removable` lets go; when one left, the snapshot is planned
+        again (a moved endpoint's new address is added).
+
+        A leaving backend whose ``leaving`` hold another hold replaced (an operator's drain,
+        a preemption, a restart) is held ``leaving`` again here once that hold ends (it
+        expired, an undrain), and drained again if it got back into service meanwhile, so
+        nothing brings a terminating or gone endpoint back into rotation."""
+        for leave in list(self._leaving.values()):
+            b = self.fleet.get(leave.id)
+            if b is not None and b.hold is None:
+                log.info(
+                    "discovery (%s): backend %s: its hold ended but its endpoint is "
+                    "leaving (%s): held out again", self.source_name, b.id, leave.reason,
+                )
+                deadline_s = self.lifecycle.drain_deadline_s if leave.deadline else None
+                self.drains.leave(b, leave.reason, deadline_s)
         now = self.clock()
         removed = False
         for i in sorted(self._gone):
@@ -263,6 +295,7 @@ class Membership:
             self._gone.discard(i)
             self._known.pop(i, None)
             self._deadline.pop(i, None)
+            self._leaving.pop(i, None)
             if b is not None:
                 self.fleet.remove(i)
                 removed = True
@@ -286,7 +319,15 @@ class Membership:
         node = self._nodes.get(e.node) if e.node is not None else None
         fields = t.model_dump(exclude_none=True)
         gpu = t.gpu_metrics_url
-        if gpu is not None:
+        if gpu is not None and "{node}" in gpu and not e.node:
+            # an EndpointSlice endpoint's nodeName is optional: without it the backend is
+            # still served, only without GPU telemetry (thermal state unknown)
+            fields.pop("gpu_metrics_url", None)
+            log.warning(
+                "discovery (%s): endpoint %s names no node: no gpu_metrics_url (the "
+                "template's needs {node}); thermal state unknown", self.source_name, e.id,
+            )
+        elif gpu is not None:
             fields["gpu_metrics_url"] = gpu.replace("{host}", _url_host(e.host)).replace(
                 "{node}", e.node or ""
             )

@@ -20,7 +20,9 @@ clock. The rules, per endpoint id (conditions as in Kubernetes' EndpointSlice AP
 * **moved** (same id, another URL): the old one leaves as if gone; the new one is added
   once the old one is out;
 * **static** ids (the ``backends:`` list) are never touched; a discovered endpoint with a
-  static id is ignored (:attr:`Plan.collisions`, warned about by the caller);
+  static id, or at a static backend's URL (the same server twice: its maintenance would
+  drain one id while the other still sends it requests), is ignored
+  (:attr:`Plan.collisions`, warned about by the caller);
 * not serving and not terminating (failing its readiness probe) while in the fleet:
   nothing changes here, the gateway's own health probes judge it.
 
@@ -87,11 +89,15 @@ class Plan:
 
 
 def plan(
-    known: Mapping[str, Known], snapshot: Sequence[Endpoint], static_ids: Collection[str]
+    known: Mapping[str, Known],
+    snapshot: Sequence[Endpoint],
+    static_ids: Collection[str],
+    static_urls: Collection[str] = (),
 ) -> Plan:
     """The changes ``snapshot`` (the source's whole current set; a repeated id: the first
     wins) asks of the fleet whose discovered backends are ``known`` (by id), never touching
-    ``static_ids``. The rules are the module docstring's."""
+    ``static_ids`` and ignoring endpoints at ``static_urls`` (``scheme://host:port``). The
+    rules are the module docstring's."""
     add: list[Endpoint] = []
     leave: list[Leave] = []
     rejoin: list[str] = []
@@ -102,7 +108,7 @@ def plan(
         if e.id in seen:
             continue
         seen.add(e.id)
-        if e.id in static_ids:
+        if e.id in static_ids or e.url in static_urls:
             collisions.append(e.id)
             continue
         k = known.get(e.id)

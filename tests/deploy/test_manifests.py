@@ -104,7 +104,8 @@ def gateway_config(
 ) -> GatewayConfig:
     """The gateway's config as its pods load it: the file of the ConfigMap mounted where
     ``--config`` points, with the container's environment (a Secret's value replaced by a
-    stand-in), through :func:`gateway.config.load_config` and ``check_secrets``."""
+    stand-in, and the API server's address Kubernetes gives every pod), through
+    :func:`gateway.config.load_config` and ``check_secrets``."""
     gw = one(objs, "Deployment", GATEWAY)
     path = _config_path(gw)
     (c,) = [c for c in containers(gw) if c["name"] == "gateway"]
@@ -120,6 +121,9 @@ def gateway_config(
         else:
             assert "secretKeyRef" in e["valueFrom"], f"env {name}: only Secrets or literals"
             monkeypatch.setenv(name, "stand-in-secret")
+    # in a pod Kubernetes always sets these (the API server's Service): in-cluster config
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     cfg = load_config(target)
     check_secrets(cfg)
     return cfg
