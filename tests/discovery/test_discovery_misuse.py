@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -59,6 +60,26 @@ REFUSED = {
     "block-without-source": ("discovery: {dns: {name: vllm.test}}\n", "add 'source: dns'"),
 }
 
+
+
+def kube_replica(made: list[GatewayThread], kubeconfig: str, redis_url: str, i: int,
+                 **coordination: Any) -> GatewayThread:
+    """Fleet-mode replica ``r{i}`` discovering through the API double (no node watch),
+    started (not waited for) and added to ``made``."""
+    cfg = gateway_config([], discovery={"source": "kubernetes", "kubernetes": {
+        "kubeconfig": kubeconfig, "namespace": "default", "retry_s": 0.2,
+        "watch_nodes": False}},
+        coordination={"redis_url": redis_url, "replica_id": f"r{i}", "sync_interval_s": 0.1,
+                      **coordination})
+    gw = GatewayThread(cfg)
+    made.append(gw)
+    gw.start(wait_ready=False)
+    return gw
+
+
+def warm(gw: GatewayThread) -> set[str]:
+    """Backends ``gw`` has warm."""
+    return {i for i, x in backends(gw).items() if x["state"] == "warm"}
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_check_config_and_serve_refuse_a_discovery_config_they_cannot_use(
@@ -227,18 +248,7 @@ def test_fleet_mode_a_pod_discovered_again_starts_afresh_on_every_replica(
     made: list[GatewayThread] = []
 
     def replica(i: int) -> GatewayThread:
-        cfg = gateway_config([], discovery={"source": "kubernetes", "kubernetes": {
-            "kubeconfig": kubeconfig, "namespace": "default", "retry_s": 0.2,
-            "watch_nodes": False}},
-            coordination={"redis_url": redis_server.url, "replica_id": f"r{i}",
-                          "sync_interval_s": 0.1})
-        gw = GatewayThread(cfg)
-        made.append(gw)
-        gw.start(wait_ready=False)
-        return gw
-
-    def warm(gw: GatewayThread) -> set[str]:
-        return {i for i, x in backends(gw).items() if x["state"] == "warm"}
+        return kube_replica(made, kubeconfig, redis_server.url, i)
 
     try:
         r1, r2 = replica(1), replica(2)
@@ -336,18 +346,7 @@ def test_fleet_mode_a_pod_removed_during_its_cycle_gives_its_lease_back(
     made: list[GatewayThread] = []
 
     def replica(i: int) -> GatewayThread:
-        cfg = gateway_config([], discovery={"source": "kubernetes", "kubernetes": {
-            "kubeconfig": kubeconfig, "namespace": "default", "retry_s": 0.2,
-            "watch_nodes": False}},
-            coordination={"redis_url": redis_server.url, "replica_id": f"r{i}",
-                          "sync_interval_s": 0.1, "lease_ttl_s": 2.0})
-        gw = GatewayThread(cfg)
-        made.append(gw)
-        gw.start(wait_ready=False)
-        return gw
-
-    def warm(gw: GatewayThread) -> set[str]:
-        return {i for i, x in backends(gw).items() if x["state"] == "warm"}
+        return kube_replica(made, kubeconfig, redis_server.url, i, lease_ttl_s=2.0)
 
     def leases(gw: GatewayThread) -> list[str]:
         fleet = httpx.get(gw.url + "/admin/fleet", timeout=5).json()

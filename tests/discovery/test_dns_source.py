@@ -4,33 +4,12 @@ a resolver that does not answer is an outage)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import pytest
 
 from gateway.config import DnsDiscoveryConfig
-from gateway.fleet.discovery import Endpoint, NodeInfo, SpotNotice
 from gateway.fleet.dns_source import EMPTY_CONFIRMATIONS, DnsSource, nameserver_of
+from tests.discovery.kube_support import RecordingSink
 from tests.support.dnsmasq import DnsServer
-
-
-class Recorder:
-    """A sink that keeps what it was told, in order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, object]] = []
-
-    def endpoints(self, snapshot: Sequence[Endpoint]) -> None:
-        self.calls.append(("endpoints", list(snapshot)))
-
-    def outage(self, reason: str) -> None:
-        self.calls.append(("outage", reason))
-
-    def nodes(self, nodes: Mapping[str, NodeInfo]) -> None:
-        self.calls.append(("nodes", dict(nodes)))
-
-    def spot_notice(self, notice: SpotNotice) -> None:
-        self.calls.append(("spot", notice))
 
 
 def source(server: DnsServer, name: str = "vllm.test") -> DnsSource:
@@ -42,7 +21,7 @@ def source(server: DnsServer, name: str = "vllm.test") -> DnsSource:
 async def test_addresses_become_endpoints_ipv6_bracketed(dns_server: DnsServer) -> None:
     dns_server.set_records([("127.0.0.9", "vllm.test"), ("::1", "vllm.test"),
                             ("127.0.0.7", "other.test")])
-    sink = Recorder()
+    sink = RecordingSink()
     await source(dns_server).round(sink)
     [(kind, snapshot)] = sink.calls
     assert kind == "endpoints"
@@ -54,7 +33,7 @@ async def test_addresses_become_endpoints_ipv6_bracketed(dns_server: DnsServer) 
 
 async def test_nxdomain_empties_the_fleet_only_once_confirmed(dns_server: DnsServer) -> None:
     dns_server.set_records([("127.0.0.9", "vllm.test")])
-    src, sink = source(dns_server), Recorder()
+    src, sink = source(dns_server), RecordingSink()
     await src.round(sink)
     dns_server.set_records([])
     for _ in range(EMPTY_CONFIRMATIONS - 1):
@@ -65,7 +44,7 @@ async def test_nxdomain_empties_the_fleet_only_once_confirmed(dns_server: DnsSer
 
 
 async def test_a_resolver_that_does_not_answer_is_an_outage(dns_server: DnsServer) -> None:
-    src, sink = source(dns_server), Recorder()
+    src, sink = source(dns_server), RecordingSink()
     dns_server.stop()
     await src.round(sink)
     [(kind, reason)] = sink.calls
