@@ -34,6 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.config import CoordinationConfig
+from gateway.core.listening import url_host
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.coord")
@@ -58,10 +59,7 @@ def redacted_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{parts.username or ''}:***@{host}"
+    netloc = f"{parts.username or ''}:***@{url_host(parts.hostname or '')}"
     if parts.port is not None:
         netloc += f":{parts.port}"
     return urlunsplit(parts._replace(netloc=netloc))

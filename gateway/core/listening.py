@@ -13,9 +13,15 @@ from __future__ import annotations
 import errno
 
 
+def url_host(host: str) -> str:
+    """``host`` as the host part of a URL: an IPv6 address in brackets (``[::1]``, RFC 3986
+    section 3.2.2); a name, an IPv4 address or an already bracketed one as it is."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets (``[::1]:8000``, RFC 3986 section 3.2.2)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{url_host(host)}:{port}"
 
 
 class CannotListen(Exception):

@@ -43,6 +43,7 @@ import dns.rdatatype
 import dns.resolver
 
 from gateway.config import DnsDiscoveryConfig, parse_nameserver
+from gateway.core.listening import host_port
 from gateway.fleet.discovery import DiscoverySink, Endpoint
 
 log = logging.getLogger("gateway.discovery")
@@ -61,10 +62,9 @@ class DnsOutage(Exception):
 
 def endpoint_of(address: str, port: int, scheme: str) -> Endpoint:
     """The :class:`Endpoint` of one resolved ``address`` (IPv4 or IPv6 text) on ``port``."""
-    host = f"[{address}]" if ":" in address else address
     return Endpoint(
         id=_NOT_ID.sub("_", f"{address}-{port}"),
-        url=f"{scheme}://{host}:{port}",
+        url=f"{scheme}://{host_port(address, port)}",
         host=address,
     )
 

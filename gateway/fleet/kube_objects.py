@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from gateway.core.listening import host_port
 from gateway.fleet.discovery import Endpoint, NodeInfo
 
 Obj = Mapping[str, Any]
@@ -88,13 +89,6 @@ NOTICE_CONDITIONS: tuple[tuple[str, str | None], ...] = (
 # ---- EndpointSlices -------------------------------------------------------------------------
 
 
-def _url_host(address: str, address_type: str) -> str:
-    """The host part of a URL: an IPv6 address in brackets (RFC 3986 section 3.2.2)."""
-    if address_type == "IPv6" or (":" in address and not address.startswith("[")):
-        return f"[{address}]"
-    return address
-
-
 def _slice_port(ports: Sequence[Obj] | None, port_name: str | None) -> int | None:
     """The slice's port named ``port_name`` (None: its first port), or None when it has
     none (a slice without ports means "not restricted": nothing the gateway can dial)."""
@@ -118,7 +112,6 @@ def slice_endpoints(slice_: Obj, port_name: str | None, scheme: str) -> list[End
     port = _slice_port(slice_.get("ports"), port_name)
     if port is None:
         return []
-    address_type = str(slice_.get("addressType") or "IPv4")
     namespace = (slice_.get("metadata") or {}).get("namespace")
     out: list[Endpoint] = []
     for ep in slice_.get("endpoints") or ():
@@ -126,7 +119,6 @@ def slice_endpoints(slice_: Obj, port_name: str | None, scheme: str) -> list[End
         if not addresses:
             continue
         address = str(addresses[0])
-        host = _url_host(address, address_type)
         cond = ep.get("conditions") or {}
         ready = cond.get("ready")
         serving = cond.get("serving")
@@ -136,7 +128,7 @@ def slice_endpoints(slice_: Obj, port_name: str | None, scheme: str) -> list[End
         plain = address.replace(":", "-")  # an IPv6 address: no colons in a backend id
         out.append(Endpoint(
             id=str(pod) if pod else f"{plain}-{port}",
-            url=f"{scheme}://{host}:{port}",
+            url=f"{scheme}://{host_port(address, port)}",
             host=address,
             ready=True if ready is None else bool(ready),
             serving=True if serving is None else bool(serving),

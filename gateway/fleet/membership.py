@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.config import BackendConfig, DiscoveryConfig, LifecycleConfig
+from gateway.core.listening import url_host
 from gateway.core.wording import plural
 from gateway.fleet import membership_plan
 from gateway.fleet.backend import Backend
@@ -328,7 +329,7 @@ class Membership:
                 "template's needs {node}); thermal state unknown", self.source_name, e.id,
             )
         elif gpu is not None:
-            fields["gpu_metrics_url"] = gpu.replace("{host}", _url_host(e.host)).replace(
+            fields["gpu_metrics_url"] = gpu.replace("{host}", url_host(e.host)).replace(
                 "{node}", e.node or ""
             )
         fields.update(id=e.id, url=e.url)
@@ -359,8 +360,3 @@ class Membership:
         )
         if new != p:
             b.placed(new)
-
-
-def _url_host(host: str) -> str:
-    """``host`` as it goes in a URL (an IPv6 address bracketed)."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
