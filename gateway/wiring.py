@@ -11,13 +11,12 @@ the controller's GPU monitor.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config import ClientKey, ConfigError, GatewayConfig
+from gateway.config import ClientKey, GatewayConfig
 from gateway.coord.affinity import SharedResponses
 from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
@@ -27,7 +26,7 @@ from gateway.coord.quota import GlobalQuotas
 from gateway.core.readiness import Readiness
 from gateway.fleet.backend import Backend
 from gateway.fleet.controller import FleetController
-from gateway.fleet.discovery import DiscoverySource, SpotNotice, StaticSource
+from gateway.fleet.discovery import DiscoverySource, StaticSource
 from gateway.fleet.dns_source import DnsSource
 from gateway.fleet.fleet import Change, Fleet
 from gateway.fleet.spot import SpotNotices
@@ -202,10 +201,7 @@ def build_gateway(
     membership = controller.membership
     readiness.add("discovery", membership.readiness)
     # spot notices from the node watch (Kubernetes discovery) go to the spot handling
-    def spot_notice(notice: SpotNotice) -> None:
-        spot.notice(notice)
-
-    membership.on_spot_notice = spot_notice
+    membership.on_spot_notice = spot.notice
     if coord is not None:
         readiness.add("coordination", coord.readiness)
 
@@ -251,21 +247,17 @@ def build_gateway(
 def build_source(cfg: GatewayConfig) -> DiscoverySource:
     """The discovery source ``cfg.discovery.source`` names: ``static`` (the ``backends:``
     list), ``dns`` (:class:`gateway.fleet.dns_source.DnsSource`), ``kubernetes``
-    (``gateway.fleet.kube_source.KubeSource``, imported only when chosen). Raises
-    ``ConfigError`` when the Kubernetes source is not installed."""
+    (:class:`gateway.fleet.kube_source.KubeSource`, imported only when chosen: the
+    Kubernetes client is a heavy import)."""
     d = cfg.discovery
     if d.source == "dns":
         assert d.dns is not None  # DiscoveryConfig's validator
         return DnsSource(d.dns)
     if d.source == "kubernetes":
-        try:
-            module = importlib.import_module("gateway.fleet.kube_source")
-        except ImportError as e:
-            raise ConfigError(
-                f"discovery.source 'kubernetes' is not available in this build ({e})"
-            ) from None
-        source: DiscoverySource = module.KubeSource(d.kubernetes)
-        return source
+        from gateway.fleet.kube_source import KubeSource
+
+        assert d.kubernetes is not None  # DiscoveryConfig's validator
+        return KubeSource(d.kubernetes)
     return StaticSource()
 
 

@@ -69,7 +69,7 @@ class Membership:
         drains: Drains,
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,
-        on_spot_notice: Callable[[SpotNotice], None] | None = None,
+        on_spot_notice: Callable[[SpotNotice], object] | None = None,
     ) -> None:
         self.cfg = cfg
         self.lifecycle = lifecycle
