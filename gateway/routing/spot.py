@@ -46,7 +46,6 @@ the score never makes a model unservable, it only moves traffic to where it can 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -54,6 +53,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.config import SpotConfig
+from gateway.routing import rendezvous
 from gateway.routing.policies import Policy
 from gateway.routing.policy import C, Candidate, ThermalHook
 
@@ -139,10 +139,10 @@ class _Where(Protocol):
 
 
 def session_draw(session_key: str, zone: str) -> float:
-    """A session's uniform draw in [0, 1) for ``zone``: 64 bits of BLAKE2b over both (a NUL
-    between), the same in every process (never Python's salted ``hash()``)."""
-    digest = hashlib.blake2b(f"{session_key}\x00{zone}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64
+    """A session's uniform draw in [0, 1) for ``zone``: rendezvous hashing's 64-bit BLAKE2b
+    weight of the pair (:func:`gateway.routing.rendezvous.weight`), the same in every
+    process (never Python's salted ``hash()``), over 2**64."""
+    return rendezvous.weight(session_key, zone) / 2.0**64
 
 
 class SpotSteering:
