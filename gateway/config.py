@@ -1229,6 +1229,75 @@ class SpotConfig(_Strict):
     min_score: float = Field(0.05, ge=0, le=1)
 
 
+class AutoscaleModelLimits(_Strict):
+    """One model's replica bounds (``autoscale.models.<model>``)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscaleModelLimits:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
+class AutoscaleConfig(_Strict):
+    """Autoscaling signals (see :mod:`gateway.autoscale`): how many vLLM replicas each model
+    needs, exported as ``gateway_autoscale_desired_replicas{model}`` and ``GET /autoscale``
+    for KEDA / an HPA. The gateway never starts or stops a replica itself.
+
+    Desired replicas per model = the largest of three paradigms, bounded by
+    ``min_replicas`` / ``max_replicas`` (per model in ``models``):
+
+    * fast (every ``interval_s``): requests on the replicas (running + waiting, vLLM's
+      gauges) over ``target_concurrency`` x a replica's slots (``max_num_seqs``), and KV-cache
+      use over ``target_kv_cache``;
+    * fine: P99 TTFT over ``ttft_window_s`` against ``ttft_target_s`` (default ``slo.ttft_s``),
+      ``ceil(ready x p99 / target)``, at most ``fine_max_step`` x the ready replicas;
+    * ahead: the forecast mean arrival rate over ``[now + cold start, + lead_s]`` times the
+      time a request spends on a replica (Little's law), over the same per-replica target,
+      plus the warm pool: ``warm_pool_share`` (0.3-0.7) of the forecast interval's width in
+      replicas.
+
+    Up at once; down only to the largest value recommended over the last
+    ``scale_down_cooldown_s`` (Kubernetes HPA's scale-down stabilization window; 60-120 s,
+    Knative's stable window is 60 s). ``cold_start_s``: assumed until a replica's cold start
+    was measured from discovery (endpoint seen -> warm)."""
+
+    enabled: bool = True
+    interval_s: float = Field(5.0, gt=0, description="decision period (s)")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(64, ge=1)
+    models: dict[str, AutoscaleModelLimits] = Field(default_factory=dict)
+    target_concurrency: float = Field(
+        0.75, gt=0, le=1, description="requests per replica over its max_num_seqs, aimed at"
+    )
+    target_kv_cache: float = Field(0.8, gt=0, le=1, description="KV-cache use aimed at")
+    default_slots: int = Field(
+        256, ge=1, description="a replica's max_num_seqs when neither config nor scrapes say"
+    )
+    ttft_target_s: float | None = Field(None, gt=0, description="default: slo.ttft_s")
+    ttft_window_s: float = Field(30.0, gt=0)
+    fine_max_step: float = Field(2.0, ge=1)
+    cold_start_s: float = Field(90.0, ge=0, description="assumed until one is measured")
+    lead_s: float = Field(600.0, ge=0, description="forecast window after the cold start")
+    warm_pool_share: float = Field(0.5, ge=0, le=1)
+    scale_down_cooldown_s: float = Field(90.0, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscaleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+    def limits(self, model: str) -> AutoscaleModelLimits:
+        """``model``'s bounds: its ``models`` entry, else the defaults."""
+        return self.models.get(model) or AutoscaleModelLimits(
+            min_replicas=self.min_replicas, max_replicas=self.max_replicas
+        )
+
+
 class CoordinationConfig(_Strict):
     """Fleet mode: several gateway replicas acting as one over a shared Redis (or Valkey).
 
@@ -1365,6 +1434,7 @@ class GatewayConfig(BaseSettings):
     coordination: CoordinationConfig = Field(default_factory=CoordinationConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     spot: SpotConfig = Field(default_factory=SpotConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:

@@ -182,6 +182,54 @@ class HoltWinters:
         level = max(0.0, (self.level or 0.0) + self.season[self._bin(self._t)])
         return Forecast(rate, max(0.0, rate - half), rate + half, level, p.horizon_s)
 
+    def window(self, start_s: float, span_s: float) -> Forecast:
+        """The forecast mean rate over seconds ``now + start_s .. now + start_s + span_s``
+        (requests/s; ``now`` the last observed second), for a decision that takes effect
+        later (the autoscaler's "ahead" paradigm: ``start_s`` a replica's cold start).
+
+        Same model as :meth:`forecast`: level, the damped trend's mean weight over those
+        steps (``phi + ... + phi^h`` averaged over ``h``, in closed form), the seasonal bins
+        the window crosses weighted by the seconds in each. The interval keeps the
+        forecaster's own error (``sigma`` of its ``horizon_s`` means), never narrower than
+        the Poisson noise of a ``span_s`` mean. Raises ValueError for a negative start or
+        a span under 1 s."""
+        if start_s < 0 or span_s < 1:
+            raise ValueError("need start_s >= 0 and span_s >= 1")
+        p = self.p
+        if self.level is None:
+            return Forecast(0.0, 0.0, 0.0, 0.0, round(span_s))
+        a, n = int(start_s), max(1, int(span_s))
+        phi = p.phi
+        if phi >= 1.0:
+            weight = a + (n + 1) / 2.0  # mean of h over a+1 .. a+n
+        else:  # mean over h of phi (1 - phi^h) / (1 - phi)
+            mean_pow = phi ** (a + 1) * (1 - phi**n) / ((1 - phi) * n)
+            weight = phi / (1 - phi) * (1 - mean_pow)
+        t0 = self._t + a + 1
+        season = 0.0
+        covered = 0.0
+        start = t0
+        end = t0 + n
+        while start < end:
+            bin_end = (math.floor(start / self._bin_s) + 1) * self._bin_s
+            step = min(end, bin_end) - start
+            if step <= 0:
+                step = 1.0
+            season += self.season[self._bin(start)] * step
+            covered += step
+            start += step
+        season /= covered
+        rate = max(0.0, self.level + weight * self.trend + season)
+        poisson_var = rate / n
+        var = (
+            max(poisson_var, self._err_var or 0.0)
+            if self.ticks > p.horizon_s
+            else max(poisson_var, rate * rate)
+        )
+        half = p.z * math.sqrt(var)
+        level = max(0.0, self.level + self.season[self._bin(self._t)])
+        return Forecast(rate, max(0.0, rate - half), rate + half, level, n)
+
 
 class ArrivalCounter:
     """Counts arrivals per series key between ticks (the hot path's only forecast work:

@@ -30,8 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
-    #    capacity shares (gateway.traffic.shares)
-    ("gateway.routing.*", "gateway.traffic.*"),
+    #    capacity shares (gateway.traffic.shares), the autoscaler (gateway.autoscale)
+    ("gateway.routing.*", "gateway.traffic.*", "gateway.autoscale"),
     # 2: the fleet's state and control loops; the upstream transport (siblings);
     #    the maintenance-lease seam (gateway.fleet.leases: pure, LocalLeases)
     ("gateway.fleet.*", "gateway.proxy.*"),
@@ -71,6 +71,7 @@ PURE = (
     "gateway.core.*",
     "gateway.routing.*",
     "gateway.traffic.*",
+    "gateway.autoscale",
     "gateway.fleet.lifecycle",
     "gateway.fleet.liveness",
     "gateway.fleet.cycles",

@@ -1,0 +1,283 @@
+"""How many vLLM replicas each model needs (pure: snapshots and a clock in, decisions out).
+
+The gateway exports the answer (``gateway_autoscale_desired_replicas{model}``, ``GET
+/autoscale``) for the autoscaler that owns the replicas (KEDA, an HPA, a cluster script);
+it never starts or stops one itself. The live loop (:mod:`gateway.flow.autoscaling`) and the
+fleet simulator (:mod:`gateway.sim.scaling`) feed the same :class:`ModelAutoscaler`.
+
+**Desired replicas = the largest of three paradigms**, each a replica count:
+
+* **fast** (seconds: vLLM's gauges, scraped every 0.5 s): the requests on the model's
+  replicas, ``running + waiting``, over the per-replica target ``target_concurrency x
+  slots`` (``slots``: ``max_num_seqs``), and ``ceil(ready x kv / target_kv_cache)``; both
+  Kubernetes HPA's rule ``ceil(current x metric / target)`` (HPA docs, "Algorithm details")
+  with the metric per replica. Requests waiting count as load, so a queue raises it;
+* **fine** (tens of seconds: a window of first tokens): P99 TTFT over the window against
+  its target (the TTFT SLO), ``ceil(ready x p99 / target)``. It counts only the *ready*
+  replicas (those that made that TTFT): replicas still starting do not improve it, and
+  ``ceil(current x ...)`` would grow without end while they start. At most
+  ``fine_max_step x ready``;
+* **ahead** (minutes): the forecast mean arrival rate over the window that starts when a
+  replica asked for now would be ready (now + the measured cold start) and lasts
+  ``lead_s``, times the time a request spends on a replica (Little's law ``L = lambda W``;
+  ``W`` from the replicas' own ``running + waiting`` over the current rate, smoothed), over
+  the per-replica target; plus the **warm pool**: idle-but-ready replicas for what the
+  forecast may have missed, ``warm_pool_share`` (0.3-0.7, default 0.5) of the forecast
+  interval's width (``high - rate``: the upper half of the 95% interval), in replicas.
+  The documented rule: a pool of half the interval's upper half covers a burst of about
+  one standard deviation (z = 1.96 / 2) without a cold start, the rest is left to the
+  fast paradigm, since a pool covering the whole interval keeps 2.5% of hours idle for
+  the rare burst that exceeds it.
+
+**Stabilization** (HPA's ``behavior.scaleDown.stabilizationWindowSeconds``): the desired
+count is the largest recommendation of the last ``scale_down_cooldown_s`` (default 90 s:
+within the 60-120 s that Knative's KPA stable window, 60 s, and AIBrix recommend, well
+under HPA's 300 s which the KEDA rule keeps). A rise therefore takes effect at once, a fall
+only once it has held for the whole window. Then ``min_replicas`` / ``max_replicas``.
+
+**Scale-up lag** (:class:`LagTracker`): from the decision that first asked for a replica
+to the moment one more replica is ready, first asked first served.
+
+Units: seconds, requests, requests/s; KV-cache use in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from gateway.config import AutoscaleConfig
+
+PARADIGMS: tuple[str, ...] = ("fast", "fine", "ahead")
+"""The paradigms' names, as ``gateway_autoscale_signal{paradigm}`` and ``/autoscale`` say
+them."""
+
+W_ALPHA = 0.1
+"""EWMA weight of a new estimate of the time in system ``W`` (per decision: with decisions
+every 5 s, ``W`` follows a change within about a minute)."""
+
+MIN_RATE_FOR_W = 0.05
+"""Below this arrival rate (requests/s) ``W`` is not re-estimated (too few requests)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignals:
+    """What one model's replicas look like at one moment.
+
+    ``ready``: replicas serving it (warm); ``warming``: replicas that exist but do not
+    serve yet (cold start, warm-up). ``slots``: a replica's ``max_num_seqs``.
+    ``running`` / ``waiting``: requests on the ready replicas, summed (vLLM's
+    ``num_requests_running`` / ``num_requests_waiting``). ``kv_cache_usage``: the mean
+    over the ready replicas, 0-1. ``ttft_p99_s``: over the recent window, None with too
+    few first tokens. ``rate_rps``: the arrival rate now (the forecaster's level),
+    ``ahead_rps`` / ``ahead_high_rps``: the forecast mean rate over the ahead window and
+    its interval's upper end; None before the forecaster has seen the model."""
+
+    ready: int
+    warming: int = 0
+    slots: int = 256
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float = 0.0
+    ttft_p99_s: float | None = None
+    rate_rps: float | None = None
+    ahead_rps: float | None = None
+    ahead_high_rps: float | None = None
+
+    @property
+    def current(self) -> int:
+        """Replicas that exist: ready plus warming."""
+        return self.ready + self.warming
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One decision for one model (replica counts; ``time_in_system_s`` in seconds).
+
+    ``recommended``: the largest paradigm (``ahead`` includes the warm pool) before
+    stabilization and bounds; ``desired``: after them (what the autoscaler should run);
+    ``reason``: which paradigm won, or what held the count."""
+
+    at: float
+    desired: int
+    recommended: int
+    current: int
+    ready: int
+    warming: int
+    fast: int
+    fine: int
+    ahead: int
+    warm_pool: int
+    reason: str
+    time_in_system_s: float | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready (``GET /autoscale``)."""
+        return {
+            "desired_replicas": self.desired,
+            "recommended_replicas": self.recommended,
+            "current_replicas": self.current,
+            "ready_replicas": self.ready,
+            "warming_replicas": self.warming,
+            "warm_pool_replicas": self.warm_pool,
+            "paradigms": {"fast": self.fast, "fine": self.fine, "ahead": self.ahead},
+            "reason": self.reason,
+            "time_in_system_s": self.time_in_system_s,
+            "at": self.at,
+        }
+
+
+def ahead_window(cold_start_s: float, cfg: AutoscaleConfig) -> tuple[float, float]:
+    """``(start_s, span_s)`` of the ahead paradigm's forecast window from now: a replica
+    asked for now is ready after ``cold_start_s``, then it should serve ``lead_s`` (at
+    least one second)."""
+    return max(0.0, cold_start_s), max(1.0, cfg.lead_s)
+
+
+def _ceil(x: float) -> int:
+    """``ceil`` that forgives float noise (2.0000000001 is 2)."""
+    return max(0, math.ceil(x - 1e-9))
+
+
+@dataclass
+class ModelAutoscaler:
+    """One model's autoscaler: :meth:`decide` every ``cfg.interval_s`` with the model's
+    :class:`ModelSignals` and the time (seconds, any monotonic origin).
+
+    ``min_replicas`` / ``max_replicas``: this model's bounds (``cfg.limits(model)``).
+    ``ttft_target_s``: the fine paradigm's target (``cfg.ttft_target_s`` or the TTFT SLO).
+    State: the recent recommendations (the stabilization window) and the smoothed time a
+    request spends on a replica."""
+
+    cfg: AutoscaleConfig
+    ttft_target_s: float
+    min_replicas: int = 1
+    max_replicas: int = 64
+    time_in_system_s: float | None = None
+    _recent: deque[tuple[float, int]] = field(default_factory=deque)
+    last: Decision | None = None
+
+    def paradigms(self, s: ModelSignals) -> tuple[int, int, int, int]:
+        """``(fast, fine, ahead, warm_pool)`` for ``s`` (``ahead`` includes the pool); a
+        paradigm without its inputs says 0 (no opinion). Updates the smoothed ``W``."""
+        cfg = self.cfg
+        per_replica = max(1e-9, cfg.target_concurrency * max(1, s.slots))
+        in_system = max(0.0, s.running) + max(0.0, s.waiting)
+        fast = _ceil(in_system / per_replica)
+        if s.ready > 0 and s.kv_cache_usage > 0:
+            fast = max(fast, _ceil(s.ready * min(1.0, s.kv_cache_usage) / cfg.target_kv_cache))
+        fine = 0
+        if s.ttft_p99_s is not None and s.ready > 0 and self.ttft_target_s > 0:
+            ratio = min(cfg.fine_max_step, s.ttft_p99_s / self.ttft_target_s)
+            fine = _ceil(s.ready * ratio)
+        if s.rate_rps is not None and s.rate_rps >= MIN_RATE_FOR_W and in_system > 0:
+            w = in_system / s.rate_rps
+            self.time_in_system_s = (
+                w
+                if self.time_in_system_s is None
+                else (1 - W_ALPHA) * self.time_in_system_s + W_ALPHA * w
+            )
+        ahead = pool = 0
+        if s.ahead_rps is not None and self.time_in_system_s is not None:
+            w = self.time_in_system_s
+            ahead = _ceil(s.ahead_rps * w / per_replica)
+            if s.ahead_high_rps is not None and s.ahead_high_rps > s.ahead_rps:
+                pool = _ceil(
+                    cfg.warm_pool_share * (s.ahead_high_rps - s.ahead_rps) * w / per_replica
+                )
+            ahead += pool
+        return fast, fine, ahead, pool
+
+    def decide(self, now: float, s: ModelSignals) -> Decision:
+        """The decision at ``now`` for ``s`` (see the module docstring)."""
+        fast, fine, ahead, pool = self.paradigms(s)
+        values = {"fast": fast, "fine": fine, "ahead": ahead}
+        winner = max(PARADIGMS, key=lambda k: values[k])  # ties: the first in PARADIGMS
+        recommended = values[winner]
+        recent = self._recent
+        recent.append((now, recommended))
+        while recent and recent[0][0] < now - self.cfg.scale_down_cooldown_s:
+            recent.popleft()
+        stabilized = max(r for _, r in recent)
+        reason = winner
+        if stabilized > recommended and stabilized >= s.current:
+            reason = "scale-down cooldown"
+        desired = stabilized
+        if desired < self.min_replicas:
+            desired, reason = self.min_replicas, "min_replicas"
+        elif desired > self.max_replicas:
+            desired, reason = self.max_replicas, "max_replicas"
+        d = Decision(
+            at=now,
+            desired=desired,
+            recommended=recommended,
+            current=s.current,
+            ready=s.ready,
+            warming=s.warming,
+            fast=fast,
+            fine=fine,
+            ahead=ahead,
+            warm_pool=pool,
+            reason=reason,
+            time_in_system_s=self.time_in_system_s,
+        )
+        self.last = d
+        return d
+
+
+class Autoscaler:
+    """Every model's :class:`ModelAutoscaler`, made on first sight from ``cfg``.
+
+    ``ttft_slo_s``: the fine paradigm's target when ``cfg.ttft_target_s`` is unset."""
+
+    def __init__(self, cfg: AutoscaleConfig, ttft_slo_s: float) -> None:
+        self.cfg = cfg
+        self.ttft_target_s = cfg.ttft_target_s or ttft_slo_s
+        self.models: dict[str, ModelAutoscaler] = {}
+
+    def model(self, name: str) -> ModelAutoscaler:
+        """``name``'s autoscaler (created with its bounds on first use)."""
+        m = self.models.get(name)
+        if m is None:
+            lim = self.cfg.limits(name)
+            m = ModelAutoscaler(
+                self.cfg, self.ttft_target_s, lim.min_replicas, lim.max_replicas
+            )
+            self.models[name] = m
+        return m
+
+    def decide(self, now: float, signals: dict[str, ModelSignals]) -> dict[str, Decision]:
+        """A decision for each model in ``signals``; a model no longer given is forgotten."""
+        for gone in self.models.keys() - signals.keys():
+            del self.models[gone]
+        return {name: self.model(name).decide(now, s) for name, s in signals.items()}
+
+
+@dataclass
+class LagTracker:
+    """Scale-up lag: seconds from the decision that first asked for a replica to the moment
+    one more replica was ready (discovery saw it warm). First asked, first served.
+
+    Feed :meth:`observe` every decision with the desired count and the ready
+    count; it returns the lags completed since the previous call. A fall of the desired
+    count withdraws the newest open asks; a replica that becomes ready with no ask open
+    (one back from a drain, a replica the orchestrator made on its own) completes none."""
+
+    asked: deque[float] = field(default_factory=deque)
+    ready: int | None = None
+
+    def observe(self, now: float, desired: int, ready: int) -> list[float]:
+        """Lags (seconds) completed at ``now``; see the class docstring."""
+        out: list[float] = []
+        if self.ready is not None and ready > self.ready:
+            for _ in range(min(ready - self.ready, len(self.asked))):
+                out.append(now - self.asked.popleft())
+        self.ready = ready
+        gap = desired - ready - len(self.asked)
+        if gap > 0:
+            self.asked.extend([now] * gap)
+        elif gap < 0:
+            for _ in range(min(-gap, len(self.asked))):
+                self.asked.pop()
+        return out
