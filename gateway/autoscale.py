@@ -33,7 +33,9 @@ fleet simulator (:mod:`gateway.sim.scaling`) feed the same :class:`ModelAutoscal
 count is the largest recommendation of the last ``scale_down_cooldown_s`` (default 90 s:
 within the 60-120 s that Knative's KPA stable window, 60 s, and AIBrix recommend, well
 under HPA's 300 s which the KEDA rule keeps). A rise therefore takes effect at once, a fall
-only once it has held for the whole window. Then ``min_replicas`` / ``max_replicas``.
+only once it has held for the whole window. At its first decision (a gateway that has just
+started) the replicas that exist count as a recommendation, so a restart never scales the
+fleet down before a whole window. Then ``min_replicas`` / ``max_replicas``.
 
 **Scale-up lag** (:class:`LagTracker`): from the decision that first asked for a replica
 to the moment one more replica is ready, first asked first served.
@@ -196,6 +198,10 @@ class ModelAutoscaler:
         winner = max(PARADIGMS, key=lambda k: values[k])  # ties: the first in PARADIGMS
         recommended = values[winner]
         recent = self._recent
+        if self.last is None:
+            # first sight (a gateway restart): the replicas that exist count as recommended
+            # now, so a restart never scales the fleet down before a whole cooldown
+            recent.append((now, s.current))
         recent.append((now, recommended))
         while recent and recent[0][0] < now - self.cfg.scale_down_cooldown_s:
             recent.popleft()

@@ -147,3 +147,55 @@ def test_arrival_forecasts_export_metrics_and_feed_the_batcher() -> None:
     view = batcher.rates[0]
     assert view is not None and abs(view.rate - 10) < 0.5
     assert batcher.rates[1] is None and batcher.ttft_slack_s == 0.5
+
+
+# ---- the forecast over a later window (the autoscaler's "ahead" paradigm) ----------------------
+
+
+def test_window_of_a_steady_series_is_its_rate() -> None:
+    hw = HoltWinters()
+    for t in range(300):
+        hw.observe(t, 4.0)
+    f = hw.window(90, 600)
+    assert f.rate == pytest.approx(4.0, rel=1e-6)
+    assert f.horizon_s == 600
+    assert f.low <= f.rate <= f.high
+
+
+def test_window_reads_the_season_of_the_seconds_it_covers() -> None:
+    # a "day" of 200 s in 4 bins of 50 s: 10 req/s in the third bin, 2 req/s elsewhere
+    p = ForecastParams(season_s=200.0, season_bins=4, gamma=0.9, horizon_s=10)
+    hw = HoltWinters(p)
+    for t in range(200 * 6):
+        hw.observe(t, 10.0 if 100 <= t % 200 < 150 else 2.0)
+    # now: the end of a day (t = 1199). Seconds 101..150 ahead are the busy bin
+    busy = hw.window(100, 50).rate
+    quiet = hw.window(0, 50).rate
+    assert busy > quiet + 4.0
+
+
+def test_window_extends_a_damped_trend() -> None:
+    hw = HoltWinters(ForecastParams(beta=0.2, phi=0.98))
+    for t in range(600):
+        hw.observe(t, t / 60.0)  # rising by one request/s every minute
+    near, far = hw.window(0, 30).rate, hw.window(300, 300).rate
+    assert far > near  # further ahead on the rising trend
+    # damped: never more than the undamped slope would give
+    assert far < near + (450 / 60.0) + 1.0
+
+
+def test_window_interval_is_never_narrower_than_poisson_noise() -> None:
+    hw = HoltWinters()
+    for t in range(300):
+        hw.observe(t, 9.0)
+    f = hw.window(0, 100)
+    assert f.high - f.rate >= 1.96 * (9.0 / 100) ** 0.5 - 1e-9
+
+
+def test_window_before_any_observation_and_bad_arguments() -> None:
+    hw = HoltWinters()
+    assert hw.window(60, 600).rate == 0.0
+    with pytest.raises(ValueError):
+        hw.window(-1, 60)
+    with pytest.raises(ValueError):
+        hw.window(0, 0.5)
