@@ -16,7 +16,14 @@ fleet simulator (:mod:`gateway.sim.scaling`) feed the same :class:`ModelAutoscal
   its target (the TTFT SLO), ``ceil(ready x p99 / target)``. It counts only the *ready*
   replicas (those that made that TTFT): replicas still starting do not improve it, and
   ``ceil(current x ...)`` would grow without end while they start. At most
-  ``fine_max_step x ready``;
+  ``fine_max_step x ready``. **Settling**: while replicas are warming, and for
+  ``ttft_window_s`` after the last of them became ready, the window still holds first
+  tokens made before they served, so the fine paradigm asks for no more than the replicas
+  that exist (it may hold them): otherwise each replica that becomes ready multiplies a
+  stale P99 again (``ready`` grows, the P99 has not moved yet) and one slow minute asks for
+  the maximum. A measurement is only read once the last step has had a full window to
+  show (as the HPA leaves out pods still starting, ``--horizontal-pod-autoscaler-cpu-
+  initialization-period``);
 * **ahead** (minutes): the forecast mean arrival rate over the window that starts when a
   replica asked for now would be ready (now + the measured cold start) and lasts
   ``lead_s``, times the time a request spends on a replica (Little's law ``L = lambda W``;
@@ -156,7 +163,20 @@ class ModelAutoscaler:
     max_replicas: int = 64
     time_in_system_s: float | None = None
     _recent: deque[tuple[float, int]] = field(default_factory=deque)
+    _settled_from: float | None = None  # when the last warming replica became ready
+    _warming_seen: bool = False
     last: Decision | None = None
+
+    def _fine_settled(self, now: float, s: ModelSignals) -> bool:
+        """Whether the TTFT window shows the replicas as they are (see "Settling" in the
+        module docstring): no replica warming, and a full ``ttft_window_s`` since the last
+        one became ready."""
+        if s.warming > 0:
+            self._warming_seen, self._settled_from = True, None
+            return False
+        if self._warming_seen:
+            self._warming_seen, self._settled_from = False, now
+        return self._settled_from is None or now >= self._settled_from + self.cfg.ttft_window_s
 
     def paradigms(self, s: ModelSignals) -> tuple[int, int, int, int]:
         """``(fast, fine, ahead, warm_pool)`` for ``s`` (``ahead`` includes the pool); a
@@ -192,6 +212,10 @@ class ModelAutoscaler:
     def decide(self, now: float, s: ModelSignals) -> Decision:
         """The decision at ``now`` for ``s`` (see the module docstring)."""
         fast, fine, ahead, pool = self.paradigms(s)
+        if fine > s.current and not self._fine_settled(now, s):
+            fine = s.current
+        elif fine <= s.current:
+            self._fine_settled(now, s)  # keep the settling clock going
         values = {"fast": fast, "fine": fine, "ahead": ahead}
         winner = max(PARADIGMS, key=lambda k: values[k])  # ties: the first in PARADIGMS
         recommended = values[winner]
