@@ -109,9 +109,7 @@ def sweep(spec: ScalingSpec, hours: float, seed: int, console: Console) -> list[
             policies.append(build_policy("ours", cfg, spec.slo.ttft_s))
             labels.append(f"ours tc={tc} pool={wp}")
     for th in (1.0, 2.0, 5.0, 10.0):
-        policies.append(
-            build_policy("keda", spec.autoscale, spec.slo.ttft_s, keda_threshold=th)
-        )
+        policies.append(build_policy("keda", spec.autoscale, spec.slo.ttft_s, keda_threshold=th))
         labels.append(f"keda threshold={th:g}")
     results = run_policies(spec, trace, policies)
     t = Table(title="frontier (--sweep)")
@@ -150,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results = run_policies(spec, trace, build_policies(list(POLICY_NAMES), spec), progress)
     by_name = {r.policy: r for r in results}
-    console.print(results_table(
-        results, f"autoscaling: {args.hours:g} simulated h, peak {PEAK_REPLICAS} replicas, "
-        f"seed {args.seed}"
-    ))
+    console.print(
+        results_table(
+            results,
+            f"autoscaling: {args.hours:g} simulated h, peak {PEAK_REPLICAS} replicas, "
+            f"seed {args.seed}",
+        )
+    )
     verdict = bars(by_name)
     print_bars(verdict, console)
     frontier = sweep(spec, args.hours, args.seed, console) if args.sweep else None

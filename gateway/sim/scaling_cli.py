@@ -65,8 +65,7 @@ def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--autoscale",
         metavar="POLICY[,POLICY...]",
-        help=f"compare autoscaling policies instead of routing: {', '.join(POLICY_NAMES)}, "
-        "or all",
+        help=f"compare autoscaling policies instead of routing: {', '.join(POLICY_NAMES)}, or all",
     )
     g.add_argument(
         "--cold-start",
@@ -120,20 +119,25 @@ def run_autoscale_from_args(args: argparse.Namespace) -> int:
         print(f"llm-gateway sim-fleet: {e}", file=sys.stderr)
         return 2
     if args.trace:
-        print("llm-gateway sim-fleet: --autoscale runs a generated trace (no --trace)",
-              file=sys.stderr)
+        print(
+            "llm-gateway sim-fleet: --autoscale runs a generated trace (no --trace)",
+            file=sys.stderr,
+        )
         return 2
     if args.history_days < 0 or args.gpu_hour_usd < 0:
-        print("llm-gateway sim-fleet: --history-days and --gpu-hour-usd must be >= 0",
-              file=sys.stderr)
+        print(
+            "llm-gateway sim-fleet: --history-days and --gpu-hour-usd must be >= 0", file=sys.stderr
+        )
         return 2
     duration = AUTOSCALE_DURATION_S if args.duration is None else args.duration
     peak = AUTOSCALE_PEAK_REPLICAS if args.backends is None else args.backends
     load = 1.0 if args.load is None else args.load
     hour = 10.0 if args.start_hour is None else args.start_hour
     if duration <= 0 or peak < 1 or load <= 0:
-        print("llm-gateway sim-fleet: need --duration > 0, --backends >= 1, --load > 0",
-              file=sys.stderr)
+        print(
+            "llm-gateway sim-fleet: need --duration > 0, --backends >= 1, --load > 0",
+            file=sys.stderr,
+        )
         return 2
     spec = ScalingSpec(
         autoscale=AutoscaleConfig(),
@@ -145,8 +149,9 @@ def run_autoscale_from_args(args: argparse.Namespace) -> int:
     trace = autoscale_trace(peak, load, duration, args.seed, hour)
 
     def progress(name: str, r: ScalingResult, took: float) -> None:
-        err.log(f"{name}: {r.arrived} requests over {duration / 3600:.2f} simulated h "
-                f"in {took:.1f} s")
+        err.log(
+            f"{name}: {r.arrived} requests over {duration / 3600:.2f} simulated h in {took:.1f} s"
+        )
 
     results = run_policies(spec, trace, build_policies(names, spec), progress)
     scenario: dict[str, Any] = {
@@ -162,9 +167,11 @@ def run_autoscale_from_args(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(results, scenario=scenario))
     else:
-        Console().print(results_table(
-            results, f"sim-fleet --autoscale: {duration / 3600:g} h, peak {peak} replicas"
-        ))
+        Console().print(
+            results_table(
+                results, f"sim-fleet --autoscale: {duration / 3600:g} h, peak {peak} replicas"
+            )
+        )
     if args.plot:
         write_plot(results, args.plot)
         err.print(f"wrote {args.plot}")

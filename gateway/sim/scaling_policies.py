@@ -122,7 +122,11 @@ class ScalingPolicy(Protocol):
     """An autoscaling policy: ``name``, ``period_s`` (seconds between decisions)."""
 
     name: str
-    period_s: float
+
+    @property
+    def period_s(self) -> float:
+        """Seconds between decisions."""
+        ...
 
     def initial(self, facts: TraceFacts) -> int:
         """Replicas ready at the start of the run."""

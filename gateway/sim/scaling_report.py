@@ -79,8 +79,7 @@ def write_plot(results: Sequence[ScalingResult], path: str | Path) -> Path:
         ax.step(hours, s.desired, where="post", label="desired", linewidth=0.6, linestyle=":")
         ax.set_ylabel("replicas")
         ax.set_title(
-            f"{r.policy}: S {r.slo_attainment:.1%}, {r.gpu_hours:.0f} GPU-h, "
-            f"W {r.idle_share:.1%}"
+            f"{r.policy}: S {r.slo_attainment:.1%}, {r.gpu_hours:.0f} GPU-h, W {r.idle_share:.1%}"
         )
         load = ax.twinx()
         load.plot(hours, s.arrival_rps, color="grey", linewidth=0.6, alpha=0.7, label="arrivals")

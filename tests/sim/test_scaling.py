@@ -49,10 +49,12 @@ class Scripted:
         return want
 
 
-def _steady(rate: float, until: float, seed: int = 3, prompt: int = 500, out: int = 100
-            ) -> list[Arrival]:
+def _steady(
+    rate: float, until: float, seed: int = 3, prompt: int = 500, out: int = 100
+) -> list[Arrival]:
     rng = random.Random(seed)
-    t, xs = 0.0, []
+    t = 0.0
+    xs: list[Arrival] = []
     while True:
         t += rng.expovariate(rate)
         if t >= until:
@@ -120,7 +122,7 @@ def day_slice() -> tuple[ScalingSpec, TraceSpec, list]:
 
 
 def test_each_policy_runs_and_its_figures_are_consistent(day_slice: tuple) -> None:
-    spec, trace, results = day_slice
+    spec, _trace, results = day_slice
     assert [r.policy for r in results] == list(POLICY_NAMES)
     arrived = {r.arrived for r in results}
     assert len(arrived) == 1 and arrived.pop() > 500  # the same trace for all
@@ -164,8 +166,10 @@ def _first_ask_after(policy_name: str, step_at: float) -> float:
     """When ``policy_name`` first asks for more than its start after a load step."""
     spec = ScalingSpec(history_days=0, warmup_s=60.0, record_every_s=1.0)
     low = _steady(0.6, step_at, seed=11, prompt=2000, out=800)
-    high = [Arrival(step_at + a.t, a.prompt_tokens, a.output_tokens)
-            for a in _steady(4.0, 600.0, seed=12, prompt=2000, out=800)]
+    high = [
+        Arrival(step_at + a.t, a.prompt_tokens, a.output_tokens)
+        for a in _steady(4.0, 600.0, seed=12, prompt=2000, out=800)
+    ]
     cap = replica_capacity_rps(spec, TraceSpec())
     facts = TraceFacts(0.6, 0.6, cap, 0.6)
     policy = build_policy(policy_name, spec.autoscale, spec.slo.ttft_s, initial_replicas=2)
@@ -184,8 +188,19 @@ def test_ours_scales_up_on_a_load_step_before_keda_does() -> None:
 
 
 def test_cli_autoscale_all_json(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["--autoscale", "all", "--duration", "600", "--history-days", "0", "--backends",
-               "3", "--json"])
+    rc = main(
+        [
+            "--autoscale",
+            "all",
+            "--duration",
+            "600",
+            "--history-days",
+            "0",
+            "--backends",
+            "3",
+            "--json",
+        ]
+    )
     assert rc == 0
     body = json.loads(capsys.readouterr().out)
     assert [r["policy"] for r in body["results"]] == list(POLICY_NAMES)
