@@ -12,8 +12,8 @@ fleet simulator (:mod:`gateway.sim.scaling`) feed the same :class:`ModelAutoscal
   slots`` (``slots``: ``max_num_seqs``; ``target_concurrency`` 0.85: a vLLM replica
   admits up to ``max_num_seqs`` at once without queueing, so the target sits close to it,
   with 15% of the batch for what arrives while a replica starts; Knative's 70% is for
-  servers that queue past their concurrency; measured in the simulator, 0.75 held 6% more
-  GPU-hours for 0.4 point of SLO attainment), and ``ceil(ready x kv / target_kv_cache)``; both
+  servers that queue past their concurrency; measured in the simulator, 0.75 held 5% more
+  GPU-hours for 0.5 point of SLO attainment), and ``ceil(ready x kv / target_kv_cache)``; both
   Kubernetes HPA's rule ``ceil(current x metric / target)`` (HPA docs, "Algorithm details")
   with the metric per replica. Requests waiting count as load, so a queue raises it;
 * **fine** (tens of seconds: a window of first tokens): P99 TTFT over the window against
