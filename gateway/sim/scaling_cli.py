@@ -169,7 +169,7 @@ def run_autoscale_from_args(args: argparse.Namespace) -> int:
     else:
         Console().print(
             results_table(
-                results, f"sim-fleet --autoscale: {duration / 3600:g} h, peak {peak} replicas"
+                results, f"sim-fleet --autoscale: {duration / 3600:.2f} h, peak {peak} replicas"
             )
         )
     if args.plot:
