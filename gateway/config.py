@@ -1261,8 +1261,11 @@ class AutoscaleConfig(_Strict):
       replicas.
 
     Up at once; down only to the largest value recommended over the last
-    ``scale_down_cooldown_s`` (Kubernetes HPA's scale-down stabilization window; 60-120 s,
-    Knative's stable window is 60 s). ``cold_start_s``: assumed until a replica's cold start
+    ``scale_down_cooldown_s`` (Kubernetes HPA's scale-down stabilization window; 60 s,
+    Knative's stable window, within the 60-120 s recommended). Defaults
+    ``target_concurrency`` 0.85, ``warm_pool_share`` 0.3, ``scale_down_cooldown_s`` 60 s:
+    chosen on the fleet simulator's day (``benchmarks/autoscale.py``; the reasons are in
+    :mod:`gateway.autoscale`). ``cold_start_s``: assumed until a replica's cold start
     was measured from discovery (endpoint seen -> warm)."""
 
     enabled: bool = True
@@ -1271,7 +1274,7 @@ class AutoscaleConfig(_Strict):
     max_replicas: int = Field(64, ge=1)
     models: dict[str, AutoscaleModelLimits] = Field(default_factory=dict)
     target_concurrency: float = Field(
-        0.75, gt=0, le=1, description="requests per replica over its max_num_seqs, aimed at"
+        0.85, gt=0, le=1, description="requests per replica over its max_num_seqs, aimed at"
     )
     target_kv_cache: float = Field(0.8, gt=0, le=1, description="KV-cache use aimed at")
     default_slots: int = Field(
@@ -1282,8 +1285,8 @@ class AutoscaleConfig(_Strict):
     fine_max_step: float = Field(2.0, ge=1)
     cold_start_s: float = Field(90.0, ge=0, description="assumed until one is measured")
     lead_s: float = Field(600.0, ge=0, description="forecast window after the cold start")
-    warm_pool_share: float = Field(0.5, ge=0, le=1)
-    scale_down_cooldown_s: float = Field(90.0, ge=0)
+    warm_pool_share: float = Field(0.3, ge=0, le=1)
+    scale_down_cooldown_s: float = Field(60.0, ge=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscaleConfig:

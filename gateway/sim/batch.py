@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.sim.engine import EngineParams
@@ -69,7 +70,10 @@ class BatchEngine:
 
     Call :meth:`advance` with non-decreasing times; it returns the requests finished up
     to then. :meth:`next_event_time` says when the next completion or admission happens
-    if nothing changes (None when idle).
+    if nothing changes (None when idle). ``on_first_token`` (None by default): called
+    with a request when the engine, advancing, passes its first token (its
+    ``first_token_at`` set), so a watcher of TTFT (the autoscaling simulator's window of
+    first tokens) sees it when it happens rather than at completion.
     """
 
     def __init__(self, params: EngineParams) -> None:
@@ -89,6 +93,7 @@ class BatchEngine:
         self.busy_s = 0.0
         self.occupancy_s = 0.0  # integral of running / max_num_seqs over busy time
         self.tokens_out = 0
+        self.on_first_token: Callable[[SimRequest], None] | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -165,7 +170,10 @@ class BatchEngine:
             first = self._first
             while first and first[0][0] <= v_end + _EPS:
                 fv, _, req = heapq.heappop(first)
+                seen = req.first_token_at >= 0
                 req.first_token_at = start + max(0.0, fv - self.v) / r
+                if not seen and self.on_first_token is not None:
+                    self.on_first_token(req)
             self.v = v_end
             self.t = end
         return finished
@@ -175,6 +183,8 @@ class BatchEngine:
         req.finished_at = t
         if req.first_token_at < 0:
             req.first_token_at = t
+            if self.on_first_token is not None:
+                self.on_first_token(req)
         self.kv_reserved -= req.prompt_tokens + req.output_tokens
         self._prompt_running -= req.prompt_tokens
         self._vstart_running -= req.v_start

@@ -33,6 +33,7 @@ from gateway.sim.fleet import (
     simulate,
 )
 from gateway.sim.fleet_report import print_results, to_json, write_plot
+from gateway.sim.scaling_cli import add_autoscale_arguments, run_autoscale_from_args
 from gateway.sim.workload import Arrival, TraceSpec, generate, read_csv
 
 FLEET_THERMAL = ThermalConfig(
@@ -146,17 +147,33 @@ def _floats(text: str) -> list[float]:
 def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``llm-gateway sim-fleet`` (seconds, °C, K/W, W, tokens)."""
     g = p.add_argument_group("fleet simulator")
-    g.add_argument("--backends", type=int, default=4, help="simulated backends (default 4)")
+    g.add_argument(
+        "--backends",
+        type=int,
+        default=None,
+        help="simulated backends (4; with --autoscale: the replicas the peak needs, 16)",
+    )
     g.add_argument("--racks", type=int, default=2, help="power domains (default 2)")
     g.add_argument(
         "--duration",
         type=float,
-        default=600.0,
-        help="simulated seconds (600; 0 with --trace: its last arrival + 1 s)",
+        default=None,
+        help="simulated seconds (600, with --autoscale 86400; 0 with --trace: its last "
+        "arrival + 1 s)",
     )
-    g.add_argument("--load", type=float, default=0.7, help="average offered load 0-1 (0.7)")
+    g.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help="average offered load 0-1 (0.7; with --autoscale a factor on the rate, 1)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
-    g.add_argument("--start-hour", type=float, default=14.0, help="time of day at t=0 (14)")
+    g.add_argument(
+        "--start-hour",
+        type=float,
+        default=None,
+        help="time of day at t=0 (14; with --autoscale 10)",
+    )
     g.add_argument("--trace", help="CSV of arrival_s,prompt_tokens,output_tokens instead")
     g.add_argument(
         "--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}"
@@ -185,7 +202,19 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
         help="run load_thermal with the gateway's default thermal/routing settings",
     )
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    g.add_argument("--plot", metavar="PNG", help="write temperature/power over time (matplotlib)")
+    g.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="write temperature/power (with --autoscale: replicas and load) over time",
+    )
+    add_autoscale_arguments(p)
+
+
+def _routing_defaults(args: argparse.Namespace) -> None:
+    """The routing comparison's defaults for the flags ``--autoscale`` reads otherwise."""
+    for name, value in (("backends", 4), ("duration", 600.0), ("load", 0.7), ("start_hour", 14.0)):
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
 
 
 def spec_from_args(args: argparse.Namespace) -> FleetSpec:
@@ -203,11 +232,6 @@ def spec_from_args(args: argparse.Namespace) -> FleetSpec:
 
 def run_fleet_from_args(args: argparse.Namespace) -> int:
     """Run ``sim-fleet``; returns the exit status."""
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
-    if bad:
-        print(f"llm-gateway sim-fleet: unknown policy {bad[0]!r}", file=sys.stderr)
-        return 2
     if args.plot:  # fail before a long run, not after it
         try:
             import matplotlib  # noqa: F401
@@ -218,6 +242,14 @@ def run_fleet_from_args(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if getattr(args, "autoscale", None):
+        return run_autoscale_from_args(args)
+    _routing_defaults(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        print(f"llm-gateway sim-fleet: unknown policy {bad[0]!r}", file=sys.stderr)
+        return 2
     try:
         spec = spec_from_args(args)
     except ValueError as e:
@@ -272,7 +304,10 @@ def run_fleet_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point: ``python -m gateway.sim.fleet_cli --backends 8``."""
-    p = argparse.ArgumentParser(description="Simulated GPU fleet: routing policies compared")
+    p = argparse.ArgumentParser(
+        description="Simulated GPU fleet: routing (or, with --autoscale, autoscaling) "
+        "policies compared"
+    )
     add_fleet_arguments(p)
     return run_fleet_from_args(p.parse_args(argv))
 
