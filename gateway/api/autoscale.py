@@ -8,7 +8,9 @@ scripts (:mod:`gateway.flow.autoscaling` decides; this module only reads its ans
 
 An answer: :meth:`gateway.autoscale.Decision.as_dict` (``at`` in unix seconds) plus
 ``min_replicas``, ``max_replicas``, ``cold_start_s``, ``cold_start_measured``,
-``decided_by`` and ``inputs`` (``fleet`` or ``local``).
+``decided_by``, ``inputs`` (``fleet`` or ``local``) and ``arrivals`` (the arrival rate,
+the ahead window's forecast and its upper end in requests/s, the TTFT P99 in seconds and
+its samples, as this replica decided on them).
 
 Errors (OpenAI shape): 404 ``model_not_found`` for a model the autoscaler does not decide
 for; 404 ``autoscale_disabled`` with ``autoscale.enabled: false`` (the resource does not

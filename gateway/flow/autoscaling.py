@@ -88,7 +88,9 @@ class Answer:
     """One model's answer as served: ``decision``, who made it (``decided_by``: a replica
     id, or ``local`` outside fleet mode), when (``decided_at``, unix seconds), whether the
     arrival inputs were the fleet's or this replica's (``inputs``), the cold start the
-    ahead paradigm used (``cold_start_s``, ``measured``) and the model's bounds."""
+    ahead paradigm used (``cold_start_s``, ``measured``), the model's bounds, and the
+    arrival inputs this replica decided on (``arrivals``; fleet mode: the fleet's when
+    ``inputs`` is ``fleet``)."""
 
     decision: Decision
     decided_by: str
@@ -98,6 +100,7 @@ class Answer:
     measured: bool
     min_replicas: int
     max_replicas: int
+    arrivals: ArrivalInputs
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (``GET /autoscale``): the decision's fields (``at`` as unix seconds)
@@ -111,6 +114,7 @@ class Answer:
             cold_start_measured=self.measured,
             decided_by=self.decided_by,
             inputs=self.inputs,
+            arrivals=self.arrivals.as_dict(),
         )
         return out
 
@@ -234,7 +238,7 @@ class AutoscaleSignals:
             lim = self.cfg.limits(model)
             answers[model] = Answer(
                 decision, by, at, source_m, seconds, measured, lim.min_replicas,
-                lim.max_replicas,
+                lim.max_replicas, inputs[model],
             )
             self._export(model, decision, signals[model], now)
         for gone in self.answers.keys() - answers.keys():
