@@ -114,7 +114,7 @@ def test_signals_count_ready_and_warming_and_read_the_ready_backends_gauges():
 
 
 async def test_a_model_whose_backends_left_is_forgotten_unless_configured():
-    fleet, state, _, metrics, clock, signals = build(
+    fleet, _state, _, metrics, clock, signals = build(
         models={"kept": {"min_replicas": 2, "max_replicas": 4}}, scale_down_cooldown_s=0)
     await signals.round()
     assert set(signals.answers) == {"m", "kept"}
