@@ -271,14 +271,15 @@ class AutoscaleSignals:
     # ---- what GET /autoscale serves -----------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """Every model's answer and who decided (``decided_by``: the leader's id when every
-        model's answer is the leader's, else this replica's) on which ``inputs``."""
+        model's answer is the leader's, else this replica's) on which ``inputs`` (``fleet``,
+        ``local``, or ``mixed`` when models differ: one the leader had not decided yet)."""
         answers = self.answers
         by = {a.decided_by for a in answers.values()}
         inputs = {a.inputs for a in answers.values()}
         me = self.shared.replica_id if self.shared is not None else LOCAL
         return {
             "decided_by": by.pop() if len(by) == 1 else me,
-            "inputs": inputs.pop() if len(inputs) == 1 else "mixed",
+            "inputs": inputs.pop() if len(inputs) == 1 else ("mixed" if inputs else LOCAL),
             "interval_s": self.cfg.interval_s,
             "models": {m: a.as_dict() for m, a in sorted(answers.items())},
         }
