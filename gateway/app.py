@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from gateway.api import admin, ops, zones
+from gateway.api import admin, autoscale, ops, zones
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
 from gateway.api.errors import install_error_handlers
@@ -93,6 +93,8 @@ def create_app(
                 forecasts.tick(float(int(gw.controller.wall())))
 
             gw.controller.add_loop("forecast", 1.0, forecast_tick)
+        if gw.autoscaling is not None:  # desired replicas per model (GET /autoscale)
+            gw.controller.add_loop("autoscale", cfg.autoscale.interval_s, gw.autoscaling.round)
         try:
             yield
         finally:
@@ -122,6 +124,7 @@ def create_app(
     if RESPONSES in cfg.proxy.passthrough_paths:  # the Responses API's calls by response id
         responses_api.install_routes(app)
     ops.install_routes(app)
+    autoscale.install_routes(app)
     admin.install_routes(app)
     admin.install_fleet_route(app)
     zones.install_routes(app)

@@ -145,6 +145,103 @@ class Decision:
             "at": self.at,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> Decision:
+        """The inverse of :meth:`as_dict` (a decision another gateway replica wrote to the
+        shared store). Raises KeyError / TypeError / ValueError for a malformed one."""
+        p = d["paradigms"]
+        if not isinstance(p, dict):
+            raise TypeError("paradigms must be an object")
+        w = d.get("time_in_system_s")
+
+        def num(v: object) -> float:
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise TypeError(f"not a number: {v!r}")
+            return float(v)
+
+        return cls(
+            at=num(d["at"]),
+            desired=int(num(d["desired_replicas"])),
+            recommended=int(num(d["recommended_replicas"])),
+            current=int(num(d["current_replicas"])),
+            ready=int(num(d["ready_replicas"])),
+            warming=int(num(d["warming_replicas"])),
+            fast=int(num(p["fast"])),
+            fine=int(num(p["fine"])),
+            ahead=int(num(p["ahead"])),
+            warm_pool=int(num(d["warm_pool_replicas"])),
+            reason=str(d["reason"]),
+            time_in_system_s=None if w is None else num(w),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalInputs:
+    """What one gateway replica sees of a model's arrivals (the rest of
+    :class:`ModelSignals` comes from the backends' gauges, the same on every replica).
+
+    ``rate_rps`` / ``ahead_rps`` / ``ahead_high_rps``: requests/s as in
+    :class:`ModelSignals` (None before the forecaster has seen the model);
+    ``ttft_p99_s``: P99 TTFT (seconds) of the streams it relayed over the window, None with
+    too few; ``ttft_samples``: how many first tokens that window held."""
+
+    rate_rps: float | None = None
+    ahead_rps: float | None = None
+    ahead_high_rps: float | None = None
+    ttft_p99_s: float | None = None
+    ttft_samples: int = 0
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        """JSON-ready (the fleet-mode inputs hash)."""
+        return {
+            "rate_rps": self.rate_rps,
+            "ahead_rps": self.ahead_rps,
+            "ahead_high_rps": self.ahead_high_rps,
+            "ttft_p99_s": self.ttft_p99_s,
+            "ttft_samples": self.ttft_samples,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> ArrivalInputs:
+        """The inverse of :meth:`as_dict`; a field that is not a number reads as None (0
+        samples)."""
+
+        def num(v: object) -> float | None:
+            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+        samples = num(d.get("ttft_samples"))
+        return cls(
+            num(d.get("rate_rps")),
+            num(d.get("ahead_rps")),
+            num(d.get("ahead_high_rps")),
+            num(d.get("ttft_p99_s")),
+            int(samples) if samples is not None else 0,
+        )
+
+
+def combine_inputs(parts: list[ArrivalInputs]) -> ArrivalInputs:
+    """Several gateway replicas' inputs for one model as one fleet's (fleet mode: each
+    replica sees only the arrivals its load balancer gave it).
+
+    Rates are summed (arrivals split between replicas add up; the sum of the replicas'
+    interval upper ends is at least the upper end of the sum's, so the warm pool errs
+    large). TTFT: the largest P99 among the replicas that had enough first tokens for one
+    (the fine paradigm's target is an SLO every client should meet, so the worst replica's
+    tail counts); samples summed. Fields no replica knows stay None."""
+
+    def total(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
+
+    p99s = [p.ttft_p99_s for p in parts if p.ttft_p99_s is not None]
+    return ArrivalInputs(
+        total([p.rate_rps for p in parts]),
+        total([p.ahead_rps for p in parts]),
+        total([p.ahead_high_rps for p in parts]),
+        max(p99s) if p99s else None,
+        sum(p.ttft_samples for p in parts),
+    )
+
 
 def ahead_window(cold_start_s: float, cfg: AutoscaleConfig) -> tuple[float, float]:
     """``(start_s, span_s)`` of the ahead paradigm's forecast window from now: a replica

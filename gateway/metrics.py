@@ -402,8 +402,40 @@ class GatewayMetrics:
         )
         self.cold_start = Histogram(
             "gateway_cold_start_seconds",
-            "Backend first seen (or cold/unhealthy) -> warm",
-            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+            "A backend's cold start by model, GPU type (its node's instance type, 'unknown' "
+            "when not said) and stage: load (first seen by discovery, or gone cold / "
+            "unhealthy -> first healthy probe), warmup (-> warm), total",
+            ["model", "gpu_type", "stage"],
+            buckets=(1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600, 1200),
+            registry=r,
+        )
+        self.autoscale_desired = Gauge(
+            "gateway_autoscale_desired_replicas",
+            "Replicas of the model the autoscaler asks for (gateway.autoscale: the largest "
+            "paradigm, stabilized, within min/max)",
+            ["model"],
+            registry=r,
+        )
+        self.replicas_by_state = Gauge(
+            "gateway_replicas",
+            "Replicas of the model: desired (the autoscaler's answer), current (ready + "
+            "warming), ready (warm, in rotation), warming (cold or warming up)",
+            ["model", "state"],
+            registry=r,
+        )
+        self.autoscale_signal = Gauge(
+            "gateway_autoscale_signal",
+            "Replicas each paradigm asks for (fast, fine, ahead incl. the warm pool; "
+            "warm_pool alone)",
+            ["model", "paradigm"],
+            registry=r,
+        )
+        self.autoscale_lag = Histogram(
+            "gateway_autoscale_lag_seconds",
+            "Scale-up lag: the decision that first asked for a replica -> one more replica "
+            "ready (warm), measured from discovery",
+            ["model"],
+            buckets=(5, 10, 20, 30, 60, 90, 120, 180, 300, 600, 1200),
             registry=r,
         )
         self.cycles = Counter(
@@ -741,6 +773,25 @@ class GatewayMetrics:
             for family in metric.collect():
                 for sample in family.samples:
                     if sample.labels.get("backend") == backend_id:
+                        stale.add(tuple(sample.labels[n] for n in names))
+            for values in stale:
+                metric.remove(*values)
+
+    def forget_model(self, model: str) -> None:
+        """Drop the autoscaling and cold-start series of ``model`` (no backend serves it
+        any more, and the autoscaler no longer decides for it)."""
+        for metric in (
+            self.autoscale_desired,
+            self.replicas_by_state,
+            self.autoscale_signal,
+            self.autoscale_lag,
+            self.cold_start,
+        ):
+            names: tuple[str, ...] = tuple(metric._labelnames)
+            stale: set[tuple[str, ...]] = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.labels.get("model") == model:
                         stale.add(tuple(sample.labels[n] for n in names))
             for values in stale:
                 metric.remove(*values)

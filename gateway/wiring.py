@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.config import ClientKey, GatewayConfig
 from gateway.coord.affinity import SharedResponses
+from gateway.coord.autoscale import SharedAutoscale
 from gateway.coord.capacity import CapacityShares
 from gateway.coord.coordination import Coordination
 from gateway.coord.notices import SharedNotices
@@ -32,6 +33,7 @@ from gateway.fleet.fleet import Change, Fleet
 from gateway.fleet.spot import SpotNotices
 from gateway.flow.accounting import Accounting
 from gateway.flow.admission import AdmissionGate
+from gateway.flow.autoscaling import AutoscaleSignals
 from gateway.flow.batching import BatchDispatcher
 from gateway.flow.forecasts import ArrivalForecasts, forecast_params
 from gateway.flow.lease import RequestLease
@@ -77,6 +79,8 @@ class Gateway:
     shared_notices: SharedNotices | None = None
     # where the backends come from (cfg.discovery; run by controller.membership)
     discovery: DiscoverySource = field(default_factory=StaticSource)
+    # the autoscaling signals (cfg.autoscale; the `autoscale` loop, GET /autoscale)
+    autoscaling: AutoscaleSignals | None = None
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -196,6 +200,20 @@ def build_gateway(
         )
         # read before a cycle takes a backend out
         controller.maintenance.use_forecast(forecasts.rate_rps)
+    autoscaling = None
+    if cfg.autoscale.enabled:  # desired replicas per model (gateway.flow.autoscaling)
+        autoscaling = AutoscaleSignals(
+            cfg, fleet, metrics, accounting, forecasts, controller.cold_starts, clock,
+            controller.wall,
+        )
+        if coord is not None:  # fleet mode: one answer for the fleet
+            signals = autoscaling
+            shared_autoscale = SharedAutoscale(
+                cfg, coord.link, coord.replicas, signals.local_inputs,
+                lambda: (signals.own, signals.own_at), clock,
+            )
+            autoscaling.share(shared_autoscale)
+            coord.add_part("autoscale", shared_autoscale.sync)
     readiness = Readiness()
     readiness.add("control_loops", controller.loops.readiness)
     membership = controller.membership
@@ -241,6 +259,7 @@ def build_gateway(
         spot=spot,
         shared_notices=shared_notices,
         discovery=source if source is not None else build_source(cfg),
+        autoscaling=autoscaling,
     )
 
 

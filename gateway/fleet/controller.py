@@ -17,6 +17,7 @@ Each part has one job (its module says which):
   :mod:`~gateway.fleet.maintenance`: one procedure per backend, drains, the lifecycle loop
   and its cycles;
 * :mod:`~gateway.fleet.gpu_monitor`: GPU telemetry, thermal cooldowns, GPU faults;
+* :mod:`~gateway.fleet.cold_start`: cold starts by stage, measured from discovery;
 * :mod:`~gateway.fleet.membership`: backends that discovery adds and removes (the
   discovery source's task, the ``membership`` loop); a removed backend's probe, warm-up,
   stall probe, procedure and learnt engine endpoints are dropped here
@@ -41,6 +42,7 @@ from gateway.fleet import liveness
 from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
+from gateway.fleet.cold_start import ColdStarts
 from gateway.fleet.drain import Drains
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.gpu_monitor import GpuMonitor, RestDone
@@ -124,6 +126,8 @@ class FleetController:
         self.membership = Membership(
             cfg.discovery, cfg.lifecycle, fleet, self.drains, metrics, clock
         )
+        # cold starts by stage (gateway_cold_start_seconds), the autoscaler's measured one
+        self.cold_starts = ColdStarts(fleet, self.state, metrics, clock)
         fleet.on_change(self._membership_changed)
 
     # ---- start / stop -------------------------------------------------------------------

@@ -111,9 +111,9 @@ class FleetState:
         """Apply one checked transition (``IllegalTransition`` for a move the lifecycle does
         not allow), log it, count it, and start what it implies: the slow-start ramp on
         ``warm`` (none while starting up), the cold-start timer on ``cold`` / ``unhealthy``
-        (observed on the next ``warm``), a breaker reset when it comes back through
-        warm-up, the drain deadline's end when it leaves ``draining``; then the listeners.
-        Nothing happens when it is already in ``to``."""
+        (ended on the next ``warm``; :mod:`gateway.fleet.cold_start` measures it), a
+        breaker reset when it comes back through warm-up, the drain deadline's end when it
+        leaves ``draining``; then the listeners. Nothing happens when it is already in ``to``."""
         if backend.state is to:
             return
         t = lifecycle.transition_of(backend, to, reason, self.wall())
@@ -121,8 +121,7 @@ class FleetState:
         rec = replace(backend.control(), state=to)
         if to is S.WARM:
             rec = replace(rec, warm_since=None if self._starting else now, drained=False)
-            if rec.first_seen is not None:
-                self.metrics.cold_start.observe(now - rec.first_seen)
+            if rec.first_seen is not None:  # observed by gateway.fleet.cold_start
                 rec = replace(rec, first_seen=None)
         elif to in (S.COLD, S.UNHEALTHY) and rec.first_seen is None:
             rec = replace(rec, first_seen=now)  # the cold-start timer runs until warm again

@@ -1,5 +1,6 @@
 """What the request flow records about its attempts and answers: metrics and the recent
-TTFT window (the latency fuse and degraded mode read its P99).
+TTFT windows (the latency fuse and degraded mode read the global one's P99, the
+autoscaler's fine paradigm each model's).
 
 Counting only: no release of anything (that is the lease's job) and no decision.
 """
@@ -20,6 +21,10 @@ from gateway.traffic.estimate import plausible_usage
 
 log = logging.getLogger("gateway.flow.accounting")
 
+MODEL_TTFT_SAMPLES = 2048
+"""First tokens kept per model (the newest): bounds the memory of a busy model's window; at
+2048 a P99 rests on its 20 largest."""
+
 
 class Accounting:
     """Attempt, usage and served counters, and the TTFT window. ``clock``: monotonic
@@ -38,6 +43,9 @@ class Accounting:
         self._attempt_children: dict[tuple[str, str], Any] = {}
         # (monotonic time, TTFT seconds) of recent streams: the latency fuse, degraded mode
         self.ttft_window: deque[tuple[float, float]] = deque(maxlen=4096)
+        # the same per model (the autoscaler's fine paradigm): each bounded, and a model is
+        # dropped when no backend serves it any more (forget_model)
+        self.model_ttft: dict[str, deque[tuple[float, float]]] = {}
 
     def forget(self, backend_id: str) -> None:
         """``backend_id`` left the fleet (its series were dropped): drop the cached label
@@ -97,9 +105,33 @@ class Accounting:
         self.metrics.tokens.labels(model, "prompt").inc(prompt)
         self.metrics.tokens.labels(model, "completion").inc(completion)
 
-    def stream_started(self, ttft_s: float) -> None:
-        """A stream's first token reached its client ``ttft_s`` seconds after arrival."""
-        self.ttft_window.append((self.clock(), ttft_s))
+    def stream_started(self, ttft_s: float, model: str | None = None) -> None:
+        """A stream of ``model`` (a model some backend serves) had its first token reach
+        its client ``ttft_s`` seconds after arrival."""
+        now = self.clock()
+        self.ttft_window.append((now, ttft_s))
+        if model:
+            window = self.model_ttft.get(model)
+            if window is None:
+                window = self.model_ttft[model] = deque(maxlen=MODEL_TTFT_SAMPLES)
+            window.append((now, ttft_s))
+
+    def model_p99_ttft(
+        self, model: str, window_s: float, min_samples: int = 20
+    ) -> tuple[float | None, int]:
+        """``(P99 TTFT seconds or None, samples)`` of ``model``'s streams whose first token
+        reached the client within the last ``window_s`` seconds (None with fewer than
+        ``min_samples``; at most :data:`MODEL_TTFT_SAMPLES` newest are kept)."""
+        window = self.model_ttft.get(model)
+        if not window:
+            return None, 0
+        horizon = self.clock() - window_s
+        samples = sum(1 for at, _ in window if at >= horizon)
+        return windowed_p99(window, horizon, min_samples), samples
+
+    def forget_model(self, model: str) -> None:
+        """No backend serves ``model`` any more: drop its TTFT window."""
+        self.model_ttft.pop(model, None)
 
     def p99_ttft(self, window_s: float, min_samples: int = 20) -> float | None:
         """P99 TTFT (seconds) of the streams whose first token reached the client within

@@ -315,7 +315,7 @@ class Pipeline:
         acc.served(backend)
         ttft = None if first_sent_at is None else first_sent_at - ctx.started
         if ttft is not None:
-            acc.stream_started(ttft)
+            acc.stream_started(ttft, ctx.model)
         acc.request_latency(ctx.endpoint, ctx.model, ttft, ctx.started)
         if outcome == StreamOutcome.CLIENT_GONE:
             m.client_disconnects.labels(ctx.endpoint).inc()

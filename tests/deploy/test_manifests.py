@@ -302,6 +302,40 @@ def test_keda_scales_vllm_on_the_gateway_signal() -> None:
     assert c["args"][c["args"].index("--model") + 1] == m.group(1)
 
 
+def test_the_metrics_api_alternative_reads_the_flat_answer_of_the_same_model() -> None:
+    """The commented metrics-api trigger (KEDA without Prometheus) is valid YAML once
+    uncommented, asks the gateway's Service for ``GET /autoscale?model=<vLLM's --model>``
+    and reads ``desired_replicas`` with the same AverageValue-of-1 target."""
+    import urllib.parse
+
+    import yaml
+
+    text = (DEPLOY / "overlays" / "vllm-gpu" / "scaledobject.yaml").read_text()
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.strip() == "# - type: metrics-api")
+    block = []
+    for x in lines[start:]:
+        if not x.strip().startswith("#"):
+            break
+        block.append(x.replace("# ", "", 1))
+    (trigger,) = yaml.safe_load("\n".join(block))
+    meta = trigger["metadata"]
+    assert trigger["metricType"] == "AverageValue" and meta["targetValue"] == "1"
+    assert meta["format"] == "json" and meta["valueLocation"] == "desired_replicas"
+    url = urllib.parse.urlsplit(meta["url"])
+    objs = render("vllm-gpu")
+    svc = one(objs, "Service", GATEWAY)
+    host = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
+    assert url.hostname == host
+    assert url.port in [p["port"] for p in svc["spec"]["ports"]]
+    assert url.path == "/autoscale"
+    (model,) = urllib.parse.parse_qs(url.query)["model"]
+    (so,) = of_kind(objs, "ScaledObject")
+    target = one(objs, "Deployment", so["spec"]["scaleTargetRef"]["name"])
+    (c,) = [c for c in containers(target) if c["image"].startswith(VLLM_IMAGE)]
+    assert c["args"][c["args"].index("--model") + 1] == model
+
+
 def test_service_monitor_scrapes_the_gateway(overlay: str) -> None:
     objs = render(overlay)
     monitors = of_kind(objs, "ServiceMonitor")

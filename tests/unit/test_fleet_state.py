@@ -8,6 +8,7 @@ import pytest
 from gateway.config import load_config
 from gateway.core.vocab import BackendState
 from gateway.fleet.backend import Backend
+from gateway.fleet.cold_start import ColdStarts
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.lifecycle import IllegalTransition
 from gateway.fleet.records import ControlRecord, Deferral, Transition
@@ -92,6 +93,7 @@ def test_transition_effects_and_listeners():
     a = fleet.get("a")
     assert a is not None
     seen: list[tuple[str, S, S]] = []
+    cold_starts = ColdStarts(fleet, state, metrics, clock)  # the cold start's measurer
     state.listen(lambda b, t: seen.append((b.id, t.from_state, t.to_state)))
     assert a.first_seen == 1000.0  # the cold-start timer runs from when the fleet is built
     clock.t = 1003.0
@@ -101,7 +103,9 @@ def test_transition_effects_and_listeners():
     assert a.warm_since == 1003.0 and a.first_seen is None and not a.drained
     assert a.breaker.consecutive == 0  # reset: it came back through warm-up
     cold_start = metrics.cold_start.collect()[0].samples
-    assert any(s.name.endswith("_sum") and s.value == 3.0 for s in cold_start)
+    assert any(s.name.endswith("_sum") and s.value == 3.0 and s.labels["stage"] == "total"
+               for s in cold_start)
+    assert cold_starts.mean_s("unknown") is None  # found at start: not a measured cold start
     state.transition(a, S.DRAINING, "admin_drain")
     state.set_drain_deadline(a, 2000.0)
     state.transition(a, S.COLD, "restarted")
