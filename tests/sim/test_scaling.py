@@ -224,3 +224,26 @@ def test_cli_bad_autoscale_flags_exit_2_with_one_line(
     assert main(flags) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--autoscale", "ours", "--duration", "nan"],
+        ["--autoscale", "ours", "--duration", "600", "--load", "inf"],
+        ["--autoscale", "ours", "--duration", "600", "--start-hour", "nan"],
+        ["--autoscale", "ours", "--duration", "600", "--gpu-hour-usd", "nan"],
+        ["--duration", "nan"],
+        ["--duration", "60", "--ambient", "nan,25"],
+    ],
+)
+def test_cli_a_number_that_is_not_finite_exits_2_naming_its_flag(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # float() takes "nan" and "inf": a run of nan or inf simulated seconds never ended
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flags[-2]}" in err and "finite" in err
