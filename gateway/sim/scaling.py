@@ -35,8 +35,9 @@ trained on that many earlier days of the same trace kind (the same :class:`Trace
 other seeds; arrival counts only), as a gateway in service would have been.
 
 **Measured** (:class:`ScalingResult`): L, the P50 scale-up lag
-(:class:`gateway.autoscale.LagTracker` fed every decision: the decision that asked -> one
-more replica ready); W, the idle GPU share (allocated GPU-seconds with no request running,
+(:class:`gateway.autoscale.LagTracker` fed every decision and every replica's readiness:
+the decision that asked -> the moment one more replica is ready, whatever the policy's
+period); W, the idle GPU share (allocated GPU-seconds with no request running,
 cold starts and drains included, over all allocated GPU-seconds); S, the share of arrived
 requests with TTFT <= ``slo.ttft_s`` and mean ITL <= ``slo.itl_s`` (rejected and unfinished
 ones miss); C, the cost per million output tokens (GPU-hours x ``gpu_hour_usd`` / output
@@ -204,6 +205,9 @@ class _Run:
         self.cold_starts.append(now - r.asked_at)
         self.ready.append(i)
         self.ready.sort()
+        # the lag ends now, not at the policy's next decision (up to period_s later: 30 s
+        # for keda, 2 s for kpa), so that L is the same measurement for every policy
+        self.lags.extend(self.lag.observe(now, self.desired, len(self.ready)))
 
     def orchestrate(self, now: float, desired: int) -> None:
         """Act on ``desired`` (see the module docstring)."""

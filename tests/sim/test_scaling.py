@@ -247,3 +247,12 @@ def test_cli_a_number_that_is_not_finite_exits_2_naming_its_flag(
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flags[-2]}" in err and "finite" in err
+
+
+def test_the_scale_up_lag_ends_when_the_replica_is_ready_not_at_the_next_decision() -> None:
+    # a policy deciding every 30 s (as keda) must not have its lag rounded up to its period
+    spec = ScalingSpec(cold_start_s=(45.0, 45.0), warmup_s=0.0, history_days=0)
+    policy = Scripted(steps=[(60.0, 2)], period_s=30.0)
+    r = simulate_scaling(spec, policy, [], 300.0, FACTS)
+    assert r.lags == 1
+    assert r.lag_p50_s == pytest.approx(45.0)  # asked at 60 s, ready at 105 s (not 120 s)
