@@ -23,6 +23,7 @@ def _fmt(v: float | None, fmt: str) -> str:
 _ROWS: tuple[tuple[str, str, str], ...] = (
     ("L: scale-up lag P50 (s)", "lag_p50_s", "{:.0f}"),
     ("W: idle GPU share", "idle_share", "{:.1%}"),
+    ("batch slots used", "slot_share", "{:.1%}"),
     ("S: SLO attainment", "slo_attainment", "{:.2%}"),
     ("C: USD per 1M output tokens", "cost_per_mtok_usd", "{:.3f}"),
     ("GPU-hours", "gpu_hours", "{:.1f}"),

@@ -256,3 +256,35 @@ def test_the_scale_up_lag_ends_when_the_replica_is_ready_not_at_the_next_decisio
     r = simulate_scaling(spec, policy, [], 300.0, FACTS)
     assert r.lags == 1
     assert r.lag_p50_s == pytest.approx(45.0)  # asked at 60 s, ready at 105 s (not 120 s)
+
+
+def _view(now: float, ready: int, starting: int, waiting: int) -> ScalingView:
+    return ScalingView(now, ready, starting, 0, waiting, 0.0, None, None, None, None, 32)
+
+
+def test_keda_is_the_hpa_syncing_every_15_s_on_a_gauge_scraped_every_30_s() -> None:
+    # KEDA's pollingInterval governs only 0 <-> 1; the HPA syncs every 15 s and reads the
+    # summed gauge as Prometheus last scraped it (every 30 s)
+    p = build_policy("keda", AutoscaleConfig(), 2.0)
+    assert p.period_s == 15.0
+    # a queue of 100 at the scrape: ceil(100 / 5) = 20, the scale-up limit max(2 x 1, 1 + 4)
+    assert p.decide(0.0, _view(0.0, 1, 0, 100)) == 5
+    # 15 s on, the same scrape (the gauge reads 0 now, unscraped): the next step, 2 x 5
+    assert p.decide(15.0, _view(15.0, 1, 4, 0)) == 10
+    # the next scrape sees the queue gone: 300 s of stabilization hold the 10
+    assert p.decide(30.0, _view(30.0, 1, 9, 0)) == 10
+    t = 30.0
+    while t < 330.0:
+        t += 15.0
+        got = p.decide(t, _view(t, 10, 0, 0))
+    assert got == 1  # the recommendations of 20 have left the window: down to min 1
+
+
+def test_slot_share_shows_the_batch_a_busy_replica_leaves_empty() -> None:
+    # one replica, one request at a time: busy (W near 0) yet 1 of its 32 slots used
+    spec = ScalingSpec(warmup_s=0.0, history_days=0)
+    trace = [Arrival(float(t), 100, 400) for t in range(0, 600, 20)]
+    r = simulate_scaling(spec, Scripted(steps=[]), trace, 600.0, FACTS)
+    slots = spec.engine.max_num_seqs
+    assert r.idle_share < 0.5
+    assert r.slot_share == pytest.approx((1.0 - r.idle_share) / slots, rel=0.05)
