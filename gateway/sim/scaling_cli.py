@@ -49,10 +49,14 @@ def finite_float(text: str) -> float:
 
 
 def parse_policies(text: str) -> list[str]:
-    """``POLICY[,POLICY...]`` or ``all`` -> names; ValueError naming the unknown one."""
+    """``POLICY[,POLICY...]`` or ``all`` -> names; ValueError naming the unknown one, or
+    one given twice (its run would be repeated as a second, identical column)."""
     names = [p.strip() for p in text.split(",") if p.strip()]
     if names == ["all"]:
         return list(POLICY_NAMES)
+    twice = [p for i, p in enumerate(names) if p in names[:i]]
+    if twice:
+        raise ValueError(f"autoscaling policy {twice[0]!r} given twice")
     bad = [p for p in names if p not in POLICY_NAMES]
     if bad or not names:
         raise ValueError(

@@ -216,6 +216,7 @@ def test_cli_autoscale_all_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["--autoscale", "nope"], "unknown autoscaling policy 'nope'"),
         (["--autoscale", "all", "--cold-start", "90,60"], "--cold-start needs 0 <= MIN <= MAX"),
         (["--autoscale", "ours", "--cold-start", "sixty"], "--cold-start wants MIN,MAX"),
+        (["--autoscale", "keda,ours,keda", "--duration", "60"], "policy 'keda' given twice"),
     ],
 )
 def test_cli_bad_autoscale_flags_exit_2_with_one_line(
