@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.config import AutoscaleConfig
 from gateway.sim.scaling import ScalingResult, ScalingSpec, run_policies
-from gateway.sim.scaling_cli import autoscale_trace, build_policies
+from gateway.sim.scaling_cli import autoscale_trace, build_policies, finite_float
 from gateway.sim.scaling_policies import POLICY_NAMES, build_policy
 from gateway.sim.scaling_report import results_table, write_plot
 
@@ -132,12 +132,14 @@ def sweep(spec: ScalingSpec, hours: float, seed: int, console: Console) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hours", type=float, default=24.0, help="simulated hours (24)")
+    ap.add_argument("--hours", type=finite_float, default=24.0, help="simulated hours (24)")
     ap.add_argument("--seed", type=int, default=1, help="trace seed (1)")
     ap.add_argument("--sweep", action="store_true", help="also measure the frontier")
     ap.add_argument("--plot", metavar="PNG", help="write replicas and load over the day")
     ap.add_argument("--out", default=str(RESULTS), help=f"JSON results ({RESULTS.name})")
     args = ap.parse_args(argv)
+    if args.hours <= 0:
+        ap.error("--hours must be > 0")
     console = Console()
     spec = ScalingSpec()
     trace = autoscale_trace(PEAK_REPLICAS, 1.0, args.hours * 3600.0, args.seed, 10.0)

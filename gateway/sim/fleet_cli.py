@@ -33,7 +33,11 @@ from gateway.sim.fleet import (
     simulate,
 )
 from gateway.sim.fleet_report import print_results, to_json, write_plot
-from gateway.sim.scaling_cli import add_autoscale_arguments, run_autoscale_from_args
+from gateway.sim.scaling_cli import (
+    add_autoscale_arguments,
+    finite_float,
+    run_autoscale_from_args,
+)
 from gateway.sim.workload import Arrival, TraceSpec, generate, read_csv
 
 FLEET_THERMAL = ThermalConfig(
@@ -141,7 +145,7 @@ def run_policies(
 
 
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+    return [finite_float(x) for x in text.split(",") if x.strip()]
 
 
 def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
@@ -156,21 +160,21 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--racks", type=int, default=2, help="power domains (default 2)")
     g.add_argument(
         "--duration",
-        type=float,
+        type=finite_float,
         default=None,
         help="simulated seconds (600, with --autoscale 86400; 0 with --trace: its last "
         "arrival + 1 s)",
     )
     g.add_argument(
         "--load",
-        type=float,
+        type=finite_float,
         default=None,
         help="average offered load 0-1 (0.7; with --autoscale a factor on the rate, 1)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     g.add_argument(
         "--start-hour",
-        type=float,
+        type=finite_float,
         default=None,
         help="time of day at t=0 (14; with --autoscale 10)",
     )
@@ -192,7 +196,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--budget-per-gpu",
-        type=float,
+        type=finite_float,
         default=DEFAULT_BUDGET_PER_GPU_W,
         help="power budget per GPU in its domain, W (675)",
     )

@@ -35,11 +35,13 @@ trained on that many earlier days of the same trace kind (the same :class:`Trace
 other seeds; arrival counts only), as a gateway in service would have been.
 
 **Measured** (:class:`ScalingResult`): L, the P50 scale-up lag
-(:class:`gateway.autoscale.LagTracker` fed every decision: the decision that asked -> one
-more replica ready); W, the idle GPU share (allocated GPU-seconds with no request running,
-cold starts and drains included, over all allocated GPU-seconds); S, the share of arrived
-requests with TTFT <= ``slo.ttft_s`` and mean ITL <= ``slo.itl_s`` (rejected and unfinished
-ones miss); C, the cost per million output tokens (GPU-hours x ``gpu_hour_usd`` / output
+(:class:`gateway.autoscale.LagTracker` fed every decision and every replica's readiness:
+the decision that asked -> the moment one more replica is ready, whatever the policy's
+period); W, the idle GPU share (allocated GPU-seconds with no request running,
+cold starts and drains included, over all allocated GPU-seconds: one request of a batch
+makes a replica busy, so also ``slot_share``, the batch slots used); S, the share of
+arrived requests with TTFT <= ``slo.ttft_s`` and mean ITL <= ``slo.itl_s`` (rejected and
+unfinished ones miss); C, the cost per million output tokens (GPU-hours x ``gpu_hour_usd`` / output
 tokens of the completed requests x 1e6); GPU-hours, mean / max replicas, P99 TTFT; a time
 series every ``record_every_s`` (60 s) of the replicas allocated, ready, desired and the
 arrival rate.
@@ -204,6 +206,9 @@ class _Run:
         self.cold_starts.append(now - r.asked_at)
         self.ready.append(i)
         self.ready.sort()
+        # the lag ends now, not at the policy's next decision (up to period_s later: 30 s
+        # for keda, 2 s for kpa), so that L is the same measurement for every policy
+        self.lags.extend(self.lag.observe(now, self.desired, len(self.ready)))
 
     def orchestrate(self, now: float, desired: int) -> None:
         """Act on ``desired`` (see the module docstring)."""
@@ -390,11 +395,12 @@ def simulate_scaling(
 def _result(run: _Run, name: str, duration_s: float) -> ScalingResult:
     end = duration_s
     run.advance_all(end)
-    alloc_s = busy_s = 0.0
+    alloc_s = busy_s = slots_s = 0.0
     for r in run.replicas:
         stop = r.left_at if r.state == "gone" else end
         alloc_s += max(0.0, stop - r.asked_at)
         busy_s += r.engine.busy_s
+        slots_s += r.engine.occupancy_s
     gpu_hours = alloc_s / 3600.0
     ttfts = sorted(run.ttfts)
     spec = run.spec
@@ -419,6 +425,7 @@ def _result(run: _Run, name: str, duration_s: float) -> ScalingResult:
         ttft_p99_s=_quantile(ttfts, 0.99),
         output_tokens=run.tokens_out,
         replicas_asked=run.asked,
+        slot_share=min(1.0, slots_s / alloc_s) if alloc_s > 0 else 0.0,
         series=run.series,
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from typing import Any
 
@@ -34,11 +35,28 @@ AUTOSCALE_DURATION_S = 86_400.0
 AUTOSCALE_PEAK_REPLICAS = 16
 
 
+def finite_float(text: str) -> float:
+    """An argparse ``type`` for a float flag: a finite number, else
+    :class:`argparse.ArgumentTypeError` (exit 2 with the flag named). ``float()`` alone takes
+    ``nan`` and ``inf``, and a simulated duration or rate of either never ends."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"need a finite number, got {text!r}")
+    return v
+
+
 def parse_policies(text: str) -> list[str]:
-    """``POLICY[,POLICY...]`` or ``all`` -> names; ValueError naming the unknown one."""
+    """``POLICY[,POLICY...]`` or ``all`` -> names; ValueError naming the unknown one, or
+    one given twice (its run would be repeated as a second, identical column)."""
     names = [p.strip() for p in text.split(",") if p.strip()]
     if names == ["all"]:
         return list(POLICY_NAMES)
+    twice = [p for i, p in enumerate(names) if p in names[:i]]
+    if twice:
+        raise ValueError(f"autoscaling policy {twice[0]!r} given twice")
     bad = [p for p in names if p not in POLICY_NAMES]
     if bad or not names:
         raise ValueError(
@@ -51,8 +69,8 @@ def parse_policies(text: str) -> list[str]:
 def parse_cold_start(text: str) -> tuple[float, float]:
     """``MIN,MAX`` seconds -> ``(min, max)``; ValueError unless ``0 <= MIN <= MAX``."""
     try:
-        lo, hi = (float(x) for x in text.split(","))
-    except ValueError:
+        lo, hi = (finite_float(x) for x in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
         raise ValueError(f"--cold-start wants MIN,MAX seconds, got {text!r}") from None
     if not 0 <= lo <= hi:
         raise ValueError(f"--cold-start needs 0 <= MIN <= MAX seconds, got {text!r}")
@@ -75,7 +93,7 @@ def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gpu-hour-usd",
-        type=float,
+        type=finite_float,
         default=DEFAULT_GPU_HOUR_USD,
         help=f"price of one GPU-hour, USD ({DEFAULT_GPU_HOUR_USD:.2f})",
     )

@@ -23,10 +23,17 @@ returning the desired replica count. The orchestrator that acts on it is the sam
   behaviour (HPA docs, "Default Behavior"): scale-down stabilization 300 s (the largest
   recommendation of the last 5 minutes: the issue's "300 s cooldown"), scale-up at most
   ``max(2 x current, current + 4)`` per 15 s; ``maxReplicaCount`` as ours. The metric is
-  summed over replicas (KEDA's Prometheus scaler needs one value; the chart's query returns
-  one per replica). Decided every ``pollingInterval`` (30 s): the HPA's own 15-s sync reads
-  KEDA's metrics server, whose value follows Prometheus' scrapes; 30 s is the issue's
-  "30 s polling".
+  summed over replicas: KEDA's Prometheus scaler errors on a query that returns more than
+  one element (``pkg/scalers/prometheus_scaler.go``: "returned multiple elements"), and the
+  chart's query ``vllm:num_requests_waiting`` returns one per replica, so a working setup
+  wraps it in ``sum()``. **Timing**: KEDA's ``pollingInterval`` governs only activation
+  (0 <-> 1, KEDA docs "ScaledObject specification"); 1 <-> N is the HPA's, which syncs
+  every 15 s (kube-controller-manager ``--horizontal-pod-autoscaler-sync-period``) and at
+  each sync asks KEDA's metrics server, which queries Prometheus afresh (the trigger's
+  ``useCachedMetrics`` defaults to false). Prometheus holds each replica's gauge as of its
+  last scrape, every 30 s (the chart's ServiceMonitor ``interval: 30s``; also KEDA's
+  default ``pollingInterval``): the issue's "30 s polling". So the HPA decides every 15 s
+  (``period_s``) on a metric sampled every 30 s (``scrape_s``), held in between.
 * ``kpa``: Knative's KPA (``knative/serving`` ``pkg/autoscaler/scaling/autoscaler.go``;
   AIBrix's KPA, ``pkg/controller/podautoscaler/algorithm``, ports the same code), with
   Knative's defaults (``config-autoscaler``, Knative docs "Additional autoscaling
@@ -159,27 +166,33 @@ class StaticPolicy:
 @dataclass
 class KedaPolicy:
     """production-stack's KEDA trigger through the HPA it creates (module docstring):
-    ``threshold`` waiting requests per replica (5), ``period_s`` (30 s), HPA tolerance
-    (0.1), scale-down stabilization ``stabilization_s`` (300 s), scale-up limit
-    ``max(2 x current, current + 4)``, ``[min_replicas, max_replicas]``."""
+    ``threshold`` waiting requests per replica (5), the HPA's sync ``period_s`` (15 s) on
+    the summed gauge as scraped every ``scrape_s`` (30 s), HPA tolerance (0.1), scale-down
+    stabilization ``stabilization_s`` (300 s), scale-up limit ``max(2 x current, current +
+    4)`` per sync, ``[min_replicas, max_replicas]``."""
 
     max_replicas: int = 64
     threshold: float = 5.0
-    period_s: float = 30.0
+    period_s: float = 15.0
+    scrape_s: float = 30.0
     tolerance: float = 0.1
     stabilization_s: float = 300.0
     min_replicas: int = 1
     initial_replicas: int | None = None
     name: str = "keda"
     _recs: deque[tuple[float, int]] = field(default_factory=deque)
+    _metric: float = 0.0
+    _scraped_at: float | None = None
 
     def initial(self, facts: TraceFacts) -> int:
         n = facts.at_start() if self.initial_replicas is None else self.initial_replicas
         return min(self.max_replicas, max(self.min_replicas, n))
 
     def decide(self, now: float, view: ScalingView) -> int:
+        if self._scraped_at is None or now >= self._scraped_at + self.scrape_s - 1e-9:
+            self._metric, self._scraped_at = float(view.waiting), now  # a scrape
         current = max(1, view.current)
-        metric = float(view.waiting)
+        metric = self._metric
         ratio = metric / (self.threshold * current)
         rec = current if abs(ratio - 1.0) <= self.tolerance else _ceil(metric / self.threshold)
         rec = min(self.max_replicas, max(self.min_replicas, rec))

@@ -23,6 +23,7 @@ def _fmt(v: float | None, fmt: str) -> str:
 _ROWS: tuple[tuple[str, str, str], ...] = (
     ("L: scale-up lag P50 (s)", "lag_p50_s", "{:.0f}"),
     ("W: idle GPU share", "idle_share", "{:.1%}"),
+    ("batch slots used", "slot_share", "{:.1%}"),
     ("S: SLO attainment", "slo_attainment", "{:.2%}"),
     ("C: USD per 1M output tokens", "cost_per_mtok_usd", "{:.3f}"),
     ("GPU-hours", "gpu_hours", "{:.1f}"),
@@ -78,6 +79,7 @@ def write_plot(results: Sequence[ScalingResult], path: str | Path) -> Path:
         ax.step(hours, s.ready, where="post", label="ready", linewidth=0.8)
         ax.step(hours, s.desired, where="post", label="desired", linewidth=0.6, linestyle=":")
         ax.set_ylabel("replicas")
+        ax.set_ylim(bottom=0)  # a static fleet's flat line, not a zoom onto it
         ax.set_title(
             f"{r.policy}: S {r.slo_attainment:.1%}, {r.gpu_hours:.0f} GPU-h, W {r.idle_share:.1%}"
         )

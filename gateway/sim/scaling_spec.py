@@ -82,7 +82,10 @@ class ScalingSeries:
 class ScalingResult:
     """One policy's run (units in the field names). ``lag_p50_s`` (L) is None when no
     replica was asked for and became ready; ``idle_share`` is W, ``slo_attainment`` S,
-    ``cost_per_mtok_usd`` C (None without output tokens)."""
+    ``cost_per_mtok_usd`` C (None without output tokens). ``slot_share``: the batch slots
+    paid for that held a request (the integral of ``running / max_num_seqs`` over all
+    allocated GPU-seconds, 0-1): W counts a GPU busy while any request runs on it, so a
+    fleet far larger than its load can show W near 0; ``1 - slot_share`` shows that waste."""
 
     policy: str
     duration_s: float
@@ -102,6 +105,7 @@ class ScalingResult:
     ttft_p99_s: float
     output_tokens: int
     replicas_asked: int
+    slot_share: float = 0.0
     series: ScalingSeries = field(default_factory=ScalingSeries, repr=False)
 
     def as_dict(self, with_series: bool = False) -> dict[str, Any]:

@@ -216,6 +216,7 @@ def test_cli_autoscale_all_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["--autoscale", "nope"], "unknown autoscaling policy 'nope'"),
         (["--autoscale", "all", "--cold-start", "90,60"], "--cold-start needs 0 <= MIN <= MAX"),
         (["--autoscale", "ours", "--cold-start", "sixty"], "--cold-start wants MIN,MAX"),
+        (["--autoscale", "keda,ours,keda", "--duration", "60"], "policy 'keda' given twice"),
     ],
 )
 def test_cli_bad_autoscale_flags_exit_2_with_one_line(
@@ -224,3 +225,67 @@ def test_cli_bad_autoscale_flags_exit_2_with_one_line(
     assert main(flags) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--autoscale", "ours", "--duration", "nan"],
+        ["--autoscale", "ours", "--duration", "600", "--load", "inf"],
+        ["--autoscale", "ours", "--duration", "600", "--start-hour", "nan"],
+        ["--autoscale", "ours", "--duration", "600", "--gpu-hour-usd", "nan"],
+        ["--duration", "nan"],
+        ["--duration", "60", "--ambient", "nan,25"],
+    ],
+)
+def test_cli_a_number_that_is_not_finite_exits_2_naming_its_flag(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # float() takes "nan" and "inf": a run of nan or inf simulated seconds never ended
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flags[-2]}" in err and "finite" in err
+
+
+def test_the_scale_up_lag_ends_when_the_replica_is_ready_not_at_the_next_decision() -> None:
+    # a policy deciding every 30 s (as keda) must not have its lag rounded up to its period
+    spec = ScalingSpec(cold_start_s=(45.0, 45.0), warmup_s=0.0, history_days=0)
+    policy = Scripted(steps=[(60.0, 2)], period_s=30.0)
+    r = simulate_scaling(spec, policy, [], 300.0, FACTS)
+    assert r.lags == 1
+    assert r.lag_p50_s == pytest.approx(45.0)  # asked at 60 s, ready at 105 s (not 120 s)
+
+
+def _view(now: float, ready: int, starting: int, waiting: int) -> ScalingView:
+    return ScalingView(now, ready, starting, 0, waiting, 0.0, None, None, None, None, 32)
+
+
+def test_keda_is_the_hpa_syncing_every_15_s_on_a_gauge_scraped_every_30_s() -> None:
+    # KEDA's pollingInterval governs only 0 <-> 1; the HPA syncs every 15 s and reads the
+    # summed gauge as Prometheus last scraped it (every 30 s)
+    p = build_policy("keda", AutoscaleConfig(), 2.0)
+    assert p.period_s == 15.0
+    # a queue of 100 at the scrape: ceil(100 / 5) = 20, the scale-up limit max(2 x 1, 1 + 4)
+    assert p.decide(0.0, _view(0.0, 1, 0, 100)) == 5
+    # 15 s on, the same scrape (the gauge reads 0 now, unscraped): the next step, 2 x 5
+    assert p.decide(15.0, _view(15.0, 1, 4, 0)) == 10
+    # the next scrape sees the queue gone: 300 s of stabilization hold the 10
+    assert p.decide(30.0, _view(30.0, 1, 9, 0)) == 10
+    t = 30.0
+    while t < 330.0:
+        t += 15.0
+        got = p.decide(t, _view(t, 10, 0, 0))
+    assert got == 1  # the recommendations of 20 have left the window: down to min 1
+
+
+def test_slot_share_shows_the_batch_a_busy_replica_leaves_empty() -> None:
+    # one replica, one request at a time: busy (W near 0) yet 1 of its 32 slots used
+    spec = ScalingSpec(warmup_s=0.0, history_days=0)
+    trace = [Arrival(float(t), 100, 400) for t in range(0, 600, 20)]
+    r = simulate_scaling(spec, Scripted(steps=[]), trace, 600.0, FACTS)
+    slots = spec.engine.max_num_seqs
+    assert r.idle_share < 0.5
+    assert r.slot_share == pytest.approx((1.0 - r.idle_share) / slots, rel=0.05)
