@@ -51,7 +51,8 @@ GPU-hours for no measurable SLO gain, since the warm pool, not the hold, covers 
 A rise therefore takes effect at once, a fall only once it has held for the whole
 window. At its first decision (a gateway that has just started) the replicas that exist
 count as a recommendation, so a restart never scales the fleet down before a whole
-window. Then ``min_replicas`` / ``max_replicas``.
+window; in fleet mode the leader's answers count too (:meth:`ModelAutoscaler.hold`), so a
+new leader does not fall below the old one's before a whole window. Then ``min_replicas`` / ``max_replicas``.
 
 **Scale-up lag** (:class:`LagTracker`): from the decision that first asked for a replica
 to the moment one more replica is ready, first asked first served.
@@ -316,6 +317,18 @@ class ModelAutoscaler:
                 )
             ahead += pool
         return fast, fine, ahead, pool
+
+    def hold(self, at: float, recommended: int) -> None:
+        """Count ``recommended`` (replicas), answered at ``at`` (this autoscaler's clock)
+        by another gateway replica, in this one's stabilization window, as if recommended
+        here. Fleet mode: every replica holds the leader's answers, so the one that leads
+        next does not fall below them before the fleet's cooldown has passed. Only another
+        replica's: a replica holding its own ``desired`` would keep itself up for ever."""
+        recent = self._recent
+        i = len(recent)
+        while i > 0 and recent[i - 1][0] > at:
+            i -= 1
+        recent.insert(i, (at, recommended))
 
     def decide(self, now: float, s: ModelSignals) -> Decision:
         """The decision at ``now`` for ``s`` (see the module docstring)."""
