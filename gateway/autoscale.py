@@ -52,10 +52,12 @@ A rise therefore takes effect at once, a fall only once it has held for the whol
 window. At its first decision (a gateway that has just started) the replicas that exist
 count as a recommendation, so a restart never scales the fleet down before a whole
 window; in fleet mode the leader's answers count too (:meth:`ModelAutoscaler.hold`), so a
-new leader does not fall below the old one's before a whole window. Then ``min_replicas`` / ``max_replicas``.
+new leader does not fall below the old one's before a whole window. Then
+``min_replicas`` / ``max_replicas``.
 
 **Scale-up lag** (:class:`LagTracker`): from the decision that first asked for a replica
-to the moment one more replica is ready, first asked first served.
+(a rise of the desired count) to the moment one more replica is ready, first asked first
+served; a replica that leaves and returns while the desired count stands is no scale-up.
 
 Units: seconds, requests, requests/s; KV-cache use in [0, 1].
 """
@@ -409,12 +411,18 @@ class LagTracker:
     one more replica was ready (discovery saw it warm). First asked, first served.
 
     Feed :meth:`observe` every decision with the desired count and the ready
-    count; it returns the lags completed since the previous call. A fall of the desired
-    count withdraws the newest open asks; a replica that becomes ready with no ask open
-    (one back from a drain, a replica the orchestrator made on its own) completes none."""
+    count; it returns the lags completed since the previous call. An ask opens when the
+    desired count rises above both the count asked for before and the replicas ready
+    (at the first observation: for each desired replica not ready); a replica that leaves
+    while the desired count stands (drained, in a maintenance cycle, crashed) opens none:
+    nothing was asked of the orchestrator, so its return is no scale-up lag. A fall of the
+    desired count withdraws the newest open asks; a replica that becomes ready with no ask
+    open (one back from a drain, a replica the orchestrator made on its own) completes
+    none."""
 
     asked: deque[float] = field(default_factory=deque)
     ready: int | None = None
+    desired: int | None = None
 
     def observe(self, now: float, desired: int, ready: int) -> list[float]:
         """Lags (seconds) completed at ``now``; see the class docstring."""
@@ -422,11 +430,10 @@ class LagTracker:
         if self.ready is not None and ready > self.ready:
             for _ in range(min(ready - self.ready, len(self.asked))):
                 out.append(now - self.asked.popleft())
-        self.ready = ready
-        gap = desired - ready - len(self.asked)
-        if gap > 0:
-            self.asked.extend([now] * gap)
-        elif gap < 0:
-            for _ in range(min(-gap, len(self.asked))):
-                self.asked.pop()
+        before = ready if self.desired is None else max(self.desired, ready + len(self.asked))
+        self.ready, self.desired = ready, desired
+        if desired > before:
+            self.asked.extend([now] * (desired - before))
+        for _ in range(min(len(self.asked), len(self.asked) - max(0, desired - ready))):
+            self.asked.pop()
         return out

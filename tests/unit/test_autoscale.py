@@ -224,5 +224,9 @@ def test_a_replica_back_from_a_drain_completes_no_ask() -> None:
     lag.observe(0.0, desired=3, ready=2)  # asks 1 at 0 s
     lag.observe(1.0, desired=3, ready=2)
     assert lag.observe(2.0, desired=3, ready=3) == [2.0]
-    lag.observe(3.0, desired=3, ready=2)  # one drained: the desired 3 asks again
-    assert list(lag.asked) == [3.0]
+    lag.observe(3.0, desired=3, ready=2)  # one drained: nothing new asked of anyone
+    assert list(lag.asked) == []
+    assert lag.observe(60.0, desired=3, ready=3) == []  # its return is no scale-up lag
+    lag.observe(61.0, desired=3, ready=2)  # drained again, then a rise: one new ask
+    lag.observe(62.0, desired=4, ready=2)
+    assert list(lag.asked) == [62.0]
