@@ -17,7 +17,11 @@ maintenance cycle), one in cooldown or unhealthy serves nothing now, and countin
 capacity on the way would hold a scale-up back.
 
 **Per model, from the ready backends' latest scrape** (:class:`gateway.core.samples.LoadSample`):
-``running`` / ``waiting`` summed, ``kv_cache_usage`` their mean. ``slots``: a replica's
+``running`` / ``waiting`` summed, ``kv_cache_usage`` their mean. A ready backend without a
+sample fresher than ``telemetry.stale_after_s`` (its ``/metrics`` lacks vLLM's gauges, or
+its scrapes fail) counts the requests this gateway has in flight there as running (what
+the gateway knows of its load; neither nothing nor a sample that no longer says anything),
+and adds nothing to the KV-cache mean. ``slots``: a replica's
 ``max_num_seqs`` as configured, else what its :class:`gateway.traffic.capacity.ServiceModel`
 learned (``ceiling``), else ``autoscale.default_slots``; the mean over the ready backends
 (all of the model's when none is ready).
@@ -153,6 +157,7 @@ class AutoscaleSignals:
         wall: Callable[[], float],
     ) -> None:
         self.cfg = cfg.autoscale
+        self.stale_after_s = cfg.telemetry.stale_after_s
         self.fleet = fleet
         self.metrics = metrics
         self.accounting = accounting
@@ -210,12 +215,20 @@ class AutoscaleSignals:
             if sized
             else self.cfg.default_slots
         )
-        loads = [b.load for b in ready if b.load is not None]
+        now = self.clock()
+        loads = [
+            b.load for b in ready
+            if b.load is not None and now - b.load.scraped_at <= self.stale_after_s
+        ]
+        unseen = sum(
+            b.in_flight for b in ready
+            if b.load is None or now - b.load.scraped_at > self.stale_after_s
+        )
         return ModelSignals(
             ready=len(ready),
             warming=warming,
             slots=max(1, slots),
-            running=sum(x.running for x in loads),
+            running=sum(x.running for x in loads) + unseen,
             waiting=sum(x.waiting for x in loads),
             kv_cache_usage=sum(x.kv_cache_usage for x in loads) / len(loads) if loads else 0.0,
             ttft_p99_s=inputs.ttft_p99_s,
