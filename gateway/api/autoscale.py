@@ -17,9 +17,9 @@ Errors (OpenAI shape): 400 ``invalid_value`` for an empty ``?model=`` or more th
 404 that looks like a model no backend serves); 404 ``model_not_found`` for a model the
 autoscaler does not decide for; 404 ``autoscale_disabled`` with ``autoscale.enabled:
 false`` (the resource does not exist on this gateway: nothing will ever be there, a
-retry cannot help); 503 ``autoscale_not_ready`` (with ``retry-after``) for a known model before the first decision.
-Guarded like ``/ready/fleet`` and ``/metrics`` (the read-only operator endpoints): no key,
-read from memory.
+retry cannot help); 503 ``autoscale_not_ready`` (with ``retry-after``) for a known model
+before the first decision. Guarded like ``/ready/fleet`` and ``/metrics`` (the read-only
+operator endpoints): no key, read from memory.
 """
 
 from __future__ import annotations
