@@ -56,8 +56,8 @@ new leader does not fall below the old one's before a whole window. Then
 ``min_replicas`` / ``max_replicas``.
 
 **Scale-up lag** (:class:`LagTracker`): from the decision that first asked for a replica
-(a rise of the desired count) to the moment one more replica is ready, first asked first
-served; a replica that leaves and returns while the desired count stands is no scale-up.
+(a rise of the desired count) to the moment the ready count reaches what it asked for,
+first asked first served; a replica that leaves and returns is no scale-up.
 
 Units: seconds, requests, requests/s; KV-cache use in [0, 1].
 """
@@ -410,30 +410,30 @@ class LagTracker:
     """Scale-up lag: seconds from the decision that first asked for a replica to the moment
     one more replica was ready (discovery saw it warm). First asked, first served.
 
-    Feed :meth:`observe` every decision with the desired count and the ready
-    count; it returns the lags completed since the previous call. An ask opens when the
-    desired count rises above both the count asked for before and the replicas ready
-    (at the first observation: for each desired replica not ready); a replica that leaves
-    while the desired count stands (drained, in a maintenance cycle, crashed) opens none:
-    nothing was asked of the orchestrator, so its return is no scale-up lag. A fall of the
-    desired count withdraws the newest open asks; a replica that becomes ready with no ask
-    open (one back from a drain, a replica the orchestrator made on its own) completes
-    none."""
+    Feed :meth:`observe` every decision with the desired count and the ready count; it
+    returns the lags completed since the previous call. Each ask is for a ready count (a
+    *level*): a rise of the desired count above the levels asked before, the previous
+    desired count and the replicas ready asks for each level up to it (at the first
+    observation: each desired replica not ready), and an ask is served when the ready count
+    reaches its level. So a replica that leaves while the desired count stands (drained, in
+    a maintenance cycle, crashed) asks nothing, and its return serves no ask: the ready
+    count only comes back to where it was, which is no scale-up. A fall of the desired
+    count withdraws the asks above it (the newest)."""
 
-    asked: deque[float] = field(default_factory=deque)
+    asked: deque[tuple[float, int]] = field(default_factory=deque)  # (asked at, level)
     ready: int | None = None
     desired: int | None = None
 
     def observe(self, now: float, desired: int, ready: int) -> list[float]:
         """Lags (seconds) completed at ``now``; see the class docstring."""
         out: list[float] = []
-        if self.ready is not None and ready > self.ready:
-            for _ in range(min(ready - self.ready, len(self.asked))):
-                out.append(now - self.asked.popleft())
-        before = ready if self.desired is None else max(self.desired, ready + len(self.asked))
+        asked = self.asked
+        while asked and asked[0][1] <= ready:
+            out.append(now - asked.popleft()[0])
+        base = max(ready, self.desired if self.desired is not None else ready,
+                   asked[-1][1] if asked else 0)
         self.ready, self.desired = ready, desired
-        if desired > before:
-            self.asked.extend([now] * (desired - before))
-        for _ in range(min(len(self.asked), len(self.asked) - max(0, desired - ready))):
-            self.asked.pop()
+        asked.extend((now, level) for level in range(base + 1, desired + 1))
+        while asked and asked[-1][1] > desired:
+            asked.pop()
         return out
