@@ -51,10 +51,13 @@ GPU-hours for no measurable SLO gain, since the warm pool, not the hold, covers 
 A rise therefore takes effect at once, a fall only once it has held for the whole
 window. At its first decision (a gateway that has just started) the replicas that exist
 count as a recommendation, so a restart never scales the fleet down before a whole
-window. Then ``min_replicas`` / ``max_replicas``.
+window; in fleet mode the leader's answers count too (:meth:`ModelAutoscaler.hold`), so a
+new leader does not fall below the old one's before a whole window. Then
+``min_replicas`` / ``max_replicas``.
 
 **Scale-up lag** (:class:`LagTracker`): from the decision that first asked for a replica
-to the moment one more replica is ready, first asked first served.
+(a rise of the desired count) to the moment the ready count reaches what it asked for,
+first asked first served; a replica that leaves and returns is no scale-up.
 
 Units: seconds, requests, requests/s; KV-cache use in [0, 1].
 """
@@ -317,6 +320,18 @@ class ModelAutoscaler:
             ahead += pool
         return fast, fine, ahead, pool
 
+    def hold(self, at: float, recommended: int) -> None:
+        """Count ``recommended`` (replicas), answered at ``at`` (this autoscaler's clock)
+        by another gateway replica, in this one's stabilization window, as if recommended
+        here. Fleet mode: every replica holds the leader's answers, so the one that leads
+        next does not fall below them before the fleet's cooldown has passed. Only another
+        replica's: a replica holding its own ``desired`` would keep itself up for ever."""
+        recent = self._recent
+        i = len(recent)
+        while i > 0 and recent[i - 1][0] > at:
+            i -= 1
+        recent.insert(i, (at, recommended))
+
     def decide(self, now: float, s: ModelSignals) -> Decision:
         """The decision at ``now`` for ``s`` (see the module docstring)."""
         fast, fine, ahead, pool = self.paradigms(s)
@@ -395,25 +410,30 @@ class LagTracker:
     """Scale-up lag: seconds from the decision that first asked for a replica to the moment
     one more replica was ready (discovery saw it warm). First asked, first served.
 
-    Feed :meth:`observe` every decision with the desired count and the ready
-    count; it returns the lags completed since the previous call. A fall of the desired
-    count withdraws the newest open asks; a replica that becomes ready with no ask open
-    (one back from a drain, a replica the orchestrator made on its own) completes none."""
+    Feed :meth:`observe` every decision with the desired count and the ready count; it
+    returns the lags completed since the previous call. Each ask is for a ready count (a
+    *level*): a rise of the desired count above the levels asked before, the previous
+    desired count and the replicas ready asks for each level up to it (at the first
+    observation: each desired replica not ready), and an ask is served when the ready count
+    reaches its level. So a replica that leaves while the desired count stands (drained, in
+    a maintenance cycle, crashed) asks nothing, and its return serves no ask: the ready
+    count only comes back to where it was, which is no scale-up. A fall of the desired
+    count withdraws the asks above it (the newest)."""
 
-    asked: deque[float] = field(default_factory=deque)
+    asked: deque[tuple[float, int]] = field(default_factory=deque)  # (asked at, level)
     ready: int | None = None
+    desired: int | None = None
 
     def observe(self, now: float, desired: int, ready: int) -> list[float]:
         """Lags (seconds) completed at ``now``; see the class docstring."""
         out: list[float] = []
-        if self.ready is not None and ready > self.ready:
-            for _ in range(min(ready - self.ready, len(self.asked))):
-                out.append(now - self.asked.popleft())
-        self.ready = ready
-        gap = desired - ready - len(self.asked)
-        if gap > 0:
-            self.asked.extend([now] * gap)
-        elif gap < 0:
-            for _ in range(min(-gap, len(self.asked))):
-                self.asked.pop()
+        asked = self.asked
+        while asked and asked[0][1] <= ready:
+            out.append(now - asked.popleft()[0])
+        base = max(ready, self.desired if self.desired is not None else ready,
+                   asked[-1][1] if asked else 0)
+        self.ready, self.desired = ready, desired
+        asked.extend((now, level) for level in range(base + 1, desired + 1))
+        while asked and asked[-1][1] > desired:
+            asked.pop()
         return out

@@ -1266,10 +1266,19 @@ class AutoscaleConfig(_Strict):
     ``target_concurrency`` 0.85, ``warm_pool_share`` 0.3, ``scale_down_cooldown_s`` 60 s:
     chosen on the fleet simulator's day (``benchmarks/autoscale.py``; the reasons are in
     :mod:`gateway.autoscale`). ``cold_start_s``: assumed until a replica's cold start
-    was measured from discovery (endpoint seen -> warm)."""
+    was measured from discovery (endpoint seen -> warm).
+
+    Bounds (finite; checked at load, so ``check-config`` refuses what ``serve`` could not
+    run): ``interval_s`` at most 300 s (an older decision is no answer for KEDA's 15-30 s
+    polling); ``cold_start_s`` and ``scale_down_cooldown_s`` at most 3600 s (the HPA's own
+    limit on ``stabilizationWindowSeconds``); ``lead_s`` at most 86400 s (one day, the
+    forecaster's season: a longer window only repeats it, and each decision walks the
+    season's bins over the whole window); ``ttft_window_s`` at most 3600 s."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     enabled: bool = True
-    interval_s: float = Field(5.0, gt=0, description="decision period (s)")
+    interval_s: float = Field(5.0, gt=0, le=300, description="decision period (s)")
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(64, ge=1)
     models: dict[str, AutoscaleModelLimits] = Field(default_factory=dict)
@@ -1281,12 +1290,16 @@ class AutoscaleConfig(_Strict):
         256, ge=1, description="a replica's max_num_seqs when neither config nor scrapes say"
     )
     ttft_target_s: float | None = Field(None, gt=0, description="default: slo.ttft_s")
-    ttft_window_s: float = Field(30.0, gt=0)
+    ttft_window_s: float = Field(30.0, gt=0, le=3600)
     fine_max_step: float = Field(2.0, ge=1)
-    cold_start_s: float = Field(90.0, ge=0, description="assumed until one is measured")
-    lead_s: float = Field(600.0, ge=0, description="forecast window after the cold start")
+    cold_start_s: float = Field(
+        90.0, ge=0, le=3600, description="assumed until one is measured"
+    )
+    lead_s: float = Field(
+        600.0, ge=0, le=86400, description="forecast window after the cold start"
+    )
     warm_pool_share: float = Field(0.3, ge=0, le=1)
-    scale_down_cooldown_s: float = Field(60.0, ge=0)
+    scale_down_cooldown_s: float = Field(60.0, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscaleConfig:

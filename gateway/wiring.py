@@ -210,7 +210,7 @@ def build_gateway(
             signals = autoscaling
             shared_autoscale = SharedAutoscale(
                 cfg, coord.link, coord.replicas, signals.local_inputs,
-                lambda: (signals.own, signals.own_at), clock,
+                lambda: (signals.own, signals.own_at), clock, controller.wall,
             )
             autoscaling.share(shared_autoscale)
             coord.add_part("autoscale", shared_autoscale.sync)

@@ -12,12 +12,14 @@ An answer: :meth:`gateway.autoscale.Decision.as_dict` (``at`` in unix seconds) p
 the ahead window's forecast and its upper end in requests/s, the TTFT P99 in seconds and
 its samples, as this replica decided on them).
 
-Errors (OpenAI shape): 404 ``model_not_found`` for a model the autoscaler does not decide
-for; 404 ``autoscale_disabled`` with ``autoscale.enabled: false`` (the resource does not
-exist on this gateway: nothing will ever be there, a retry cannot help); 503
-``autoscale_not_ready`` (with ``retry-after``) for a known model before the first decision.
-Guarded like ``/ready/fleet`` and ``/metrics`` (the read-only operator endpoints): no key,
-read from memory.
+Errors (OpenAI shape): 400 ``invalid_value`` for an empty ``?model=`` or more than one
+(KEDA's ``url`` with a typo would otherwise read one model's answer as another's, or a
+404 that looks like a model no backend serves); 404 ``model_not_found`` for a model the
+autoscaler does not decide for; 404 ``autoscale_disabled`` with ``autoscale.enabled:
+false`` (the resource does not exist on this gateway: nothing will ever be there, a
+retry cannot help); 503 ``autoscale_not_ready`` (with ``retry-after``) for a known model
+before the first decision. Guarded like ``/ready/fleet`` and ``/metrics`` (the read-only
+operator endpoints): no key, read from memory.
 """
 
 from __future__ import annotations
@@ -48,9 +50,18 @@ def _signals(request: Request) -> AutoscaleSignals:
 async def get_autoscale(request: Request) -> Response:
     """Every model's answer, or one model's flat (``?model=``); see the module docstring."""
     signals = _signals(request)
-    model = request.query_params.get("model")
-    if model is None:
+    given = request.query_params.getlist("model")
+    if not given:
         return JSONResponse(signals.summary())
+    if len(given) > 1 or not given[0].strip():
+        raise Refusal(
+            400,
+            "Give one model id in ?model= (URL-encoded; without it: every model's answer).",
+            param="model",
+            code="invalid_value",
+            retryable=False,
+        )
+    model = given[0]
     answer = signals.answers.get(model)
     if answer is not None:
         return JSONResponse({"model": model, **answer.as_dict()})

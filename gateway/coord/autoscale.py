@@ -19,7 +19,13 @@ Keys (prefix ``autoscale``):
   :data:`FRESH_INTERVALS` decision intervals.
 
 The other replicas serve the leader's decision while it is fresh (written within
-:data:`FRESH_INTERVALS` x ``autoscale.interval_s`` of the store's clock), else their own.
+:data:`FRESH_INTERVALS` x ``autoscale.interval_s`` of the store's clock), else their own,
+and every replica holds the answers (``desired``) of the record it reads in its own
+stabilization window (:meth:`SharedAutoscale.recent`, ``ModelAutoscaler.hold``): when the
+lead moves (the leader died, or a replica with a lower id joined) the new leader's answer
+does not fall before the fleet's scale-down cooldown has passed. A replica writes only
+decisions it made after its first read of the store, so one that starts and leads at once
+never publishes a decision that knew nothing of the fleet's recent answers.
 Store down: nothing is read or written; the combined inputs go stale after
 :data:`FRESH_INTERVALS` sync rounds (never used after the round that failed) and each
 replica decides on its own inputs (``/autoscale`` says ``inputs: local`` and its own id in
@@ -80,12 +86,14 @@ class SharedAutoscale:
         local_inputs: Callable[[], dict[str, ArrivalInputs]],
         own: Callable[[], tuple[dict[str, Decision], float]],
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.link = link
         self.replicas = replicas
         self.local_inputs = local_inputs
         self.own = own
         self.clock = clock
+        self.wall = wall
         self.decision_fresh_s = FRESH_INTERVALS * cfg.autoscale.interval_s
         self.inputs_fresh_s = FRESH_INTERVALS * cfg.coordination.sync_interval_s + (
             cfg.coordination.op_timeout_s
@@ -93,6 +101,7 @@ class SharedAutoscale:
         self._combined: dict[str, ArrivalInputs] | None = None
         self._read_at: float | None = None  # monotonic, of the last good round
         self._leader: tuple[str, float, dict[str, Decision]] | None = None
+        self._first_read: float | None = None  # unix time of the first good read
         self._written_at = 0.0  # unix time of the own decisions last written
         self._script = link.client.register_script(INPUTS)
 
@@ -126,6 +135,8 @@ class SharedAutoscale:
                 parts.setdefault(model, []).append(inputs)
         self._combined = {m: combine_inputs(p) for m, p in parts.items()}
         self._read_at = self.clock()
+        if self._first_read is None:
+            self._first_read = self.wall()
         self._leader = self._read_decision(decision, me)
         if self.leader_id() == me:
             await self._write_own()
@@ -150,6 +161,8 @@ class SharedAutoscale:
         decisions, at = self.own()
         if not decisions or at <= self._written_at:
             return
+        if self._first_read is None or at < self._first_read:
+            return  # decided before it had read the fleet's record (module docstring)
         body = json.dumps(
             {
                 "by": self.link.replica_id,
@@ -171,15 +184,26 @@ class SharedAutoscale:
             return None
         return self._combined
 
+    def recent(self) -> tuple[float, dict[str, Decision]] | None:
+        """``(age in seconds, decisions)`` of the last decision record another replica
+        wrote, whoever leads now, while the store answers and the record is fresh (store
+        clock); None otherwise. Its answers go into this replica's stabilization window
+        (module docstring)."""
+        rec = self._leader
+        if rec is None or not self.link.up:
+            return None
+        age = self.link.now() - rec[1]
+        if age > self.decision_fresh_s:
+            return None
+        return max(0.0, age), rec[2]
+
     def leader(self) -> tuple[str, float, dict[str, Decision]] | None:
         """Another replica's decision while it leads, the store answers and the record is
         fresh (store clock); None otherwise."""
         rec = self._leader
-        if rec is None or not self.link.up:
+        if rec is None or self.recent() is None:
             return None
         if self.leader_id() != rec[0]:  # the lead moved: the next one decides afresh
-            return None
-        if self.link.now() - rec[1] > self.decision_fresh_s:
             return None
         return rec
 

@@ -17,7 +17,11 @@ maintenance cycle), one in cooldown or unhealthy serves nothing now, and countin
 capacity on the way would hold a scale-up back.
 
 **Per model, from the ready backends' latest scrape** (:class:`gateway.core.samples.LoadSample`):
-``running`` / ``waiting`` summed, ``kv_cache_usage`` their mean. ``slots``: a replica's
+``running`` / ``waiting`` summed, ``kv_cache_usage`` their mean. A ready backend without a
+sample fresher than ``telemetry.stale_after_s`` (its ``/metrics`` lacks vLLM's gauges, or
+its scrapes fail) counts the requests this gateway has in flight there as running (what
+the gateway knows of its load; neither nothing nor a sample that no longer says anything),
+and adds nothing to the KV-cache mean. ``slots``: a replica's
 ``max_num_seqs`` as configured, else what its :class:`gateway.traffic.capacity.ServiceModel`
 learned (``ceiling``), else ``autoscale.default_slots``; the mean over the ready backends
 (all of the model's when none is ready).
@@ -34,13 +38,16 @@ the warm pool have no input and say 0; fast and fine still decide.
 are the live replicas' combined (:func:`gateway.autoscale.combine_inputs`) while the store
 answers, and the leader's decision is served while fresh; otherwise this replica decides
 on its own inputs. It always decides too, so its stabilization window is warm when it has
-to answer alone.
+to answer alone, and it holds the answers of the fleet's record in that window
+(:meth:`gateway.autoscale.ModelAutoscaler.hold`, each record once): when it becomes the
+leader, or answers alone while the store is down, its answer does not fall before the
+fleet's scale-down cooldown has passed.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,6 +87,11 @@ class SharedView(Protocol):
     def leader(self) -> tuple[str, float, dict[str, Decision]] | None:
         """``(leader id, decided at (unix s), decisions)`` of another replica while fresh;
         None when this replica leads or none is fresh."""
+        ...
+
+    def recent(self) -> tuple[float, dict[str, Decision]] | None:
+        """``(age s, decisions)`` of the last fresh record another replica wrote, whoever
+        leads now; None when there is none."""
         ...
 
 
@@ -145,6 +157,7 @@ class AutoscaleSignals:
         wall: Callable[[], float],
     ) -> None:
         self.cfg = cfg.autoscale
+        self.stale_after_s = cfg.telemetry.stale_after_s
         self.fleet = fleet
         self.metrics = metrics
         self.accounting = accounting
@@ -159,6 +172,7 @@ class AutoscaleSignals:
         self.own: dict[str, Decision] = {}  # this replica's own last decisions
         self.own_at = 0.0  # when (unix s)
         self.rounds = 0
+        self._held: dict[str, float] = {}  # model -> decided-at (unix s) of the last held
 
     def share(self, view: SharedView) -> None:
         """Fleet mode: combine inputs and serve the leader's decision through ``view``."""
@@ -201,12 +215,20 @@ class AutoscaleSignals:
             if sized
             else self.cfg.default_slots
         )
-        loads = [b.load for b in ready if b.load is not None]
+        now = self.clock()
+        loads = [
+            b.load for b in ready
+            if b.load is not None and now - b.load.scraped_at <= self.stale_after_s
+        ]
+        unseen = sum(
+            b.in_flight for b in ready
+            if b.load is None or now - b.load.scraped_at > self.stale_after_s
+        )
         return ModelSignals(
             ready=len(ready),
             warming=warming,
             slots=max(1, slots),
-            running=sum(x.running for x in loads),
+            running=sum(x.running for x in loads) + unseen,
             waiting=sum(x.waiting for x in loads),
             kv_cache_usage=sum(x.kv_cache_usage for x in loads) / len(loads) if loads else 0.0,
             ttft_p99_s=inputs.ttft_p99_s,
@@ -225,6 +247,8 @@ class AutoscaleSignals:
         source = "fleet" if fleet is not None else LOCAL
         inputs = {m: (fleet or {}).get(m, local[m]) for m in local}
         signals = {m: self.signals(m, i) for m, i in inputs.items()}
+        if shared is not None:
+            self._hold_fleet(shared, now, wall, signals.keys())
         own = self.autoscaler.decide(now, signals)
         self.own, self.own_at = own, wall
         me = shared.replica_id if shared is not None else LOCAL
@@ -245,6 +269,24 @@ class AutoscaleSignals:
             self._forget(gone)
         self.answers = answers
         self.rounds += 1
+
+    def _hold_fleet(
+        self, shared: SharedView, now: float, wall: float, models: Iterable[str]
+    ) -> None:
+        """Hold the answers of the fleet's last record (another replica's ``desired``: its
+        whole window's, which a replica that just started has not seen) in this replica's
+        stabilization windows, each decision once (module docstring). A handover can so
+        hold a count for up to one more cooldown, never less than the fleet's."""
+        rec = shared.recent()
+        if rec is None:
+            return
+        age, decisions = rec
+        for model in models:
+            d = decisions.get(model)
+            if d is None or self._held.get(model) == d.at:
+                continue
+            self._held[model] = d.at
+            self.autoscaler.model(model).hold(now - age, d.desired)
 
     def _export(self, model: str, d: Decision, s: ModelSignals, now: float) -> None:
         m = self.metrics
@@ -267,6 +309,7 @@ class AutoscaleSignals:
         self.accounting.forget_model(model)
         self.cold_starts.forget_model(model)
         self.lags.pop(model, None)
+        self._held.pop(model, None)
 
     # ---- what GET /autoscale serves -----------------------------------------------------
     def summary(self) -> dict[str, Any]:

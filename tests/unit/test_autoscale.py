@@ -215,7 +215,7 @@ def test_lag_asks_withdrawn_when_desired_falls() -> None:
     lag.observe(0.0, desired=1, ready=1)
     lag.observe(5.0, desired=4, ready=1)  # three asked
     lag.observe(10.0, desired=2, ready=1)  # two withdrawn, the oldest ask stays
-    assert list(lag.asked) == [5.0]
+    assert list(lag.asked) == [(5.0, 2)]
     assert lag.observe(60.0, desired=2, ready=3) == [55.0]  # the second ready had no ask
 
 
@@ -224,5 +224,20 @@ def test_a_replica_back_from_a_drain_completes_no_ask() -> None:
     lag.observe(0.0, desired=3, ready=2)  # asks 1 at 0 s
     lag.observe(1.0, desired=3, ready=2)
     assert lag.observe(2.0, desired=3, ready=3) == [2.0]
-    lag.observe(3.0, desired=3, ready=2)  # one drained: the desired 3 asks again
-    assert list(lag.asked) == [3.0]
+    lag.observe(3.0, desired=3, ready=2)  # one drained: nothing new asked of anyone
+    assert list(lag.asked) == []
+    assert lag.observe(60.0, desired=3, ready=3) == []  # its return is no scale-up lag
+    lag.observe(61.0, desired=3, ready=2)  # drained again, then a rise: one new ask
+    lag.observe(62.0, desired=4, ready=2)
+    assert list(lag.asked) == [(62.0, 4)]
+    assert lag.observe(70.0, desired=4, ready=3) == []  # the drained one is back: not it
+    assert lag.observe(90.0, desired=4, ready=4) == [28.0]  # the new one
+
+
+def test_a_crash_and_return_during_a_scale_up_serves_no_ask() -> None:
+    lag = LagTracker()
+    lag.observe(0.0, desired=2, ready=2)
+    lag.observe(10.0, desired=5, ready=2)  # asks for the 3rd, 4th and 5th
+    lag.observe(12.0, desired=5, ready=1)  # one of the two crashes
+    assert lag.observe(30.0, desired=5, ready=2) == []  # it is back: still two ready
+    assert lag.observe(70.0, desired=5, ready=3) == [60.0]  # the 3rd, asked at 10 s
