@@ -194,7 +194,8 @@ def test_decision_as_dict_names_every_paradigm() -> None:
     d = scaler().decide(0.0, ModelSignals(ready=1, slots=8, running=4))
     out = d.as_dict()
     assert out["desired_replicas"] == d.desired
-    assert set(out["paradigms"]) == {"fast", "fine", "ahead"}  # type: ignore[arg-type]
+    paradigms = out["paradigms"]
+    assert isinstance(paradigms, dict) and set(paradigms) == {"fast", "fine", "ahead"}
 
 
 # ---- scale-up lag --------------------------------------------------------------------------------
@@ -241,3 +242,19 @@ def test_a_crash_and_return_during_a_scale_up_serves_no_ask() -> None:
     lag.observe(12.0, desired=5, ready=1)  # one of the two crashes
     assert lag.observe(30.0, desired=5, ready=2) == []  # it is back: still two ready
     assert lag.observe(70.0, desired=5, ready=3) == [60.0]  # the 3rd, asked at 10 s
+
+
+def test_any_uncertainty_keeps_one_replica_ready_in_the_pool() -> None:
+    a = scaler(target_concurrency=0.5, warm_pool_share=0.3, min_replicas=0)
+    # W = 16 s, 16 per replica: the forecast needs ceil(9.5) = 10 replicas; a sliver of
+    # width (0.3 x 0.2 req/s x 16 s / 16 = 0.06 replica) is rounded up on its own: 1 ready
+    s = ModelSignals(
+        ready=10, slots=32, running=160, rate_rps=10.0, ahead_rps=9.5, ahead_high_rps=9.7
+    )
+    d = a.decide(0.0, s)
+    assert (d.ahead, d.warm_pool) == (11, 1)
+    # no width, no pool
+    s2 = ModelSignals(
+        ready=10, slots=32, running=160, rate_rps=10.0, ahead_rps=9.5, ahead_high_rps=9.5
+    )
+    assert (a.decide(5.0, s2).warm_pool) == 0
