@@ -43,7 +43,7 @@ from typing import Any
 from gateway.autoscale import ArrivalInputs, Decision, combine_inputs
 from gateway.config import GatewayConfig
 from gateway.coord.link import RedisLink
-from gateway.coord.replicas import Replicas
+from gateway.coord.replicas import LIVE_ENTRIES, Replicas
 
 log = logging.getLogger("gateway.coord")
 
@@ -54,22 +54,7 @@ combined inputs are used for this many sync rounds after they were read."""
 # KEYS[1]: the inputs hash, KEYS[2]: the decision. ARGV: this replica's id, its inputs,
 # then the live replica ids. Writes its inputs, drops entries of replicas not alive,
 # returns {the live entries flat, the decision (or false)}.
-INPUTS = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-local live = {}
-for i = 3, #ARGV do live[ARGV[i]] = true end
-live[ARGV[1]] = true
-local all = redis.call('HGETALL', KEYS[1])
-local out = {}
-for j = 1, #all, 2 do
-  if live[all[j]] then
-    table.insert(out, all[j]); table.insert(out, all[j + 1])
-  else
-    redis.call('HDEL', KEYS[1], all[j])
-  end
-end
-return {out, redis.call('GET', KEYS[2])}
-"""
+INPUTS = LIVE_ENTRIES + "return {out, redis.call('GET', KEYS[2])}\n"
 
 
 class SharedAutoscale:

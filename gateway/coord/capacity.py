@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.coord.link import RedisLink
-from gateway.coord.replicas import Replicas
+from gateway.coord.replicas import LIVE_ENTRIES, Replicas
 from gateway.fleet.backend import Backend
 from gateway.metrics import GatewayMetrics
 from gateway.traffic.shares import split_classes
@@ -46,22 +46,7 @@ log = logging.getLogger("gateway.coord")
 
 # KEYS[1]: the demand hash. ARGV: this replica's id, its demand, then the live replica ids.
 # Writes its demand, drops entries of replicas not alive, returns the rest flat.
-DEMAND = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-local live = {}
-for i = 3, #ARGV do live[ARGV[i]] = true end
-live[ARGV[1]] = true
-local all = redis.call('HGETALL', KEYS[1])
-local out = {}
-for j = 1, #all, 2 do
-  if live[all[j]] then
-    table.insert(out, all[j]); table.insert(out, all[j + 1])
-  else
-    redis.call('HDEL', KEYS[1], all[j])
-  end
-end
-return out
-"""
+DEMAND = LIVE_ENTRIES + "return out\n"
 
 
 # Weight of the newest demand reading in the smoothed demand (per sync round): about a

@@ -60,6 +60,26 @@ return {redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'), redis.call('HGETALL'
 """
 
 
+LIVE_ENTRIES = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local live = {}
+for i = 3, #ARGV do live[ARGV[i]] = true end
+live[ARGV[1]] = true
+local all = redis.call('HGETALL', KEYS[1])
+local out = {}
+for j = 1, #all, 2 do
+  if live[all[j]] then
+    table.insert(out, all[j]); table.insert(out, all[j + 1])
+  else
+    redis.call('HDEL', KEYS[1], all[j])
+  end
+end
+"""
+"""The start of a script over a hash of per-replica entries (``KEYS[1]``; ARGV: this
+replica's id, its entry, then the live replica ids): writes this replica's entry, drops
+the entries of replicas not alive and leaves the live ones flat in ``out``; the script
+that uses it ends with its own ``return`` (``coord/capacity.py``, ``coord/autoscale.py``)."""
+
 def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """What two replicas' descriptions disagree on about the fleet they share (``backends``:
     id -> URL, ``max_unavailable``), said for an operator; None when they agree or when

@@ -138,12 +138,9 @@ def to_json(results: Sequence[PolicyResult], with_series: bool = False, **extra:
     return json.dumps(body, indent=2, default=float)
 
 
-def write_plot(results: Sequence[PolicyResult], path: str | Path) -> Path:
-    """A PNG of each domain's hottest GPU (°C) and draw (W) over time, one row per policy.
-
-    Needs matplotlib (``pip install 'llm-gateway[plot]'``); raises ``RuntimeError`` with
-    that hint when it is missing.
-    """
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, for the ``--plot`` flags. Raises
+    ``RuntimeError`` with the install hint when matplotlib is missing (an optional extra)."""
     try:
         import matplotlib
 
@@ -153,6 +150,15 @@ def write_plot(results: Sequence[PolicyResult], path: str | Path) -> Path:
         raise RuntimeError(
             "--plot needs matplotlib: pip install 'llm-gateway[plot]' (or pip install matplotlib)"
         ) from e
+    return plt
+
+def write_plot(results: Sequence[PolicyResult], path: str | Path) -> Path:
+    """A PNG of each domain's hottest GPU (°C) and draw (W) over time, one row per policy.
+
+    Needs matplotlib (``pip install 'llm-gateway[plot]'``); raises ``RuntimeError`` with
+    that hint when it is missing.
+    """
+    plt = pyplot()
     n = len(results)
     fig, axes = plt.subplots(n, 2, figsize=(13, 3.2 * n), squeeze=False, sharex=True)
     for row, r in enumerate(results):

@@ -11,6 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
+from gateway.sim.fleet_report import pyplot
 from gateway.sim.scaling import ScalingResult
 
 
@@ -60,15 +61,7 @@ def write_plot(results: Sequence[ScalingResult], path: str | Path) -> Path:
     """A PNG, one panel per policy: replicas allocated, ready and desired (left axis) and
     the arrival rate (right axis) over the run's hours. Needs matplotlib (``pip install
     'llm-gateway[plot]'``); raises ``RuntimeError`` with that hint when it is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "--plot needs matplotlib: pip install 'llm-gateway[plot]' (or pip install matplotlib)"
-        ) from e
+    plt = pyplot()
     n = len(results)
     fig, axes = plt.subplots(n, 1, figsize=(12, 2.6 * n), squeeze=False, sharex=True)
     for row, r in enumerate(results):

@@ -14,7 +14,6 @@ from the decision that asked for a replica to the new one ready, so at least as 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,11 +25,10 @@ from tests.lifecycle.support import (
     Sim,
     metric,
     metric_samples,
-    sdk,
-    sdk_kwargs,
     wait_for,
 )
 from tests.support.dnsmasq import DnsServer
+from tests.support.load import StreamLoad
 from tests.support.servers import GatewayThread, gateway_config
 
 NAME = "vllm.test"
@@ -44,33 +42,6 @@ def cold(samples: Any, stage: str, what: str = "count") -> float:
 
 def lag(samples: Any, what: str = "count") -> float:
     return metric(samples, f"gateway_autoscale_lag_seconds_{what}", model=MODEL) or 0.0
-
-
-class Load:
-    """``workers`` threads streaming chats through ``url`` until :meth:`stop`."""
-
-    def __init__(self, url: str, workers: int = 6) -> None:
-        self.ok = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(url,), daemon=True)
-                         for _ in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, url: str) -> None:
-        client = sdk(url)
-        while not self._stop.is_set():
-            try:
-                list(client.chat.completions.create(**sdk_kwargs(20, True)))
-                self.ok += 1
-            except Exception as e:
-                self.failures.append(f"{type(e).__name__}: {e}")
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
 
 
 def desired(gw: GatewayThread) -> int:
@@ -103,13 +74,13 @@ def test_a_pod_found_by_dns_has_its_cold_start_measured_by_stage(
     )
     gw = GatewayThread(cfg)
     gw.start(wait_ready=False)
-    load: Load | None = None
+    load: StreamLoad | None = None
     try:
         a_id = f"{a.host}-{a.port}"
         assert wait_for(lambda: states(gw).get(a_id) == "warm", 20), states(gw)
         assert wait_for(lambda: cold(metric_samples(gw.url), "total") == 1, 5)
         loaded_at = time.monotonic()  # no ask can be older (a's own was met when it warmed)
-        load = Load(gw.url)
+        load = StreamLoad(gw.url)
         assert wait_for(lambda: desired(gw) > 1, 15)  # asks for more than the one it has
         before = metric_samples(gw.url)
 

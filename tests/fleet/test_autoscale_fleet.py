@@ -10,13 +10,13 @@ replica answers on its own (its own id, local inputs), and never fails a request
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from tests.lifecycle.support import MODEL, Sim, sdk, sdk_kwargs, wait_for
+from tests.lifecycle.support import MODEL, Sim, wait_for
+from tests.support.load import StreamLoad
 from tests.support.servers import GatewayThread
 
 
@@ -24,33 +24,6 @@ def answer(gw: GatewayThread) -> dict[str, Any]:
     r = httpx.get(gw.url + "/autoscale", params={"model": MODEL}, timeout=5)
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
-
-
-class Load:
-    """``workers`` threads streaming chats through ``url`` until :meth:`stop`."""
-
-    def __init__(self, url: str, workers: int = 6) -> None:
-        self.ok = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(url,), daemon=True)
-                         for _ in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, url: str) -> None:
-        client = sdk(url)
-        while not self._stop.is_set():
-            try:
-                list(client.chat.completions.create(**sdk_kwargs(20, True)))
-                self.ok += 1
-            except Exception as e:
-                self.failures.append(f"{type(e).__name__}: {e}")
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
 
 
 def test_two_replicas_answer_as_one_and_alone_when_the_store_is_down(
@@ -62,7 +35,7 @@ def test_two_replicas_answer_as_one_and_alone_when_the_store_is_down(
         admission={"in_flight_per_seq": 4}, slo={"ttft_s": 60},
         autoscale={"interval_s": 0.2, "scale_down_cooldown_s": 30},
     )
-    load = Load(r2.url)  # only r2's clients send anything
+    load = StreamLoad(r2.url)  # only r2's clients send anything
     try:
         def as_one() -> bool:
             a1, a2 = answer(r1), answer(r2)
