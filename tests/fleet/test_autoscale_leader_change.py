@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from tests.fleet.test_autoscale_fleet import Load
 from tests.lifecycle.support import MODEL, Sim, wait_for
+from tests.support.load import StreamLoad
 from tests.support.servers import GatewayThread, gateway_config
 
 COOLDOWN_S = 15.0
@@ -52,7 +52,7 @@ def test_a_new_leader_keeps_the_scale_down_cooldown(redis_server: Any) -> None:
     try:
         r2 = replica(redis_server.url, "r2", sim.url)
         started.append(r2)
-        load = Load(r2.url, workers=8)
+        load = StreamLoad(r2.url, workers=8)
         try:
             assert wait_for(lambda: answer(r2)["desired_replicas"] >= 3, 30), answer(r2)
         finally:
