@@ -294,6 +294,18 @@ class ZoneScoreCollector(Collector):
         yield g
 
 
+def _remove_series(metric: MetricWrapperBase, label: str, value: str) -> None:
+    """Remove every series of ``metric`` whose ``label`` is ``value`` (a histogram's
+    buckets, sum and count go with their series)."""
+    names: tuple[str, ...] = tuple(metric._labelnames)
+    stale: set[tuple[str, ...]] = set()
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.labels.get(label) == value:
+                stale.add(tuple(sample.labels[n] for n in names))
+    for values in stale:
+        metric.remove(*values)
+
 class GatewayMetrics:
     """The gateway's metrics, registered in ``self.registry``."""
 
@@ -764,18 +776,8 @@ class GatewayMetrics:
         its series without bound. The per-backend gauges the collectors read from the fleet
         leave with it by themselves."""
         for metric in vars(self).values():
-            if not isinstance(metric, MetricWrapperBase):
-                continue
-            names: tuple[str, ...] = tuple(metric._labelnames)
-            if "backend" not in names:
-                continue
-            stale: set[tuple[str, ...]] = set()
-            for family in metric.collect():
-                for sample in family.samples:
-                    if sample.labels.get("backend") == backend_id:
-                        stale.add(tuple(sample.labels[n] for n in names))
-            for values in stale:
-                metric.remove(*values)
+            if isinstance(metric, MetricWrapperBase) and "backend" in metric._labelnames:
+                _remove_series(metric, "backend", backend_id)
 
     def forget_model(self, model: str) -> None:
         """Drop the autoscaling and cold-start series of ``model`` (no backend serves it
@@ -787,14 +789,7 @@ class GatewayMetrics:
             self.autoscale_lag,
             self.cold_start,
         ):
-            names: tuple[str, ...] = tuple(metric._labelnames)
-            stale: set[tuple[str, ...]] = set()
-            for family in metric.collect():
-                for sample in family.samples:
-                    if sample.labels.get("model") == model:
-                        stale.add(tuple(sample.labels[n] for n in names))
-            for values in stale:
-                metric.remove(*values)
+            _remove_series(metric, "model", model)
 
     def attach_fleet(self, fleet: Iterable[BackendGauges]) -> None:
         """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
