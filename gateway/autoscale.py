@@ -429,7 +429,6 @@ class LagTracker:
     count withdraws the asks above it (the newest)."""
 
     asked: deque[tuple[float, int]] = field(default_factory=deque)  # (asked at, level)
-    ready: int | None = None
     desired: int | None = None
 
     def observe(self, now: float, desired: int, ready: int) -> list[float]:
@@ -440,7 +439,7 @@ class LagTracker:
             out.append(now - asked.popleft()[0])
         base = max(ready, self.desired if self.desired is not None else ready,
                    asked[-1][1] if asked else 0)
-        self.ready, self.desired = ready, desired
+        self.desired = desired
         asked.extend((now, level) for level in range(base + 1, desired + 1))
         while asked and asked[-1][1] > desired:
             asked.pop()
