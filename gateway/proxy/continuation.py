@@ -14,11 +14,11 @@ The relay (I/O, another module) uses it in four steps:
 2. **Judge**: on a backend failure after the first event, or a drain deadline,
    :func:`continuable` returns a :class:`Verdict`: ``ok``; or ``closes`` (the generation is
    over: ``finished``, or ``length`` when the reduced budget is spent), then
-   :func:`closing_events` is the tail the client still needs (a ``finish_reason: "length"``
+   :func:`gateway.proxy.stitch.closing_events` is the tail the client still needs (a ``finish_reason: "length"``
    chunk, the usage chunk, ``[DONE]``); or a reason it cannot be exact, and the stream ends
    as before (error event + ``[DONE]``).
 3. **Continue**: :func:`continuation_body` is the JSON to send to another backend.
-4. **Stitch**: the continuation's complete events go through :meth:`Stitcher.feed`; its
+4. **Stitch**: the continuation's complete events go through :meth:`gateway.proxy.stitch.Stitcher.feed`; its
    output is what the client gets, and is fed to the same transcript, so a second
    continuation (``proxy.max_continuations``) starts from everything the client saw.
 
@@ -37,11 +37,12 @@ Decisions (and why):
   `continue_final_message` and `add_generation_prompt` to True."). Exact when the chat
   template renders the prefix as the original prompt plus the text and the text re-tokenizes
   as generated; the I/O side measures the share.
-* **Held-back ids**: vLLM's detokenizer emits nothing for a token that ends inside a UTF-8
-  sequence (its text comes with a later token). Ids that arrived after the last event that
-  carried text are dropped from the continuation's prefix and from the produced count
-  (:attr:`ChoiceRecord.settled_ids`), and the continuation generates them again, so a cut
-  inside a multi-byte character loses and duplicates nothing.
+* **Held-back tokens**: vLLM's detokenizer emits nothing for a token that ends inside a
+  UTF-8 sequence (its text comes with a later token). Tokens that arrived after the last
+  event that carried text are left out of the continuation's prefix and of the produced
+  count (``ChoiceRecord.settled_ids`` / ``settled_events``), the continuation generates
+  them again and the stitcher does not send them twice, so a cut inside a multi-byte
+  character loses and duplicates nothing.
 * **Not exact, so not continued**: more than one choice (``n_gt_1``); a tool call streamed,
   or ``tool_choice`` forcing one (``tool_call``); a constrained output (``structured_output``:
   ``response_format`` json_schema / json_object / structural_tag, ``guided_*``,
@@ -51,12 +52,14 @@ Decisions (and why):
   continuation would start a new reasoning section); a ``refusal`` delta (``refusal``); an
   in-band error already sent (``error``); an event that is not JSON (``unparseable``).
   Constrained or forced outputs are still continued when nothing was generated yet: the
-  continuation is then the original request again.
+  continuation is then the original request again. Tools with ``tool_choice`` auto and only
+  content so far are continued (a tool call the continuation makes is its own whole call).
+* **The endpoint** must be chat or completions (``endpoint``); ``x-gateway-continuation:
+  off`` (``disabled``) and ``used >= max_continuations`` (``budget``) come from the caller.
 * **Produced tokens** (budget and usage): the settled ids' count; else the completion
   tokens of the last usage seen (``stream_options.continuous_usage_stats``); else the count
   of token events up to the last one with text (a lower bound: vLLM emits at least one
-  token per event).
-  :meth:`StreamTranscript.produced` says which.
+  token per event). :meth:`StreamTranscript.produced` says which.
 * ``max_tokens`` / ``max_completion_tokens`` (and vLLM's ``min_tokens``) are reduced by the
   produced tokens; completions' absent ``max_tokens`` is OpenAI's and vLLM's default 16; chat
   without a limit stays without one. ``echo`` is set false (the prefix is not the client's
@@ -198,8 +201,7 @@ def continuable(
     t = transcript
     if t.obstacle in ("unparseable", "error", "n_gt_1"):
         return Verdict(t.obstacle)
-    n = request.get("n", 1)
-    if (isinstance(n, int) and n > 1) or (request.get("best_of") or 1) > 1:
+    if _count(request.get("n")) > 1 or _count(request.get("best_of")) > 1:
         return Verdict("n_gt_1")
     if endpoint == COMPLETIONS and _multi_prompt(request.get("prompt")):
         return Verdict("n_gt_1")
@@ -223,6 +225,11 @@ def continuable(
     if used >= max_continuations:
         return Verdict("budget")
     return Verdict()
+
+
+def _count(v: Any) -> int:
+    """``n`` / ``best_of`` as an int (1 when absent or not an int: the backend judges it)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else 1
 
 
 def _multi_prompt(prompt: Any) -> bool:
@@ -280,7 +287,9 @@ def continuation_body(
         if body.get("echo"):
             body["echo"] = False
     elif rec.text:
-        messages = [dict(m) if isinstance(m, dict) else m for m in request.get("messages") or []]
+        given = request.get("messages")
+        messages = [dict(m) if isinstance(m, dict) else m for m in given] if isinstance(
+            given, list) else []
         last = messages[-1] if messages else None
         if (
             request.get("continue_final_message") is True
@@ -308,7 +317,8 @@ def continuation_body(
         if isinstance(mt, int) and mt > 0:
             body["min_tokens"] = max(0, mt - produced)
     body["stream"] = True
-    so = dict(request.get("stream_options") or {})
+    given_so = request.get("stream_options")
+    so = dict(given_so) if isinstance(given_so, dict) else {}
     so["include_usage"] = True  # the stitcher sums it; dropped when the client did not ask
     body["stream_options"] = so
     return body

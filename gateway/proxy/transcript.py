@@ -226,7 +226,8 @@ class StreamTranscript:
         if rec.token_ids is not None:
             return rec.settled_ids, "token_ids"
         if self.usage is not None and isinstance(self.usage.get("completion_tokens"), int):
-            return int(self.usage["completion_tokens"]), "usage"
+            held = rec.token_events - rec.settled_events  # counted by usage, text not sent
+            return max(0, int(self.usage["completion_tokens"]) - held), "usage"
         return rec.settled_events, "events"
 
     def prompt_tokens(self) -> int | None:

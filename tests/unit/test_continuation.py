@@ -190,6 +190,28 @@ def test_chat_cut_after_the_last_content_before_finish_reason() -> None:
     _chat_case(ends[len(TOKENS)], expect_sent_tokens=len(TOKENS))
 
 
+def test_chat_cut_after_a_token_whose_text_was_held_back() -> None:
+    """vLLM sent an empty delta for the first half of "ß": that token is not counted as
+    sent; the continuation makes it again and its empty event is not sent twice."""
+    original = chat_events("chatcmpl-a", 1000, TOKENS, prompt_tokens=9)
+    ends = boundaries(original)
+    sent = relay(b"".join(original), ends[3])  # role, "Hello", " wörld", ""
+    t = StreamTranscript(CHAT)
+    t.feed(sent)
+    assert t.produced() == (2, "events")
+    with_usage = StreamTranscript(CHAT)  # continuous_usage_stats counts the held token too
+    for i, e in enumerate(original[:4]):
+        c = json.loads(e[6:])
+        c["usage"] = P.usage(9, i, full=False)
+        with_usage.feed(ev(c))
+    assert with_usage.produced() == (2, "usage")
+    body = continuation_body(CHAT, CHAT_REQ, t)
+    assert body["max_tokens"] == 48
+    assert body["messages"][-1] == {"role": "assistant", "content": "Hello wörld"}
+    cont = chat_events("chatcmpl-b", 2000, TOKENS[2:], prompt_tokens=11)
+    assert sent + stitch(CHAT, CHAT_REQ, t, cont) == b"".join(original)
+
+
 def test_chat_cut_after_the_role_chunk_resends_the_original_request() -> None:
     ends = boundaries(chat_events("chatcmpl-a", 1000, TOKENS, prompt_tokens=9))
     _chat_case(ends[0], expect_sent_tokens=0)
@@ -449,6 +471,10 @@ def test_stream_facts_that_rule_out_exactness() -> None:
     assert continuable(COMPLETIONS, {**COMP_REQ, "logprobs": 0},
                        StreamTranscript(COMPLETIONS)).reason == "logprobs"
     assert continuable("/v1/responses", {}, StreamTranscript("/v1/responses")).reason == "endpoint"
+    odd = {**CHAT_REQ, "n": "2", "best_of": None, "messages": "x", "stream_options": [1]}
+    assert continuable(CHAT, odd, _chat_transcript({"content": "x"})).ok  # never raises
+    assert continuation_body(CHAT, odd, _chat_transcript({"content": "x"}))["messages"] == [
+        {"role": "assistant", "content": "x"}]
 
 
 def test_constrained_output_is_continued_while_nothing_was_generated() -> None:
@@ -506,3 +532,52 @@ def test_a_client_prefill_is_extended_not_duplicated() -> None:
 def test_with_token_ids_asks_the_first_backend_for_ids() -> None:
     assert with_token_ids(COMPLETIONS, {"prompt": "x"}) == {"prompt": "x", "return_token_ids": True}
     assert with_token_ids("/v1/embeddings", {"input": "x"}) == {"input": "x"}
+
+
+# ---- every byte offset ---------------------------------------------------------------------
+
+
+def _scripted_backend(endpoint: str, body: dict[str, Any]) -> list[bytes]:
+    """A backend that generates TOKENS deterministically (temperature 0) from wherever the
+    continuation body's prefix leaves off: the ids it was given, or the shortest run of
+    tokens whose text is the assistant prefix."""
+    if endpoint == COMPLETIONS:
+        prompt = body["prompt"]
+        k = len(prompt) - len(PROMPT_IDS) if isinstance(prompt, list) else 0
+        assert not isinstance(prompt, list) or prompt == PROMPT_IDS + [i for _, i in TOKENS[:k]]
+        return completion_events("cmpl-z", 5000, TOKENS[k:], prompt_ids=PROMPT_IDS
+                                 + [i for _, i in TOKENS[:k]])
+    prefix = body["messages"][-1]["content"] if body.get("continue_final_message") else ""
+    k = next(k for k in range(len(TOKENS) + 1) if "".join(x for x, _ in TOKENS[:k]) == prefix)
+    assert body["max_tokens"] == CHAT_REQ["max_tokens"] - k
+    return chat_events("chatcmpl-z", 5000, TOKENS[k:], prompt_tokens=9 + k)
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_every_cut_offset_gives_the_uninterrupted_stream(endpoint: str) -> None:
+    """Cut at every byte after the first event: a continuation, or the owed tail once the
+    finish was sent. The client's text is always the uninterrupted text, with one
+    finish_reason and one [DONE]; while the generation was not finished, the client's bytes
+    are exactly the uninterrupted stream's."""
+    chat = endpoint == CHAT
+    req = CHAT_REQ if chat else COMP_REQ
+    original = (chat_events("chatcmpl-a", 1000, TOKENS, prompt_tokens=9) if chat
+                else completion_events("cmpl-a", 1000, TOKENS, prompt_ids=PROMPT_IDS))
+    whole = b"".join(original)
+    finish_end = boundaries(original)[-3]  # the finish chunk's end
+    for cut in range(boundaries(original)[0], len(whole)):
+        sent = relay(whole, cut)
+        t = StreamTranscript(endpoint)
+        t.feed(sent)
+        verdict = continuable(endpoint, req, t)
+        if cut < finish_end:
+            assert verdict.ok, (cut, verdict)
+            cont = _scripted_backend(endpoint, continuation_body(endpoint, req, t))
+            client = sent + stitch(endpoint, req, t, cont, chunking=3 + cut % 11)
+            assert client == whole, cut
+        else:
+            assert verdict.reason == "finished", (cut, verdict)
+            client = sent + closing_events(endpoint, req, t, verdict)
+            assert text_of(client, chat) == "".join(x for x, _ in TOKENS)
+            assert client.count(b'"finish_reason":"stop"') == 1
+            assert client.count(DONE) == 1 and client.endswith(DONE)
