@@ -14,13 +14,14 @@ The relay (I/O, another module) uses it in four steps:
 2. **Judge**: on a backend failure after the first event, or a drain deadline,
    :func:`continuable` returns a :class:`Verdict`: ``ok``; or ``closes`` (the generation is
    over: ``finished``, or ``length`` when the reduced budget is spent), then
-   :func:`gateway.proxy.stitch.closing_events` is the tail the client still needs (a ``finish_reason: "length"``
-   chunk, the usage chunk, ``[DONE]``); or a reason it cannot be exact, and the stream ends
-   as before (error event + ``[DONE]``).
+   :func:`gateway.proxy.stitch.closing_events` is the tail the client still needs (a
+   ``finish_reason: "length"`` chunk, the usage chunk, ``[DONE]``); or a reason it cannot
+   be exact, and the stream ends as before (error event + ``[DONE]``).
 3. **Continue**: :func:`continuation_body` is the JSON to send to another backend.
-4. **Stitch**: the continuation's complete events go through :meth:`gateway.proxy.stitch.Stitcher.feed`; its
-   output is what the client gets, and is fed to the same transcript, so a second
-   continuation (``proxy.max_continuations``) starts from everything the client saw.
+4. **Stitch**: the continuation's complete events go through
+   :meth:`gateway.proxy.stitch.Stitcher.feed`; its output is what the client gets, and is
+   fed to the same transcript, so a second continuation (``proxy.max_continuations``)
+   starts from everything the client saw.
 
 Decisions (and why):
 
