@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from gateway.sim import EngineParams, SimConfig, SimServerThread
+from gateway.sim import text as tx
 
 MODEL = "sim-model"
 SEED = 11
@@ -264,6 +265,24 @@ def test_continue_final_message_refusals(http: httpx.Client) -> None:
     tok = http.post("/tokenize", json={"messages": msgs, "continue_final_message": True,
                                         "add_generation_prompt": True})
     assert tok.status_code == 400
+    # vLLM does not check the final message's role: a final user message is continued.
+    body = {"messages": USER, "continue_final_message": True, "add_generation_prompt": False}
+    user = http.post("/v1/chat/completions",
+                     json={**body, "model": MODEL, "max_tokens": 2, "return_token_ids": True})
+    assert user.status_code == 200
+    assert user.json()["prompt_token_ids"] == http.post("/tokenize", json=body).json()["tokens"]
+
+
+def test_continuation_point_is_a_function_of_the_context() -> None:
+    """Pure: appending the token generated from a context keeps its continuation point."""
+    prompt = tx.tokenize("a fresh prompt")
+    key, done = tx.continuation_point(SEED, prompt)
+    assert (key, done) == (tx.prompt_key(prompt), 0)
+    context = list(prompt)
+    for k in range(12):
+        assert tx.continuation_point(SEED, context) == (key, k)
+        context.append(tx.generated_token_id(SEED, key, 0, k))
+    assert tx.continuation_point(SEED + 1, context) == (tx.prompt_key(context), 0)
 
 
 def test_drop_after_tokens_cuts_at_the_chosen_token_and_the_rest_continues(

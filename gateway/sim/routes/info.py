@@ -81,11 +81,11 @@ def add_info_routes(app: FastAPI, state: SimState) -> None:
                         "list_type", "body.messages", "Input should be a valid list", msgs
                     )
                 P.check_generation_prompt(body)  # vLLM's TokenizeChatRequest checks it too
-                ids = tx.tokenize_chat(
-                    msgs,
-                    bool(body.get("add_generation_prompt", True)),
-                    bool(body.get("continue_final_message", False)),
-                )
+                add_gen = bool(body.get("add_generation_prompt", True))
+                cont = bool(body.get("continue_final_message", False))
+                if add_gen and cont:
+                    raise P.error(400, P.CONTINUE_WITH_GENERATION_PROMPT, "BadRequestError")
+                ids = tx.tokenize_chat(msgs, add_gen, cont)
             elif isinstance(body.get("prompt"), str):
                 ids = tx.tokenize(body["prompt"], bool(body.get("add_special_tokens", True)))
             else:
