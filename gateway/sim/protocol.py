@@ -161,7 +161,9 @@ class GenerationRequest:
 
     ``return_token_ids`` (vLLM's request field) asks for the prompt's ids
     (``prompt_token_ids``) and each choice's generated ids (``token_ids``) in the answer;
-    ``continue_final_message`` (chat) means the prompt ends inside the final message.
+    ``continue_final_message`` (chat) means the prompt ends inside the final message;
+    ``response_role`` is the answer's role: "assistant", or without a generation prompt
+    the final message's role (vLLM's ``OpenAIServingChat.get_chat_request_role``).
     """
 
     kind: Literal["chat", "completion"]
@@ -176,6 +178,7 @@ class GenerationRequest:
     continuous_usage: bool
     return_token_ids: bool = False
     continue_final_message: bool = False
+    response_role: str = "assistant"
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -256,6 +259,14 @@ def check_generation_prompt(body: Mapping[str, Any]) -> None:
             body,
             {"error": {}},
         )
+
+
+def _response_role(body: Mapping[str, Any]) -> str:
+    """The chat answer's role: vLLM's ``get_chat_request_role`` ("assistant" with a
+    generation prompt, else the final message's role)."""
+    if _bool_field(body, "add_generation_prompt", True) or not body["messages"]:
+        return "assistant"
+    return str(body["messages"][-1].get("role", "assistant"))
 
 
 def _chat_schema(body: Mapping[str, Any]) -> None:
@@ -375,6 +386,7 @@ def parse_generation(
         return_token_ids=return_token_ids,
         continue_final_message=kind == "chat"
         and _bool_field(body, "continue_final_message", False),
+        response_role=_response_role(body) if kind == "chat" else "assistant",
         raw=body,
     )
 
@@ -404,10 +416,10 @@ def usage(prompt_tokens: int, completion_tokens: int, full: bool = True) -> dict
     return u
 
 
-def chat_message(content: str) -> dict[str, Any]:
-    """Assistant message of a non-stream chat choice, with vLLM's null extension fields."""
+def chat_message(content: str, role: str = "assistant") -> dict[str, Any]:
+    """Message of a non-stream chat choice, with vLLM's null extension fields."""
     return {
-        "role": "assistant",
+        "role": role,
         "content": content,
         "refusal": None,
         "annotations": None,
@@ -417,11 +429,13 @@ def chat_message(content: str) -> dict[str, Any]:
     }
 
 
-def chat_choice(index: int, content: str, finish_reason: str | None) -> dict[str, Any]:
-    """One choice of a non-stream chat completion."""
+def chat_choice(
+    index: int, content: str, finish_reason: str | None, role: str = "assistant"
+) -> dict[str, Any]:
+    """One choice of a non-stream chat completion (``role``: see ``response_role``)."""
     return {
         "index": index,
-        "message": chat_message(content),
+        "message": chat_message(content, role),
         "logprobs": None,
         "finish_reason": finish_reason,
         "stop_reason": None,
@@ -498,8 +512,10 @@ def completion_response(
     }
 
 
-def chat_role_chunk(rid: str, created: int, model: str, index: int) -> dict[str, Any]:
-    """First chat stream event of a choice: the assistant role and empty content."""
+def chat_role_chunk(
+    rid: str, created: int, model: str, index: int, role: str = "assistant"
+) -> dict[str, Any]:
+    """First chat stream event of a choice: the role (``response_role``), empty content."""
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -508,7 +524,7 @@ def chat_role_chunk(rid: str, created: int, model: str, index: int) -> dict[str,
         "choices": [
             {
                 "index": index,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }

@@ -113,7 +113,7 @@ async def stream_events(
         if first:
             first = False
             for c in choices.values():
-                role = P.chat_role_chunk(rid, created, model, c.index)
+                role = P.chat_role_chunk(rid, created, model, c.index, req.response_role)
                 if ids:
                     role["prompt_token_ids"] = c.prompt_ids
                 yield cont(role)

@@ -270,6 +270,7 @@ def test_continue_final_message_refusals(http: httpx.Client) -> None:
     user = http.post("/v1/chat/completions",
                      json={**body, "model": MODEL, "max_tokens": 2, "return_token_ids": True})
     assert user.status_code == 200
+    assert user.json()["choices"][0]["message"]["role"] == "user"  # the final message's
     assert user.json()["prompt_token_ids"] == http.post("/tokenize", json=body).json()["tokens"]
 
 

@@ -143,7 +143,7 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
         for ch in choices.values():
             text = choice_text(seed, ch)
             if kind == "chat":
-                choice = P.chat_choice(ch.index, text, ch.finish_reason)
+                choice = P.chat_choice(ch.index, text, ch.finish_reason, req.response_role)
             else:
                 choice = P.completion_choice(ch.index, text, ch.finish_reason)
                 if req.return_token_ids:
