@@ -850,6 +850,13 @@ class FaultConfig(BaseModel):
         description="streams: cut the TCP connection after N SSE events; "
         "non-stream: close the connection without a response",
     )
+    drop_after_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="streams: cut the TCP connection right after the event that carries "
+        "generated token N of the request (0: before the first event), for mid-stream "
+        "continuation drills; non-stream: close the connection without a response",
+    )
     unhealthy: bool = Field(False, description="GET /health answers 503")
     seed: int = Field(0, description="seed of the fault dice")
     # GPU faults (``/gpu/metrics``, :mod:`gateway.sim.gpu`): state, not dice.
