@@ -918,7 +918,8 @@ class SimConfig(BaseModel):
     """Everything one simulated vLLM server needs.
 
     ``engine`` holds capacity and speed (seconds, tokens), ``faults`` the injected
-    faults, ``seed`` the default seed of generated text (a request's ``seed`` wins).
+    faults, ``seed`` the default seed of generated text (a request's ``seed`` wins; a greedy
+    request, ``temperature`` 0, uses neither: vLLM's greedy decoding ignores seeds).
     With ``api_key`` set, routes under ``/v1`` (and ``/v2``, ``/inference``,
     ``/cohere``, as vLLM's ``AuthenticationMiddleware``) need
     ``Authorization: Bearer <key>``.

@@ -163,7 +163,9 @@ class GenerationRequest:
     (``prompt_token_ids``) and each choice's generated ids (``token_ids``) in the answer;
     ``continue_final_message`` (chat) means the prompt ends inside the final message;
     ``response_role`` is the answer's role: "assistant", or without a generation prompt
-    the final message's role (vLLM's ``OpenAIServingChat.get_chat_request_role``).
+    the final message's role (vLLM's ``OpenAIServingChat.get_chat_request_role``);
+    ``greedy``: ``temperature`` below vLLM's ``_SAMPLING_EPS`` (1e-5, ``SamplingParams``:
+    "zero temperature means greedy sampling"), where no seed changes the output.
     """
 
     kind: Literal["chat", "completion"]
@@ -179,6 +181,7 @@ class GenerationRequest:
     return_token_ids: bool = False
     continue_final_message: bool = False
     response_role: str = "assistant"
+    greedy: bool = False
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -259,6 +262,17 @@ def check_generation_prompt(body: Mapping[str, Any]) -> None:
             body,
             {"error": {}},
         )
+
+
+GREEDY_EPS = 1e-5
+"""vLLM's ``_SAMPLING_EPS``: a ``temperature`` below it is greedy decoding."""
+
+
+def _greedy(body: Mapping[str, Any]) -> bool:
+    """Whether the body asks for greedy decoding (a number ``temperature`` < 1e-5); an
+    absent temperature is vLLM's default 1.0 (sampled)."""
+    t = body.get("temperature")
+    return isinstance(t, int | float) and not isinstance(t, bool) and t < GREEDY_EPS
 
 
 def _response_role(body: Mapping[str, Any]) -> str:
@@ -387,6 +401,7 @@ def parse_generation(
         continue_final_message=kind == "chat"
         and _bool_field(body, "continue_final_message", False),
         response_role=_response_role(body) if kind == "chat" else "assistant",
+        greedy=_greedy(body),
         raw=body,
     )
 

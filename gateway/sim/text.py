@@ -12,7 +12,8 @@ Chat prompts are rendered with a ChatML template (the one in
 completion prompt ``"hello world"`` counts 3, as the real tiny-llama server does.
 
 Generated text is a pure function of the context (prompt ids + ids generated so far),
-the seed and the sample index, so that a generation can be continued elsewhere exactly:
+the seed (``GREEDY_SEED`` for greedy requests, temperature 0, as greedy decoding ignores
+seeds) and the sample index, so that a generation can be continued elsewhere exactly:
 ``continuation_point`` finds where the generation in a context began (the longest tail
 of the context that is exactly what the simulator would have generated after what comes
 before it) and how many tokens it already has. Token ``k`` of a generation is
@@ -236,6 +237,12 @@ def prompt_key(prompt_token_ids: Sequence[int]) -> int:
     for tid in prompt_token_ids:
         h.update(tid.to_bytes(8, "big", signed=True))
     return int.from_bytes(h.digest(), "big")
+
+
+GREEDY_SEED = 0
+"""The seed of greedy text (``temperature`` 0): one for every server and request, since
+greedy decoding depends on the model and the context only (vLLM ignores ``seed`` there).
+0, the default server seed, so a default server's greedy text is what it always was."""
 
 
 def natural_stop_length(seed: int, key: int, sample: int = 0, lo: int = 4, hi: int = 512) -> int:

@@ -42,11 +42,12 @@ MODEL = "sim-model"
 MAX_TOKENS = 40
 
 
-def _server(label: str) -> SimServerThread:
+def _server(label: str, seed: int) -> SimServerThread:
     # Natural stops (EOS included) fall within 12-30 tokens: below MAX_TOKENS ("stop").
-    # Each server its own engine label, so its system_fingerprint differs from its peers'.
+    # Each server its own engine label, so its system_fingerprint differs from its peers',
+    # and its own seed, as gateway/demo_fleet.yaml and benchmarks/lifecycle_drill.py run them.
     return SimServerThread(
-        SimConfig(model=MODEL, seed=7, stop_length_min=12, stop_length_max=30,
+        SimConfig(model=MODEL, seed=seed, stop_length_min=12, stop_length_max=30,
                   engine_label=label, engine=EngineParams(speed=20.0))
     )
 
@@ -54,7 +55,7 @@ def _server(label: str) -> SimServerThread:
 @pytest.fixture(scope="module")
 def servers() -> Iterator[list[SimServerThread]]:
     """Servers A, B and C of one model."""
-    sims = [_server(x) for x in "abc"]
+    sims = [_server(x, seed) for x, seed in (("a", 1), ("b", 2), ("c", 3))]
     for s in sims:
         s.start()
     yield sims
@@ -70,11 +71,12 @@ def no_faults(servers: list[SimServerThread]) -> Iterator[None]:
         httpx.put(f"{s.url}/sim/faults", json={}, timeout=20).raise_for_status()
 
 
-def _request(endpoint: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    """The client's request; the gateway sends :func:`with_token_ids` of it."""
+def _request(endpoint: str, max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[str, Any]:
+    """The client's request (temperature 0, a ``seed`` the continuation keeps); the gateway
+    sends :func:`with_token_ids` of it."""
     body: dict[str, Any] = {
         "model": MODEL, "max_tokens": max_tokens, "temperature": 0, "seed": 11,
-        "stream": True, "stream_options": {"include_usage": True},
+        "stream": True, "stream_options": {"include_usage": True}, **extra,
     }
     if endpoint == CHAT:
         body["messages"] = [{"role": "user", "content": "tell me about the gateway"}]
@@ -294,3 +296,29 @@ def test_a_stream_cut_by_length_continues_with_the_rest_of_its_budget(
         relay.run([a, b])
         assert relay.continuations == int(continued)
         _check(endpoint, relay, whole)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_greedy_text_is_the_same_on_servers_with_different_seeds(
+    servers: list[SimServerThread], endpoint: str
+) -> None:
+    """Greedy decoding (temperature 0) depends on neither the request's seed nor the
+    server's (vLLM's sampler ignores seeds there), so a stream without a seed continues
+    exactly on a server started with another ``--seed``; sampled text still follows each
+    server's seed."""
+    a, b, _ = servers
+    request = _request(endpoint)
+    del request["seed"]
+    whole = _whole(b, endpoint, request)
+    assert _whole(a, endpoint, request).token_ids == whole.token_ids
+    assert _whole(a, endpoint, {**request, "seed": 5}).token_ids == whole.token_ids
+    _fault(a, drop_after_tokens=len(whole.token_ids) // 2)
+    relay = Relay(endpoint, request)
+    relay.run([a, b])
+    assert relay.continuations == 1
+    _check(endpoint, relay, whole)
+    httpx.put(f"{a.url}/sim/faults", json={}, timeout=20).raise_for_status()
+    sampled = {**request, "temperature": 0.7}
+    assert _whole(a, endpoint, sampled).text != _whole(b, endpoint, sampled).text
+    seeded = {**sampled, "seed": 5}
+    assert _whole(a, endpoint, seeded).text == _whole(b, endpoint, seeded).text

@@ -57,7 +57,9 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
         except P.SimHTTPError as err:
             return error_response(err)
 
-        seed = req.seed if req.seed is not None else cfg.seed
+        # Greedy decoding (temperature 0) is the same on every server of the model whatever
+        # the seeds, as in vLLM; sampled text follows the request's seed, else the server's.
+        seed = tx.GREEDY_SEED if req.greedy else req.seed if req.seed is not None else cfg.seed
         salt = req.model if req.model in lora_names else ""
         header_id = request.headers.get("x-request-id")
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + (header_id or P.random_id())
