@@ -206,8 +206,8 @@ def _check(endpoint: str, relay: Relay, whole: Seen) -> Seen:
     assert got.text == whole.text
     assert got.token_ids == whole.token_ids
     assert got.finishes == whole.finishes and len(got.finishes) == 1
-    assert len(got.usages) == 1 and got.chunks[-1]["choices"] == []
-    assert got.usages[0] == whole.usages[0]  # prompt tokens once, completion tokens summed
+    assert len(got.usages) == len(whole.usages) and got.chunks[-1]["choices"] == []
+    assert got.usages[-1] == whole.usages[-1]  # prompt tokens once, completion tokens summed
     first = got.chunks[0]
     for c in got.chunks:
         assert (c["id"], c["created"], c["model"], c["object"]) == (
@@ -322,3 +322,23 @@ def test_greedy_text_is_the_same_on_servers_with_different_seeds(
     assert _whole(a, endpoint, sampled).text != _whole(b, endpoint, sampled).text
     seeded = {**sampled, "seed": 5}
     assert _whole(a, endpoint, seeded).text == _whole(b, endpoint, seeded).text
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+@pytest.mark.parametrize("where", ["first", "middle", "finish"])
+def test_continuous_usage_stats_count_on_across_the_seam(
+    servers: list[SimServerThread], endpoint: str, where: str
+) -> None:
+    """With ``continuous_usage_stats`` every chunk's usage is the uninterrupted stream's:
+    the original prompt tokens, the completion tokens so far counted from the start."""
+    a, b, _ = servers
+    request = _request(endpoint, stream_options={"include_usage": True,
+                                                 "continuous_usage_stats": True})
+    whole = _whole(b, endpoint, request)
+    assert len(whole.usages) == len(whole.chunks)  # a usage on every chunk
+    tokens = len(whole.token_ids)
+    _fault(a, drop_after_tokens={"first": 1, "middle": tokens // 2, "finish": tokens}[where])
+    relay = Relay(endpoint, request)
+    relay.run([a, b])
+    assert relay.continuations == int(where != "finish")
+    _check(endpoint, relay, whole)
