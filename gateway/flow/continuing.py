@@ -39,6 +39,7 @@ from gateway.proxy.relay import Resumed, StreamOutcome
 from gateway.proxy.sse import EventFramer
 from gateway.proxy.stitch import Stitcher, closing_events
 from gateway.proxy.transcript import StreamTranscript
+from gateway.proxy.upstream import UpstreamFailure
 
 if TYPE_CHECKING:
     from gateway.flow.pipeline import Pipeline
@@ -112,7 +113,10 @@ class StreamContinuer:
         ctx.upstream.body = json.dumps(body, ensure_ascii=False).encode()
         while self.used < p.cfg.proxy.max_continuations:
             self.used += 1
-            opened = await p.reopen(ctx, code)
+            try:
+                opened = await p.reopen(ctx, code)
+            except UpstreamFailure:
+                continue  # recorded by the pipeline; another backend may take it
             if opened is None:
                 break
             assert opened.framer is not None

@@ -272,8 +272,9 @@ class Pipeline:
 
     async def reopen(self, ctx: RequestContext, code: str) -> Opened | None:
         """One continuation attempt of ``ctx`` (its ``upstream.body`` already the
-        continuation's) on a backend it has not tried, if the retry budget allows one;
-        None when it does not, no backend is left or the attempt failed (recorded)."""
+        continuation's) on a backend it has not tried, if the retry budget allows one.
+        Returns None when it does not or no backend is left; raises
+        :class:`UpstreamFailure` when the attempt failed (recorded: another may be tried)."""
         if self.shutting_down:
             return None
         if not self.budget.try_spend():
@@ -282,7 +283,7 @@ class Pipeline:
         self.accounting.metrics.retries.labels(code).inc()
         try:
             return await self._one(ctx, ctx.tried)
-        except (NoCandidate, UpstreamFailure):
+        except NoCandidate:
             return None
 
     # ---- what cannot be answered ------------------------------------------------------

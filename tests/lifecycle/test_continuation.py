@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from tests.lifecycle.support import MODEL, Sim, metric, metric_samples, sdk
+from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
 
 MAX_TOKENS = 24
@@ -99,6 +100,21 @@ def test_a_stream_cut_on_one_backend_ends_whole_on_another(
     assert _continued(gw) == before + 1, "no stream was cut and continued"
     path = "/v1/chat/completions" if chat else "/v1/completions"
     assert a.stats()["requests_by_path"].get(path, 0) >= 1
+    _assert_nothing_held(gw)
+
+
+def _assert_nothing_held(gw: GatewayThread) -> None:
+    """Every hold of the continued requests was given back (docs/architecture.md section 3,
+    the lease): both backends' slots and watchdog handles, breaker half-open slots, the
+    admission tickets."""
+    g = gw.gateway
+
+    def free() -> bool:
+        return all((b.in_flight, b.pooled_extra, len(b.active), len(b.awaiting),
+                    b.breaker.half_open_in_flight) == (0, 0, 0, 0, 0) for b in g.fleet
+                   ) and g.gate.scheduler.in_flight == 0
+
+    assert wait_for(free, 10), [(b.id, b.in_flight, b.active, b.awaiting) for b in g.fleet]
 
 
 def test_a_client_may_turn_continuation_off(fleet: tuple[Sim, Sim, GatewayThread]) -> None:
