@@ -134,3 +134,24 @@ def test_a_client_may_turn_continuation_off(fleet: tuple[Sim, Sim, GatewayThread
         pytest.fail("no stream landed on A")
     assert b.chat_requests() == on_b  # nothing was sent to B for it
     assert _continued(gw) == before
+
+
+def test_a_stream_with_no_other_backend_ends_as_before() -> None:
+    """Only A serves the model: the cut stream cannot be continued (A already failed it), so
+    it ends with the error event (the SDK raises), counted as ``no_backend``."""
+    a = Sim("a", 0.005)
+    try:
+        httpx.patch(f"{a.url}/sim/faults", json={"drop_after_tokens": CUT_AT},
+                    timeout=20).raise_for_status()
+        gw = GatewayThread(gateway_config([{"id": "a", "url": a.url}]))
+        gw.start()
+        try:
+            with pytest.raises(openai.APIError, match="broke mid-stream"):
+                _run(sdk(gw.url), True)
+            assert _continued(gw, "no_backend") == 1
+            assert _continued(gw) == 0
+            _assert_nothing_held(gw)
+        finally:
+            gw.stop()
+    finally:
+        a.stop()
