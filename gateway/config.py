@@ -305,6 +305,12 @@ class ProxyConfig(_Strict):
     There is deliberately no wall-clock cap on a request: ``ttfb_timeout_s`` bounds the wait
     for the response to start (a non-streaming generation answers only when complete, so it
     is generous), ``idle_timeout_s`` bounds silence between two chunks once bytes flow.
+
+    ``max_continuations`` (default 2; 0 turns it off): how many times one chat / completions
+    stream whose backend failed after events reached the client may be continued on another
+    backend (issue 17, :mod:`gateway.proxy.continuation`); each continuation is an attempt
+    that must also fit the retry budget. A client turns it off for one request with the
+    header ``x-gateway-continuation: off``.
     """
 
     connect_timeout_s: float = Field(5.0, gt=0)
@@ -318,6 +324,13 @@ class ProxyConfig(_Strict):
     )
     max_attempts: int = Field(
         2, ge=1, le=5, description="attempts per request, each on a different backend"
+    )
+    max_continuations: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="continuations per stream on another backend after a mid-stream "
+        "failure (0: off)",
     )
     max_error_body_bytes: int = Field(
         2**20,
@@ -850,6 +863,13 @@ class FaultConfig(BaseModel):
         description="streams: cut the TCP connection after N SSE events; "
         "non-stream: close the connection without a response",
     )
+    drop_after_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="streams: cut the TCP connection right after the event that carries "
+        "generated token N of the request (0: before the first event), for mid-stream "
+        "continuation drills; non-stream: close the connection without a response",
+    )
     unhealthy: bool = Field(False, description="GET /health answers 503")
     seed: int = Field(0, description="seed of the fault dice")
     # GPU faults (``/gpu/metrics``, :mod:`gateway.sim.gpu`): state, not dice.
@@ -911,7 +931,8 @@ class SimConfig(BaseModel):
     """Everything one simulated vLLM server needs.
 
     ``engine`` holds capacity and speed (seconds, tokens), ``faults`` the injected
-    faults, ``seed`` the default seed of generated text (a request's ``seed`` wins).
+    faults, ``seed`` the default seed of generated text (a request's ``seed`` wins; a greedy
+    request, ``temperature`` 0, uses neither: vLLM's greedy decoding ignores seeds).
     With ``api_key`` set, routes under ``/v1`` (and ``/v2``, ``/inference``,
     ``/cohere``, as vLLM's ``AuthenticationMiddleware``) need
     ``Authorization: Bearer <key>``.

@@ -355,6 +355,16 @@ class GatewayMetrics:
             ["backend", "code"],
             registry=r,
         )
+        self.stream_continuations = Counter(
+            "gateway_stream_continuations",
+            "Streams whose backend failed after events reached the client (issue 17), by "
+            "the failure (reason: the stream error code the client would have seen) and what "
+            "the gateway did (outcome: continued on another backend; closed, the generation "
+            "was over; no_backend, no other backend took it; else the reason it could not "
+            "continue exactly, gateway.proxy.transcript.Reason)",
+            ["reason", "outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "gateway_client_disconnects",
             "Client closed the connection before the answer "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -47,10 +48,12 @@ from gateway.api.parsing import (
 from gateway.core.outcomes import BackendAnswer
 from gateway.core.vocab import Cut
 from gateway.flow.context import NOTHING_GENERATED, Answer, Opened, RequestContext
+from gateway.flow.continuing import StreamContinuer, first_request
 from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.flow.responses import RESPONSES
 from gateway.flow.shaping import cap_max_tokens, key_limits_for, ratelimit_headers
+from gateway.proxy.continuation import COMPLETIONS
 from gateway.proxy.inband import stream_kind
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
 from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
@@ -240,6 +243,12 @@ async def model_response(
                 answered(metrics, endpoint, model, got.status, started)
                 return _render_answer(got, idh, rid, ctx.ratelimit)
             bound = got
+        up = ctx.upstream
+        resumable = first_request(
+            endpoint, stream, up.body, up.headers, cfg.proxy.max_continuations
+        )
+        if resumable is not None and endpoint == COMPLETIONS:  # token ids asked for
+            up.body = json.dumps(resumable, ensure_ascii=False).encode()
         opened = await gw.pipeline.open(ctx, bound)
         if endpoint == RESPONSES:
             gw.responses.learn(opened, model)
@@ -266,7 +275,10 @@ async def model_response(
         answered(metrics, endpoint, model, 503, started)
         return shutting_down_response(rid, idh)
     if opened.framer is not None:  # the stream's end observes it (Pipeline.stream_done)
-        return _relay(gw, ctx, opened, watch)
+        resumer = None
+        if resumable is not None:
+            resumer = StreamContinuer(gw.pipeline, ctx, opened, resumable)
+        return _relay(gw, ctx, opened, watch, resumer)
     watch.stop()
     answer = gw.pipeline.finish_body(ctx, opened)
     answered(metrics, endpoint, model, answer.status, started)
@@ -302,10 +314,17 @@ def _render_answer(
     return r
 
 
-def _relay(gw: Gateway, ctx: RequestContext, opened: Opened, watch: ClientWatch) -> RelayResponse:
+def _relay(
+    gw: Gateway,
+    ctx: RequestContext,
+    opened: Opened,
+    watch: ClientWatch,
+    resumer: StreamContinuer | None = None,
+) -> RelayResponse:
     """The streaming answer: the backend's headers, the request id and the key's rate-limit
     headers (:func:`key_limits_for`); its end is recorded and the lease closed by
-    :meth:`Pipeline.stream_done`."""
+    :meth:`Pipeline.stream_done` (through ``resumer``, a stream that may be continued on
+    another backend: :mod:`gateway.flow.continuing`)."""
     idh = gw.cfg.server.request_id_header
     headers = response_headers(opened.resp, idh.lower())
     headers.extend(key_limits_for(headers, ctx.ratelimit))
@@ -319,9 +338,12 @@ def _relay(gw: Gateway, ctx: RequestContext, opened: Opened, watch: ClientWatch)
         watch,
         ctx.cut,
         gw.cfg.proxy.idle_timeout_s,
-        functools.partial(gw.pipeline.stream_done, ctx, opened),
+        resumer.done if resumer is not None else functools.partial(
+            gw.pipeline.stream_done, ctx, opened
+        ),
         kind=stream_kind(ctx.endpoint),
         heard=opened.backend.heard,
+        resumer=resumer,
     )
 
 

@@ -62,6 +62,8 @@ class RequestContext:
     # names: gateway.flow.responses); no other is tried
     pinned: Backend | None = None
     charge: Charge | None = None
+    # ids of the backends this request's attempts went to (a continuation never goes back)
+    tried: list[str] = field(default_factory=list)
 
     def settle(self, usage: tuple[int, int] | None) -> None:
         """The answer reported ``usage`` (prompt, completion tokens; None: not reported):

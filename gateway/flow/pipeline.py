@@ -108,7 +108,7 @@ class Pipeline:
         later ones) and must fit in the retry budget.
         """
         self.budget.record_request()
-        tried: list[str] = []
+        tried = ctx.tried
         max_attempts = self._max_attempts(ctx)
         try:
             return await self._one(ctx, tried, bound)
@@ -259,6 +259,33 @@ class Pipeline:
         if backend.cool_until(self.clock() + seconds):
             log.info("backend %s: cooling for %.1f s (Retry-After)", backend.id, seconds)
 
+    # ---- continuation (issue 17, gateway.flow.continuing) -------------------------------
+    def stream_failed(self, ctx: RequestContext, opened: Opened, code: str) -> None:
+        """A stream's attempt failed mid-stream with ``code`` and is to be continued: count
+        it, end it as a breaker failure (a broken stream is the backend's), and drop the
+        response from the lease (the relay closed it)."""
+        backend = opened.backend
+        ctx.lease.hand_over(Hold.RESPONSE)
+        self.accounting.attempt(backend, code)
+        backend.note_error(f"{ctx.endpoint}: stream ended with {code} (continued)")
+        ctx.lease.end_attempt(Verdict.FAILURE)
+
+    async def reopen(self, ctx: RequestContext, code: str) -> Opened | None:
+        """One continuation attempt of ``ctx`` (its ``upstream.body`` already the
+        continuation's) on a backend it has not tried, if the retry budget allows one.
+        Returns None when it does not or no backend is left; raises
+        :class:`UpstreamFailure` when the attempt failed (recorded: another may be tried)."""
+        if self.shutting_down:
+            return None
+        if not self.budget.try_spend():
+            self.accounting.metrics.retry_budget_exhausted.inc()
+            return None
+        self.accounting.metrics.retries.labels(code).inc()
+        try:
+            return await self._one(ctx, ctx.tried)
+        except NoCandidate:
+            return None
+
     # ---- what cannot be answered ------------------------------------------------------
     def _give_up(self, ctx: RequestContext, f: UpstreamFailure | None) -> Refusal | BackendAnswer:
         """The typed outcome when no attempt gave an answer the client can have
@@ -295,6 +322,10 @@ class Pipeline:
         outcome: str,
         framer: EventFramer,
         first_sent_at: float | None,
+        *,
+        usage: tuple[int, int] | None = None,
+        continued: bool = False,
+        recorded: bool = False,
     ) -> None:
         """A relayed stream ended with ``outcome`` (``ok``, ``in_band_error``, a
         :class:`Cut` reason or the error code the client saw; ``first_sent_at``:
@@ -306,8 +337,15 @@ class Pipeline:
         code when a 4xx/5xx, else 500) and attempt outcome ``in_band_error``, logged with
         the request id, and neutral to the breaker; an incomplete stream
         (``upstream_incomplete``: no ``[DONE]`` or terminal event) is a stream error and a
-        breaker failure, like a broken one."""
+        breaker failure, like a broken one.
+
+        A continued stream (issue 17, :mod:`gateway.flow.continuing`): ``opened`` is its
+        last attempt, ``usage`` what the client was given (else the framer's), ``continued``
+        (the backend's own TTFT is unknown: none is recorded), ``recorded`` (the last
+        attempt was already ended: a continuation that found no backend)."""
         backend = opened.backend
+        if usage is None:
+            usage = framer.usage()
         acc = self.accounting
         m = acc.metrics
         lease = ctx.lease
@@ -320,28 +358,37 @@ class Pipeline:
         if outcome == StreamOutcome.CLIENT_GONE:
             m.client_disconnects.labels(ctx.endpoint).inc()
             m.count_request(ctx.endpoint, ctx.model, 499)
-            acc.attempt(backend, Cut.CLIENT_GONE)
-            lease.end_attempt(Verdict.NEUTRAL)
+            if not recorded:
+                acc.attempt(backend, Cut.CLIENT_GONE)
+                lease.end_attempt(Verdict.NEUTRAL)
         elif outcome == StreamOutcome.IN_BAND_ERROR and framer.error is not None:
             # a request error the backend reported inside its 200 stream: about the
             # request, not the backend's health
             acc.in_band_error(ctx.endpoint, ctx.model, backend, framer.error, ctx.request_id)
-            acc.usage(ctx.model, framer.usage())
+            acc.usage(ctx.model, usage)
             lease.end_attempt(Verdict.NEUTRAL)
         else:
             m.count_request(ctx.endpoint, ctx.model, 200)
-            acc.usage(ctx.model, framer.usage())
-            ctx.settle(framer.usage())  # the key is charged the usage, not the estimate
-            acc.attempt(backend, outcome)
-            if outcome == StreamOutcome.OK:
+            acc.usage(ctx.model, usage)
+            ctx.settle(usage)  # the key is charged the usage, not the estimate
+            if recorded:  # its attempt was counted when it failed (stream_failed)
+                if outcome != StreamOutcome.OK:
+                    m.stream_errors.labels(backend.id, outcome).inc()
+            elif outcome == StreamOutcome.OK:
+                acc.attempt(backend, outcome)
                 # the backend's own TTFT (from this attempt's send): time spent in the
-                # gateway's queue or on an earlier attempt is not the backend's
-                own = None if first_sent_at is None else first_sent_at - opened.sent_at
+                # gateway's queue or on an earlier attempt is not the backend's (a
+                # continuation's first event is not a first token: none)
+                own = None
+                if first_sent_at is not None and not continued:
+                    own = first_sent_at - opened.sent_at
                 lease.end_attempt(Verdict.SUCCESS, own)
             elif outcome in _OURS:  # ended by us, not the backend's fault
+                acc.attempt(backend, outcome)
                 m.stream_errors.labels(backend.id, outcome).inc()
                 lease.end_attempt(Verdict.NEUTRAL)
             else:
+                acc.attempt(backend, outcome)
                 m.stream_errors.labels(backend.id, outcome).inc()
                 backend.note_error(f"{ctx.endpoint}: stream ended with {outcome}")
                 lease.end_attempt(Verdict.FAILURE)

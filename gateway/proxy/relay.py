@@ -9,7 +9,9 @@ nobody). It costs one small task per request.
 :class:`RelayResponse` is an ASGI response that relays a backend's event stream as it
 arrives: no buffering beyond one incomplete event, no compression, LF framing. After the
 first byte reached the client nothing is retried; a failure ends the stream with one
-OpenAI-shaped error event then ``data: [DONE]`` (as vLLM does).
+OpenAI-shaped error event then ``data: [DONE]`` (as vLLM does), unless a
+:class:`Resumer` continues it on another backend (issue 17, a chat or completions stream:
+:mod:`gateway.flow.continuing`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, MutableMapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 from starlette.responses import Response
@@ -26,6 +29,8 @@ from starlette.responses import Response
 from gateway.core.vocab import Cut
 from gateway.proxy.inband import StreamKind
 from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, responses_error_event
+from gateway.proxy.stitch import Stitcher
+from gateway.proxy.transcript import StreamTranscript
 from gateway.proxy.upstream import UpstreamResponse
 
 AFTER_DONE_S = 2.0  # s: how long the body's end is awaited after ``[DONE]``
@@ -132,6 +137,31 @@ class StreamOutcome:
     CANCELLED = "cancelled"  # the request's task was cancelled with no cut reason
 
 
+@dataclass(slots=True)
+class Resumed:
+    """A continuation's accepted start on another backend (issue 17): its response, the
+    complete events already read (``first``, raw: the relay stitches them), its framer,
+    the :class:`Stitcher` that rewrites its events for the client, and ``heard`` (told of
+    each chunk's arrival, ``time.monotonic()`` seconds) for its backend."""
+
+    resp: UpstreamResponse
+    first: bytes
+    framer: EventFramer
+    stitcher: Stitcher
+    heard: Callable[[float], None] | None = None
+
+
+class Resumer(Protocol):
+    """What :class:`RelayResponse` needs to continue a stream (implemented by
+    :class:`gateway.flow.continuing.StreamContinuer`)."""
+
+    transcript: StreamTranscript
+
+    async def resume(self, code: str) -> Resumed | bytes | None:
+        """Continue after the stream failed with ``code`` (see :class:`RelayResponse`)."""
+        ...
+
+
 class RelayResponse(Response):
     """ASGI response relaying an upstream SSE stream whose first events were already read.
 
@@ -148,6 +178,17 @@ class RelayResponse(Response):
     first_sent_at)`` is called exactly once with a :class:`StreamOutcome`.
     ``heard(now)`` (optional) is told of each chunk's arrival (``time.monotonic()``
     seconds): a backend that streams is alive, whatever its control plane answers.
+
+    ``resumer`` (chat / completions streams with continuation on, issue 17): every block
+    the client is sent is fed to its ``transcript``; when the backend fails after the
+    first event (``upstream_disconnected``, ``upstream_idle_timeout``,
+    ``upstream_incomplete``) the relay closes the response and awaits
+    ``resumer.resume(code)``: a :class:`Resumed` (another backend's accepted start: the
+    relay goes on with its events through its :class:`gateway.proxy.stitch.Stitcher`, on
+    the same client stream, and may fail and resume again), ``bytes`` (the generation was
+    over: the closing events, sent and the stream ends) or None (the stream ends as
+    without a resumer: error event + ``[DONE]``). ``on_done`` is still called once, at the
+    very end, with the last attempt's framer.
     """
 
     def __init__(
@@ -162,6 +203,7 @@ class RelayResponse(Response):
         on_done: Callable[[str, EventFramer, float | None], None],
         kind: StreamKind = StreamKind.DONE,
         heard: Callable[[float], None] | None = None,
+        resumer: Resumer | None = None,
     ) -> None:
         self.resp = resp
         self.raw_headers = headers
@@ -173,6 +215,7 @@ class RelayResponse(Response):
         self.on_done = on_done
         self.kind = kind
         self.heard = heard  # told each chunk's arrival (monotonic s): the backend is alive
+        self.resumer = resumer
         self.status_code = 200
         self.background = None
         self.raw_headers = headers
@@ -183,10 +226,12 @@ class RelayResponse(Response):
         return responses_error_event(message, code)
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
-        resp, framer, watch = self.resp, self.framer, self.watch
+        framer, watch = self.framer, self.watch
         first_sent_at: float | None = None
         finished = False
         outcome = "relay_error"  # unless set below
+        resumer = self.resumer
+        transcript = resumer.transcript if resumer is not None else None
 
         def finish(result: str) -> None:
             # Release the upstream side and record the outcome once, BEFORE the last bytes
@@ -198,79 +243,39 @@ class RelayResponse(Response):
             finished = True
             watch.stop()
             if result == StreamOutcome.OK:
-                resp.release()
+                self.resp.release()
             else:
-                resp.close()  # closes the socket: vLLM sees the disconnect and aborts
+                self.resp.close()  # closes the socket: vLLM sees the disconnect and aborts
             self.on_done(result, framer, first_sent_at)
 
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             first_sent_at = time.perf_counter()
-            loop = asyncio.get_running_loop()
-            content = resp.content
-            idle = self.idle_timeout_s
+            if transcript is not None:
+                transcript.feed(self.first)
+            stitcher: Stitcher | None = None
             heard = self.heard
-
-            kind = self.kind
-            ends_with_done = kind is StreamKind.DONE
-            ends_with_terminal = kind is StreamKind.RESPONSES
-
-            def complete() -> bool:
-                """The stream's end has been relayed (what follows cannot change it)."""
-                if ends_with_done:
-                    return framer.saw_done
-                if ends_with_terminal:
-                    return framer.terminal is not None or framer.error is not None
-                return False
-
-            code: str | None = None
-            message = ""
-            try:
-                # One timer for the whole stream: armed while waiting on the backend,
-                # disarmed while a slow client is being written to (a client that reads
-                # nothing is bounded by server.client_write_timeout_s: the server aborts
-                # its connection, proxy/client_writes.py, and ClientWatch cuts us).
-                async with asyncio.timeout(idle) as timer:
-                    while True:
-                        chunk = await content.readany()
-                        if not chunk:
-                            out = framer.finish()
-                        else:
-                            out = framer.feed(chunk)
-                        if out:
-                            timer.reschedule(None)
-                            await send(
-                                {"type": "http.response.body", "body": out, "more_body": True}
-                            )
-                        if not chunk:
-                            break
-                        # after [DONE] only the body's end is awaited, briefly
-                        wait = min(idle, AFTER_DONE_S) if complete() else idle
-                        if heard is not None:
-                            heard(time.monotonic())
-                        timer.reschedule(loop.time() + wait)
-                if kind is not StreamKind.OPEN and not complete():
-                    code = "upstream_incomplete"
-                    end = "[DONE]" if ends_with_done else "a terminal event"
-                    message = (
-                        f"The backend ended the stream without {end}; the answer is "
-                        "incomplete."
-                    )
-            except TimeoutError:
-                if not complete():
-                    code = "upstream_idle_timeout"
-                    message = (
-                        f"The backend sent nothing for {idle:g} s (idle_timeout_s); the stream "
-                        "was closed and the answer is incomplete."
-                    )
-            except (aiohttp.ClientError, ConnectionError) as e:
-                if not complete():  # a break after [DONE] loses nothing
-                    code = "upstream_disconnected"
-                    message = (
-                        f"The backend connection broke mid-stream ({type(e).__name__}); the "
-                        "answer is incomplete."
-                    )
+            while True:
+                code, message = await self._pump(framer, stitcher, heard, transcript, send)
+                if code is None or framer.error is not None or resumer is None:
+                    break
+                # the backend failed mid-stream: go on on another backend, if exact
+                self.resp.close()  # vLLM sees the disconnect and aborts
+                got = await resumer.resume(code)
+                if got is None:
+                    break
+                if isinstance(got, bytes):  # the generation was over: close the stream
+                    finish(code)
+                    await send({"type": "http.response.body", "body": got, "more_body": False})
+                    return
+                self.resp, framer, stitcher, heard = got.resp, got.framer, got.stitcher, got.heard
+                out = stitcher.feed(got.first)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    if transcript is not None:
+                        transcript.feed(out)
+            ends_with_done = self.kind is StreamKind.DONE
             if framer.error is not None:
                 # the backend told the client itself; a DONE stream still gets its end
                 finish(StreamOutcome.IN_BAND_ERROR)
@@ -304,3 +309,74 @@ class RelayResponse(Response):
                 )
         finally:
             finish(outcome)
+
+    async def _pump(
+        self,
+        framer: EventFramer,
+        stitcher: Stitcher | None,
+        heard: Callable[[float], None] | None,
+        transcript: StreamTranscript | None,
+        send: Send,
+    ) -> tuple[str | None, str]:
+        """Relay ``self.resp``'s body through ``framer`` (and ``stitcher``, a continuation's)
+        to the client until it ends; returns ``(code, message)``: ``code`` None when the
+        stream ended well (or carried an in-band error, ``framer.error``), else the error
+        code the client would see (``upstream_incomplete``, ``upstream_idle_timeout``,
+        ``upstream_disconnected``) and its message. Every block sent is fed to
+        ``transcript``."""
+        loop = asyncio.get_running_loop()
+        content = self.resp.content
+        idle = self.idle_timeout_s
+        kind = self.kind
+        ends_with_done = kind is StreamKind.DONE
+        ends_with_terminal = kind is StreamKind.RESPONSES
+
+        def complete() -> bool:
+            """The stream's end has been relayed (what follows cannot change it)."""
+            if ends_with_done:
+                return framer.saw_done
+            if ends_with_terminal:
+                return framer.terminal is not None or framer.error is not None
+            return False
+
+        try:
+            # One timer for the whole stream: armed while waiting on the backend,
+            # disarmed while a slow client is being written to (a client that reads
+            # nothing is bounded by server.client_write_timeout_s: the server aborts
+            # its connection, proxy/client_writes.py, and ClientWatch cuts us).
+            async with asyncio.timeout(idle) as timer:
+                while True:
+                    chunk = await content.readany()
+                    out = framer.feed(chunk) if chunk else framer.finish()
+                    if out and stitcher is not None:
+                        out = stitcher.feed(out)
+                    if out:
+                        timer.reschedule(None)
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        if transcript is not None:
+                            transcript.feed(out)
+                    if not chunk:
+                        break
+                    # after [DONE] only the body's end is awaited, briefly
+                    wait = min(idle, AFTER_DONE_S) if complete() else idle
+                    if heard is not None:
+                        heard(time.monotonic())
+                    timer.reschedule(loop.time() + wait)
+            if kind is not StreamKind.OPEN and not complete():
+                end = "[DONE]" if ends_with_done else "a terminal event"
+                return "upstream_incomplete", (
+                    f"The backend ended the stream without {end}; the answer is incomplete."
+                )
+        except TimeoutError:
+            if not complete():
+                return "upstream_idle_timeout", (
+                    f"The backend sent nothing for {idle:g} s (idle_timeout_s); the stream "
+                    "was closed and the answer is incomplete."
+                )
+        except (aiohttp.ClientError, ConnectionError) as e:
+            if not complete():  # a break after [DONE] loses nothing
+                return "upstream_disconnected", (
+                    f"The backend connection broke mid-stream ({type(e).__name__}); the "
+                    "answer is incomplete."
+                )
+        return None, ""

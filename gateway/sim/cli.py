@@ -57,6 +57,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cut streams after N SSE events (non-stream: no answer)",
     )
+    g.add_argument(
+        "--drop-after-tokens",
+        type=int,
+        default=None,
+        help="cut streams right after generated token N (non-stream: no answer)",
+    )
     g.add_argument("--unhealthy", action="store_true", help="GET /health answers 503")
     g.add_argument("--gpu", choices=["h100", "a100"], default="h100", help="simulated GPU model")
     g.add_argument("--gpus", type=int, default=1, help="GPUs per server (tensor parallel)")
@@ -110,6 +116,7 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
             added_latency_s=args.added_latency,
             hang=args.hang,
             drop_after_chunks=args.drop_after_chunks,
+            drop_after_tokens=args.drop_after_tokens,
             unhealthy=args.unhealthy,
             seed=args.seed,
             cooling_failure=args.cooling_failure,

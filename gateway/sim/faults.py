@@ -25,8 +25,9 @@ class FaultDecision:
 
     ``kind`` is "ok", "error" (answer ``status``) or "rate_limit" (429);
     ``latency_s`` is slept before answering; ``hang`` never answers; ``drop_after``
-    cuts the connection after that many SSE events (0 for a non-stream request: no
-    response at all).
+    cuts the connection after that many SSE events, ``drop_after_tokens`` right after
+    the event carrying that many generated tokens (either set: a non-stream request
+    gets no response at all).
     """
 
     kind: Literal["ok", "error", "rate_limit"] = "ok"
@@ -35,6 +36,12 @@ class FaultDecision:
     latency_s: float = 0.0
     hang: bool = False
     drop_after: int | None = None
+    drop_after_tokens: int | None = None
+
+    @property
+    def drops(self) -> bool:
+        """Whether this request's connection is cut (a drop fault of either kind)."""
+        return self.drop_after is not None or self.drop_after_tokens is not None
 
 
 class FaultInjector:
@@ -93,6 +100,10 @@ class FaultInjector:
         if r_error < c.error_rate:
             self.injected["error"] += 1
             return FaultDecision(kind="error", status=c.error_status, latency_s=c.added_latency_s)
-        if c.drop_after_chunks is not None:
+        if c.drop_after_chunks is not None or c.drop_after_tokens is not None:
             self.injected["drop"] += 1
-        return FaultDecision(latency_s=c.added_latency_s, drop_after=c.drop_after_chunks)
+        return FaultDecision(
+            latency_s=c.added_latency_s,
+            drop_after=c.drop_after_chunks,
+            drop_after_tokens=c.drop_after_tokens,
+        )

@@ -157,7 +157,16 @@ def _bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
 
 @dataclass
 class GenerationRequest:
-    """A checked chat or completion request: prompts as token ids plus sampling knobs."""
+    """A checked chat or completion request: prompts as token ids plus sampling knobs.
+
+    ``return_token_ids`` (vLLM's request field) asks for the prompt's ids
+    (``prompt_token_ids``) and each choice's generated ids (``token_ids``) in the answer;
+    ``continue_final_message`` (chat) means the prompt ends inside the final message;
+    ``response_role`` is the answer's role: "assistant", or without a generation prompt
+    the final message's role (vLLM's ``OpenAIServingChat.get_chat_request_role``);
+    ``greedy``: ``temperature`` below vLLM's ``_SAMPLING_EPS`` (1e-5, ``SamplingParams``:
+    "zero temperature means greedy sampling"), where no seed changes the output.
+    """
 
     kind: Literal["chat", "completion"]
     model: str
@@ -169,6 +178,10 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    return_token_ids: bool = False
+    continue_final_message: bool = False
+    response_role: str = "assistant"
+    greedy: bool = False
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -226,6 +239,50 @@ def _completion_prompts(body: Mapping[str, Any], max_model_len: int) -> list[lis
     raise validation_error("string_type", "body.prompt", "Input should be a valid string", prompt)
 
 
+CONTINUE_WITH_GENERATION_PROMPT = (
+    "continue_final_message and add_generation_prompt are not compatible. Use "
+    "continue_final_message when you want the model to continue the final message, and "
+    "add_generation_prompt when you want to add a header that will prompt it to start a "
+    "new assistant message instead."
+)
+"""transformers' ``apply_chat_template`` error when ``continue_final_message`` is set and
+``add_generation_prompt`` is left at vLLM's default (true)."""
+
+
+def check_generation_prompt(body: Mapping[str, Any]) -> None:
+    """vLLM's 400 ("Bad Request", a schema error) when a chat body sets both
+    ``continue_final_message`` and ``add_generation_prompt`` to true."""
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        # vLLM's ChatCompletionRequest.check_generation_prompt (a "before" model validator)
+        raise validation_error(
+            "value_error",
+            "body",
+            "Value error, Cannot set both `continue_final_message` and "
+            "`add_generation_prompt` to True.",
+            body,
+            {"error": {}},
+        )
+
+
+GREEDY_EPS = 1e-5
+"""vLLM's ``_SAMPLING_EPS``: a ``temperature`` below it is greedy decoding."""
+
+
+def _greedy(body: Mapping[str, Any]) -> bool:
+    """Whether the body asks for greedy decoding (a number ``temperature`` < 1e-5); an
+    absent temperature is vLLM's default 1.0 (sampled)."""
+    t = body.get("temperature")
+    return isinstance(t, int | float) and not isinstance(t, bool) and t < GREEDY_EPS
+
+
+def _response_role(body: Mapping[str, Any]) -> str:
+    """The chat answer's role: vLLM's ``get_chat_request_role`` ("assistant" with a
+    generation prompt, else the final message's role)."""
+    if _bool_field(body, "add_generation_prompt", True) or not body["messages"]:
+        return "assistant"
+    return str(body["messages"][-1].get("role", "assistant"))
+
+
 def _chat_schema(body: Mapping[str, Any]) -> None:
     if "messages" not in body:
         raise validation_error("missing", "body.messages", "Field required", body)
@@ -248,7 +305,10 @@ def _chat_prompt(body: Mapping[str, Any], max_model_len: int) -> list[int]:
             "BadRequestError",
         )
     add_gen = _bool_field(body, "add_generation_prompt", True)
-    rendered = tx.render_chat(messages, add_generation_prompt=add_gen)
+    cont = _bool_field(body, "continue_final_message", False)
+    if cont and add_gen:  # transformers' apply_chat_template refuses; vLLM answers 400
+        raise error(400, CONTINUE_WITH_GENERATION_PROMPT, "BadRequestError")
+    rendered = tx.render_chat(messages, add_gen, continue_final_message=cont)
     check_text_length(tx.SPECIAL_TOKENS[tx.BOS_ID] + rendered, max_model_len)
     return tx.tokenize(rendered, add_special_tokens=True)
 
@@ -268,6 +328,8 @@ def parse_generation(
     completions and to what is left of ``max_model_len`` for chat; larger values are
     clipped to what is left, values above ``max_model_len`` are refused.
     """
+    if kind == "chat":  # a "before" model validator: checked ahead of the fields
+        check_generation_prompt(body)
     stream = _bool_field(body, "stream", False)
     n = _int_field(body, "n", 1)
     if kind == "chat":
@@ -278,6 +340,7 @@ def parse_generation(
         max_tokens = _int_field(body, "max_tokens", 16)
     seed = _int_field(body, "seed", None)
     ignore_eos = _bool_field(body, "ignore_eos", False)
+    return_token_ids = _bool_field(body, "return_token_ids", False)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise validation_error("string_type", "body.model", "Input should be a valid string", model)
@@ -334,6 +397,11 @@ def parse_generation(
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
+        return_token_ids=return_token_ids,
+        continue_final_message=kind == "chat"
+        and _bool_field(body, "continue_final_message", False),
+        response_role=_response_role(body) if kind == "chat" else "assistant",
+        greedy=_greedy(body),
         raw=body,
     )
 
@@ -363,10 +431,10 @@ def usage(prompt_tokens: int, completion_tokens: int, full: bool = True) -> dict
     return u
 
 
-def chat_message(content: str) -> dict[str, Any]:
-    """Assistant message of a non-stream chat choice, with vLLM's null extension fields."""
+def chat_message(content: str, role: str = "assistant") -> dict[str, Any]:
+    """Message of a non-stream chat choice, with vLLM's null extension fields."""
     return {
-        "role": "assistant",
+        "role": role,
         "content": content,
         "refusal": None,
         "annotations": None,
@@ -376,11 +444,13 @@ def chat_message(content: str) -> dict[str, Any]:
     }
 
 
-def chat_choice(index: int, content: str, finish_reason: str | None) -> dict[str, Any]:
-    """One choice of a non-stream chat completion."""
+def chat_choice(
+    index: int, content: str, finish_reason: str | None, role: str = "assistant"
+) -> dict[str, Any]:
+    """One choice of a non-stream chat completion (``role``: see ``response_role``)."""
     return {
         "index": index,
-        "message": chat_message(content),
+        "message": chat_message(content, role),
         "logprobs": None,
         "finish_reason": finish_reason,
         "stop_reason": None,
@@ -457,8 +527,10 @@ def completion_response(
     }
 
 
-def chat_role_chunk(rid: str, created: int, model: str, index: int) -> dict[str, Any]:
-    """First chat stream event of a choice: the assistant role and empty content."""
+def chat_role_chunk(
+    rid: str, created: int, model: str, index: int, role: str = "assistant"
+) -> dict[str, Any]:
+    """First chat stream event of a choice: the role (``response_role``), empty content."""
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -467,7 +539,7 @@ def chat_role_chunk(rid: str, created: int, model: str, index: int) -> dict[str,
         "choices": [
             {
                 "index": index,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }

@@ -1,4 +1,17 @@
-"""Streaming and collecting a generation's choices in vLLM's chunk order and SSE framing."""
+"""Streaming and collecting a generation's choices in vLLM's chunk order and SSE framing.
+
+A choice's token ``i`` (0-based, in this request) is generation token ``offset + i`` of
+the generation keyed ``key`` (:func:`gateway.sim.text.continuation_point`): a request
+that continues an earlier generation picks up where it was cut. With
+``return_token_ids`` (vLLM's field) the chunks carry the ids: ``prompt_token_ids`` on
+the first chunk (top level for chat, in the choice for completions) and per choice
+``token_ids`` (the ids generated in that chunk; the EOS id on a "stop").
+
+``sse`` frames the chunks and applies the drop faults: after ``drop_after`` events,
+or after the event that carries generated token number ``drop_after_tokens`` (counted
+over all choices of the request), the TCP connection is cut without the chunked
+terminator, as a backend that dies mid-stream.
+"""
 
 from __future__ import annotations
 
@@ -27,19 +40,37 @@ class Choice:
     sample: int
     tokens: int = 0
     finish_reason: str | None = None
+    offset: int = 0  # generation tokens already in the prompt (a continued generation)
+    prompt_ids: list[int] | None = None  # for ``prompt_token_ids`` (return_token_ids)
+
+
+def token_id(seed: int, ch: Choice, index: int, finish_reason: str | None) -> int:
+    """Id of token ``index`` of a choice in this request; the EOS id for a "stop"."""
+    if finish_reason == "stop":
+        return tx.EOS_ID
+    return tx.generated_token_id(seed, ch.key, ch.sample, ch.offset + index)
 
 
 def token_text(seed: int, ch: Choice, index: int, finish_reason: str | None) -> str:
     """Text of generated token ``index`` of a choice; the EOS token of a "stop" is empty."""
     if finish_reason == "stop":
         return ""
-    return tx.generated_token_text(seed, ch.key, ch.sample, index)
+    return tx.generated_token_text(seed, ch.key, ch.sample, ch.offset + index)
+
+
+def choice_token_ids(seed: int, ch: Choice) -> list[int]:
+    """Ids of a finished (or aborted) choice's tokens, the EOS id last on a "stop"."""
+    n = ch.tokens - 1 if ch.finish_reason == "stop" else ch.tokens
+    ids = [tx.generated_token_id(seed, ch.key, ch.sample, ch.offset + i) for i in range(n)]
+    return [*ids, tx.EOS_ID] if ch.finish_reason == "stop" and ch.tokens else ids
 
 
 def choice_text(seed: int, ch: Choice) -> str:
     """Whole text of a finished (or aborted) choice."""
     n = ch.tokens - 1 if ch.finish_reason == "stop" else ch.tokens
-    return tx.generated_text(seed, ch.key, ch.sample, max(0, n))
+    return "".join(
+        tx.generated_token_text(seed, ch.key, ch.sample, ch.offset + i) for i in range(max(0, n))
+    )
 
 
 def _with_usage(chunk: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]:
@@ -75,23 +106,35 @@ async def stream_events(
 
     left = len(choices)
     first = chat  # vLLM sends the role chunks with the first engine output (first token)
+    ids = req.return_token_ids
+    unseen = {c.engine_id for c in choices.values()}  # completions: prompt ids not yet sent
     while left:
         ev = await queue.get()
         if first:
             first = False
             for c in choices.values():
-                yield cont(P.chat_role_chunk(rid, created, model, c.index))
+                role = P.chat_role_chunk(rid, created, model, c.index, req.response_role)
+                if ids:
+                    role["prompt_token_ids"] = c.prompt_ids
+                yield cont(role)
         ch = choices[ev.request_id]
         text = ""
+        new_ids: list[int] = []
         if ev.new_token:
             ch.tokens = ev.num_tokens
             completion_tokens += 1
             text = token_text(seed, ch, ev.num_tokens - 1, ev.finish_reason)
+            new_ids.append(token_id(seed, ch, ev.num_tokens - 1, ev.finish_reason))
         reason = ev.finish_reason
         if chat:
             chunk = P.chat_delta_chunk(rid, created, model, ch.index, text, reason)
         else:
             chunk = P.completion_chunk(rid, created, model, ch.index, text, reason)
+            if ids and ch.engine_id in unseen:
+                chunk["choices"][0]["prompt_token_ids"] = ch.prompt_ids
+        unseen.discard(ch.engine_id)
+        if ids:
+            chunk["choices"][0]["token_ids"] = new_ids
         if reason is not None:
             ch.finish_reason = reason
             left -= 1
@@ -109,17 +152,27 @@ async def sse(
     drop_after: int | None,
     request: Request,
     state: SimState,
+    drop_after_tokens: int | None = None,
+    tokens_sent: Callable[[], int] = lambda: 0,
 ) -> AsyncIterator[bytes]:
-    """SSE framing (``data: <json>\\n\\n``, then ``data: [DONE]\\n\\n``) and the drop fault."""
+    """SSE framing (``data: <json>\\n\\n``, then ``data: [DONE]\\n\\n``) and the drop faults.
+
+    ``drop_after``: cut after that many events (0: before the first). ``drop_after_tokens``:
+    cut right after the event that brings ``tokens_sent()`` (generated tokens in the events
+    so far, all choices, the EOS of a "stop" included) to that many (0: before the first
+    event); a stream that ends with fewer tokens is not cut.
+    """
     sent = 0
     finished = False
     try:
-        if drop_after == 0:
+        if drop_after == 0 or drop_after_tokens == 0:
             await _drop(request, state)
         async for chunk in events:
             yield b"data: " + P.dumps(chunk).encode() + b"\n\n"
             sent += 1
             if drop_after is not None and sent >= drop_after:
+                await _drop(request, state)
+            if drop_after_tokens is not None and tokens_sent() >= drop_after_tokens:
                 await _drop(request, state)
         finished = True
         yield b"data: [DONE]\n\n"

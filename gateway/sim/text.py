@@ -11,9 +11,25 @@ Chat prompts are rendered with a ChatML template (the one in
 ``[{"role": "user", "content": "hello world"}]`` counts 11 prompt tokens and the
 completion prompt ``"hello world"`` counts 3, as the real tiny-llama server does.
 
-Generated text is a pure function of (seed, prompt ids, sample index, token index);
-``natural_stop_length`` gives the length at which a request emits EOS (finish
-"stop") unless ``ignore_eos`` is set.
+Generated text is a pure function of the context (prompt ids + ids generated so far),
+the seed (``GREEDY_SEED`` for greedy requests, temperature 0, as greedy decoding ignores
+seeds) and the sample index, so that a generation can be continued elsewhere exactly:
+``continuation_point`` finds where the generation in a context began (the longest tail
+of the context that is exactly what the simulator would have generated after what comes
+before it) and how many tokens it already has. Token ``k`` of a generation is
+``generated_token_id(seed, prompt_key(start), sample, k)``, and ``natural_stop_length``
+(a function of the same key) gives the length at which it emits EOS (finish "stop")
+unless ``ignore_eos`` is set. A request whose prompt is an original prompt plus the
+first ``k`` generated ids (completions with a token-id prompt, or chat with the generated
+text as a continued final assistant message) therefore produces exactly the remaining
+tokens and stops at the same place, as a real model does at temperature 0. A prompt whose
+tail is not such a generation (nearly all fresh prompts) starts a new generation keyed by
+the whole prompt, which is what the simulator always did.
+
+Chat with ``continue_final_message`` renders the final message without its end-of-turn
+(``<|im_start|>assistant\ncontent``, as Hugging Face ``apply_chat_template`` cuts the
+rendered text after the final message's content), so "original chat + k generated
+tokens" and "chat continued with those k tokens' text" tokenize to the same context.
 """
 
 from __future__ import annotations
@@ -166,22 +182,38 @@ def message_text(content: Any) -> str:
     return str(content)
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """ChatML rendering of ``messages`` (without the BOS, which ``tokenize`` adds)."""
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """ChatML rendering of ``messages`` (without the BOS, which ``tokenize`` adds).
+
+    With ``continue_final_message`` the final message is left open (no ``<|im_end|>``)
+    so that generation continues it; Hugging Face's ``apply_chat_template`` does the same
+    by cutting the rendered text after the final message's content.
+    """
     out = []
-    for msg in messages:
+    last = len(messages) - 1
+    for i, msg in enumerate(messages):
         role = str(msg.get("role", "user"))
-        out.append(f"<|im_start|>{role}\n{message_text(msg.get('content'))}<|im_end|>\n")
+        end = "" if continue_final_message and i == last else "<|im_end|>\n"
+        out.append(f"<|im_start|>{role}\n{message_text(msg.get('content'))}{end}")
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
     return "".join(out)
 
 
 def tokenize_chat(
-    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Prompt token ids of a chat conversation: BOS + ChatML template."""
-    return tokenize(render_chat(messages, add_generation_prompt), add_special_tokens=True)
+    return tokenize(
+        render_chat(messages, add_generation_prompt, continue_final_message),
+        add_special_tokens=True,
+    )
 
 
 def count_chat_tokens(
@@ -205,6 +237,12 @@ def prompt_key(prompt_token_ids: Sequence[int]) -> int:
     for tid in prompt_token_ids:
         h.update(tid.to_bytes(8, "big", signed=True))
     return int.from_bytes(h.digest(), "big")
+
+
+GREEDY_SEED = 0
+"""The seed of greedy text (``temperature`` 0): one for every server and request, since
+greedy decoding depends on the model and the context only (vLLM ignores ``seed`` there).
+0, the default server seed, so a default server's greedy text is what it always was."""
 
 
 def natural_stop_length(seed: int, key: int, sample: int = 0, lo: int = 4, hi: int = 512) -> int:
@@ -231,3 +269,41 @@ def generated_token_text(seed: int, key: int, sample: int, index: int) -> str:
 def generated_text(seed: int, key: int, sample: int, num_tokens: int) -> str:
     """Concatenated text of the first ``num_tokens`` generated tokens."""
     return "".join(generated_token_text(seed, key, sample, i) for i in range(num_tokens))
+
+
+_WORD_END = _WORD_BASE + 2 * len(_WORDS)
+
+
+def _is_word(token_id: int, spaced: bool) -> bool:
+    """Whether ``token_id`` is a vocabulary word, space-prefixed (odd id) or not (even)."""
+    return _WORD_BASE <= token_id < _WORD_END and (token_id - _WORD_BASE) % 2 == int(spaced)
+
+
+def continuation_point(seed: int, context: Sequence[int]) -> tuple[int, int]:
+    """``(key, generated)``: where the generation in ``context`` began, and its progress.
+
+    ``context`` is a prompt's token ids. Its tail ``context[s:]`` is taken as tokens
+    already generated when it is exactly ``generated_token_id(seed, prompt_key(
+    context[:s]), 0, i)`` for each of its ``i``; ``s`` is the smallest such start (the
+    tail is empty, ``s = len(context)``, for a fresh prompt). Returns the key of
+    ``context[:s]`` and ``len(context) - s`` (tokens). Since token 0 is an unspaced word
+    and later tokens are space-prefixed words, only one start can qualify: the token
+    before the context's trailing run of spaced words, so this costs two prompt hashes
+    at most (O(len(context))).
+
+    It makes the next token a function of the context: appending the token generated
+    from a context leaves its continuation point unchanged, so continuing from
+    "prompt + k generated ids" yields the same remaining tokens (sample 0).
+    """
+    end = len(context)
+    r = end
+    while r > 0 and _is_word(context[r - 1], spaced=True):
+        r -= 1
+    s = r - 1
+    if s >= 0 and _is_word(context[s], spaced=False):
+        key = prompt_key(context[:s])
+        if all(
+            context[s + i] == generated_token_id(seed, key, 0, i) for i in range(end - s)
+        ):
+            return key, end - s
+    return prompt_key(context), 0

@@ -93,6 +93,14 @@ def tokens(gw, kind: str) -> float:
     return gw.gateway.metrics.tokens.labels("m1", kind)._value.get()  # type: ignore[no-any-return]
 
 
+def first_body(path: str, sent: bytes) -> bytes:
+    """The body a backend receives: the client's byte for byte, but for a completions stream
+    with continuation on (issue 17), which asks vLLM for token ids (``return_token_ids``)."""
+    if path != "/v1/completions":
+        return sent
+    return json.dumps({**json.loads(sent), "return_token_ids": True}).encode()
+
+
 def test_BUG_17_include_usage_round_trips(backends, gateway):
     """BUG-17 run 1 on ``/v1/chat/completions`` and ``/v1/completions``: A receives the body
     byte for byte (so ``stream_options`` unchanged); the client gets exactly one usage chunk,
@@ -106,7 +114,7 @@ def test_BUG_17_include_usage_round_trips(backends, gateway):
         sent = json.dumps({**base, "stream": True, **INCLUDE_USAGE}).encode()
         events = stream_events(gw.url, path, sent)
         got = a.data_requests[-1]
-        assert got.path == path and got.body == sent
+        assert got.path == path and got.body == first_body(path, sent)
         assert got.json()["stream_options"] == {"include_usage": True}
         usage = [i for i, e in enumerate(events) if isinstance(e, dict) and e.get("usage")]
         assert len(usage) == 1, events
@@ -137,14 +145,14 @@ def test_BUG_17_include_usage_round_trips(backends, gateway):
 
 def test_BUG_17_no_usage_chunk_when_not_asked(backends, gateway):
     """BUG-17 "not leak when not asked": without ``stream_options`` the body reaches A
-    unchanged (the gateway does not add ``include_usage``), the client stream has no usage
+    without it (the gateway does not add ``include_usage``), the client stream has no usage
     chunk, and no usage is fabricated in the metrics."""
     a = backends(vllm_usage_script())
     gw = gateway({"a": a})
     for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
         sent = json.dumps({**base, "stream": True}).encode()
         events = stream_events(gw.url, path, sent)
-        assert a.data_requests[-1].body == sent
+        assert a.data_requests[-1].body == first_body(path, sent)
         assert not [e for e in events if isinstance(e, dict) and "usage" in e], events
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert tokens(gw, "prompt") == 0 and tokens(gw, "completion") == 0

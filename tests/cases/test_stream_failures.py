@@ -1,5 +1,7 @@
 """Upstream failures around streams: partial chunks then an explicit error, and never a
-retry once bytes reached the client (cases BUG-09, BUG-10)."""
+retry once bytes reached the client (cases BUG-09, BUG-10) when the stream is not continued
+(issue 17: these requests say ``x-gateway-continuation: off``; a stream continued on
+another backend is tests/lifecycle/test_continuation.py's)."""
 
 from __future__ import annotations
 
@@ -55,8 +57,13 @@ def events_of(raw: bytes) -> list[bytes]:
     return out
 
 
-def stream_raw(url: str, body: dict) -> tuple[int, bytes]:
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+NO_CONTINUATION = {"x-gateway-continuation": "off"}
+
+
+def stream_raw(url: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=body, timeout=30, headers=headers
+    ) as r:
         return r.status_code, b"".join(r.iter_raw())
 
 
@@ -79,7 +86,7 @@ def test_BUG_09_upstream_dies_mid_stream(backends, gateway, ending):
     b = backends(control=busy_control())
     gw = gateway({"a": a, "b": b})
     wait_busy(gw)
-    status, raw = stream_raw(gw.url, {**BODY, "stream": True})
+    status, raw = stream_raw(gw.url, {**BODY, "stream": True}, NO_CONTINUATION)
     assert status == 200
     events = events_of(raw)
     assert events[0] == json.dumps(ROLE).encode()  # byte-identical, in order
@@ -95,7 +102,8 @@ def test_BUG_09_upstream_dies_mid_stream(backends, gateway, ending):
     assert g.metrics.stream_errors.labels("a", "upstream_disconnected")._value.get() == 1
 
     # The SDK yields both chunks, then raises.
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0,
+                           default_headers=NO_CONTINUATION)
     got = []
     with pytest.raises(openai.APIError):
         for ch in client.chat.completions.create(**{**BODY, "stream": True}):
@@ -124,7 +132,7 @@ def test_BUG_10_late_failure_never_retried(backends, gateway):
     b = backends(b_script, control=busy_control())
     gw = gateway({"a": a, "b": b})
     wait_busy(gw)
-    status, raw = stream_raw(gw.url, {**BODY, "stream": True})
+    status, raw = stream_raw(gw.url, {**BODY, "stream": True}, NO_CONTINUATION)
     assert status == 200
     events = events_of(raw)
     contents = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2]]

@@ -81,6 +81,9 @@ PURE = (
     "gateway.fleet.membership_plan",
     "gateway.proxy.sse",
     "gateway.proxy.inband",
+    "gateway.proxy.transcript",
+    "gateway.proxy.continuation",
+    "gateway.proxy.stitch",
 )
 """No I/O: these take time and data as arguments."""
 IO_LIBRARIES = (

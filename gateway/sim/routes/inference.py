@@ -19,7 +19,7 @@ from gateway.sim.embeddings import embedding_vector, parse_embedding
 from gateway.sim.engine_types import EngineEvent, EngineRequest
 from gateway.sim.routes.intake import apply_faults, record, sleeping_error
 from gateway.sim.state import SimState
-from gateway.sim.streaming import Choice, choice_text, sse, stream_events
+from gateway.sim.streaming import Choice, choice_text, choice_token_ids, sse, stream_events
 
 
 def add_inference_routes(app: FastAPI, state: SimState) -> None:
@@ -57,7 +57,9 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
         except P.SimHTTPError as err:
             return error_response(err)
 
-        seed = req.seed if req.seed is not None else cfg.seed
+        # Greedy decoding (temperature 0) is the same on every server of the model whatever
+        # the seeds, as in vLLM; sampled text follows the request's seed, else the server's.
+        seed = tx.GREEDY_SEED if req.greedy else req.seed if req.seed is not None else cfg.seed
         salt = req.model if req.model in lora_names else ""
         header_id = request.headers.get("x-request-id")
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + (header_id or P.random_id())
@@ -65,14 +67,22 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
         choices: dict[str, Choice] = {}
         queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         for i, prompt in enumerate(req.prompts):
-            key = tx.prompt_key(prompt)
+            # A prompt that ends in this simulator's own generation continues it.
+            key, offset = tx.continuation_point(seed, prompt)
             for j in range(req.n):
-                ch = Choice(len(choices), f"{base}-{i}-{j}", len(prompt), key, j)
+                ch = Choice(
+                    len(choices), f"{base}-{i}-{j}", len(prompt), key, j, offset=offset,
+                    prompt_ids=prompt if req.return_token_ids else None,
+                )
                 eos = (
                     None
                     if req.ignore_eos
-                    else tx.natural_stop_length(
-                        seed, key, j, cfg.stop_length_min, cfg.stop_length_max
+                    else max(
+                        1,
+                        tx.natural_stop_length(
+                            seed, key, j, cfg.stop_length_min, cfg.stop_length_max
+                        )
+                        - offset,
                     )
                 )
                 choices[ch.engine_id] = ch
@@ -95,7 +105,15 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
                 req, choices, queue, rid, created, prompt_tokens, seed, state.fingerprint
             )
             return SimEventSourceResponse(
-                sse(events, abort_unfinished, decision.drop_after, request, state),
+                sse(
+                    events,
+                    abort_unfinished,
+                    decision.drop_after,
+                    request,
+                    state,
+                    decision.drop_after_tokens,
+                    lambda: sum(ch.tokens for ch in choices.values()),
+                ),
                 ping=0,
                 sep="\n",
             )
@@ -127,13 +145,21 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
         for ch in choices.values():
             text = choice_text(seed, ch)
             if kind == "chat":
-                out.append(P.chat_choice(ch.index, text, ch.finish_reason))
+                choice = P.chat_choice(ch.index, text, ch.finish_reason, req.response_role)
             else:
-                out.append(P.completion_choice(ch.index, text, ch.finish_reason))
+                choice = P.completion_choice(ch.index, text, ch.finish_reason)
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = ch.prompt_ids
+            if req.return_token_ids:
+                choice["token_ids"] = choice_token_ids(seed, ch)
+            out.append(choice)
         build = P.chat_response if kind == "chat" else P.completion_response
-        return json_response(
-            build(rid, created, req.model, out, state.fingerprint, prompt_tokens, completion_tokens)
+        body_out = build(
+            rid, created, req.model, out, state.fingerprint, prompt_tokens, completion_tokens
         )
+        if kind == "chat" and req.return_token_ids:
+            body_out["prompt_token_ids"] = req.prompts[0]
+        return json_response(body_out)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -80,7 +80,12 @@ def add_info_routes(app: FastAPI, state: SimState) -> None:
                     raise P.validation_error(
                         "list_type", "body.messages", "Input should be a valid list", msgs
                     )
-                ids = tx.tokenize_chat(msgs, bool(body.get("add_generation_prompt", True)))
+                P.check_generation_prompt(body)  # vLLM's TokenizeChatRequest checks it too
+                add_gen = bool(body.get("add_generation_prompt", True))
+                cont = bool(body.get("continue_final_message", False))
+                if add_gen and cont:
+                    raise P.error(400, P.CONTINUE_WITH_GENERATION_PROMPT, "BadRequestError")
+                ids = tx.tokenize_chat(msgs, add_gen, cont)
             elif isinstance(body.get("prompt"), str):
                 ids = tx.tokenize(body["prompt"], bool(body.get("add_special_tokens", True)))
             else:

@@ -64,9 +64,9 @@ async def apply_faults(
     """Draw this request's fault decision and act on what happens before any answer: sleep
     its added latency; hang until the client leaves or the server closes (then 499); an
     injected error status; a dropped connection for a non-streamed request (a stream drops
-    later, after ``drop_after`` chunks). Returns the decision and the response to send
-    instead of serving (None: serve it). Raises :class:`DroppedConnection` when the
-    connection cannot be closed from here."""
+    later, after ``drop_after`` chunks or ``drop_after_tokens`` tokens). Returns the
+    decision and the response to send instead of serving (None: serve it). Raises
+    :class:`DroppedConnection` when the connection cannot be closed from here."""
     d = state.faults.decide()
     if d.latency_s > 0:
         await asyncio.sleep(d.latency_s)
@@ -84,7 +84,7 @@ async def apply_faults(
         return d, Response(status_code=499)
     if d.kind != "ok":
         return d, error_response(fault_error(d))
-    if d.drop_after is not None and not stream:
+    if d.drops and not stream:
         state.dropped_connections += 1
         if not await close_connection(request):
             raise DroppedConnection("simulated dropped connection")

@@ -1,0 +1,155 @@
+"""Mid-stream continuation, the flow's side (issue 17): a chat / completions stream whose
+backend failed after events reached the client goes on on another backend.
+
+:class:`StreamContinuer` is the :class:`gateway.proxy.relay.Resumer` of one stream: the
+relay feeds its :attr:`transcript` everything the client is sent and, on a failure, awaits
+:meth:`StreamContinuer.resume`. That asks :func:`gateway.proxy.continuation.continuable`
+(the request as the gateway sent it, the client's ``x-gateway-continuation`` header, the
+continuations used against ``proxy.max_continuations``); when ok it records the failed
+attempt (a breaker failure, as a broken stream is), spends one retry from the retry budget
+and opens a new attempt through :meth:`gateway.flow.pipeline.Pipeline.reopen` (another
+backend of the model, never one this request tried) with
+:func:`gateway.proxy.continuation.continuation_body` as its body. Lease rules are the
+pipeline's (docs/architecture.md section 3): the failed attempt is ended and its response
+handed over (the relay closed it) before the new attempt starts; the last one is ended by
+:meth:`gateway.flow.pipeline.Pipeline.stream_done`.
+
+Each continuation is counted in ``gateway_stream_continuations_total{reason,outcome}``
+(``reason``: the stream error code; ``outcome``: ``continued``, ``closed``,
+``no_backend``, or the verdict's reason) and logged with both backends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from gateway.flow.context import Opened, RequestContext
+from gateway.proxy.continuation import (
+    COMPLETIONS,
+    ENDPOINTS,
+    HEADER,
+    continuable,
+    continuation_body,
+    with_token_ids,
+)
+from gateway.proxy.relay import Resumed, StreamOutcome
+from gateway.proxy.sse import EventFramer
+from gateway.proxy.stitch import Stitcher, closing_events
+from gateway.proxy.transcript import StreamTranscript
+from gateway.proxy.upstream import UpstreamFailure
+
+if TYPE_CHECKING:
+    from gateway.flow.pipeline import Pipeline
+
+log = logging.getLogger("gateway.flow.continuing")
+
+
+def first_request(
+    endpoint: str,
+    stream: bool,
+    body: bytes,
+    headers: Mapping[str, str],
+    max_continuations: int,
+) -> dict[str, Any] | None:
+    """The JSON body a continuable stream's first attempt is sent (``body``: the bytes the
+    gateway would send; :func:`gateway.proxy.continuation.with_token_ids` of it for
+    completions, whose continuation needs the token ids), or None when continuation is off
+    for it: not a stream, not chat / completions, ``max_continuations`` 0, the forwarded
+    ``headers`` say ``x-gateway-continuation: off``, or a body that is not a JSON object."""
+    if not stream or endpoint not in ENDPOINTS or max_continuations <= 0:
+        return None
+    if headers.get(HEADER, "").strip().lower() == "off":
+        return None
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    return with_token_ids(endpoint, request) if endpoint == COMPLETIONS else request
+
+
+class StreamContinuer:
+    """The continuations of one stream (module docstring). ``request``: the JSON body the
+    gateway sent the first attempt (:func:`gateway.proxy.continuation.with_token_ids` for
+    completions); ``opened``: the first attempt's accepted start."""
+
+    def __init__(
+        self, pipeline: Pipeline, ctx: RequestContext, opened: Opened, request: dict[str, Any]
+    ) -> None:
+        self.pipeline = pipeline
+        self.ctx = ctx
+        self.request = request
+        self.current = opened
+        self.transcript = StreamTranscript(ctx.endpoint)
+        self.used = 0  # continuations sent
+        self.recorded = False  # the current attempt's end is already recorded
+        self.stitcher: Stitcher | None = None
+        self.closed = False  # the stream was closed by closing events (no error seen)
+
+    async def resume(self, code: str) -> Resumed | bytes | None:
+        """The relay's stream failed with ``code`` (:class:`gateway.proxy.relay.Resumer`)."""
+        ctx, p = self.ctx, self.pipeline
+        m = p.accounting.metrics.stream_continuations
+        verdict = continuable(
+            ctx.endpoint, self.request, self.transcript, headers=ctx.upstream.headers,
+            used=self.used, max_continuations=p.cfg.proxy.max_continuations,
+        )
+        if verdict.closes:  # the client gets its end; the attempt still broke
+            m.labels(code, "closed").inc()
+            p.stream_failed(ctx, self.current, code)
+            self.recorded = self.closed = True
+            return closing_events(ctx.endpoint, self.request, self.transcript, verdict)
+        if not verdict.ok:
+            m.labels(code, str(verdict.reason)).inc()
+            return None
+        failed = self.current.backend
+        p.stream_failed(ctx, self.current, code)  # ends it: a new attempt may start
+        self.recorded = True
+        body = continuation_body(ctx.endpoint, self.request, self.transcript)
+        ctx.upstream.body = json.dumps(body, ensure_ascii=False).encode()
+        while self.used < p.cfg.proxy.max_continuations:
+            self.used += 1
+            try:
+                opened = await p.reopen(ctx, code)
+            except UpstreamFailure:
+                continue  # recorded by the pipeline; another backend may take it
+            if opened is None:
+                break
+            assert opened.framer is not None
+            self.current, self.recorded = opened, False
+            self.stitcher = Stitcher(ctx.endpoint, self.request, self.transcript)
+            m.labels(code, "continued").inc()
+            log.info(
+                "stream continued: %s failed (%s) after %d events; continued on %s "
+                "[request %s]", failed.id, code, self.transcript.events, opened.backend.id,
+                ctx.request_id,
+            )
+            return Resumed(
+                opened.resp, opened.data, opened.framer, self.stitcher, opened.backend.heard
+            )
+        m.labels(code, "no_backend").inc()
+        log.info("stream not continued: no backend took it after %s failed (%s) [request %s]",
+                 failed.id, code, ctx.request_id)
+        return None
+
+    def done(self, outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
+        """The relay's ``on_done``: the stream's end, recorded by
+        :meth:`gateway.flow.pipeline.Pipeline.stream_done` on the last attempt, with the
+        usage the client was given (prompt tokens once, completion tokens summed)."""
+        usage = framer.usage()
+        st = self.stitcher
+        if st is not None:
+            prompt = self.transcript.prompt_tokens()
+            if prompt is None and usage is not None:
+                prompt = max(0, usage[0] - st.prior)
+            usage = None if prompt is None else (prompt, st.prior + st.own_tokens())
+        if self.closed:
+            outcome = StreamOutcome.OK  # the client saw a whole stream
+        self.pipeline.stream_done(
+            self.ctx, self.current, outcome, framer, first_sent_at,
+            usage=usage, continued=self.used > 0, recorded=self.recorded,
+        )
