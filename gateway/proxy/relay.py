@@ -52,6 +52,10 @@ CUT_MESSAGES = {
 }
 
 
+# Cuts a continuable stream turns into a continuation on another backend (issue 17).
+DIVERTIBLE = frozenset({Cut.DRAIN_DEADLINE})
+
+
 class CutHandle:
     """Lets others end a request early, with a reason, by cancelling its task.
 
@@ -60,18 +64,35 @@ class CutHandle:
     :attr:`reason` and calls :meth:`absorb` to un-cancel and answer properly (an error
     event for a stream, a retry elsewhere for a drained attempt, nothing for a client that
     left). A cancellation with no reason is someone else's and must propagate.
+
+    A stream that can go on on another backend (issue 17) sets :attr:`divert` while it
+    relays: a drain-deadline cut then calls it (it closes the upstream response) and is
+    kept in :attr:`diverted` instead of cancelling the task, so the relay sees its backend
+    end at a clean point (never inside a write to the client) and continues the stream.
     """
 
-    __slots__ = ("reason", "task")
+    __slots__ = ("divert", "diverted", "reason", "task")
 
     def __init__(self) -> None:
         self.task = asyncio.current_task()
         self.reason: str | None = None
+        self.divert: Callable[[], None] | None = None
+        self.diverted: str | None = None
 
     def cut(self, reason: str) -> None:
+        if reason in DIVERTIBLE and self.divert is not None and self.reason is None:
+            if self.diverted is None:
+                self.diverted = reason
+                self.divert()
+            return
         if self.reason is None and self.task is not None and not self.task.done():
             self.reason = reason
             self.task.cancel(reason)
+
+    def take_diverted(self) -> str | None:
+        """Stop diverting; returns the diverted cut's reason (None: none came)."""
+        reason, self.diverted, self.divert = self.diverted, None, None
+        return reason
 
     def absorb(self) -> str:
         """Undo our cancellation; returns the reason. Call only when :attr:`reason` is set."""
@@ -257,7 +278,12 @@ class RelayResponse(Response):
             stitcher: Stitcher | None = None
             heard = self.heard
             while True:
+                if resumer is not None:
+                    self.cut.divert = self._close_upstream
                 code, message = await self._pump(framer, stitcher, heard, transcript, send)
+                diverted = self.cut.take_diverted()
+                if diverted is not None and code is not None:
+                    code, message = diverted, CUT_MESSAGES[Cut(diverted)]
                 if code is None or framer.error is not None or resumer is None:
                     break
                 # the backend failed mid-stream: go on on another backend, if exact
@@ -308,7 +334,13 @@ class RelayResponse(Response):
                     }
                 )
         finally:
+            self.cut.divert = None
             finish(outcome)
+
+    def _close_upstream(self) -> None:
+        """Divert a cut (:attr:`CutHandle.divert`): close the current upstream response, so
+        the relay's read ends and the stream goes on elsewhere."""
+        self.resp.close()
 
     async def _pump(
         self,
