@@ -27,6 +27,7 @@ import aiohttp
 from starlette.responses import Response
 
 from gateway.core.vocab import Cut
+from gateway.proxy.continuation import hide_token_ids
 from gateway.proxy.inband import StreamKind
 from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, responses_error_event
 from gateway.proxy.stitch import Stitcher
@@ -177,6 +178,7 @@ class Resumer(Protocol):
     :class:`gateway.flow.continuing.StreamContinuer`)."""
 
     transcript: StreamTranscript
+    hide_ids: bool  # hide vLLM's token ids from the client (it did not ask for them)
 
     async def resume(self, code: str) -> Resumed | bytes | None:
         """Continue after the stream failed with ``code`` (see :class:`RelayResponse`)."""
@@ -209,7 +211,10 @@ class RelayResponse(Response):
     the same client stream, and may fail and resume again), ``bytes`` (the generation was
     over: the closing events, sent and the stream ends) or None (the stream ends as
     without a resumer: error event + ``[DONE]``). ``on_done`` is still called once, at the
-    very end, with the last attempt's framer.
+    very end, with the last attempt's framer. The transcript gets the events as the
+    backends sent them; the client gets them without vLLM's token ids when the gateway
+    asked for them and the client did not (``resumer.hide_ids``,
+    :func:`gateway.proxy.continuation.hide_token_ids`).
     """
 
     def __init__(
@@ -271,7 +276,9 @@ class RelayResponse(Response):
 
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            hide = resumer is not None and resumer.hide_ids
+            first = hide_token_ids(self.first) if hide else self.first
+            await send({"type": "http.response.body", "body": first, "more_body": True})
             first_sent_at = time.perf_counter()
             if transcript is not None:
                 transcript.feed(self.first)
@@ -293,12 +300,14 @@ class RelayResponse(Response):
                     break
                 if isinstance(got, bytes):  # the generation was over: close the stream
                     finish(code)
-                    await send({"type": "http.response.body", "body": got, "more_body": False})
+                    body = hide_token_ids(got) if hide else got
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
                     return
                 self.resp, framer, stitcher, heard = got.resp, got.framer, got.stitcher, got.heard
                 out = stitcher.feed(got.first)
                 if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    body = hide_token_ids(out) if hide else out
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
                     if transcript is not None:
                         transcript.feed(out)
             ends_with_done = self.kind is StreamKind.DONE
@@ -358,6 +367,7 @@ class RelayResponse(Response):
         ``transcript``."""
         loop = asyncio.get_running_loop()
         content = self.resp.content
+        hide = self.resumer is not None and self.resumer.hide_ids
         idle = self.idle_timeout_s
         kind = self.kind
         ends_with_done = kind is StreamKind.DONE
@@ -384,7 +394,8 @@ class RelayResponse(Response):
                         out = stitcher.feed(out)
                     if out:
                         timer.reschedule(None)
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        body = hide_token_ids(out) if hide else out
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
                         if transcript is not None:
                             transcript.feed(out)
                     if not chunk:
