@@ -304,6 +304,7 @@ class RelayResponse(Response):
                     await send({"type": "http.response.body", "body": body, "more_body": False})
                     return
                 self.resp, framer, stitcher, heard = got.resp, got.framer, got.stitcher, got.heard
+                self.cut.divert = self._close_upstream  # a drain of the new one diverts too
                 out = stitcher.feed(got.first)
                 if out:
                     body = hide_token_ids(out) if hide else out
