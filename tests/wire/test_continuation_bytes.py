@@ -23,8 +23,9 @@ tool call cut in the middle, ``x-gateway-continuation: off``) ends with today's 
 and ``[DONE]``, and the second backend receives nothing.
 
 The backend breaks only once the client has read every complete event before the cut (so a
-RST cannot discard bytes the gateway had not read yet); each backend answer is written in
-one piece, so the short idle timeout can only fire where the test makes a backend silent.
+RST cannot discard bytes the gateway had not read yet). The silent backend has its own
+gateway with a short ``proxy.idle_timeout_s``; the others keep the default, so a break
+that comes late on a slow machine is never taken for silence.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from tests.support.servers import GatewayThread, gateway_config
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MODEL = "m1"
-IDLE_S = 0.5  # proxy.idle_timeout_s: the "hang" break's silence is noticed after this
+IDLE_S = 0.3  # proxy.idle_timeout_s where a backend falls silent (the "hang" break)
 WAIT_S = 20.0  # generous bound on any wait for the other side (a slow, shared machine)
 
 
@@ -266,7 +267,7 @@ class Script:
             await conn.write(http_stream(plan.cont, end=True))
             return
         raw = b"".join(plan.first)
-        whole = [e for e in events_within(plan.first, plan.cut)]
+        whole = events_within(plan.first, plan.cut)
         partial = raw[sum(map(len, whole)):plan.cut]
         head = http_stream(whole, end=False)
         if partial and plan.brk == "end":
@@ -321,15 +322,17 @@ class Rig:
     gw: GatewayThread
 
 
-@pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
+def make_rig(idle_timeout_s: float | None) -> Rig:
+    """Two started backends and a gateway in front of them (``proxy.idle_timeout_s`` as
+    given; None: the default)."""
     script = Script()
     backends = [ScriptedBackend(script), ScriptedBackend(script)]
     for b in backends:
         b.start()
+    proxy = {} if idle_timeout_s is None else {"idle_timeout_s": idle_timeout_s}
     cfg = gateway_config(
         [{"id": "a", "url": backends[0].url}, {"id": "b", "url": backends[1].url}],
-        proxy={"idle_timeout_s": IDLE_S},
+        proxy=proxy,
         # every test breaks one backend's stream: neither breaker may open, nor the retry
         # budget (a continuation spends one retry) run out over the module
         breaker={"consecutive_failures": 10_000, "min_requests": 10_000},
@@ -338,10 +341,30 @@ def rig() -> Iterator[Rig]:
     gw = GatewayThread(cfg)
     gw.start()
     gw.wait_ready(routable=2)
-    yield Rig(backends, script, gw)
-    gw.stop()
-    for b in backends:
+    return Rig(backends, script, gw)
+
+
+def stop_rig(rig: Rig) -> None:
+    rig.gw.stop()
+    for b in rig.backends:
         b.stop()
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    """The module's gateway (the default idle timeout: no break is mistaken for silence,
+    however slow the machine)."""
+    r = make_rig(None)
+    yield r
+    stop_rig(r)
+
+
+@pytest.fixture(scope="module")
+def idle_rig() -> Iterator[Rig]:
+    """A gateway with a short ``proxy.idle_timeout_s``, for the silent backend."""
+    r = make_rig(IDLE_S)
+    yield r
+    stop_rig(r)
 
 
 @dataclass
@@ -458,7 +481,7 @@ def expected_client(endpoint: str, include_usage: bool, cut: str) -> bytes:
 
 def run_cut(rig: Rig, endpoint: str, include_usage: bool, cut: str, brk: str) -> None:
     events = original(endpoint, include_usage)
-    offset, sent, settled = cut_points(endpoint, include_usage)[cut]
+    offset, _, settled = cut_points(endpoint, include_usage)[cut]
     plan = Plan(endpoint, events, offset, brk, continuation(endpoint, settled),
                 relayed=b"".join(events_within(events, offset)))
     body = client_body(endpoint, include_usage)
@@ -489,10 +512,11 @@ BREAK_CUTS = ("between_events", "inside_utf8_after_held_back", "after_finish_rea
 @pytest.mark.parametrize("brk", ["end", "rst", "hang"])
 @pytest.mark.parametrize("cut", BREAK_CUTS)
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
-def test_each_kind_of_break_continues_with_exact_bytes(rig, endpoint, cut, brk):
+def test_each_kind_of_break_continues_with_exact_bytes(request, endpoint, cut, brk):
     """The other kinds of break, at a cut between events, one inside an event (inside a UTF-8
     sequence whose first token was held back) and one after ``finish_reason``: the body's
     clean end without ``[DONE]``, a TCP RST, the backend's silence past the idle timeout."""
+    rig = request.getfixturevalue("idle_rig" if brk == "hang" else "rig")
     run_cut(rig, ENDPOINTS[endpoint], True, cut, brk)
 
 
