@@ -31,17 +31,17 @@ that comes late on a slow machine is never taken for silence.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.scripted import Conn, Received, ScriptedBackend
+from tests.support.scripted import Conn, Received, ScriptedBackend, error_obj
 from tests.support.servers import GatewayThread, gateway_config
 
 CHAT = "/v1/chat/completions"
@@ -230,60 +230,70 @@ def continuation_request(endpoint: str, include_usage: bool, settled: int) -> di
             "max_tokens": LIMIT - settled, "stream_options": {"include_usage": True}}
 
 
-def is_continuation(endpoint: str, body: dict[str, Any]) -> bool:
-    if endpoint == CHAT:
-        return "continue_final_message" in body
-    return isinstance(body.get("prompt"), list)
-
-
 # ---- the scripted backends -----------------------------------------------------------------
 
 
 @dataclass
+class Leg:
+    """One backend's answer: ``events`` up to byte ``cut`` then the break ``brk``, once the
+    client has read ``len(relayed)`` bytes (``cut`` None: all of them, then the body's end)."""
+
+    events: list[bytes]
+    cut: int | None = None
+    brk: str = "fin"
+    relayed: bytes = b""
+
+
+@dataclass
 class Plan:
-    """One test's script: the first backend sends ``first`` up to byte ``cut`` then breaks
-    (``brk``) once the client has read ``len(relayed)`` bytes; a continuation request is
-    answered with ``cont``."""
+    """One test's script: the i-th data-plane request (on whichever backend) gets
+    ``legs[i]``; ``client_read``: bytes the client has read so far."""
 
     endpoint: str
-    first: list[bytes]
-    cut: int
-    brk: str
-    cont: list[bytes]
-    relayed: bytes = b""
-    client_has_prefix: threading.Event = field(default_factory=threading.Event)
+    legs: list[Leg]
+    client_read: int = 0
 
 
 class Script:
-    """The data-plane script both backends run (whichever the router picks first)."""
+    """The data-plane script every backend of a rig runs (whichever the router picks)."""
 
     def __init__(self) -> None:
         self.plan: Plan | None = None
+        self.calls: list[tuple[int, dict[str, Any]]] = []  # (backend, JSON body) in order
 
-    async def __call__(self, req: Received, conn: Conn) -> None:
+    def backend(self, i: int) -> Any:
+        """Backend ``i``'s script."""
+        return functools.partial(self.answer, i)
+
+    async def answer(self, i: int, req: Received, conn: Conn) -> None:
         plan = self.plan
         assert plan is not None
-        if is_continuation(plan.endpoint, req.json()):
-            await conn.write(http_stream(plan.cont, end=True))
+        self.calls.append((i, req.json()))
+        if len(self.calls) > len(plan.legs):
+            await conn.send_json(500, error_obj("unexpected request", 500))
             return
-        raw = b"".join(plan.first)
-        whole = events_within(plan.first, plan.cut)
-        partial = raw[sum(map(len, whole)):plan.cut]
+        leg = plan.legs[len(self.calls) - 1]
+        if leg.cut is None:
+            await conn.write(http_stream(leg.events, end=True))
+            return
+        raw = b"".join(leg.events)
+        whole = events_within(leg.events, leg.cut)
+        partial = raw[sum(map(len, whole)):leg.cut]
         head = http_stream(whole, end=False)
-        if partial and plan.brk == "end":
+        if partial and leg.brk == "end":
             head += chunk(partial)
         elif partial:  # the kill came in the middle of writing this event's HTTP chunk
             head += f"{len(partial) + 40:x}\r\n".encode() + partial
         await conn.write(head)
         deadline = time.monotonic() + WAIT_S
-        while not plan.client_has_prefix.is_set() and time.monotonic() < deadline:
+        while plan.client_read < len(leg.relayed) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-        if plan.brk == "end":
+        if leg.brk == "end":
             await conn.write(b"0\r\n\r\n")
             conn.close()
-        elif plan.brk == "fin":
+        elif leg.brk == "fin":
             conn.close()
-        elif plan.brk == "rst":
+        elif leg.brk == "rst":
             conn.reset()
         else:  # "hang": silent until the gateway gives up on it and closes
             await conn.sleep(WAIT_S)
@@ -315,23 +325,23 @@ def events_within(events: list[bytes], cut: int) -> list[bytes]:
 
 @dataclass
 class Rig:
-    """The module's two backends, their shared script and the gateway."""
+    """Backends, their shared script and the gateway in front of them."""
 
     backends: list[ScriptedBackend]
     script: Script
     gw: GatewayThread
 
 
-def make_rig(idle_timeout_s: float | None) -> Rig:
-    """Two started backends and a gateway in front of them (``proxy.idle_timeout_s`` as
+def make_rig(idle_timeout_s: float | None, n: int = 2) -> Rig:
+    """``n`` started backends and a gateway in front of them (``proxy.idle_timeout_s`` as
     given; None: the default)."""
     script = Script()
-    backends = [ScriptedBackend(script), ScriptedBackend(script)]
+    backends = [ScriptedBackend(script.backend(i)) for i in range(n)]
     for b in backends:
         b.start()
     proxy = {} if idle_timeout_s is None else {"idle_timeout_s": idle_timeout_s}
     cfg = gateway_config(
-        [{"id": "a", "url": backends[0].url}, {"id": "b", "url": backends[1].url}],
+        [{"id": f"b{i}", "url": b.url} for i, b in enumerate(backends)],
         proxy=proxy,
         # every test breaks one backend's stream: neither breaker may open, nor the retry
         # budget (a continuation spends one retry) run out over the module
@@ -340,7 +350,7 @@ def make_rig(idle_timeout_s: float | None) -> Rig:
     )
     gw = GatewayThread(cfg)
     gw.start()
-    gw.wait_ready(routable=2)
+    gw.wait_ready(routable=n)
     return Rig(backends, script, gw)
 
 
@@ -369,13 +379,20 @@ def idle_rig() -> Iterator[Rig]:
 
 @dataclass
 class Result:
-    """What one request did: the client's bytes, and each backend's data-plane requests
-    (``first``: the one that got the client's request; ``second``: the other)."""
+    """What one request did: the client's bytes, the data-plane requests the backends got
+    (backend, JSON body) in order, and the continuation metric's increments."""
 
     raw: bytes
-    first: list[dict[str, Any]]
-    second: list[dict[str, Any]]
+    calls: list[tuple[int, dict[str, Any]]]
     continuations: dict[tuple[str, str], float]
+
+    @property
+    def bodies(self) -> list[dict[str, Any]]:
+        return [body for _, body in self.calls]
+
+    @property
+    def backends(self) -> list[int]:
+        return [i for i, _ in self.calls]
 
 
 def continuations(gw: GatewayThread) -> dict[tuple[str, str], float]:
@@ -387,9 +404,8 @@ def continuations(gw: GatewayThread) -> dict[tuple[str, str], float]:
 
 def send(rig: Rig, plan: Plan, body: dict[str, Any],
          headers: dict[str, str] | None = None) -> Result:
-    """Run ``plan`` for one streaming request of ``body``; the client's raw bytes."""
-    for b in rig.backends:
-        b.requests.clear()
+    """Run ``plan`` for one streaming request of ``body`` (module docstring)."""
+    rig.script.calls = []
     rig.script.plan = plan
     before = continuations(rig.gw)
     got = b""
@@ -398,16 +414,10 @@ def send(rig: Rig, plan: Plan, body: dict[str, Any],
         assert r.status_code == 200, r.read()
         for piece in r.iter_raw():
             got += piece
-            if len(got) >= len(plan.relayed):
-                plan.client_has_prefix.set()
-    plan.client_has_prefix.set()
-    seen = [[r.json() for r in b.data_requests] for b in rig.backends]
-    firsts = [i for i, reqs in enumerate(seen)
-              if any(not is_continuation(plan.endpoint, q) for q in reqs)]
-    assert len(firsts) == 1, seen
+            plan.client_read = len(got)
     after = continuations(rig.gw)
     delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
-    return Result(got, seen[firsts[0]], seen[1 - firsts[0]], delta)
+    return Result(got, list(rig.script.calls), delta)
 
 
 # ---- cut points ----------------------------------------------------------------------------
@@ -479,21 +489,37 @@ def expected_client(endpoint: str, include_usage: bool, cut: str) -> bytes:
     return prefix + owed + DONE
 
 
-def run_cut(rig: Rig, endpoint: str, include_usage: bool, cut: str, brk: str) -> None:
-    events = original(endpoint, include_usage)
+def cut_leg(events: list[bytes], offset: int, brk: str) -> Leg:
+    """``events`` broken (``brk``) at byte ``offset``, once the client has every complete
+    event before it."""
+    return Leg(events, offset, brk, relayed=b"".join(events_within(events, offset)))
+
+
+def one_cut(endpoint: str, include_usage: bool, cut: str, brk: str) -> Plan:
+    """The first backend's stream broken at ``cut``; the continuation answered whole."""
     offset, _, settled = cut_points(endpoint, include_usage)[cut]
-    plan = Plan(endpoint, events, offset, brk, continuation(endpoint, settled),
-                relayed=b"".join(events_within(events, offset)))
+    return Plan(endpoint, [cut_leg(original(endpoint, include_usage), offset, brk),
+                           Leg(continuation(endpoint, settled))])
+
+
+def first_request(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What the first backend gets for the client's ``body`` (continuation on): completions
+    asked for the token ids."""
+    return {**body, "return_token_ids": True} if endpoint == COMPLETIONS else body
+
+
+def run_cut(rig: Rig, endpoint: str, include_usage: bool, cut: str, brk: str) -> None:
     body = client_body(endpoint, include_usage)
-    res = send(rig, plan, body)
+    res = send(rig, one_cut(endpoint, include_usage, cut, brk), body)
     assert res.raw == expected_client(endpoint, include_usage, cut)
-    first_sent = {**body, "return_token_ids": True} if endpoint == COMPLETIONS else body
-    assert res.first == [first_sent]
     if cut in CLOSING:  # closed by the gateway itself: nobody else asked
-        assert res.second == []
+        assert res.bodies == [first_request(endpoint, body)]
         assert res.continuations == {(BREAKS[brk], "closed"): 1}
     else:
-        assert res.second == [continuation_request(endpoint, include_usage, settled)]
+        settled = cut_points(endpoint, include_usage)[cut][2]
+        assert res.bodies == [first_request(endpoint, body),
+                              continuation_request(endpoint, include_usage, settled)]
+        assert res.backends[0] != res.backends[1]
         assert res.continuations == {(BREAKS[brk], "continued"): 1}
 
 
@@ -520,18 +546,46 @@ def test_each_kind_of_break_continues_with_exact_bytes(request, endpoint, cut, b
     run_cut(rig, ENDPOINTS[endpoint], True, cut, brk)
 
 
+@pytest.fixture(scope="module")
+def rig3() -> Iterator[Rig]:
+    """Three backends: room for a second continuation."""
+    r = make_rig(None, n=3)
+    yield r
+    stop_rig(r)
+
+
+@pytest.mark.parametrize("use", list(USAGE))
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_a_continuation_cut_again_continues_on_a_third_backend(rig3, endpoint, use):
+    """The first stream is cut inside the "ö" (1 token sent), its continuation inside the
+    "ß" after the held-back token (3 sent, 2 settled): the third backend is asked from what
+    the client saw of both (the second's events as the client got them), and the client's
+    bytes are the uninterrupted generation's."""
+    path, include_usage = ENDPOINTS[endpoint], USAGE[use]
+    first = original(path, include_usage)
+    second = continuation(path, 1)
+    plan = Plan(path, [
+        cut_leg(first, inside(first, token_event(path, 1), "ö".encode(), 1), "fin"),
+        cut_leg(second, inside(second, token_event(path, 3 - 1), "ß".encode(), 1), "fin"),
+        Leg(continuation(path, 2)),
+    ])
+    body = client_body(path, include_usage)
+    res = send(rig3, plan, body)
+    assert res.raw == expected_client(path, include_usage, "inside_utf8")
+    assert res.bodies == [first_request(path, body),
+                          continuation_request(path, include_usage, 1),
+                          continuation_request(path, include_usage, 2)]
+    assert sorted(res.backends) == [0, 1, 2]
+    assert res.continuations == {("upstream_disconnected", "continued"): 2}
+
+
 # ---- two expectations written out byte for byte -------------------------------------------
 
 
 def test_chat_cut_inside_utf8_written_out(rig):
     """Chat with usage, cut inside the "ö" of the second token's event: the client's bytes,
     spelled out."""
-    endpoint, cut = CHAT, "inside_utf8"
-    events = original(endpoint, True)
-    offset, _, settled = cut_points(endpoint, True)[cut]
-    plan = Plan(endpoint, events, offset, "rst", continuation(endpoint, settled),
-                relayed=b"".join(events_within(events, offset)))
-    res = send(rig, plan, client_body(endpoint, True))
+    res = send(rig, one_cut(CHAT, True, "inside_utf8", "rst"), client_body(CHAT, True))
     head = b'"id":"chatcmpl-first","object":"chat.completion.chunk","created":1700000001,' \
            b'"model":"m1"'
     assert res.raw == (
@@ -554,7 +608,7 @@ def test_chat_cut_inside_utf8_written_out(rig):
         b'"completion_tokens":6},"system_fingerprint":"fp_second"}\n\n'
         b'data: [DONE]\n\n'
     )
-    assert res.second == [{
+    assert res.bodies[1:] == [{
         "model": "m1", "stream": True, "temperature": 0, "seed": 7, "top_p": 0.9,
         "stop": ["\n\n"], "x_unknown": {"keep": [1]}, "max_completion_tokens": 49,
         "stream_options": {"include_usage": True},
@@ -568,12 +622,8 @@ def test_completions_cut_inside_event_written_out(rig):
     """Completions without usage, cut inside the fifth token's event: the client's bytes,
     spelled out (the token ids as the first backend streamed them, the rest as the
     continuation's with the first stream's id and created, its prompt ids null)."""
-    endpoint, cut = COMPLETIONS, "inside_event"
-    events = original(endpoint, False)
-    offset, _, settled = cut_points(endpoint, False)[cut]
-    plan = Plan(endpoint, events, offset, "fin", continuation(endpoint, settled),
-                relayed=b"".join(events_within(events, offset)))
-    res = send(rig, plan, client_body(endpoint, False))
+    res = send(rig, one_cut(COMPLETIONS, False, "inside_event", "fin"),
+               client_body(COMPLETIONS, False))
     head = b'"id":"cmpl-first","object":"text_completion","created":1700000001,"model":"m1"'
     tail = b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
     assert res.raw == (
@@ -593,7 +643,7 @@ def test_completions_cut_inside_event_written_out(rig):
         b'"token_ids":[2]}]}\n\n'
         b'data: [DONE]\n\n'
     )
-    assert res.second == [{
+    assert res.bodies[1:] == [{
         "model": "m1", "prompt": [101, 102, 103, 11, 12, 13, 14], "stream": True,
         "temperature": 0, "seed": 7, "top_p": 0.9, "stop": ["\n\n"],
         "frequency_penalty": 0.5, "x_unknown": {"keep": [1]}, "max_tokens": 46,
@@ -694,11 +744,8 @@ def test_stream_that_cannot_continue_ends_with_the_error_event(rig, case):
     endpoint, events, k, body, headers, outcome = NOT_CONTINUED[case]
     offset = at_event(events, k) + 10  # inside event k
     prefix = b"".join(events[:k])
-    plan = Plan(endpoint, events, offset, "fin", [], relayed=prefix)
-    res = send(rig, plan, body, headers)
+    res = send(rig, Plan(endpoint, [Leg(events, offset, "fin", prefix)]), body, headers)
     assert res.raw == prefix + ERROR_DISCONNECTED + DONE
-    assert res.second == []
-    token_ids = endpoint == COMPLETIONS and outcome is not None
-    assert res.first == [{**body, "return_token_ids": True} if token_ids else body]
+    assert res.bodies == [first_request(endpoint, body) if outcome is not None else body]
     assert res.continuations == (
         {} if outcome is None else {("upstream_disconnected", outcome): 1})
