@@ -1,17 +1,18 @@
 """Mid-stream continuation on the wire (issue 17): every cut point, the exact client bytes.
 
-Two scripted vLLM backends of ``m1`` (``tests/support/scripted.py``) behind the real gateway
-under uvicorn; a raw HTTP client (httpx, no SDK) reads the exact bytes. Whichever backend
-the router picks first streams a chat (or completions) answer as vLLM 0.32 does (the shapes
-of ``gateway/sim/protocol.py`` and ``sim/streaming.py``: completions asked with
-``return_token_ids``, so each chunk carries its ``token_ids`` and the first the
-``prompt_token_ids``) and breaks at a cut point: between events, after a token whose text
-vLLM held back (a UTF-8 sequence split over tokens: ``""``), inside an event, inside a UTF-8
-sequence (and inside one whose first token was held back), after the last content before
-``finish_reason``, after ``finish_reason`` before ``[DONE]`` (and after the usage chunk). The
-break is a FIN in the middle of the chunked body, the body's clean end without ``[DONE]``, a
-TCP RST, or silence past ``proxy.idle_timeout_s``. The other backend answers the
-continuation.
+Two scripted vLLM backends of ``m1`` (``tests/support/scripted.py``; three where a
+continuation is cut again) behind the real gateway under uvicorn; a raw HTTP client (httpx,
+no SDK) reads the exact bytes. Whichever backend the router picks first streams a chat (or
+completions) answer as vLLM 0.32 does (the shapes of ``gateway/sim/protocol.py`` and
+``sim/streaming.py``: completions asked with ``return_token_ids``, so each chunk carries
+its ``token_ids`` and the first the ``prompt_token_ids``) and breaks at a cut point: between
+events, after a token whose text vLLM held back (a UTF-8 sequence split over tokens:
+``""``), inside an event, inside a UTF-8 sequence (and inside one whose first token was held
+back), after the last content before ``finish_reason``, after ``finish_reason`` before
+``[DONE]`` (and after the usage chunk). The break is a FIN in the middle of the chunked
+body, the body's clean end without ``[DONE]``, a TCP RST, or silence past
+``proxy.idle_timeout_s``. The other backend answers the continuation (or breaks too, and a
+third one answers).
 
 Each test asserts the exact bytes the client received (one ``id``, the first backend's
 ``created`` and ``model``, no duplicated or missing text, one ``finish_reason``, one usage
@@ -236,12 +237,13 @@ def continuation_request(endpoint: str, include_usage: bool, settled: int) -> di
 @dataclass
 class Leg:
     """One backend's answer: ``events`` up to byte ``cut`` then the break ``brk``, once the
-    client has read ``len(relayed)`` bytes (``cut`` None: all of them, then the body's end)."""
+    client has read ``client_has`` bytes in all (``cut`` None: all of them, then the
+    body's end)."""
 
     events: list[bytes]
     cut: int | None = None
     brk: str = "fin"
-    relayed: bytes = b""
+    client_has: int = 0
 
 
 @dataclass
@@ -286,7 +288,7 @@ class Script:
             head += f"{len(partial) + 40:x}\r\n".encode() + partial
         await conn.write(head)
         deadline = time.monotonic() + WAIT_S
-        while plan.client_read < len(leg.relayed) and time.monotonic() < deadline:
+        while plan.client_read < leg.client_has and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         if leg.brk == "end":
             await conn.write(b"0\r\n\r\n")
@@ -489,10 +491,12 @@ def expected_client(endpoint: str, include_usage: bool, cut: str) -> bytes:
     return prefix + owed + DONE
 
 
-def cut_leg(events: list[bytes], offset: int, brk: str) -> Leg:
-    """``events`` broken (``brk``) at byte ``offset``, once the client has every complete
-    event before it."""
-    return Leg(events, offset, brk, relayed=b"".join(events_within(events, offset)))
+def cut_leg(events: list[bytes], offset: int, brk: str, client_has: int | None = None) -> Leg:
+    """``events`` broken (``brk``) at byte ``offset``, once the client has ``client_has``
+    bytes (None: every complete event before the cut)."""
+    if client_has is None:
+        client_has = len(b"".join(events_within(events, offset)))
+    return Leg(events, offset, brk, client_has)
 
 
 def one_cut(endpoint: str, include_usage: bool, cut: str, brk: str) -> Plan:
@@ -557,16 +561,19 @@ def rig3() -> Iterator[Rig]:
 @pytest.mark.parametrize("use", list(USAGE))
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 def test_a_continuation_cut_again_continues_on_a_third_backend(rig3, endpoint, use):
-    """The first stream is cut inside the "ö" (1 token sent), its continuation inside the
-    "ß" after the held-back token (3 sent, 2 settled): the third backend is asked from what
-    the client saw of both (the second's events as the client got them), and the client's
-    bytes are the uninterrupted generation's."""
+    """The first stream is cut inside the "ö" (1 token sent, FIN), its continuation inside
+    the "ß" after the held-back token (3 sent, 2 settled; RST): the third backend is asked
+    from what the client saw of both (the second's events as the client got them), and the
+    client's bytes are the uninterrupted generation's."""
     path, include_usage = ENDPOINTS[endpoint], USAGE[use]
     first = original(path, include_usage)
     second = continuation(path, 1)
+    # the client's bytes before the second break: the uninterrupted stream's up to token 3
+    client_has = at_event(first, token_event(path, 3))
     plan = Plan(path, [
         cut_leg(first, inside(first, token_event(path, 1), "ö".encode(), 1), "fin"),
-        cut_leg(second, inside(second, token_event(path, 3 - 1), "ß".encode(), 1), "fin"),
+        cut_leg(second, inside(second, token_event(path, 3 - 1), "ß".encode(), 1), "rst",
+                client_has),
         Leg(continuation(path, 2)),
     ])
     body = client_body(path, include_usage)
@@ -744,7 +751,7 @@ def test_stream_that_cannot_continue_ends_with_the_error_event(rig, case):
     endpoint, events, k, body, headers, outcome = NOT_CONTINUED[case]
     offset = at_event(events, k) + 10  # inside event k
     prefix = b"".join(events[:k])
-    res = send(rig, Plan(endpoint, [Leg(events, offset, "fin", prefix)]), body, headers)
+    res = send(rig, Plan(endpoint, [Leg(events, offset, "fin", len(prefix))]), body, headers)
     assert res.raw == prefix + ERROR_DISCONNECTED + DONE
     assert res.bodies == [first_request(endpoint, body) if outcome is not None else body]
     assert res.continuations == (
