@@ -23,33 +23,37 @@ of them are also written out byte for byte. A stream that cannot continue (``n``
 tool call cut in the middle, ``x-gateway-continuation: off``) ends with today's error event
 and ``[DONE]``, and the second backend receives nothing.
 
-The backend breaks only once the client has read every complete event before the cut (so a
-RST cannot discard bytes the gateway had not read yet). The silent backend has its own
-gateway with a short ``proxy.idle_timeout_s``; the others keep the default, so a break
-that comes late on a slow machine is never taken for silence.
+The backends and their breaks are ``tests/support/broken_streams.py``'s: a backend breaks
+only once the client has read every complete event before the cut (so a RST cannot discard
+bytes the gateway had not read yet). The silent backend has its own gateway with a short
+``proxy.idle_timeout_s``; the others keep the default, so a break that comes late on a slow
+machine is never taken for silence.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.support.scripted import Conn, Received, ScriptedBackend, error_obj
-from tests.support.servers import GatewayThread, gateway_config
+from tests.support.broken_streams import (
+    Break,
+    Leg,
+    Plan,
+    Rig,
+    events_within,
+    make_rig,
+    send,
+    stop_rig,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MODEL = "m1"
 IDLE_S = 0.3  # proxy.idle_timeout_s where a backend falls silent (the "hang" break)
-WAIT_S = 20.0  # generous bound on any wait for the other side (a slow, shared machine)
 
 
 @dataclass(frozen=True)
@@ -231,135 +235,7 @@ def continuation_request(endpoint: str, include_usage: bool, settled: int) -> di
             "max_tokens": LIMIT - settled, "stream_options": {"include_usage": True}}
 
 
-# ---- the scripted backends -----------------------------------------------------------------
-
-
-@dataclass
-class Leg:
-    """One backend's answer: ``events`` up to byte ``cut`` then the break ``brk``, once the
-    client has read ``client_has`` bytes in all (``cut`` None: all of them, then the
-    body's end)."""
-
-    events: list[bytes]
-    cut: int | None = None
-    brk: str = "fin"
-    client_has: int = 0
-
-
-@dataclass
-class Plan:
-    """One test's script: the i-th data-plane request (on whichever backend) gets
-    ``legs[i]``; ``client_read``: bytes the client has read so far."""
-
-    endpoint: str
-    legs: list[Leg]
-    client_read: int = 0
-
-
-class Script:
-    """The data-plane script every backend of a rig runs (whichever the router picks)."""
-
-    def __init__(self) -> None:
-        self.plan: Plan | None = None
-        self.calls: list[tuple[int, dict[str, Any]]] = []  # (backend, JSON body) in order
-
-    def backend(self, i: int) -> Any:
-        """Backend ``i``'s script."""
-        return functools.partial(self.answer, i)
-
-    async def answer(self, i: int, req: Received, conn: Conn) -> None:
-        plan = self.plan
-        assert plan is not None
-        self.calls.append((i, req.json()))
-        if len(self.calls) > len(plan.legs):
-            await conn.send_json(500, error_obj("unexpected request", 500))
-            return
-        leg = plan.legs[len(self.calls) - 1]
-        if leg.cut is None:
-            await conn.write(http_stream(leg.events, end=True))
-            return
-        raw = b"".join(leg.events)
-        whole = events_within(leg.events, leg.cut)
-        partial = raw[sum(map(len, whole)):leg.cut]
-        head = http_stream(whole, end=False)
-        if partial and leg.brk == "end":
-            head += chunk(partial)
-        elif partial:  # the kill came in the middle of writing this event's HTTP chunk
-            head += f"{len(partial) + 40:x}\r\n".encode() + partial
-        await conn.write(head)
-        deadline = time.monotonic() + WAIT_S
-        while plan.client_read < leg.client_has and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        if leg.brk == "end":
-            await conn.write(b"0\r\n\r\n")
-            conn.close()
-        elif leg.brk == "fin":
-            conn.close()
-        elif leg.brk == "rst":
-            conn.reset()
-        else:  # "hang": silent until the gateway gives up on it and closes
-            await conn.sleep(WAIT_S)
-            conn.close()
-
-
-def chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-
-def http_stream(events: list[bytes], end: bool) -> bytes:
-    """A 200 ``text/event-stream`` response's head and one HTTP chunk per event (as vLLM
-    writes them), with the chunked terminator when ``end``: one write."""
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-            b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n\r\n")
-    return head + b"".join(chunk(e) for e in events) + (b"0\r\n\r\n" if end else b"")
-
-
-def events_within(events: list[bytes], cut: int) -> list[bytes]:
-    """The events wholly before byte ``cut``."""
-    out, at = [], 0
-    for e in events:
-        if at + len(e) > cut:
-            break
-        out.append(e)
-        at += len(e)
-    return out
-
-
-@dataclass
-class Rig:
-    """Backends, their shared script and the gateway in front of them."""
-
-    backends: list[ScriptedBackend]
-    script: Script
-    gw: GatewayThread
-
-
-def make_rig(idle_timeout_s: float | None, n: int = 2) -> Rig:
-    """``n`` started backends and a gateway in front of them (``proxy.idle_timeout_s`` as
-    given; None: the default)."""
-    script = Script()
-    backends = [ScriptedBackend(script.backend(i)) for i in range(n)]
-    for b in backends:
-        b.start()
-    proxy = {} if idle_timeout_s is None else {"idle_timeout_s": idle_timeout_s}
-    cfg = gateway_config(
-        [{"id": f"b{i}", "url": b.url} for i, b in enumerate(backends)],
-        proxy=proxy,
-        # every test breaks one backend's stream: neither breaker may open, nor the retry
-        # budget (a continuation spends one retry) run out over the module
-        breaker={"consecutive_failures": 10_000, "min_requests": 10_000},
-        retry={"budget_ratio": 1.0, "budget_min_per_s": 1_000.0},
-    )
-    gw = GatewayThread(cfg)
-    gw.start()
-    gw.wait_ready(routable=n)
-    return Rig(backends, script, gw)
-
-
-def stop_rig(rig: Rig) -> None:
-    rig.gw.stop()
-    for b in rig.backends:
-        b.stop()
+# ---- the rigs ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -377,49 +253,6 @@ def idle_rig() -> Iterator[Rig]:
     r = make_rig(IDLE_S)
     yield r
     stop_rig(r)
-
-
-@dataclass
-class Result:
-    """What one request did: the client's bytes, the data-plane requests the backends got
-    (backend, JSON body) in order, and the continuation metric's increments."""
-
-    raw: bytes
-    calls: list[tuple[int, dict[str, Any]]]
-    continuations: dict[tuple[str, str], float]
-
-    @property
-    def bodies(self) -> list[dict[str, Any]]:
-        return [body for _, body in self.calls]
-
-    @property
-    def backends(self) -> list[int]:
-        return [i for i, _ in self.calls]
-
-
-def continuations(gw: GatewayThread) -> dict[tuple[str, str], float]:
-    """``gateway_stream_continuations_total`` by ``(reason, outcome)``."""
-    return {(s.labels["reason"], s.labels["outcome"]): s.value
-            for m in gw.gateway.metrics.stream_continuations.collect() for s in m.samples
-            if s.name.endswith("_total")}
-
-
-def send(rig: Rig, plan: Plan, body: dict[str, Any],
-         headers: dict[str, str] | None = None) -> Result:
-    """Run ``plan`` for one streaming request of ``body`` (module docstring)."""
-    rig.script.calls = []
-    rig.script.plan = plan
-    before = continuations(rig.gw)
-    got = b""
-    with httpx.stream("POST", rig.gw.url + plan.endpoint, json=body, headers=headers,
-                      timeout=WAIT_S) as r:
-        assert r.status_code == 200, r.read()
-        for piece in r.iter_raw():
-            got += piece
-            plan.client_read = len(got)
-    after = continuations(rig.gw)
-    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
-    return Result(got, list(rig.script.calls), delta)
 
 
 # ---- cut points ----------------------------------------------------------------------------
@@ -491,7 +324,8 @@ def expected_client(endpoint: str, include_usage: bool, cut: str) -> bytes:
     return prefix + owed + DONE
 
 
-def cut_leg(events: list[bytes], offset: int, brk: str, client_has: int | None = None) -> Leg:
+def cut_leg(events: list[bytes], offset: int, brk: Break,
+            client_has: int | None = None) -> Leg:
     """``events`` broken (``brk``) at byte ``offset``, once the client has ``client_has``
     bytes (None: every complete event before the cut)."""
     if client_has is None:
@@ -499,7 +333,7 @@ def cut_leg(events: list[bytes], offset: int, brk: str, client_has: int | None =
     return Leg(events, offset, brk, client_has)
 
 
-def one_cut(endpoint: str, include_usage: bool, cut: str, brk: str) -> Plan:
+def one_cut(endpoint: str, include_usage: bool, cut: str, brk: Break) -> Plan:
     """The first backend's stream broken at ``cut``; the continuation answered whole."""
     offset, _, settled = cut_points(endpoint, include_usage)[cut]
     return Plan(endpoint, [cut_leg(original(endpoint, include_usage), offset, brk),
@@ -512,7 +346,7 @@ def first_request(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "return_token_ids": True} if endpoint == COMPLETIONS else body
 
 
-def run_cut(rig: Rig, endpoint: str, include_usage: bool, cut: str, brk: str) -> None:
+def run_cut(rig: Rig, endpoint: str, include_usage: bool, cut: str, brk: Break) -> None:
     body = client_body(endpoint, include_usage)
     res = send(rig, one_cut(endpoint, include_usage, cut, brk), body)
     assert res.raw == expected_client(endpoint, include_usage, cut)
