@@ -277,21 +277,19 @@ def with_token_ids(endpoint: str, request: Mapping[str, Any]) -> dict[str, Any]:
     return body
 
 
-# vLLM's token-id fields in a compact or spaced JSON chunk, with the comma that joins them to
-# a neighbour (a quote right after a comma or ``{`` is structure, never inside a string,
-# where it would be escaped)
-_IDS_AFTER = re.compile(rb'\s*,\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[\d,\s]*\]|null)')
-_IDS_FIRST = re.compile(rb'(?<=\{)\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[\d,\s]*\]|null)\s*,?')
+# vLLM's token-id fields with a list value, compact or spaced (a quote right before the key is
+# structure: inside a JSON string it would be escaped)
+_IDS = re.compile(rb'("(?:prompt_)?token_ids"\s*:\s*)\[[\d,\s]*\]')
 
 
 def hide_token_ids(block: bytes) -> bytes:
-    """``block`` (SSE events) without vLLM's ``token_ids`` / ``prompt_token_ids`` fields:
-    what a client that did not ask for them (``return_token_ids``) is sent when the gateway
-    asked for them itself (:func:`with_token_ids`). Bytes otherwise unchanged; a block
-    without them costs one substring search."""
+    """``block`` (SSE events) with vLLM's ``token_ids`` / ``prompt_token_ids`` lists turned
+    back into ``null``: the bytes vLLM 0.32 sends a client that did not ask for them
+    (``return_token_ids``), when the gateway asked for them itself (:func:`with_token_ids`).
+    Everything else unchanged; a block without ids costs one substring search."""
     if b'token_ids"' not in block:
         return block
-    return _IDS_FIRST.sub(b"", _IDS_AFTER.sub(b"", block))
+    return _IDS.sub(rb"\1null", block)
 
 
 def continuation_body(

@@ -4,8 +4,9 @@ Two scripted vLLM backends of ``m1`` (``tests/support/scripted.py``; three where
 continuation is cut again) behind the real gateway under uvicorn; a raw HTTP client (httpx,
 no SDK) reads the exact bytes. Whichever backend the router picks first streams a chat (or
 completions) answer as vLLM 0.32 does (the shapes of ``gateway/sim/protocol.py`` and
-``sim/streaming.py``: completions asked with ``return_token_ids``, so each chunk carries
-its ``token_ids`` and the first the ``prompt_token_ids``) and breaks at a cut point: between
+``sim/streaming.py``: both asked with ``return_token_ids``, so each chunk carries its
+``token_ids`` and the first the ``prompt_token_ids``, which the client, who did not ask, sees
+as ``null``, as vLLM would send it) and breaks at a cut point: between
 events, after a token whose text vLLM held back (a UTF-8 sequence split over tokens:
 ``""``), inside an event, inside a UTF-8 sequence (and inside one whose first token was held
 back), after the last content before ``finish_reason``, after ``finish_reason`` before
@@ -16,7 +17,8 @@ third one answers).
 
 Each test asserts the exact bytes the client received (one ``id``, the first backend's
 ``created`` and ``model``, no duplicated or missing text, one ``finish_reason``, one usage
-with the prompt tokens once and the completion tokens summed, ``data: [DONE]``) and the exact
+with the prompt tokens once, even where the chat continuation's re-tokenized prompt counts
+otherwise, and the completion tokens summed, ``data: [DONE]``) and the exact
 continuation request the second backend received. The expectations are built here from the
 token list (what an uninterrupted vLLM stream would carry), not by the code under test; two
 of them are also written out byte for byte. A stream that cannot continue (``n`` > 1, a
@@ -78,6 +80,11 @@ EOS_ID = 2
 COMPLETION_TOKENS = len(TOKENS) + 1
 PROMPT_IDS = [101, 102, 103]  # the completions prompt "Say hi", as the backend tokenized it
 CHAT_PROMPT_TOKENS = 9  # the chat request's prompt, as the backend counted it
+CHAT_PROMPT_IDS = list(range(201, 201 + CHAT_PROMPT_TOKENS))  # its ids (return_token_ids)
+# The chat continuation's prompt re-renders the text and re-tokenizes it, which may count
+# otherwise than the generated tokens: here 2 more. The client's usage still says the
+# original prompt's count (from the first stream's prompt_token_ids).
+RETOKENIZED = 2
 
 
 def enc(obj: Any) -> bytes:
@@ -97,9 +104,11 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def chat_events(ident: Ident, first: int, *, include_usage: bool, prompt_tokens: int,
-                role: bool = True) -> list[bytes]:
-    """A chat stream from token ``first`` on: the role chunk, one chunk per token, the EOS
-    chunk with ``finish_reason`` (with the fingerprint when no usage is asked), the usage
+                role: bool = True, prompt_ids: list[int] | None = None,
+                ids: bool = False) -> list[bytes]:
+    """A chat stream from token ``first`` on: the role chunk (with ``prompt_ids``, else null),
+    one chunk per token (its ``token_ids`` when ``ids``: ``return_token_ids``, else null), the
+    EOS chunk with ``finish_reason`` (with the fingerprint when no usage is asked), the usage
     chunk when asked, ``[DONE]``."""
     head = {"id": ident.id, "object": "chat.completion.chunk", "created": ident.created,
             "model": MODEL}
@@ -108,14 +117,15 @@ def chat_events(ident: Ident, first: int, *, include_usage: bool, prompt_tokens:
         out.append(enc({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                    "content": ""},
                                              "logprobs": None, "finish_reason": None}],
-                        "prompt_token_ids": None, "prompt_text": None}))
-    for text, _ in TOKENS[first:]:
+                        "prompt_token_ids": prompt_ids, "prompt_text": None}))
+    for text, tid in TOKENS[first:]:
         out.append(enc({**head, "choices": [{"index": 0, "delta": {"content": text},
                                              "logprobs": None, "finish_reason": None,
-                                             "token_ids": None}]}))
+                                             "token_ids": [tid] if ids else None}]}))
     last: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {"content": ""},
                                                  "logprobs": None, "finish_reason": "stop",
-                                                 "stop_reason": None, "token_ids": None}]}
+                                                 "stop_reason": None,
+                                                 "token_ids": [EOS_ID] if ids else None}]}
     if not include_usage:
         last["system_fingerprint"] = ident.fp
     out.append(enc(last))
@@ -127,10 +137,10 @@ def chat_events(ident: Ident, first: int, *, include_usage: bool, prompt_tokens:
 
 
 def completion_events(ident: Ident, first: int, *, include_usage: bool,
-                      prompt_ids: list[int] | None) -> list[bytes]:
-    """A completions stream with ``return_token_ids`` from token ``first`` on: the prompt's
-    ids in the first chunk (``prompt_ids``; None: null there too), each chunk's ids, the EOS
-    chunk, the usage chunk when asked, ``[DONE]``."""
+                      prompt_ids: list[int] | None, ids: bool = True) -> list[bytes]:
+    """A completions stream from token ``first`` on: the prompt's ids in the first chunk
+    (``prompt_ids``; None: null there too), each chunk's ids (``ids``: ``return_token_ids``;
+    else null), the EOS chunk, the usage chunk when asked, ``[DONE]``."""
     head = {"id": ident.id, "object": "text_completion", "created": ident.created,
             "model": MODEL}
 
@@ -138,7 +148,7 @@ def completion_events(ident: Ident, first: int, *, include_usage: bool,
         return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
                                      "finish_reason": finish, "stop_reason": None,
                                      "prompt_token_ids": prompt_ids if i == first else None,
-                                     "token_ids": [tid]}]}
+                                     "token_ids": [tid] if ids else None}]}
 
     out = [enc(chunk(i, text, tid, None)) for i, (text, tid) in enumerate(TOKENS) if i >= first]
     last = chunk(len(TOKENS), "", EOS_ID, "stop")
@@ -153,12 +163,31 @@ def completion_events(ident: Ident, first: int, *, include_usage: bool,
 
 
 def original(endpoint: str, include_usage: bool) -> list[bytes]:
-    """The first backend's whole stream (what an uninterrupted one sends)."""
+    """The first backend's whole stream (what an uninterrupted one sends when asked for the
+    token ids, as the gateway asks)."""
+    if endpoint == CHAT:
+        return chat_events(A[CHAT], 0, include_usage=include_usage,
+                           prompt_tokens=CHAT_PROMPT_TOKENS, prompt_ids=CHAT_PROMPT_IDS,
+                           ids=True)
+    return completion_events(A[COMPLETIONS], 0, include_usage=include_usage,
+                             prompt_ids=PROMPT_IDS)
+
+
+def client_view(endpoint: str, include_usage: bool) -> list[bytes]:
+    """The same stream as vLLM sends a client that did not ask for token ids (null where the
+    ids were): what the client of the gateway must see of the first stream."""
     if endpoint == CHAT:
         return chat_events(A[CHAT], 0, include_usage=include_usage,
                            prompt_tokens=CHAT_PROMPT_TOKENS)
     return completion_events(A[COMPLETIONS], 0, include_usage=include_usage,
-                             prompt_ids=PROMPT_IDS)
+                             prompt_ids=None, ids=False)
+
+
+def client_prefix(endpoint: str, include_usage: bool, offset: int) -> bytes:
+    """What the client has of the first stream broken at byte ``offset``: its complete
+    events before it, as the client sees them."""
+    k = len(events_within(original(endpoint, include_usage), offset))
+    return b"".join(client_view(endpoint, include_usage)[:k])
 
 
 def continuation(endpoint: str, settled: int) -> list[bytes]:
@@ -166,8 +195,9 @@ def continuation(endpoint: str, settled: int) -> list[bytes]:
     it for that request (always with usage: the gateway asks for it; its prompt is the
     original plus the ``settled`` tokens)."""
     if endpoint == CHAT:
-        return chat_events(B[CHAT], settled, include_usage=True,
-                           prompt_tokens=CHAT_PROMPT_TOKENS + settled)
+        prompt = CHAT_PROMPT_TOKENS + settled + RETOKENIZED
+        return chat_events(B[CHAT], settled, include_usage=True, prompt_tokens=prompt,
+                           prompt_ids=list(range(301, 301 + prompt)), ids=True)
     return completion_events(B[COMPLETIONS], settled, include_usage=True,
                              prompt_ids=PROMPT_IDS + [t for _, t in TOKENS[:settled]])
 
@@ -183,7 +213,8 @@ def client_rest(endpoint: str, include_usage: bool, sent: int) -> bytes:
         events = chat_events(ident, sent, include_usage=True, prompt_tokens=0, role=False)
         prompt = CHAT_PROMPT_TOKENS
     else:
-        events = completion_events(ident, sent, include_usage=True, prompt_ids=None)
+        events = completion_events(ident, sent, include_usage=True, prompt_ids=None,
+                                   ids=False)
         prompt = len(PROMPT_IDS)
     body, usage_event = events[:-2], events[-2]
     if not include_usage:
@@ -226,8 +257,8 @@ def continuation_request(endpoint: str, include_usage: bool, settled: int) -> di
     text = "".join(t for t, _ in TOKENS[:settled])
     if endpoint == CHAT:
         limit = "max_completion_tokens" if include_usage else "max_tokens"
-        return {**body, "messages": [*CHAT_BODY["messages"],
-                                     {"role": "assistant", "content": text}],
+        return {**body, "return_token_ids": True,
+                "messages": [*CHAT_BODY["messages"], {"role": "assistant", "content": text}],
                 "continue_final_message": True, "add_generation_prompt": False,
                 limit: LIMIT - settled, "stream_options": {"include_usage": True}}
     return {**body, "return_token_ids": True,
@@ -306,44 +337,41 @@ BREAKS = {"fin": "upstream_disconnected", "end": "upstream_incomplete",
 
 def expected_client(endpoint: str, include_usage: bool, cut: str) -> bytes:
     """The exact bytes the client must get (module docstring)."""
-    events = original(endpoint, include_usage)
     offset, sent, _ = cut_points(endpoint, include_usage)[cut]
-    prefix = b"".join(events_within(events, offset))
+    prefix = client_prefix(endpoint, include_usage, offset)
     if cut not in CLOSING:
         return prefix + client_rest(endpoint, include_usage, sent)
     owed = b""
-    if cut == "after_finish_reason" and include_usage and endpoint == COMPLETIONS:
+    if cut == "after_finish_reason" and include_usage:
         # the usage chunk the gateway owes: the prompt's ids were streamed, the produced
         # tokens are the ids sent; no fingerprint (the stream had sent none)
-        ident = A[COMPLETIONS]
-        owed = enc({"id": ident.id, "object": "text_completion", "created": ident.created,
+        ident = A[endpoint]
+        prompt = CHAT_PROMPT_TOKENS if endpoint == CHAT else len(PROMPT_IDS)
+        obj = "chat.completion.chunk" if endpoint == CHAT else "text_completion"
+        owed = enc({"id": ident.id, "object": obj, "created": ident.created,
                     "model": MODEL, "choices": [],
-                    "usage": usage(len(PROMPT_IDS), COMPLETION_TOKENS)})
-    # chat after finish_reason with usage asked: no usage chunk (the chat stream never
-    # said its prompt tokens, so the gateway cannot count them)
+                    "usage": usage(prompt, COMPLETION_TOKENS)})
     return prefix + owed + DONE
 
 
-def cut_leg(events: list[bytes], offset: int, brk: Break,
-            client_has: int | None = None) -> Leg:
+def cut_leg(events: list[bytes], offset: int, brk: Break, client_has: int) -> Leg:
     """``events`` broken (``brk``) at byte ``offset``, once the client has ``client_has``
-    bytes (None: every complete event before the cut)."""
-    if client_has is None:
-        client_has = len(b"".join(events_within(events, offset)))
+    bytes (every complete event before the cut, as the client sees them)."""
     return Leg(events, offset, brk, client_has)
 
 
 def one_cut(endpoint: str, include_usage: bool, cut: str, brk: Break) -> Plan:
     """The first backend's stream broken at ``cut``; the continuation answered whole."""
     offset, _, settled = cut_points(endpoint, include_usage)[cut]
-    return Plan(endpoint, [cut_leg(original(endpoint, include_usage), offset, brk),
+    has = len(client_prefix(endpoint, include_usage, offset))
+    return Plan(endpoint, [cut_leg(original(endpoint, include_usage), offset, brk, has),
                            Leg(continuation(endpoint, settled))])
 
 
 def first_request(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-    """What the first backend gets for the client's ``body`` (continuation on): completions
-    asked for the token ids."""
-    return {**body, "return_token_ids": True} if endpoint == COMPLETIONS else body
+    """What the first backend gets for the client's ``body`` (continuation on): asked for
+    the token ids."""
+    return {**body, "return_token_ids": True}
 
 
 def run_cut(rig: Rig, endpoint: str, include_usage: bool, cut: str, brk: Break) -> None:
@@ -403,9 +431,10 @@ def test_a_continuation_cut_again_continues_on_a_third_backend(rig3, endpoint, u
     first = original(path, include_usage)
     second = continuation(path, 1)
     # the client's bytes before the second break: the uninterrupted stream's up to token 3
-    client_has = at_event(first, token_event(path, 3))
+    client_has = at_event(client_view(path, include_usage), token_event(path, 3))
+    cut1 = inside(first, token_event(path, 1), "ö".encode(), 1)
     plan = Plan(path, [
-        cut_leg(first, inside(first, token_event(path, 1), "ö".encode(), 1), "fin"),
+        cut_leg(first, cut1, "fin", len(client_prefix(path, include_usage, cut1))),
         cut_leg(second, inside(second, token_event(path, 3 - 1), "ß".encode(), 1), "rst",
                 client_has),
         Leg(continuation(path, 2)),
@@ -456,32 +485,29 @@ def test_chat_cut_inside_utf8_written_out(rig):
         "messages": [{"role": "user", "content": "Say hi"},
                      {"role": "assistant", "content": "Hello"}],
         "continue_final_message": True, "add_generation_prompt": False,
+        "return_token_ids": True,
     }]
 
 
 def test_completions_cut_inside_event_written_out(rig):
     """Completions without usage, cut inside the fifth token's event: the client's bytes,
-    spelled out (the token ids as the first backend streamed them, the rest as the
-    continuation's with the first stream's id and created, its prompt ids null)."""
+    spelled out (the token ids the gateway asked for null, as vLLM sends them to a client
+    that did not ask; the rest as the continuation's with the first stream's id and
+    created)."""
     res = send(rig, one_cut(COMPLETIONS, False, "inside_event", "fin"),
                client_body(COMPLETIONS, False))
     head = b'"id":"cmpl-first","object":"text_completion","created":1700000001,"model":"m1"'
-    tail = b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+    tail = (b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+            b'"token_ids":null}]}\n\n')
     assert res.raw == (
-        b'data: {' + head + b',"choices":[{"index":0,"text":"Hello","logprobs":null,'
-        b'"finish_reason":null,"stop_reason":null,"prompt_token_ids":[101,102,103],'
-        b'"token_ids":[11]}]}\n\n'
+        b'data: {' + head + b',"choices":[{"index":0,"text":"Hello",' + tail +
         b'data: {' + head + b',"choices":[{"index":0,"text":" w\xc3\xb6rld",' + tail +
-        b'"token_ids":[12]}]}\n\n'
         b'data: {' + head + b',"choices":[{"index":0,"text":"",' + tail +
-        b'"token_ids":[13]}]}\n\n'
         b'data: {' + head + b',"choices":[{"index":0,"text":"\xc3\x9f!",' + tail +
-        b'"token_ids":[14]}]}\n\n'
         b'data: {' + head + b',"choices":[{"index":0,"text":" end",' + tail +
-        b'"token_ids":[15]}]}\n\n'
         b'data: {' + head + b',"choices":[{"index":0,"text":"","logprobs":null,'
         b'"finish_reason":"stop","stop_reason":null,"prompt_token_ids":null,'
-        b'"token_ids":[2]}]}\n\n'
+        b'"token_ids":null}]}\n\n'
         b'data: [DONE]\n\n'
     )
     assert res.bodies[1:] == [{
@@ -517,7 +543,9 @@ def n2_chat() -> list[bytes]:
     return [*out, DONE]
 
 
-def n2_completions() -> list[bytes]:
+def n2_completions(ids: bool = True) -> list[bytes]:
+    """A completions stream of ``n`` = 2 (``ids``: with the token ids; else null, as the
+    client sees it)."""
     ident = A[COMPLETIONS]
     head = {"id": ident.id, "object": "text_completion", "created": ident.created,
             "model": MODEL}
@@ -526,8 +554,9 @@ def n2_completions() -> list[bytes]:
         for i in (0, 1):
             out.append(enc({**head, "choices": [{
                 "index": i, "text": text, "logprobs": None, "finish_reason": None,
-                "stop_reason": None, "prompt_token_ids": PROMPT_IDS if k == 0 else None,
-                "token_ids": [tid]}]}))
+                "stop_reason": None,
+                "prompt_token_ids": PROMPT_IDS if k == 0 and ids else None,
+                "token_ids": [tid] if ids else None}]}))
     return [*out, DONE]
 
 
@@ -558,19 +587,22 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object",
                                           "properties": {"city": {"type": "string"}}}}}]
 
-# name -> (endpoint, the first stream, how many events before the cut, body, headers,
-#          the continuation metric's outcome, or None: no continuer at all)
-NOT_CONTINUED: dict[str, tuple[str, list[bytes], int, dict[str, Any], dict[str, str],
-                               str | None]] = {
-    "chat_n2": (CHAT, n2_chat(), 4, {**client_body(CHAT, False), "n": 2}, {}, "n_gt_1"),
-    "completions_n2": (COMPLETIONS, n2_completions(), 3,
+# name -> (endpoint, the first stream, as the client sees it, how many events before the
+#          cut, body, headers, the continuation metric's outcome, or None: no continuer at
+#          all, so no token ids asked for: the backend sends nulls)
+NOT_CONTINUED: dict[str, tuple[str, list[bytes], list[bytes], int, dict[str, Any],
+                               dict[str, str], str | None]] = {
+    "chat_n2": (CHAT, n2_chat(), n2_chat(), 4, {**client_body(CHAT, False), "n": 2}, {},
+                "n_gt_1"),
+    "completions_n2": (COMPLETIONS, n2_completions(), n2_completions(False), 3,
                        {**client_body(COMPLETIONS, False), "n": 2}, {}, "n_gt_1"),
-    "chat_tool_call_cut": (CHAT, tool_call_chat(), 3,
+    "chat_tool_call_cut": (CHAT, tool_call_chat(), tool_call_chat(), 3,
                            {**client_body(CHAT, False), "tools": TOOLS, "tool_choice": "auto"},
                            {}, "tool_call"),
-    "chat_header_off": (CHAT, original(CHAT, True), 3, client_body(CHAT, True),
-                        {"x-gateway-continuation": "off"}, None),
-    "completions_header_off": (COMPLETIONS, original(COMPLETIONS, True), 2,
+    "chat_header_off": (CHAT, client_view(CHAT, True), client_view(CHAT, True), 3,
+                        client_body(CHAT, True), {"x-gateway-continuation": "off"}, None),
+    "completions_header_off": (COMPLETIONS, client_view(COMPLETIONS, True),
+                               client_view(COMPLETIONS, True), 2,
                                client_body(COMPLETIONS, True),
                                {"x-gateway-continuation": "OFF"}, None),
 }
@@ -582,9 +614,9 @@ def test_stream_that_cannot_continue_ends_with_the_error_event(rig, case):
     client gets the events before the cut, then today's error event and ``[DONE]``, exactly;
     the second backend receives nothing; the first got the client's request (completions:
     with ``return_token_ids`` unless the client turned continuation off)."""
-    endpoint, events, k, body, headers, outcome = NOT_CONTINUED[case]
+    endpoint, events, view, k, body, headers, outcome = NOT_CONTINUED[case]
     offset = at_event(events, k) + 10  # inside event k
-    prefix = b"".join(events[:k])
+    prefix = b"".join(view[:k])
     res = send(rig, Plan(endpoint, [Leg(events, offset, "fin", len(prefix))]), body, headers)
     assert res.raw == prefix + ERROR_DISCONNECTED + DONE
     assert res.bodies == [first_request(endpoint, body) if outcome is not None else body]
