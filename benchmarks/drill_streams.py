@@ -160,6 +160,7 @@ class Result:
     status: int = 0
     error: str | None = None  # client-visible error: status, transport, error event
     cut: bool = False  # a stream without [DONE] or with an error event
+    cut_code: str | None = None  # its error event's code, else "no_done" / "transport"
     aborted: bool = False  # finish_reason "abort" (the backend ended it itself)
     not_whole: str | None = None  # an uncut stream that is not the whole generation: why
 
@@ -205,12 +206,15 @@ async def one_request(
         if cut is not None:
             res.cut = True
             res.error = cut
+            errs = view.errors()
+            res.cut_code = str(errs[0].get("code")) if errs else "no_done"
         res.aborted = "abort" in view.finish_reasons()
         if not res.cut:
             res.not_whole = view.not_whole(MODEL, prompt_of(max_tokens), max_tokens)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
         res.cut = stream and res.status == 200  # broke after the stream started
+        res.cut_code = "transport" if res.cut else None
     finally:
         res.end = time.monotonic()
     return res

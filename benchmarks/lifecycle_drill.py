@@ -14,8 +14,9 @@ The must-hold (issue 3): over a 2-minute run with at least 3 medium cycles, zero
 client-visible errors and zero cut streams. Printed and written to ``--out`` (JSON):
 cycles started/completed (short, medium, long), the longest drain (s), client requests,
 client-visible errors (non-200 answers, transport errors, error events), cut streams (no
-``[DONE]``, or an error event), answers the backend itself ended with ``finish_reason``
-``abort``, and the most backends seen out of rotation at once (sampled every 50 ms).
+``[DONE]``, or an error event; counted by the error event's ``code``), answers the backend
+itself ended with ``finish_reason`` ``abort``, and the most backends seen out of rotation at
+once (sampled every 50 ms).
 Exit status 1 when the must-hold fails. Every request is greedy (``temperature`` 0) and
 every stream asks ``stream_options.include_usage``, so each stream that was not cut is also
 checked whole (:mod:`drill_streams`): one ``id``/``model``/``created``, one role delta, one
@@ -165,6 +166,7 @@ class Report:
     request_seconds: dict[str, float] = field(default_factory=dict)
     client_errors: int = 0
     cut_streams: int = 0
+    cut_by_code: dict[str, int] = field(default_factory=dict)  # error event code (cause)
     aborted_by_backend: int = 0
     # issue 17: gateway_stream_continuations_total by outcome and by reason (the stream
     # error code), the streams the gateway logged as continued, and the text checks
@@ -328,6 +330,9 @@ def run_phase(args: argparse.Namespace, max_continuations: int | None, tag: str)
     errors = [r for r in results if r.error]
     rep.client_errors = len(errors)
     rep.cut_streams = sum(r.cut for r in results)
+    for r in results:
+        if r.cut_code is not None:
+            rep.cut_by_code[r.cut_code] = rep.cut_by_code.get(r.cut_code, 0) + 1
     rep.aborted_by_backend = sum(r.aborted for r in results)
     rep.error_samples = [f"{round(r.start - t0, 2)} s: {r.error}" for r in errors[:10]]
     continued = {m["rid"] for _, line in continued_log.lines if (m := CONTINUED.match(line))}
@@ -390,7 +395,8 @@ def print_report(rep: Report) -> None:
         f"{rep.request_seconds})"
     )
     print(f"client-visible errors: {rep.client_errors}")
-    print(f"cut streams: {rep.cut_streams}")
+    print(f"cut streams: {rep.cut_streams}"
+          + (f" (by error code: {rep.cut_by_code})" if rep.cut_by_code else ""))
     print(
         f"streams continued (gateway_stream_continuations_total by outcome): "
         f"{rep.continuations or 0} (by reason: {rep.continuations_by_reason or 0}); "
@@ -468,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print_report(after)
         line = f"streams cut: {before.cut_streams} -> {after.cut_streams}"
         print(
-            f"{line} (of {before.streams} / {after.streams} streams; continued "
+            f"{line} (of {before.streams} / {after.streams} streams; by error code "
+            f"{before.cut_by_code} -> {after.cut_by_code}; continued "
             f"{before.continuations.get('continued', 0)} -> "
             f"{after.continuations.get('continued', 0)}; not whole "
             f"{before.streams_not_whole} -> {after.streams_not_whole})"
