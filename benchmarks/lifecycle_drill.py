@@ -403,6 +403,9 @@ def print_report(rep: Report) -> None:
         f"streams logged as continued: {rep.continued_streams}, of which cut later: "
         f"{rep.continued_cut}, not whole: {rep.continued_not_whole}"
     )
+    if rep.continuations.get("continued") and not rep.continued_streams:
+        print("  (no 'stream continued: ... [request id]' log line recognized: the continued "
+              "streams could not be told apart; see CONTINUED)")
     print(f"retries refused for want of retry budget: {rep.retry_budget_exhausted}")
     print(f"streams not whole (not cut): {rep.streams_not_whole}")
     for line in rep.not_whole_samples:
