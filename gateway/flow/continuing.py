@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.flow.context import Opened, RequestContext
 from gateway.proxy.continuation import (
-    COMPLETIONS,
     ENDPOINTS,
     HEADER,
     continuable,
@@ -55,8 +54,10 @@ def first_request(
     max_continuations: int,
 ) -> dict[str, Any] | None:
     """The JSON body a continuable stream's first attempt is sent (``body``: the bytes the
-    gateway would send; :func:`gateway.proxy.continuation.with_token_ids` of it for
-    completions, whose continuation needs the token ids), or None when continuation is off
+    gateway would send; :func:`gateway.proxy.continuation.with_token_ids` of it: a
+    completions continuation needs the token ids, and a chat one the prompt's, for the
+    client's usage: the continuation's prompt re-tokenizes the generated text, which may
+    count differently), or None when continuation is off
     for it: not a stream, not chat / completions, ``max_continuations`` 0, the forwarded
     ``headers`` say ``x-gateway-continuation: off``, or a body that is not a JSON object."""
     if not stream or endpoint not in ENDPOINTS or max_continuations <= 0:
@@ -69,18 +70,34 @@ def first_request(
         return None
     if not isinstance(request, dict):
         return None
-    return with_token_ids(endpoint, request) if endpoint == COMPLETIONS else request
+    return with_token_ids(endpoint, request)
+
+
+def asked_token_ids(body: bytes) -> bool:
+    """Whether the client's own request body asked for vLLM's token ids
+    (``return_token_ids: true``): else the relay hides those the gateway asked for
+    (:func:`gateway.proxy.continuation.hide_token_ids`)."""
+    if b"return_token_ids" not in body:
+        return False
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(request, dict) and request.get("return_token_ids") is True
 
 
 class StreamContinuer:
     """The continuations of one stream (module docstring). ``request``: the JSON body the
-    gateway sent the first attempt (:func:`gateway.proxy.continuation.with_token_ids` for
-    completions); ``opened``: the first attempt's accepted start."""
+    gateway sent the first attempt (:func:`gateway.proxy.continuation.with_token_ids`);
+    ``opened``: the first attempt's accepted start; ``hide_ids``: the client did not ask
+    for token ids (the relay hides them, :attr:`hide_ids`)."""
 
     def __init__(
-        self, pipeline: Pipeline, ctx: RequestContext, opened: Opened, request: dict[str, Any]
+        self, pipeline: Pipeline, ctx: RequestContext, opened: Opened, request: dict[str, Any],
+        hide_ids: bool = True,
     ) -> None:
         self.pipeline = pipeline
+        self.hide_ids = hide_ids
         self.ctx = ctx
         self.request = request
         self.current = opened

@@ -262,11 +262,15 @@ class Pipeline:
     # ---- continuation (issue 17, gateway.flow.continuing) -------------------------------
     def stream_failed(self, ctx: RequestContext, opened: Opened, code: str) -> None:
         """A stream's attempt failed mid-stream with ``code`` and is to be continued: count
-        it, end it as a breaker failure (a broken stream is the backend's), and drop the
-        response from the lease (the relay closed it)."""
+        it, end it as a breaker failure (a broken stream is the backend's; a drain deadline,
+        ``Cut.DRAIN_DEADLINE``, is the gateway's own doing: neutral), and drop the response
+        from the lease (the relay closed it)."""
         backend = opened.backend
         ctx.lease.hand_over(Hold.RESPONSE)
         self.accounting.attempt(backend, code)
+        if code in _OURS:
+            ctx.lease.end_attempt(Verdict.NEUTRAL)
+            return
         backend.note_error(f"{ctx.endpoint}: stream ended with {code} (continued)")
         ctx.lease.end_attempt(Verdict.FAILURE)
 

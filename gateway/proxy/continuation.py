@@ -37,7 +37,10 @@ Decisions (and why):
   ``add_generation_prompt: false`` (vLLM refuses both true: "Cannot set both
   `continue_final_message` and `add_generation_prompt` to True."). Exact when the chat
   template renders the prefix as the original prompt plus the text and the text re-tokenizes
-  as generated; the I/O side measures the share.
+  as generated; the I/O side measures the share. The first attempt still asks for token ids
+  (:func:`with_token_ids`): the continuation's prompt holds the re-tokenized text, whose
+  count may differ from the generated tokens', so the client's ``prompt_tokens`` come from
+  the first attempt's ``prompt_token_ids`` and the generated count from its ``token_ids``.
 * **Held-back tokens**: vLLM's detokenizer emits nothing for a token that ends inside a
   UTF-8 sequence (its text comes with a later token). Tokens that arrived after the last
   event that carried text are left out of the continuation's prefix and of the produced
@@ -70,6 +73,7 @@ Decisions (and why):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -264,12 +268,30 @@ def _prefix_ids(request: Mapping[str, Any], t: StreamTranscript) -> list[int] | 
 
 def with_token_ids(endpoint: str, request: Mapping[str, Any]) -> dict[str, Any]:
     """The first attempt's body with ``return_token_ids: true`` (vLLM then streams the
-    prompt's and each chunk's token ids: what an exact completions continuation needs).
-    Clients see the extra ``token_ids`` / ``prompt_token_ids`` fields."""
+    prompt's and each chunk's token ids: what an exact completions continuation needs, and
+    the chat prompt's exact token count for the client's usage). Clients see the extra
+    ``token_ids`` / ``prompt_token_ids`` fields (vLLM's own, as if they had asked)."""
     body = dict(request)
     if endpoint in ENDPOINTS:
         body["return_token_ids"] = True
     return body
+
+
+# vLLM's token-id fields in a compact or spaced JSON chunk, with the comma that joins them to
+# a neighbour (a quote right after a comma or ``{`` is structure, never inside a string,
+# where it would be escaped)
+_IDS_AFTER = re.compile(rb'\s*,\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[\d,\s]*\]|null)')
+_IDS_FIRST = re.compile(rb'(?<=\{)\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[\d,\s]*\]|null)\s*,?')
+
+
+def hide_token_ids(block: bytes) -> bytes:
+    """``block`` (SSE events) without vLLM's ``token_ids`` / ``prompt_token_ids`` fields:
+    what a client that did not ask for them (``return_token_ids``) is sent when the gateway
+    asked for them itself (:func:`with_token_ids`). Bytes otherwise unchanged; a block
+    without them costs one substring search."""
+    if b'token_ids"' not in block:
+        return block
+    return _IDS_FIRST.sub(b"", _IDS_AFTER.sub(b"", block))
 
 
 def continuation_body(

@@ -27,6 +27,7 @@ import aiohttp
 from starlette.responses import Response
 
 from gateway.core.vocab import Cut
+from gateway.proxy.continuation import hide_token_ids
 from gateway.proxy.inband import StreamKind
 from gateway.proxy.sse import DONE_EVENT, EventFramer, error_event, responses_error_event
 from gateway.proxy.stitch import Stitcher
@@ -52,6 +53,10 @@ CUT_MESSAGES = {
 }
 
 
+# Cuts a continuable stream turns into a continuation on another backend (issue 17).
+DIVERTIBLE = frozenset({Cut.DRAIN_DEADLINE})
+
+
 class CutHandle:
     """Lets others end a request early, with a reason, by cancelling its task.
 
@@ -60,18 +65,35 @@ class CutHandle:
     :attr:`reason` and calls :meth:`absorb` to un-cancel and answer properly (an error
     event for a stream, a retry elsewhere for a drained attempt, nothing for a client that
     left). A cancellation with no reason is someone else's and must propagate.
+
+    A stream that can go on on another backend (issue 17) sets :attr:`divert` while it
+    relays: a drain-deadline cut then calls it (it closes the upstream response) and is
+    kept in :attr:`diverted` instead of cancelling the task, so the relay sees its backend
+    end at a clean point (never inside a write to the client) and continues the stream.
     """
 
-    __slots__ = ("reason", "task")
+    __slots__ = ("divert", "diverted", "reason", "task")
 
     def __init__(self) -> None:
         self.task = asyncio.current_task()
         self.reason: str | None = None
+        self.divert: Callable[[], None] | None = None
+        self.diverted: str | None = None
 
     def cut(self, reason: str) -> None:
+        if reason in DIVERTIBLE and self.divert is not None and self.reason is None:
+            if self.diverted is None:
+                self.diverted = reason
+                self.divert()
+            return
         if self.reason is None and self.task is not None and not self.task.done():
             self.reason = reason
             self.task.cancel(reason)
+
+    def take_diverted(self) -> str | None:
+        """Stop diverting; returns the diverted cut's reason (None: none came)."""
+        reason, self.diverted, self.divert = self.diverted, None, None
+        return reason
 
     def absorb(self) -> str:
         """Undo our cancellation; returns the reason. Call only when :attr:`reason` is set."""
@@ -156,6 +178,7 @@ class Resumer(Protocol):
     :class:`gateway.flow.continuing.StreamContinuer`)."""
 
     transcript: StreamTranscript
+    hide_ids: bool  # hide vLLM's token ids from the client (it did not ask for them)
 
     async def resume(self, code: str) -> Resumed | bytes | None:
         """Continue after the stream failed with ``code`` (see :class:`RelayResponse`)."""
@@ -188,7 +211,10 @@ class RelayResponse(Response):
     the same client stream, and may fail and resume again), ``bytes`` (the generation was
     over: the closing events, sent and the stream ends) or None (the stream ends as
     without a resumer: error event + ``[DONE]``). ``on_done`` is still called once, at the
-    very end, with the last attempt's framer.
+    very end, with the last attempt's framer. The transcript gets the events as the
+    backends sent them; the client gets them without vLLM's token ids when the gateway
+    asked for them and the client did not (``resumer.hide_ids``,
+    :func:`gateway.proxy.continuation.hide_token_ids`).
     """
 
     def __init__(
@@ -250,14 +276,21 @@ class RelayResponse(Response):
 
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            hide = resumer is not None and resumer.hide_ids
+            first = hide_token_ids(self.first) if hide else self.first
+            await send({"type": "http.response.body", "body": first, "more_body": True})
             first_sent_at = time.perf_counter()
             if transcript is not None:
                 transcript.feed(self.first)
             stitcher: Stitcher | None = None
             heard = self.heard
             while True:
+                if resumer is not None:
+                    self.cut.divert = self._close_upstream
                 code, message = await self._pump(framer, stitcher, heard, transcript, send)
+                diverted = self.cut.take_diverted()
+                if diverted is not None and code is not None:
+                    code, message = diverted, CUT_MESSAGES[Cut(diverted)]
                 if code is None or framer.error is not None or resumer is None:
                     break
                 # the backend failed mid-stream: go on on another backend, if exact
@@ -267,12 +300,15 @@ class RelayResponse(Response):
                     break
                 if isinstance(got, bytes):  # the generation was over: close the stream
                     finish(code)
-                    await send({"type": "http.response.body", "body": got, "more_body": False})
+                    body = hide_token_ids(got) if hide else got
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
                     return
                 self.resp, framer, stitcher, heard = got.resp, got.framer, got.stitcher, got.heard
+                self.cut.divert = self._close_upstream  # a drain of the new one diverts too
                 out = stitcher.feed(got.first)
                 if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    body = hide_token_ids(out) if hide else out
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
                     if transcript is not None:
                         transcript.feed(out)
             ends_with_done = self.kind is StreamKind.DONE
@@ -308,7 +344,13 @@ class RelayResponse(Response):
                     }
                 )
         finally:
+            self.cut.divert = None
             finish(outcome)
+
+    def _close_upstream(self) -> None:
+        """Divert a cut (:attr:`CutHandle.divert`): close the current upstream response, so
+        the relay's read ends and the stream goes on elsewhere."""
+        self.resp.close()
 
     async def _pump(
         self,
@@ -326,6 +368,7 @@ class RelayResponse(Response):
         ``transcript``."""
         loop = asyncio.get_running_loop()
         content = self.resp.content
+        hide = self.resumer is not None and self.resumer.hide_ids
         idle = self.idle_timeout_s
         kind = self.kind
         ends_with_done = kind is StreamKind.DONE
@@ -352,7 +395,8 @@ class RelayResponse(Response):
                         out = stitcher.feed(out)
                     if out:
                         timer.reschedule(None)
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        body = hide_token_ids(out) if hide else out
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
                         if transcript is not None:
                             transcript.feed(out)
                     if not chunk:

@@ -90,14 +90,18 @@ class EventFramer:
         return out
 
     def finish(self) -> bytes:
-        """At end of stream: the held tail is the last event, cut short of its blank line
-        (``data: [DONE]\\n`` or ``data: [DONE]`` then the body ends): it is released with
-        its line endings completed, as an SSE client (the OpenAI SDK's) reads it at end of
-        input. Returns those bytes (``b""`` when nothing was held)."""
+        """At end of stream: a held tail that is the last event cut short of its blank line
+        only (``data: [DONE]\\n`` or ``data: [DONE]`` then the body ends: :func:`whole_tail`)
+        is released with its line endings completed, as an SSE client (the OpenAI SDK's)
+        reads it at end of input. A tail cut inside its last line (a backend that stopped
+        mid-write, its body then ended cleanly) is dropped: half an event, perhaps half a
+        UTF-8 sequence, never reaches the client, and the stream ends without its end
+        (``[DONE]`` not seen). Returns the released bytes (``b""`` when nothing was held or
+        the tail was dropped)."""
         buf, self._buf = self._buf, b""
         if buf.endswith(b"\r"):
             buf = buf[:-1] + b"\n"
-        if not buf.strip(b"\r\n"):
+        if not buf.strip(b"\r\n") or not whole_tail(buf):
             return b""
         buf = buf.rstrip(b"\r\n") + b"\n\n"
         return self.feed(buf)
@@ -110,6 +114,28 @@ class EventFramer:
     def usage(self) -> tuple[int, int] | None:
         """``(prompt_tokens, completion_tokens)`` from the last usage seen, if any."""
         return self._usage
+
+
+def whole_tail(tail: bytes) -> bool:
+    """Whether ``tail`` (what was held at the body's end: no blank line, LF line endings) is
+    a whole event short of its blank line, not one cut in the middle: its last line ended
+    (a JSON payload holds no raw LF, so an ended ``data:`` line is whole), or that line is
+    a ``data:`` line and the event's data (its ``data`` lines joined with LF, one leading
+    space dropped: the SSE spec) is ``[DONE]`` or parses as JSON."""
+    if tail.endswith(b"\n"):
+        return True
+    lines = tail.split(b"\n")
+    if not lines[-1].startswith(b"data"):
+        return False
+    values = [line[5:] for line in lines if line.startswith(b"data:")]
+    data = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values)
+    if data.strip() == b"[DONE]":
+        return True
+    try:
+        json.loads(data)
+    except ValueError:  # UnicodeDecodeError too: cut inside a UTF-8 sequence
+        return False
+    return True
 
 
 def has_event(block: bytes) -> bool:

@@ -94,10 +94,9 @@ def tokens(gw, kind: str) -> float:
 
 
 def first_body(path: str, sent: bytes) -> bytes:
-    """The body a backend receives: the client's byte for byte, but for a completions stream
-    with continuation on (issue 17), which asks vLLM for token ids (``return_token_ids``)."""
-    if path != "/v1/completions":
-        return sent
+    """The body a backend receives: the client's byte for byte, but for a chat or completions
+    stream with continuation on (issue 17), which asks vLLM for token ids
+    (``return_token_ids``; the client is sent none unless it asked)."""
     return json.dumps({**json.loads(sent), "return_token_ids": True}).encode()
 
 

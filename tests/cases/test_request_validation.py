@@ -243,14 +243,17 @@ def test_BUG_24_12MiB_multimodal_body_forwarded_intact(backends, gateway):
 
 def test_BUG_24_200k_char_prompt_streams(backends, gateway):
     """BUG-24 repro 3: a 200k-character prompt (multi-byte UTF-8 sent raw, so characters !=
-    bytes), streaming; A receives the exact bytes and the client gets A's stream to [DONE]."""
+    bytes), streaming; A receives the exact bytes and the client gets A's stream to [DONE].
+    The stream turns continuation off (``x-gateway-continuation: off``): with it on, the
+    gateway adds ``return_token_ids`` to the body (issue 17) and the bytes are its own."""
     a = backends(digest_script)
     gw = gateway({"a": a})
     text = ("Grüße, 漢字 and plain words. " * 8000)[:200_000]
     body = json.dumps({**BODY, "stream": True, "messages": [{"role": "user", "content": text}]},
                       ensure_ascii=False).encode()
+    headers = {"content-type": "application/json", "x-gateway-continuation": "off"}
     with httpx.stream("POST", gw.url + "/v1/chat/completions", content=body,
-                      headers={"content-type": "application/json"}, timeout=30) as r:
+                      headers=headers, timeout=30) as r:
         assert r.status_code == 200
         raw = b"".join(r.iter_raw())
     assert _digest(a.data_requests[0].body) == _digest(body)

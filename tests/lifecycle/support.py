@@ -163,11 +163,14 @@ class StreamResult:
 
 
 def stream_chat(base_url: str, body: dict[str, Any], request_id: str | None = None,
-                timeout: float = 60, on_first_event: Callable[[], None] | None = None
-                ) -> StreamResult:
-    """POST a streaming chat request and read it to its end, keeping every event."""
+                timeout: float = 60, on_first_event: Callable[[], None] | None = None,
+                headers: dict[str, str] | None = None) -> StreamResult:
+    """POST a streaming chat request (with ``headers``) and read it to its end, keeping
+    every event."""
     res = StreamResult(started=time.monotonic())
-    headers = {"x-request-id": request_id} if request_id else {}
+    headers = dict(headers or {})
+    if request_id:
+        headers["x-request-id"] = request_id
     buf = b""
     try:
         with httpx.stream("POST", base_url + "/v1/chat/completions", json=body,
@@ -317,3 +320,17 @@ def out_intervals(hist: Iterable[dict[str, Any]], end: float) -> list[tuple[floa
     if start is not None:
         out.append((start, end))
     return out
+
+
+def pin_on_a(url: str, start: list[Any], expect_in_flight: int) -> list[Background]:
+    """Start ``start`` (callables) while only ``a`` is routable, so they all land on ``a``:
+    ``b`` is drained (idle, so at once), the requests start and reach ``a``, then ``b`` is
+    undrained. Returns the running calls."""
+    assert post_admin(url, "b", "drain").status_code == 202
+    wait_state(url, "b", "draining", drained=True)
+    running = [Background(fn) for fn in start]
+    assert wait_for(lambda: admin(url, "a")["in_flight"] >= expect_in_flight, 10, 0.01), (
+        admin(url, "a"))
+    assert post_admin(url, "b", "undrain").status_code == 200
+    wait_state(url, "b", "warm")
+    return running

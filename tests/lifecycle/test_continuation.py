@@ -155,3 +155,26 @@ def test_a_stream_with_no_other_backend_ends_as_before() -> None:
             gw.stop()
     finally:
         a.stop()
+
+
+@pytest.mark.parametrize("asked", [False, True], ids=["not-asked", "asked"])
+def test_token_ids_the_gateway_asked_for_are_hidden_from_the_client(
+    fleet: tuple[Sim, Sim, GatewayThread], asked: bool
+) -> None:
+    """The gateway asks every continuable stream for vLLM's token ids
+    (``return_token_ids``); a client that did not ask gets none of them (``token_ids``,
+    ``prompt_token_ids``), even on a stream continued from A to B; one that asked gets
+    them, as vLLM sends them."""
+    gw = fleet[2]
+    body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                            "temperature": 0, "stream": True, "ignore_eos": True}
+    if asked:
+        body["return_token_ids"] = True
+    before = _continued(gw)
+    for _ in range(TRIES):
+        raw = httpx.post(gw.url + "/v1/completions", json=body, timeout=30).content
+        assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+        assert (b'"token_ids"' in raw) is asked and (b'"prompt_token_ids"' in raw) is asked
+        if _continued(gw) > before:
+            break
+    assert _continued(gw) == before + 1, "no stream was cut and continued"

@@ -28,6 +28,7 @@ from tests.lifecycle.support import (
     history,
     metric,
     metric_samples,
+    pin_on_a,
     post_admin,
     sdk,
     sdk_kwargs,
@@ -55,22 +56,9 @@ def sit_through_probes(url: str, backend: str, n: int = HELD_PROBES) -> None:
         passing_probes(url, backend), target)
 
 
-def pin_on_a(url: str, start: list[Any], expect_in_flight: int) -> list[Background]:
-    """Start ``start`` (callables) while only ``a`` is routable, so they all land on ``a``:
-    ``b`` is drained (idle, so at once), the requests start and reach ``a``, then ``b`` is
-    undrained. Returns the running calls."""
-    assert post_admin(url, "b", "drain").status_code == 202
-    wait_state(url, "b", "draining", drained=True)
-    running = [Background(fn) for fn in start]
-    assert wait_for(lambda: admin(url, "a")["in_flight"] >= expect_in_flight, 10, 0.01), (
-        admin(url, "a"))
-    assert post_admin(url, "b", "undrain").status_code == 200
-    wait_state(url, "b", "warm")
-    return running
-
-
 # ---- BUG-21 --------------------------------------------------------------------------------
 
+OFF = {"x-gateway-continuation": "off"}  # a cut stream is not continued elsewhere
 IN_FLIGHT_TOKENS = 50  # A decodes 10 tokens/s: each in-flight stream lasts ~5 s
 
 
@@ -189,6 +177,9 @@ def test_BUG_21_drain_deadline_ends_streams_with_an_error_event(sims, lc_gateway
     * A cut stream is never re-sent to B (bytes had reached the client): B never sees its
       request id. The non-stream request had sent nothing to its client, so it is re-sent to
       B and answered 200 (``FleetController.drain``'s documented behaviour).
+    * The streams turn continuation off (``x-gateway-continuation: off``): this is what a
+      stream that cannot go on elsewhere gets (with it on they continue on B:
+      tests/lifecycle/test_continuation_drain.py).
     * The gateway closed its upstream requests, so A's engine aborted all four generations.
     * A is ``drained`` (in-flight 0) right after the deadline; the stream errors are counted
       as ``gateway_stream_errors_total{code="drain_deadline"}``."""
@@ -204,7 +195,8 @@ def test_BUG_21_drain_deadline_ends_streams_with_an_error_event(sims, lc_gateway
     def sdk_stream() -> tuple[list[Any], BaseException | None]:
         try:
             for chunk in sdk(url).chat.completions.create(
-                    **sdk_kwargs(60, stream=True), extra_headers={"x-request-id": "cut-sdk"}):
+                    **sdk_kwargs(60, stream=True),
+                    extra_headers={"x-request-id": "cut-sdk", **OFF}):
                 got.append(chunk)
         except openai.APIError as e:
             return got, e
@@ -214,7 +206,7 @@ def test_BUG_21_drain_deadline_ends_streams_with_an_error_event(sims, lc_gateway
         return sdk(url).chat.completions.create(**sdk_kwargs(60),
                                                 extra_headers={"x-request-id": "cut-ns"})
 
-    calls = [lambda i=i: stream_chat(url, body, f"cut-{i}",
+    calls = [lambda i=i: stream_chat(url, body, f"cut-{i}", headers=OFF,
                                      on_first_event=lambda i=i: raw_first.append(i))
              for i in range(2)]
     running = pin_on_a(url, [*calls, sdk_stream, non_stream], 4)

@@ -1,5 +1,5 @@
-"""The session's real vLLM servers: ``a`` (plain), ``b`` (with ``--api-key``) and ``embed``
-(the same model served as an embedding model).
+"""The session's real vLLM servers: ``a`` (plain), ``b`` (with ``--api-key``), both with 4096
+positions, and ``embed`` (the same model served as an embedding model).
 
 They take about two minutes of CPU to boot on two cores. When the session will run a test
 under ``tests/realvllm``, :func:`launch_early` starts them as soon as collection is done,
@@ -26,15 +26,22 @@ BACKEND_KEY = "backend-secret"
 # vLLM keeps Responses API objects (for ``previous_response_id`` and GET by id) only with this
 RESPONSES_STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 EARLY: pytest.StashKey[dict[str, VllmServer]] = pytest.StashKey()
+# ``a`` and ``b`` take 4096 positions (the tiny model's config says 1024; random weights do not
+# care): long enough generations (3000 tokens: ~15 s for 8 streams on 2 cores) to be still open
+# at a 2 s drain deadline (tests/realvllm/test_continuation_drain_real_vllm.py)
+LONG_CONTEXT = 4096
+LONG_ARGS = ["--max-model-len", str(LONG_CONTEXT)]
+LONG_ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "KV_BYTES": "256M"}
 
 
 def make_servers(venv: Path, logs: Path, nice: int = 0) -> dict[str, VllmServer]:
     """The three servers (not launched), logging under ``logs``."""
     model = ensure_tiny_model(venv)
     return {
-        "a": VllmServer(venv, model, log_path=logs / "a.log", env=RESPONSES_STORE, nice=nice),
+        "a": VllmServer(venv, model, log_path=logs / "a.log", env=RESPONSES_STORE | LONG_ENV,
+                        extra_args=LONG_ARGS, nice=nice),
         "b": VllmServer(venv, model, api_key=BACKEND_KEY, log_path=logs / "b.log",
-                        env=RESPONSES_STORE, nice=nice),
+                        env=RESPONSES_STORE | LONG_ENV, extra_args=LONG_ARGS, nice=nice),
         "embed": VllmServer(venv, model, log_path=logs / "embed.log", nice=nice,
                             extra_args=["--runner", "pooling", "--convert", "embed"]),
     }

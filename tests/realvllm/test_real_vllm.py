@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.realvllm.conftest import BACKEND_KEY
+from tests.realvllm.servers import LONG_CONTEXT
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
 
@@ -55,7 +56,7 @@ def client(fleet):
 def test_models_aggregated_once_with_vllm_fields(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    assert models[0].max_model_len == 1024  # vLLM's own field survives
+    assert models[0].max_model_len == LONG_CONTEXT  # vLLM's own field survives
 
 
 def test_chat_non_stream(client):

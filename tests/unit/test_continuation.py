@@ -581,3 +581,21 @@ def test_every_cut_offset_gives_the_uninterrupted_stream(endpoint: str) -> None:
             assert text_of(client, chat) == "".join(x for x, _ in TOKENS)
             assert client.count(b'"finish_reason":"stop"') == 1
             assert client.count(DONE) == 1 and client.endswith(DONE)
+
+
+def test_hide_token_ids_drops_only_vllms_id_fields() -> None:
+    """:func:`hide_token_ids` removes ``token_ids`` / ``prompt_token_ids`` (compact or
+    spaced, first key or not, lists or null) and nothing else: not text that spells them."""
+    from gateway.proxy.continuation import hide_token_ids
+
+    compact = (b'data: {"id":"c","choices":[{"index":0,"text":"a,\\"token_ids\\":[1]",'
+               b'"finish_reason":null,"token_ids":[12,13]}],"prompt_token_ids":[1,2,3]}\n\n')
+    assert hide_token_ids(compact) == (
+        b'data: {"id":"c","choices":[{"index":0,"text":"a,\\"token_ids\\":[1]",'
+        b'"finish_reason":null}]}\n\n')
+    spaced = (b'data: {"prompt_token_ids": [1, 2], "id": "x", "choices": '
+              b'[{"token_ids": null, "text": "hi"}]}\n\ndata: [DONE]\n\n')
+    assert hide_token_ids(spaced) == (
+        b'data: { "id": "x", "choices": [{ "text": "hi"}]}\n\ndata: [DONE]\n\n')
+    plain = b'data: {"id":"c","choices":[{"text":"token_ids"}]}\n\n'
+    assert hide_token_ids(plain) is plain

@@ -124,6 +124,27 @@ def test_last_event_cut_short_of_its_blank_line_is_released_at_the_end():
     assert f.feed(b"data: {}\n\n\n") == b"data: {}\n\n\n" and f.finish() == b""
 
 
+def test_last_event_cut_in_the_middle_is_dropped_at_the_end():
+    """A body that ends cleanly inside an event's last line (its backend stopped mid-write):
+    the half event (here and there inside a UTF-8 sequence) is never released, so the
+    client gets no broken event and the stream has no ``[DONE]``. A whole event short only
+    of its line ending or blank line is still released."""
+    event = 'data: {"choices":[{"delta":{"content":"wörld"}}]}\n\n'.encode()
+    for cut in range(1, len(event) - 1):
+        f = EventFramer()
+        tail = event[:cut]
+        out = f.feed(b'data: {"a":1}\n\n' + tail) + f.finish()
+        whole = cut >= len(event) - 2  # only the line ending or the blank line missing
+        assert out == b'data: {"a":1}\n\n' + (event if whole else b""), tail
+        assert not f.saw_done
+    for tail in (b'data: {"a":2}', b'data:{"a":2}\r', b'event: x\ndata: {"a":2}'):
+        f = EventFramer()
+        assert f.feed(tail) == b"" and f.finish() == tail.rstrip(b"\r") + b"\n\n", tail
+    for tail in (b"data: [DON", b"data", b"dat", b": ping", b'data: {"a":1}\nid: 4'):
+        f = EventFramer()
+        assert f.feed(tail) == b"" and f.finish() == b"", tail
+
+
 # ---- in-band errors and terminal events (gateway.proxy.inband) ---------------------------
 
 VLLM_ERROR = (b'data: {"error": {"message": "too long", "type": "BadRequestError", '
