@@ -32,7 +32,7 @@ Streams that break for real, and continuation before -> after (issue 17):
   seconds later (default 3).
 * ``--drain-deadline S``: the cycles' drains get an ``S``-second deadline
   (``lifecycle.drain_deadline_s``; the demo's is 10 s), so long streams are still open when
-  it passes (cut at the deadline, or continued once the gateway continues those too).
+  it passes (continued on another backend, code ``drain_deadline``, or cut when not).
 * ``--max-tokens N`` (default 256): requests draw ``max_tokens`` from 32..N; longer
   streams (e.g. 768: up to ~9 s) are still open when a short drain deadline passes.
 * ``--max-continuations N``: ``proxy.max_continuations`` (default: the gateway's, 2; 0:
