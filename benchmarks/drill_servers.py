@@ -11,9 +11,9 @@ the backend-kill schedule.
 * :class:`Killer`: every ``every_s`` seconds (the same times in every run) one backend is
   killed and revived ``down_s`` seconds later. The victim is the backend with the most
   generation requests open at that moment (ties: round robin from the last victim), so a
-  kill lands mid-stream even when the maintenance cycles keep another one drained (the
-  medium cycles come round every ``every_s / backends`` seconds, which a plain round robin
-  can fall into step with).
+  kill lands mid-stream even when the maintenance cycles keep another one drained (a
+  backend's medium cycle comes round every ``lifecycle.medium.every_s / backends`` seconds,
+  which a plain round robin can fall into step with).
 """
 
 from __future__ import annotations
