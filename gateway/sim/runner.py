@@ -2,8 +2,9 @@
 
 ``run_sim_server`` serves ``create_sim_app(config)`` with a ``uvicorn.Server`` task on
 the running loop (port 0 picks a free port; the yielded URL has the real one).
-``SimServerThread`` does the same on its own loop in a daemon thread, for sync tests.
-Neither installs signal handlers, so they never steal the host's Ctrl-C.
+``SimServerThread`` does the same on its own loop in a daemon thread, for sync tests;
+its ``kill()`` stops it as a SIGKILLed vLLM goes (every open connection reset, nothing
+ended in-band). Neither installs signal handlers, so they never steal the host's Ctrl-C.
 """
 
 from __future__ import annotations
@@ -97,12 +98,14 @@ async def run_sim_server(
 
     ``port=0`` picks a free port; a port that cannot be bound raises
     :class:`gateway.core.listening.CannotListen`. ``app`` (from ``create_sim_app``) may be
-    passed to keep a handle on ``app.state.sim``. On exit, open streams end and the server
-    stops.
+    passed to keep a handle on ``app.state.sim``; the uvicorn server serving it is
+    ``app.state.http_server`` (its listeners and open connections, for
+    :meth:`SimServerThread.kill`). On exit, open streams end and the server stops.
     """
     app = app or create_sim_app(config or SimConfig())
     sock = _bind(host, port)
     server = _EmbeddedServer(_uvicorn_config(app, log_level))
+    app.state.http_server = server
     task = asyncio.create_task(server.serve(sockets=[sock]), name="sim-uvicorn")
     try:
         while not server.started:
@@ -171,6 +174,36 @@ class SimServerThread:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(stop.set)
         thread.join(timeout)
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """Stop at once, as a SIGKILLed vLLM does (idempotent): the listening socket is
+        closed and every open connection reset (``transport.abort()``: unsent bytes are
+        dropped, the peer reads the end of the connection). An open stream ends where it is,
+        without ``finish_reason``, ``[DONE]`` or the chunked terminator; a request waiting
+        for its answer gets none; a new connection is refused. Then the server stops
+        (:meth:`stop`: nothing is left for its graceful shutdown to end)."""
+        loop = self._loop
+        if self._thread is None or loop is None or loop.is_closed():
+            return
+        server: uvicorn.Server | None = getattr(self.app.state, "http_server", None)
+        reset = threading.Event()
+
+        def abort_all() -> None:
+            try:
+                if server is not None:
+                    for listener in getattr(server, "servers", []):
+                        listener.close()
+                    for conn in list(server.server_state.connections):
+                        transport = getattr(conn, "transport", None)
+                        if transport is not None:
+                            transport.abort()
+            finally:
+                reset.set()
+
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing open
+            loop.call_soon_threadsafe(abort_all)
+            reset.wait(timeout)
+        self.stop(timeout)
 
     def __enter__(self) -> str:
         return self.start()
