@@ -129,7 +129,7 @@ def counters(base_url: str) -> tuple[dict[tuple[str, str], int], int]:
     """From the gateway's ``/metrics``: ``gateway_stream_continuations_total`` as
     ``{(reason, outcome): count}`` (empty before the first continuation), and
     ``gateway_retry_budget_exhausted_total`` (retries and continuations refused for want of
-    retry budget: a continuation refused so is counted with outcome ``no_backend``)."""
+    retry budget: a continuation refused so is counted with outcome ``no_budget``)."""
     text = httpx.get(base_url + "/metrics", timeout=10).text
     out: dict[tuple[str, str], int] = {}
     exhausted = 0

@@ -360,7 +360,8 @@ class GatewayMetrics:
             "Streams whose backend failed after events reached the client (issue 17), by "
             "the failure (reason: the stream error code the client would have seen) and what "
             "the gateway did (outcome: continued on another backend; closed, the generation "
-            "was over; no_backend, no other backend took it; else the reason it could not "
+            "was over; no_backend, no other backend took it; no_budget, the retry budget was "
+            "spent; shutdown; else the reason it could not "
             "continue exactly, gateway.proxy.transcript.Reason)",
             ["reason", "outcome"],
             registry=r,

@@ -16,7 +16,8 @@ handed over (the relay closed it) before the new attempt starts; the last one is
 
 Each continuation is counted in ``gateway_stream_continuations_total{reason,outcome}``
 (``reason``: the stream error code; ``outcome``: ``continued``, ``closed``,
-``no_backend``, or the verdict's reason) and logged with both backends.
+``no_backend`` (none untried, or every try failed), ``no_budget`` (the retry budget is
+spent), ``shutdown``, or the verdict's reason) and logged with both backends.
 """
 
 from __future__ import annotations
@@ -128,13 +129,15 @@ class StreamContinuer:
         self.recorded = True
         body = continuation_body(ctx.endpoint, self.request, self.transcript)
         ctx.upstream.body = json.dumps(body, ensure_ascii=False).encode()
+        why = "no_backend"  # every try failed (each recorded by the pipeline)
         while self.used < p.cfg.proxy.max_continuations:
             self.used += 1
             try:
                 opened = await p.reopen(ctx, code)
             except UpstreamFailure:
                 continue  # recorded by the pipeline; another backend may take it
-            if opened is None:
+            if isinstance(opened, str):
+                why = opened
                 break
             assert opened.framer is not None
             self.current, self.recorded = opened, False
@@ -148,9 +151,9 @@ class StreamContinuer:
             return Resumed(
                 opened.resp, opened.data, opened.framer, self.stitcher, opened.backend.heard
             )
-        m.labels(code, "no_backend").inc()
-        log.info("stream not continued: no backend took it after %s failed (%s) [request %s]",
-                 failed.id, code, ctx.request_id)
+        m.labels(code, why).inc()
+        log.info("stream not continued (%s): no backend took it after %s failed (%s) "
+                 "[request %s]", why, failed.id, code, ctx.request_id)
         return None
 
     def done(self, outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:

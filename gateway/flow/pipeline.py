@@ -274,21 +274,22 @@ class Pipeline:
         backend.note_error(f"{ctx.endpoint}: stream ended with {code} (continued)")
         ctx.lease.end_attempt(Verdict.FAILURE)
 
-    async def reopen(self, ctx: RequestContext, code: str) -> Opened | None:
+    async def reopen(self, ctx: RequestContext, code: str) -> Opened | str:
         """One continuation attempt of ``ctx`` (its ``upstream.body`` already the
         continuation's) on a backend it has not tried, if the retry budget allows one.
-        Returns None when it does not or no backend is left; raises
+        Returns why not when none was made (``shutdown``, ``no_budget``: the retry budget
+        is spent, ``no_backend``: none of the model left untried); raises
         :class:`UpstreamFailure` when the attempt failed (recorded: another may be tried)."""
         if self.shutting_down:
-            return None
+            return "shutdown"
         if not self.budget.try_spend():
             self.accounting.metrics.retry_budget_exhausted.inc()
-            return None
+            return "no_budget"
         self.accounting.metrics.retries.labels(code).inc()
         try:
             return await self._one(ctx, ctx.tried)
         except NoCandidate:
-            return None
+            return "no_backend"
 
     # ---- what cannot be answered ------------------------------------------------------
     def _give_up(self, ctx: RequestContext, f: UpstreamFailure | None) -> Refusal | BackendAnswer:
