@@ -53,7 +53,6 @@ from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.flow.responses import RESPONSES
 from gateway.flow.shaping import cap_max_tokens, key_limits_for, ratelimit_headers
-from gateway.proxy.continuation import COMPLETIONS
 from gateway.proxy.inband import stream_kind
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
 from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
@@ -247,7 +246,7 @@ async def model_response(
         resumable = first_request(
             endpoint, stream, up.body, up.headers, cfg.proxy.max_continuations
         )
-        if resumable is not None and endpoint == COMPLETIONS:  # token ids asked for
+        if resumable is not None:  # token ids asked for
             up.body = json.dumps(resumable, ensure_ascii=False).encode()
         opened = await gw.pipeline.open(ctx, bound)
         if endpoint == RESPONSES:

@@ -37,7 +37,9 @@ Decisions (and why):
   ``add_generation_prompt: false`` (vLLM refuses both true: "Cannot set both
   `continue_final_message` and `add_generation_prompt` to True."). Exact when the chat
   template renders the prefix as the original prompt plus the text and the text re-tokenizes
-  as generated; the I/O side measures the share.
+  as generated; the I/O side measures the share. Its first attempt asks for the token ids
+  all the same (:func:`with_token_ids`): they count the produced tokens exactly (vLLM may
+  send several tokens in one event), for the continuation's budget and the usage.
 * **Held-back tokens**: vLLM's detokenizer emits nothing for a token that ends inside a
   UTF-8 sequence (its text comes with a later token). Tokens that arrived after the last
   event that carried text are left out of the continuation's prefix and of the produced
@@ -264,8 +266,9 @@ def _prefix_ids(request: Mapping[str, Any], t: StreamTranscript) -> list[int] | 
 
 def with_token_ids(endpoint: str, request: Mapping[str, Any]) -> dict[str, Any]:
     """The first attempt's body with ``return_token_ids: true`` (vLLM then streams the
-    prompt's and each chunk's token ids: what an exact completions continuation needs).
-    Clients see the extra ``token_ids`` / ``prompt_token_ids`` fields."""
+    prompt's and each chunk's token ids: what an exact completions continuation needs, and
+    the exact count of produced tokens for chat). Clients see the extra ``token_ids`` /
+    ``prompt_token_ids`` (chat: also ``prompt_text``) fields."""
     body = dict(request)
     if endpoint in ENDPOINTS:
         body["return_token_ids"] = True

@@ -94,9 +94,10 @@ def tokens(gw, kind: str) -> float:
 
 
 def first_body(path: str, sent: bytes) -> bytes:
-    """The body a backend receives: the client's byte for byte, but for a completions stream
-    with continuation on (issue 17), which asks vLLM for token ids (``return_token_ids``)."""
-    if path != "/v1/completions":
+    """The body a backend receives: the client's byte for byte, but for a chat / completions
+    stream with continuation on (issue 17), which asks vLLM for token ids
+    (``return_token_ids``)."""
+    if path not in ("/v1/completions", "/v1/chat/completions"):
         return sent
     return json.dumps({**json.loads(sent), "return_token_ids": True}).encode()
 

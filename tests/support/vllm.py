@@ -369,6 +369,12 @@ class VllmServer:
             self._tmpdir = None
         _live.discard(self)
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (API server, engine core, resource
+        tracker: a machine lost, not a shutdown). :meth:`stop` still reaps it."""
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+
     def __enter__(self) -> VllmServer:
         if self.proc is None:
             self.start()

@@ -1,0 +1,323 @@
+"""The kill drill of issue 17's real-vLLM must-hold, shared by
+``tests/realvllm/test_continuation_real_vllm.py`` and ``benchmarks/real_vllm.py
+continuation``: streaming chat and completions requests at temperature 0 through the
+gateway, one backend SIGKILLed while every stream is mid-generation, each stream read to
+its end with the real ``openai`` SDK (``AsyncOpenAI``) and compared with the same request
+answered by an uninterrupted server.
+
+What the client got is seen twice: as the SDK parses it (text, chunk ids, finish reasons,
+usage; an error event raises ``openai.APIError``) and as raw bytes, recorded by
+:class:`TapTransport` (the SDK's own HTTP transport, the bytes teed on their way to the SDK: the
+SDK hides ``data: [DONE]`` and stops reading there). The SDK's HTTP library is ``httpx2``
+(openai 3's fork of httpx), so the tap is one of its transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+import openai
+
+MODEL = "tiny-llama"
+VOCAB = (4, 2048)  # the tiny model's token ids, without its 4 special tokens
+TAG = "x-drill-stream"  # request header naming the stream, read back by the tap
+WORDS = ("lighthouse", "river", "engine", "garden", "winter", "copper", "signal", "harbour",
+         "meadow", "lantern", "orbit", "violin", "granite", "compass", "feather", "tunnel")
+
+
+@dataclass(frozen=True)
+class DrillRequest:
+    """One streaming request: ``kind`` ``chat`` or ``completions``; ``key`` names it (the
+    same request sent to the reference server and through the gateway)."""
+
+    kind: str
+    key: str
+    prompt: str | list[int]
+    max_tokens: int
+    seed: int
+
+    def sdk_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``chat.completions.create`` / ``completions.create``:
+        temperature 0, ``seed``, ``ignore_eos`` (exactly ``max_tokens`` tokens), usage."""
+        kw: dict[str, Any] = {
+            "model": MODEL, "max_tokens": self.max_tokens, "temperature": 0, "seed": self.seed,
+            "stream": True, "stream_options": {"include_usage": True},
+            "extra_body": {"ignore_eos": True}, "extra_headers": {TAG: self.key},
+        }
+        if self.kind == "chat":
+            kw["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            kw["prompt"] = self.prompt
+        return kw
+
+
+def make_requests(chat: int, completions: int, max_tokens: int, seed: int = 0
+                  ) -> list[DrillRequest]:
+    """``chat`` + ``completions`` requests with distinct prompts drawn with
+    ``random.Random(seed)``, each its own ``seed``: chat, a sentence of a few words;
+    completions, a few words (no final period: the tiny random model's next token depends
+    mostly on the last one, so the answers differ), every other one sent as a list of
+    random token ids (vLLM's token-id prompt)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(chat):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))
+        out.append(DrillRequest("chat", f"chat-{i}", f"Tell me about the {words}.",
+                                max_tokens, seed * 1000 + i))
+    for i in range(completions):
+        prompt: str | list[int] = (
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))) if i % 2 == 0
+            else [rng.randrange(*VOCAB) for _ in range(rng.randint(8, 48))])
+        out.append(DrillRequest("completions", f"completions-{i}", prompt, max_tokens,
+                                seed * 1000 + chat + i))
+    return out
+
+
+@dataclass
+class StreamResult:
+    """What one stream's client got. ``tokens``: completion tokens seen so far (a chunk's
+    ``token_ids`` when present, else one per chunk with text), live while it runs."""
+
+    request: DrillRequest
+    text: str = ""
+    ids: set[str] = field(default_factory=set)
+    finishes: list[str] = field(default_factory=list)
+    usages: list[dict[str, Any]] = field(default_factory=list)
+    token_ids: list[int] | None = None
+    tokens: int = 0
+    error: str | None = None
+    raw: bytes = b""
+    prompt_ids: list[int] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """A ``finish_reason`` (or an error) was seen."""
+        return bool(self.finishes) or self.error is not None
+
+    def events(self) -> list[str]:
+        """The ``data`` of every raw SSE event, in order."""
+        out = []
+        for event in self.raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+            data = [ln[5:].strip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            if data:
+                out.append(b"\n".join(data).decode("utf-8", "replace"))
+        return out
+
+    def ends_with_done(self) -> bool:
+        """The last raw event is ``[DONE]``, and the only one."""
+        ev = self.events()
+        return bool(ev) and ev[-1] == "[DONE]" and ev.count("[DONE]") == 1
+
+    def error_events(self) -> list[str]:
+        """Raw events that carry an ``error`` object (an in-band error)."""
+        out = []
+        for data in self.events():
+            if data == "[DONE]":
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                out.append(data)
+                continue
+            if isinstance(obj, dict) and "error" in obj:
+                out.append(data)
+        return out
+
+
+class TapTransport(httpx2.AsyncBaseTransport):
+    """httpx2's transport (the SDK's HTTP library), with each response body teed into
+    ``taps[key]`` (``key``: the request's ``x-drill-stream`` header) as the SDK reads it."""
+
+    def __init__(self) -> None:
+        self.inner = httpx2.AsyncHTTPTransport()
+        self.taps: dict[str, bytearray] = {}
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        resp = await self.inner.handle_async_request(request)
+        key = request.headers.get(TAG)
+        if key is None:
+            return resp
+        tap = self.taps.setdefault(key, bytearray())
+        inner = resp.stream
+
+        async def teed() -> AsyncIterator[bytes]:
+            async for chunk in inner:  # type: ignore[union-attr]
+                tap.extend(chunk)
+                yield chunk
+
+        class Teed(httpx2.AsyncByteStream):
+            async def __aiter__(self) -> AsyncIterator[bytes]:
+                async for c in teed():
+                    yield c
+
+            async def aclose(self) -> None:
+                await inner.aclose()  # type: ignore[union-attr]
+
+        return httpx2.Response(resp.status_code, headers=resp.headers, stream=Teed(),
+                              extensions=resp.extensions, request=request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def _read(client: openai.AsyncOpenAI, r: StreamResult) -> None:
+    req = r.request
+    try:
+        if req.kind == "chat":
+            stream: Any = await client.chat.completions.create(**req.sdk_kwargs())
+        else:
+            stream = await client.completions.create(**req.sdk_kwargs())
+        async for chunk in stream:
+            r.ids.add(chunk.id)
+            if chunk.usage is not None:
+                r.usages.append(chunk.usage.model_dump(exclude_none=True))
+            for ch in chunk.choices:
+                text = (ch.delta.content if req.kind == "chat" else ch.text) or ""
+                ids = (ch.model_extra or {}).get("token_ids")
+                if isinstance(ids, list):
+                    r.token_ids = (r.token_ids or []) + ids
+                    r.tokens += len(ids)
+                elif text:
+                    r.tokens += 1
+                r.text += text
+                pids = (ch.model_extra or {}).get("prompt_token_ids") or (
+                    chunk.model_extra or {}).get("prompt_token_ids")
+                if isinstance(pids, list) and r.prompt_ids is None:
+                    r.prompt_ids = pids
+                if ch.finish_reason is not None:
+                    r.finishes.append(ch.finish_reason)
+    except openai.APIError as e:  # an error event, or the connection broke
+        r.error = f"{type(e).__name__}: {e}"
+
+
+LAST_MISSED: list[tuple[str, int, bool]] = []
+"""Diagnosis of the last :func:`run_streams` whose ``when`` never held."""
+
+
+async def run_streams(
+    base_url: str,
+    requests: list[DrillRequest],
+    *,
+    when: Callable[[list[StreamResult]], bool] | None = None,
+    then: Callable[[], None] | None = None,
+    timeout_s: float = 120.0,
+) -> tuple[list[StreamResult], float | None]:
+    """Send every request at once to ``base_url`` (``/v1`` appended) and read each stream
+    to its end. When ``when`` and ``then`` are given, ``then()`` is called (once) as soon as
+    ``when(results)`` holds (polled every 5 ms; not once a stream has finished); returns
+    the results and the monotonic time of that call (None when it never came: then
+    :data:`LAST_MISSED` holds each stream's tokens and whether it had finished when the
+    first one finished)."""
+    tap = TapTransport()
+    results = [StreamResult(r) for r in requests]
+    called: float | None = None
+    async with httpx2.AsyncClient(transport=tap, timeout=timeout_s) as http:
+        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none",
+                                    max_retries=0, http_client=http)
+        tasks = [asyncio.create_task(_read(client, r)) for r in results]
+        try:
+            if when is not None and then is not None:
+                deadline = time.monotonic() + timeout_s
+                while time.monotonic() < deadline:
+                    if when(results):
+                        then()
+                        called = time.monotonic()
+                        break
+                    if any(r.finished for r in results):
+                        LAST_MISSED[:] = [(r.request.key, r.tokens, r.finished)
+                                          for r in results]
+                        break
+                    await asyncio.sleep(0.005)
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+        finally:
+            for t in tasks:
+                t.cancel()
+    for r in results:
+        r.raw = bytes(tap.taps.get(r.request.key, b""))
+    return results, called
+
+
+def all_started_none_finished(min_tokens: int) -> Callable[[list[StreamResult]], bool]:
+    """The kill condition: every stream has at least ``min_tokens`` tokens and none has a
+    ``finish_reason`` yet."""
+    def check(results: list[StreamResult]) -> bool:
+        return all(r.tokens >= min_tokens and not r.finished for r in results)
+    return check
+
+
+@dataclass
+class Summary:
+    """The drill's figures: per kind, streams and those whose text equals the reference's
+    (``exact``); streams whose client view was whole (``[DONE]`` once and last, no error
+    event, one id, one ``finish_reason``: ``whole``); usage right (``usage_right``: one
+    usage, prompt tokens as the reference's, completion tokens as the reference's and as
+    many as the client received)."""
+
+    streams: dict[str, int] = field(default_factory=dict)
+    exact: dict[str, int] = field(default_factory=dict)
+    whole: int = 0
+    usage_right: int = 0
+    mismatched: list[str] = field(default_factory=list)
+
+    def share(self, kind: str) -> float:
+        """Exact share of ``kind``'s streams (0-1)."""
+        n = self.streams.get(kind, 0)
+        return self.exact.get(kind, 0) / n if n else 0.0
+
+
+def whole(r: StreamResult) -> bool:
+    """The client saw one whole stream (see :class:`Summary`)."""
+    return (r.error is None and r.ends_with_done() and not r.error_events()
+            and len(r.ids) == 1 and len(r.finishes) == 1)
+
+
+def usage_right(r: StreamResult, ref: StreamResult) -> bool:
+    """One usage; prompt tokens and completion tokens as the reference's, completion tokens
+    equal to the tokens the client received (its token ids when it got them)."""
+    if len(r.usages) != 1 or len(ref.usages) != 1:
+        return False
+    u, want = r.usages[0], ref.usages[0]
+    received = len(r.token_ids) if r.token_ids is not None else r.request.max_tokens
+    return (u.get("prompt_tokens") == want.get("prompt_tokens")
+            and u.get("completion_tokens") == want.get("completion_tokens") == received
+            and u.get("total_tokens") == want.get("total_tokens"))
+
+
+def summarize(results: list[StreamResult], refs: list[StreamResult]) -> Summary:
+    """Compare each result with the reference of the same request."""
+    by_key = {r.request.key: r for r in refs}
+    s = Summary()
+    for r in results:
+        kind, ref = r.request.kind, by_key[r.request.key]
+        s.streams[kind] = s.streams.get(kind, 0) + 1
+        if r.text == ref.text:
+            s.exact[kind] = s.exact.get(kind, 0) + 1
+        else:
+            s.mismatched.append(r.request.key)
+        s.whole += whole(r)
+        s.usage_right += usage_right(r, ref)
+    return s
+
+
+def leaks_prompt(r: StreamResult, ref: StreamResult, prompt_text: str) -> bool:
+    """``r``'s text has the start of its prompt's text (``prompt_text``: vLLM's
+    ``/detokenize`` of the prompt's ids) where the reference's has not: the signature of
+    vLLM's detokenizer streaming the whole prompt when a token-id prompt ends inside a UTF-8
+    sequence (vllm-project/vllm#48853)."""
+    head = prompt_text[:16]
+    return bool(head) and head in r.text and head not in ref.text
+
+
+def first_difference(a: str, b: str) -> int:
+    """The first index where ``a`` and ``b`` differ (``min(len)`` when one is a prefix)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
