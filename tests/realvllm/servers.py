@@ -34,7 +34,11 @@ VICTIM_ARGS = ("--max-num-seqs", "32", "--stream-interval", "2")
 """The victim's extra vLLM arguments: room for all 32 streams of the kill drill at once
 (the drill kills it while every stream is mid-generation, so none may wait in its queue);
 two tokens per stream event (vLLM's ``--stream-interval``: what a lagging server does
-anyway, made certain), so that a continuation must count tokens by their ids."""
+anyway, made certain), so that a continuation must count tokens by their ids. It also runs
+without ``FAST`` (its engine core a process of its own), so that the drill can stop the
+engine while the 32 requests arrive and continue it once all are queued: they then start
+in the same step (with the engine inside the API server's process, a loaded machine let
+the first stream finish before the API server had passed on the others)."""
 
 
 def make_servers(venv: Path, logs: Path, nice: int = 0) -> dict[str, VllmServer]:
@@ -53,7 +57,7 @@ def make_victim(venv: Path, logs: Path, nice: int = 0) -> VllmServer:
     """The kill drill's own server (not launched): the same model as ``a``, with
     :data:`VICTIM_ARGS`."""
     return VllmServer(venv, ensure_tiny_model(venv), log_path=logs / "victim.log", nice=nice,
-                      extra_args=VICTIM_ARGS)
+                      extra_args=VICTIM_ARGS, fast=False)
 
 
 def launch_early(session: pytest.Session) -> None:

@@ -3,7 +3,8 @@
 Two REAL vLLM servers of the same model (CPU build, the tiny random-weight model): the
 session's ``a`` and a ``victim`` of this module's own (``tests/realvllm/servers.py``
 ``make_victim``: ``--max-num-seqs 32`` so that all 32 streams run at once, and
-``--stream-interval 2``: two tokens per event, what a lagging vLLM does anyway). The gateway
+``--stream-interval 2``: two tokens per event, what a lagging vLLM does anyway; its engine
+core a process of its own). The gateway
 has the victim as its primary backend and ``a`` as a standby (``role: standby``: taken only
 when no primary can be), so every first attempt goes to the victim and every continuation
 to ``a`` (the victim is excluded as already tried). The retry budget's floor is raised
@@ -18,7 +19,11 @@ control: its answers must equal ``a``'s, or a difference would be the servers' n
 the continuation). Then the same 32 go through the gateway with the real ``openai`` SDK
 (``AsyncOpenAI``); once every stream has received at least ``MIN_TOKENS`` tokens and none
 has a ``finish_reason``, the victim's whole process group is SIGKILLed; every stream is read
-to its end (raw bytes teed, ``tests/support/continuation_drill.py``).
+to its end (raw bytes teed, ``tests/support/continuation_drill.py``). So that all start in
+the same step, the victim's engine core is stopped (SIGSTOP) while the requests arrive and
+continued once the gateway has sent all 32 (and 0.3 s more for its API server to queue
+them); should one finish all the same before the last
+had started (nothing killed), the batch is sent again (at most 3 times).
 
 Why chat may differ from its reference while completions may not: a completions stream is
 continued from token ids (the original prompt's plus the generated ones), so the
@@ -43,12 +48,14 @@ import httpx
 import pytest
 
 from tests.support.continuation_drill import (
+    GATE,
     LAST_MISSED,
     MODEL,
     StreamResult,
     Summary,
-    all_started_none_finished,
+    engine_gate,
     first_difference,
+    kill_drill,
     leaks_prompt,
     make_requests,
     run_streams,
@@ -64,8 +71,9 @@ pytestmark = pytest.mark.realvllm
 STREAMS = 16  # of each kind
 MAX_TOKENS = 96
 MIN_TOKENS = 2  # every stream has at least this many tokens when the victim is killed
-CHAT_MIN_SHARE = 0.75
-"""Chat streams whose text must equal the reference's (measured: 1.0, module docstring)."""
+CHAT_MIN_SHARE = 15 / 16
+"""Chat streams whose text must equal the reference's: measured 1.0 (module docstring); one
+stream in 16 may differ (a near-tie of the argmax flipped on another CPU)."""
 
 
 @dataclass
@@ -122,11 +130,17 @@ def drill(real_vllm: dict[str, VllmServer], victim_vllm: VllmServer) -> Iterator
     gw.start()
     try:
         gw.wait_ready(timeout=30, routable=2)
-        results, killed = asyncio.run(run_streams(
-            gw.url, requests, when=all_started_none_finished(MIN_TOKENS), then=victim.kill))
+        results, killed, missed = asyncio.run(
+            kill_drill(gw.url, requests, victim.kill, MIN_TOKENS, gate=engine_gate(
+                victim, lambda: gw.gateway.fleet.get("victim").in_flight)))
         assert killed is not None, f"a stream finished before all had started: {LAST_MISSED}"
+        if missed:
+            print(f"\n{missed} batch(es) sent again: a stream finished before all had started")
         summary = summarize(results, refs)
-        print(f"\nkill drill: {len(results)} streams, continuations "
+        print(f"\nkill drill: engine held until all were sent: {GATE[0]} ({GATE[1]} s); "
+              f"victim killed "
+              f"{killed - min(r.first_at or killed for r in results):.3f} s after the first "
+              f"token; {len(results)} streams, continuations "
               f"{_continuations(gw)}, chat exact {summary.share('chat'):.2f}, completions "
               f"exact {summary.share('completions'):.2f}, whole {summary.whole}, usage right "
               f"{summary.usage_right}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from typing import Any
 
 import httpx2
 import openai
+
+from tests.support.vllm import VllmServer
 
 MODEL = "tiny-llama"
 VOCAB = (4, 2048)  # the tiny model's token ids, without its 4 special tokens
@@ -95,6 +98,8 @@ class StreamResult:
     error: str | None = None
     raw: bytes = b""
     prompt_ids: list[int] | None = None
+    first_at: float | None = None  # monotonic time of the first token seen
+    done_at: float | None = None  # monotonic time the stream ended
 
     @property
     def finished(self) -> bool:
@@ -187,6 +192,8 @@ async def _read(client: openai.AsyncOpenAI, r: StreamResult) -> None:
                 elif text:
                     r.tokens += 1
                 r.text += text
+                if r.first_at is None and r.tokens:
+                    r.first_at = time.monotonic()
                 pids = (ch.model_extra or {}).get("prompt_token_ids") or (
                     chunk.model_extra or {}).get("prompt_token_ids")
                 if isinstance(pids, list) and r.prompt_ids is None:
@@ -195,8 +202,12 @@ async def _read(client: openai.AsyncOpenAI, r: StreamResult) -> None:
                     r.finishes.append(ch.finish_reason)
     except openai.APIError as e:  # an error event, or the connection broke
         r.error = f"{type(e).__name__}: {e}"
+    finally:
+        r.done_at = time.monotonic()
 
 
+GATE: list[Any] = []
+"""The last gate: [whether ``ready`` held (else its timeout), seconds until then]."""
 LAST_MISSED: list[tuple[str, int, bool]] = []
 """Diagnosis of the last :func:`run_streams` whose ``when`` never held."""
 
@@ -207,6 +218,7 @@ async def run_streams(
     *,
     when: Callable[[list[StreamResult]], bool] | None = None,
     then: Callable[[], None] | None = None,
+    gate: Gate | None = None,
     timeout_s: float = 120.0,
 ) -> tuple[list[StreamResult], float | None]:
     """Send every request at once to ``base_url`` (``/v1`` appended) and read each stream
@@ -214,15 +226,31 @@ async def run_streams(
     ``when(results)`` holds (polled every 5 ms; not once a stream has finished); returns
     the results and the monotonic time of that call (None when it never came: then
     :data:`LAST_MISSED` holds each stream's tokens and whether it had finished when the
-    first one finished)."""
+    first one finished).
+
+    ``gate``: held while the requests are sent (:class:`Gate`; e.g. the backend's engine
+    stopped, then continued once every request is in its queue, so that all start
+    generating in the same step)."""
     tap = TapTransport()
     results = [StreamResult(r) for r in requests]
     called: float | None = None
     async with httpx2.AsyncClient(transport=tap, timeout=timeout_s) as http:
         client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none",
                                     max_retries=0, http_client=http)
+        if gate is not None:
+            gate.hold()
         tasks = [asyncio.create_task(_read(client, r)) for r in results]
         try:
+            if gate is not None:
+                start = time.monotonic()
+                try:
+                    while (not gate.ready(len(results))
+                           and time.monotonic() - start < gate.timeout_s):
+                        await asyncio.sleep(0.01)
+                    GATE[:] = [gate.ready(len(results)), round(time.monotonic() - start, 3)]
+                    await asyncio.sleep(gate.grace_s)
+                finally:
+                    gate.release()
             if when is not None and then is not None:
                 deadline = time.monotonic() + timeout_s
                 while time.monotonic() < deadline:
@@ -242,6 +270,59 @@ async def run_streams(
     for r in results:
         r.raw = bytes(tap.taps.get(r.request.key, b""))
     return results, called
+
+
+async def kill_drill(
+    base_url: str,
+    requests: list[DrillRequest],
+    kill: Callable[[], None],
+    min_tokens: int,
+    tries: int = 3,
+    gate: Gate | None = None,
+) -> tuple[list[StreamResult], float | None, int]:
+    """:func:`run_streams` with ``kill`` called once every stream has ``min_tokens`` tokens
+    and none has finished. When a stream finished before the last one had started (the
+    streams' starts are spread by the machine's load, and nothing was killed), the whole
+    batch is sent again, at most ``tries`` times. ``gate``: as :func:`run_streams`'s.
+    Returns the last results, the kill's
+    monotonic time (None: never killed) and the batches that missed it."""
+    missed = 0
+    while True:
+        results, killed = await run_streams(
+            base_url, requests, when=all_started_none_finished(min_tokens), then=kill,
+            gate=gate)
+        if killed is not None or missed + 1 >= tries:
+            return results, killed, missed
+        missed += 1
+
+
+@dataclass
+class Gate:
+    """Held while a batch of requests is sent (:func:`run_streams`): ``hold()`` before the
+    first is sent, ``release()`` once ``ready(n)`` says the ``n`` requests arrived (polled
+    every 10 ms), after ``grace_s`` more, or after ``timeout_s`` in all."""
+
+    hold: Callable[[], None]
+    release: Callable[[], None]
+    ready: Callable[[int], bool]
+    grace_s: float = 0.3
+    timeout_s: float = 10.0
+
+
+def engine_gate(server: VllmServer, in_flight: Callable[[], int]) -> Gate:
+    """A :class:`Gate` that stops ``server``'s engine core (SIGSTOP; its API server keeps
+    taking requests and queues them) until ``in_flight()`` (the gateway's requests sent to
+    it) reaches the batch, then continues it (SIGCONT): every request then starts in the
+    same engine step. ``server`` must run with ``fast=False`` (an engine-core process of
+    its own)."""
+    def hold() -> None:
+        if server.signal_engine(signal.SIGSTOP) < 1:
+            raise RuntimeError(f"{server!r} has no engine-core process (fast=True?)")
+
+    def release() -> None:
+        server.signal_engine(signal.SIGCONT)
+
+    return Gate(hold, release, lambda n: in_flight() >= n)
 
 
 def all_started_none_finished(min_tokens: int) -> Callable[[list[StreamResult]], bool]:
