@@ -45,7 +45,13 @@ Decisions (and why):
   event that carried text are left out of the continuation's prefix and of the produced
   count (``ChoiceRecord.settled_ids`` / ``settled_events``), the continuation generates
   them again and the stitcher does not send them twice, so a cut inside a multi-byte
-  character loses and duplicates nothing.
+  character loses and duplicates nothing. Known limit (measured on real vLLM 0.32,
+  ``tests/realvllm/test_continuation_real_vllm.py``): an event that carries text *and*,
+  after it, such a token (vLLM sends several tokens per event with ``--stream-interval``
+  > 1 or when its output lags) counts as settled whole, since which ids its text covers
+  cannot be told without the tokenizer; a completions continuation's prompt then ends
+  inside a UTF-8 sequence, and vLLM 0.32 streams that whole prompt's text back in its
+  first delta (vllm-project/vllm#48853).
 * **Not exact, so not continued**: more than one choice (``n_gt_1``); a tool call streamed,
   or ``tool_choice`` forcing one (``tool_call``); a constrained output (``structured_output``:
   ``response_format`` json_schema / json_object / structural_tag, ``guided_*``,

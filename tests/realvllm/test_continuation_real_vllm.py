@@ -21,7 +21,7 @@ the continuation). Then the same 32 go through the gateway with the real ``opena
 has a ``finish_reason``, the victim's whole process group is SIGKILLed; every stream is read
 to its end (raw bytes teed, ``tests/support/continuation_drill.py``). So that all start in
 the same step, the victim's engine core is stopped (SIGSTOP) while the requests arrive and
-continued once the gateway has sent all 32 (and 0.3 s more for its API server to queue
+continued once the gateway has sent all 32 (and 1 s more for its API server to queue
 them); should one finish all the same before the last
 had started (nothing killed), the batch is sent again (at most 3 times).
 

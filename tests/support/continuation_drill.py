@@ -305,24 +305,27 @@ class Gate:
     hold: Callable[[], None]
     release: Callable[[], None]
     ready: Callable[[int], bool]
-    grace_s: float = 0.3
+    grace_s: float = 1.0
     timeout_s: float = 10.0
 
 
 def engine_gate(server: VllmServer, in_flight: Callable[[], int]) -> Gate:
     """A :class:`Gate` that stops ``server``'s engine core (SIGSTOP; its API server keeps
     taking requests and queues them) until ``in_flight()`` (the gateway's requests sent to
-    it) reaches the batch, then continues it (SIGCONT): every request then starts in the
-    same engine step. ``server`` must run with ``fast=False`` (an engine-core process of
-    its own)."""
+    it) has grown by the batch, then continues it (SIGCONT): every request then starts in
+    the same engine step (or the next). ``server`` must run with ``fast=False`` (an
+    engine-core process of its own)."""
+    base = [0]
+
     def hold() -> None:
+        base[0] = in_flight()
         if server.signal_engine(signal.SIGSTOP) < 1:
             raise RuntimeError(f"{server!r} has no engine-core process (fast=True?)")
 
     def release() -> None:
         server.signal_engine(signal.SIGCONT)
 
-    return Gate(hold, release, lambda n: in_flight() >= n)
+    return Gate(hold, release, lambda n: in_flight() - base[0] >= n)
 
 
 def all_started_none_finished(min_tokens: int) -> Callable[[list[StreamResult]], bool]:
