@@ -48,6 +48,7 @@ from tests.support.continuation_drill import (  # noqa: E402
     MODEL,
     StreamResult,
     engine_gate,
+    first_difference,
     kill_drill,
     leaks_prompt,
     make_requests,
@@ -108,6 +109,14 @@ def _leaked(a: VllmServer, results: list[StreamResult], refs: list[StreamResult]
     return out
 
 
+def _diff(r: StreamResult, ref: StreamResult) -> dict[str, Any]:
+    """Where ``r``'s text leaves the reference's, with 40 characters either side, and the
+    prompt's ids (for ``/detokenize``)."""
+    i = first_difference(r.text, ref.text)
+    return {"at": i, "got": r.text[max(0, i - 40):i + 80], "want": ref.text[max(0, i - 40):i + 80],
+            "got_len": len(r.text), "want_len": len(ref.text), "prompt_ids": r.prompt_ids}
+
+
 def one_round(a: VllmServer, victim: VllmServer, args: argparse.Namespace, seed: int
               ) -> dict[str, Any]:
     """One drill against a booted ``victim`` (killed by it); its figures."""
@@ -130,6 +139,7 @@ def one_round(a: VllmServer, victim: VllmServer, args: argparse.Namespace, seed:
     finally:
         gw.stop()
     s, c = summarize(results, refs), summarize(control, refs)
+    by_key = {r.request.key: r for r in refs}
     leaked = _leaked(a, results, refs)
     firsts = [r.first_at for r in results if r.first_at is not None]
     ends = [r.done_at for r in results if r.done_at is not None]
@@ -150,6 +160,8 @@ def one_round(a: VllmServer, victim: VllmServer, args: argparse.Namespace, seed:
         "completions_exact_share": round(s.share("completions"), 3),
         "mismatched": s.mismatched,
         "prompt_leaked": leaked,
+        "diffs": {r.request.key: _diff(r, by_key[r.request.key]) for r in results
+                  if r.request.key in s.mismatched},
         "control_mismatched": c.mismatched,
         "first_token_s": {r.request.key: None if r.first_at is None else round(r.first_at - t0, 3)
                           for r in results},
