@@ -243,7 +243,9 @@ def test_BUG_24_12MiB_multimodal_body_forwarded_intact(backends, gateway):
 
 def test_BUG_24_200k_char_prompt_streams(backends, gateway):
     """BUG-24 repro 3: a 200k-character prompt (multi-byte UTF-8 sent raw, so characters !=
-    bytes), streaming; A receives the exact bytes and the client gets A's stream to [DONE]."""
+    bytes), streaming; A receives the exact bytes (but for ``return_token_ids``, which the
+    gateway adds to a chat stream with continuation on, issue 17: the body re-serialized,
+    every character kept) and the client gets A's stream to [DONE]."""
     a = backends(digest_script)
     gw = gateway({"a": a})
     text = ("Grüße, 漢字 and plain words. " * 8000)[:200_000]
@@ -253,8 +255,10 @@ def test_BUG_24_200k_char_prompt_streams(backends, gateway):
                       headers={"content-type": "application/json"}, timeout=30) as r:
         assert r.status_code == 200
         raw = b"".join(r.iter_raw())
-    assert _digest(a.data_requests[0].body) == _digest(body)
-    assert json.dumps(chunk_obj(content=_digest(body))).encode() in raw
+    sent = json.dumps({**json.loads(body), "return_token_ids": True},
+                      ensure_ascii=False).encode()
+    assert _digest(a.data_requests[0].body) == _digest(sent)
+    assert json.dumps(chunk_obj(content=_digest(sent))).encode() in raw
     assert raw.endswith(b"data: [DONE]\n\n")
 
 

@@ -33,9 +33,13 @@ text as a final assistant message (``continue_final_message``), and the text is
 re-tokenized, which may split differently at the seam than the tokens generated; and at
 temperature 0 the numerics may differ across batch compositions and between prefill (the
 continuation's prompt) and decode kernels on CPU, so a near-tie of the argmax can flip.
-Measured here (the tiny model, ``python benchmarks/real_vllm.py continuation``): every chat
-stream equal to its reference; the test asserts :data:`CHAT_MIN_SHARE`, leaving room for a
-flip on another CPU.
+Measured here (the tiny model; this test's runs and ``python benchmarks/real_vllm.py
+continuation --streams 32 --rounds 3``): every chat stream equal to its reference (96/96 in
+the benchmark, 16/16 in each run of this test); the test asserts :data:`CHAT_MIN_SHARE`,
+leaving room for one flip on another CPU. The tiny random model's answers fall into short
+cycles (its next token depends mostly on the last one), so text equality here checks the
+seam (no token lost, doubled or out of phase, the right count) more than long-range
+conditioning.
 """
 
 from __future__ import annotations
