@@ -38,23 +38,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.continuation_drill import (  # noqa: E402
-    LAST_MISSED,
-    MODEL,
-    StreamResult,
-    engine_gate,
+from tests.support.continuation_check import (  # noqa: E402
+    continuation_counts,
     first_difference,
-    kill_drill,
-    leaks_prompt,
-    make_requests,
-    run_streams,
+    leaked_streams,
     summarize,
     whole,
+)
+from tests.support.continuation_drill import (  # noqa: E402
+    LAST_MISSED,
+    StreamResult,
+    engine_gate,
+    kill_drill,
+    make_requests,
+    run_streams,
 )
 from tests.support.servers import GatewayThread, gateway_config  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
@@ -86,29 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _continuations(gw: GatewayThread) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for metric in gw.gateway.metrics.stream_continuations.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total"):
-                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0) + s.value
-    return out
-
-
-def _leaked(a: VllmServer, results: list[StreamResult], refs: list[StreamResult]) -> list[str]:
-    by_key = {r.request.key: r for r in refs}
-    out = []
-    for r in results:
-        ref = by_key[r.request.key]
-        if r.text == ref.text or not r.prompt_ids:
-            continue
-        prompt = httpx.post(a.url + "/detokenize", json={"model": MODEL, "tokens": r.prompt_ids},
-                            timeout=30).json()["prompt"]
-        if leaks_prompt(r, ref, prompt):
-            out.append(r.request.key)
-    return out
-
-
 def _diff(r: StreamResult, ref: StreamResult) -> dict[str, Any]:
     """Where ``r``'s text leaves the reference's, with 40 characters either side, and the
     prompt's ids (for ``/detokenize``)."""
@@ -135,12 +112,12 @@ def one_round(a: VllmServer, victim: VllmServer, args: argparse.Namespace, seed:
         results, killed, missed = asyncio.run(
             kill_drill(gw.url, requests, victim.kill, args.min_tokens, gate=engine_gate(
                 victim, lambda: gw.gateway.fleet.get("victim").in_flight)))
-        continued = _continuations(gw)
+        continued = continuation_counts(gw.gateway.metrics)
     finally:
         gw.stop()
     s, c = summarize(results, refs), summarize(control, refs)
     by_key = {r.request.key: r for r in refs}
-    leaked = _leaked(a, results, refs)
+    leaked = leaked_streams(a.url, results, refs)
     firsts = [r.first_at for r in results if r.first_at is not None]
     ends = [r.done_at for r in results if r.done_at is not None]
     return {

@@ -48,24 +48,25 @@ import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import pytest
 
-from tests.support.continuation_drill import (
-    GATE,
-    LAST_MISSED,
-    MODEL,
-    StreamResult,
+from tests.support.continuation_check import (
     Summary,
-    engine_gate,
+    continuation_counts,
     first_difference,
-    kill_drill,
-    leaks_prompt,
-    make_requests,
-    run_streams,
+    leaked_streams,
     summarize,
     usage_right,
     whole,
+)
+from tests.support.continuation_drill import (
+    GATE,
+    LAST_MISSED,
+    StreamResult,
+    engine_gate,
+    kill_drill,
+    make_requests,
+    run_streams,
 )
 from tests.support.servers import GatewayThread, gateway_config
 from tests.support.vllm import VllmServer
@@ -94,31 +95,6 @@ class Drill:
     leaked: set[str]
 
 
-def _continuations(gw: GatewayThread) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for metric in gw.gateway.metrics.stream_continuations.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total"):
-                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0) + s.value
-    return out
-
-
-def _leaked(a: VllmServer, results: list[StreamResult], refs: list[StreamResult]) -> set[str]:
-    """Keys of the streams whose text has their prompt's text streamed back (``a``'s
-    ``/detokenize`` of the prompt ids the stream reported)."""
-    by_key = {r.request.key: r for r in refs}
-    out = set()
-    for r in results:
-        ref = by_key[r.request.key]
-        if r.text == ref.text or not r.prompt_ids:
-            continue
-        prompt = httpx.post(a.url + "/detokenize", json={"model": MODEL, "tokens": r.prompt_ids},
-                            timeout=30).json()["prompt"]
-        if leaks_prompt(r, ref, prompt):
-            out.add(r.request.key)
-    return out
-
-
 @pytest.fixture(scope="module")
 def drill(real_vllm: dict[str, VllmServer], victim_vllm: VllmServer) -> Iterator[Drill]:
     a, victim = real_vllm["a"], victim_vllm
@@ -145,11 +121,12 @@ def drill(real_vllm: dict[str, VllmServer], victim_vllm: VllmServer) -> Iterator
               f"victim killed "
               f"{killed - min(r.first_at or killed for r in results):.3f} s after the first "
               f"token; {len(results)} streams, continuations "
-              f"{_continuations(gw)}, chat exact {summary.share('chat'):.2f}, completions "
-              f"exact {summary.share('completions'):.2f}, whole {summary.whole}, usage right "
+              f"{continuation_counts(gw.gateway.metrics)}, chat exact "
+              f"{summary.share('chat'):.2f}, completions exact "
+              f"{summary.share('completions'):.2f}, whole {summary.whole}, usage right "
               f"{summary.usage_right}")
-        yield Drill(refs, control, results, summary, _continuations(gw),
-                    _leaked(a, results, refs))
+        yield Drill(refs, control, results, summary, continuation_counts(gw.gateway.metrics),
+                    set(leaked_streams(a.url, results, refs)))
     finally:
         gw.stop()
 
