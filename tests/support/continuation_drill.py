@@ -8,9 +8,10 @@ answered by an uninterrupted server.
 What the client got is seen twice: as the SDK parses it (text, chunk ids, finish reasons,
 usage; an error event raises ``openai.APIError``) and as raw bytes, recorded by
 :class:`TapTransport` (the SDK's own HTTP transport, the bytes teed on their way to the SDK: the
-SDK hides ``data: [DONE]`` and stops reading there). The verdicts (whole, usage, text, the
-vLLM prompt leak) are in ``tests/support/continuation_check.py``. The SDK's HTTP library is ``httpx2``
-(openai 3's fork of httpx; httpx for older SDKs), so the tap is one of its transports.
+SDK hides ``data: [DONE]`` and stops reading there). The SDK's HTTP library is ``httpx2``
+(openai 3's fork of httpx; httpx for older SDKs), so the tap is one of its transports. The
+verdicts (whole, usage, text, the vLLM prompt leak) are in
+``tests/support/continuation_check.py``.
 """
 
 from __future__ import annotations
