@@ -38,6 +38,11 @@ Modes (``python benchmarks/real_vllm.py MODE [options]``, from the repo root, pr
     until ``/admin/backends/{id}`` shows it not warm, polled every 0.1 s, with the reason
     from its history).
 
+``continuation``
+    The kill drill of issue 17 (mid-stream continuation): a victim server SIGKILLed while
+    every stream is mid-generation, each stream compared with an uninterrupted server's
+    answer; its own options (``continuation --help``), in ``benchmarks/real_vllm_continuation.py``.
+
 Every run prints its setup (command line, versions, cores), cleans up every process it
 started (vLLM servers as process groups) even on Ctrl-C, is bounded in time and sends
 traffic to 127.0.0.1 only. JSON goes to ``--json`` (default
@@ -1449,6 +1454,10 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["continuation"]:  # its own options and servers
+        from real_vllm_continuation import main as continuation_main
+        return continuation_main(argv[1:])
     args = build_parser().parse_args(argv)
     venv = default_vllm_venv()
     reason = vllm_unavailable_reason(venv)

@@ -55,12 +55,19 @@ def first_request(
     max_continuations: int,
 ) -> dict[str, Any] | None:
     """The JSON body a continuable stream's first attempt is sent (``body``: the bytes the
-    gateway would send; :func:`gateway.proxy.continuation.with_token_ids` of it: a
-    completions continuation needs the token ids, and a chat one the prompt's, for the
-    client's usage: the continuation's prompt re-tokenizes the generated text, which may
-    count differently), or None when continuation is off
-    for it: not a stream, not chat / completions, ``max_continuations`` 0, the forwarded
-    ``headers`` say ``x-gateway-continuation: off``, or a body that is not a JSON object."""
+    gateway would send; :func:`gateway.proxy.continuation.with_token_ids` of it), or None
+    when continuation is off for it: not a stream, not chat / completions,
+    ``max_continuations`` 0, the forwarded ``headers`` say ``x-gateway-continuation: off``,
+    or a body that is not a JSON object.
+
+    Both endpoints ask for the token ids: completions continue from them; chat continues
+    from the text, but counts the tokens produced by them (the continuation's budget and
+    the client's usage) and its prompt tokens by ``prompt_token_ids`` (the continuation's
+    prompt re-tokenizes the text, which may count otherwise). Without ids the count is the
+    token events, a lower bound: vLLM sends several tokens in one event when its output lags
+    (``--stream-interval`` > 1, or a busy server), and the continuation then generated more
+    than ``max_tokens`` in all and reported the wrong usage (measured with two real vLLM
+    servers, one SIGKILLed, ``tests/realvllm/test_continuation_real_vllm.py``)."""
     if not stream or endpoint not in ENDPOINTS or max_continuations <= 0:
         return None
     if headers.get(HEADER, "").strip().lower() == "off":

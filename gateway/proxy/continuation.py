@@ -37,16 +37,23 @@ Decisions (and why):
   ``add_generation_prompt: false`` (vLLM refuses both true: "Cannot set both
   `continue_final_message` and `add_generation_prompt` to True."). Exact when the chat
   template renders the prefix as the original prompt plus the text and the text re-tokenizes
-  as generated; the I/O side measures the share. The first attempt still asks for token ids
-  (:func:`with_token_ids`): the continuation's prompt holds the re-tokenized text, whose
-  count may differ from the generated tokens', so the client's ``prompt_tokens`` come from
-  the first attempt's ``prompt_token_ids`` and the generated count from its ``token_ids``.
+  as generated; the I/O side measures the share. Its first attempt asks for the token ids
+  all the same (:func:`with_token_ids`): they count the produced tokens exactly (vLLM may
+  send several tokens in one event), for the continuation's budget and the usage, and the
+  client's ``prompt_tokens`` come from the first attempt's ``prompt_token_ids`` (the
+  continuation's prompt holds the re-tokenized text, whose count may differ).
 * **Held-back tokens**: vLLM's detokenizer emits nothing for a token that ends inside a
   UTF-8 sequence (its text comes with a later token). Tokens that arrived after the last
   event that carried text are left out of the continuation's prefix and of the produced
   count (``ChoiceRecord.settled_ids`` / ``settled_events``), the continuation generates
   them again and the stitcher does not send them twice, so a cut inside a multi-byte
-  character loses and duplicates nothing.
+  character loses and duplicates nothing. Known limit (measured on real vLLM 0.32,
+  ``tests/realvllm/test_continuation_real_vllm.py``): an event that carries text *and*,
+  after it, such a token (vLLM sends several tokens per event with ``--stream-interval``
+  > 1 or when its output lags) counts as settled whole, since which ids its text covers
+  cannot be told without the tokenizer; a completions continuation's prompt then ends
+  inside a UTF-8 sequence, and vLLM 0.32 streams that whole prompt's text back in its
+  first delta (vllm-project/vllm#48853).
 * **Not exact, so not continued**: more than one choice (``n_gt_1``); a tool call streamed,
   or ``tool_choice`` forcing one (``tool_call``); a constrained output (``structured_output``:
   ``response_format`` json_schema / json_object / structural_tag, ``guided_*``,
@@ -269,8 +276,8 @@ def _prefix_ids(request: Mapping[str, Any], t: StreamTranscript) -> list[int] | 
 def with_token_ids(endpoint: str, request: Mapping[str, Any]) -> dict[str, Any]:
     """The first attempt's body with ``return_token_ids: true`` (vLLM then streams the
     prompt's and each chunk's token ids: what an exact completions continuation needs, and
-    the chat prompt's exact token count for the client's usage). Clients see the extra
-    ``token_ids`` / ``prompt_token_ids`` fields (vLLM's own, as if they had asked)."""
+    the exact count of produced and prompt tokens for chat). A client that did not ask for
+    them is sent vLLM's ``null`` instead (:func:`hide_token_ids`)."""
     body = dict(request)
     if endpoint in ENDPOINTS:
         body["return_token_ids"] = True
@@ -280,16 +287,22 @@ def with_token_ids(endpoint: str, request: Mapping[str, Any]) -> dict[str, Any]:
 # vLLM's token-id fields with a list value, compact or spaced (a quote right before the key is
 # structure: inside a JSON string it would be escaped)
 _IDS = re.compile(rb'("(?:prompt_)?token_ids"\s*:\s*)\[[\d,\s]*\]')
+# chat's first chunk also carries the rendered prompt (``prompt_text``, a JSON string)
+_PROMPT_TEXT = re.compile(rb'("prompt_text"\s*:\s*)"(?:[^"\\]|\\.)*"')
 
 
 def hide_token_ids(block: bytes) -> bytes:
-    """``block`` (SSE events) with vLLM's ``token_ids`` / ``prompt_token_ids`` lists turned
-    back into ``null``: the bytes vLLM 0.32 sends a client that did not ask for them
-    (``return_token_ids``), when the gateway asked for them itself (:func:`with_token_ids`).
-    Everything else unchanged; a block without ids costs one substring search."""
+    """``block`` (SSE events) with vLLM's ``token_ids`` / ``prompt_token_ids`` lists (and
+    chat's ``prompt_text``, which comes with them) turned back into ``null``: the bytes vLLM
+    0.32 sends a client that did not ask for them (``return_token_ids``), when the gateway
+    asked for them itself (:func:`with_token_ids`). Everything else unchanged; a block
+    without ids costs one substring search."""
     if b'token_ids"' not in block:
         return block
-    return _IDS.sub(rb"\1null", block)
+    block = _IDS.sub(rb"\1null", block)
+    if b'"prompt_text"' in block:
+        block = _PROMPT_TEXT.sub(rb"\1null", block)
+    return block
 
 
 def continuation_body(

@@ -97,6 +97,8 @@ def first_body(path: str, sent: bytes) -> bytes:
     """The body a backend receives: the client's byte for byte, but for a chat or completions
     stream with continuation on (issue 17), which asks vLLM for token ids
     (``return_token_ids``; the client is sent none unless it asked)."""
+    if path not in ("/v1/completions", "/v1/chat/completions"):
+        return sent
     return json.dumps({**json.loads(sent), "return_token_ids": True}).encode()
 
 

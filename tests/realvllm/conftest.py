@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.realvllm.servers import BACKEND_KEY, EARLY, make_servers
+from tests.realvllm.servers import BACKEND_KEY, EARLY, VICTIM_EARLY, make_servers, make_victim
 from tests.support.vllm import (
     START_TIMEOUT_S,
     VllmServer,
@@ -22,7 +22,7 @@ from tests.support.vllm import (
     vllm_unavailable_reason,
 )
 
-__all__ = ["BACKEND_KEY", "real_vllm"]
+__all__ = ["BACKEND_KEY", "real_vllm", "victim_vllm"]
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +48,26 @@ def real_vllm(
     finally:
         for s in servers.values():
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def victim_vllm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """The kill drill's own server (``tests/realvllm/servers.py`` ``make_victim``), ready:
+    the one launched early, else launched now; stopped (its process group) at the end,
+    whatever the test did to it."""
+    venv = default_vllm_venv()
+    reason = vllm_unavailable_reason(venv)
+    if reason:
+        pytest.skip(f"real vLLM unavailable: {reason}")
+    victim = request.config.stash.get(VICTIM_EARLY, None)
+    if victim is None or victim.proc is None:
+        victim = make_victim(venv, tmp_path_factory.mktemp("vllm-victim-logs"))
+        victim.launch()
+    try:
+        assert victim.started_at is not None
+        victim.wait_ready(time.monotonic() - victim.started_at + START_TIMEOUT_S)
+        yield victim
+    finally:
+        victim.stop()

@@ -1,5 +1,6 @@
 """The session's real vLLM servers: ``a`` (plain), ``b`` (with ``--api-key``), both with 4096
-positions, and ``embed`` (the same model served as an embedding model).
+positions, and ``embed`` (the same model served as an embedding model); and, for the kill
+drill only, a ``victim`` (:func:`make_victim`).
 
 They take about two minutes of CPU to boot on two cores. When the session will run a test
 under ``tests/realvllm``, :func:`launch_early` starts them as soon as collection is done,
@@ -32,6 +33,18 @@ EARLY: pytest.StashKey[dict[str, VllmServer]] = pytest.StashKey()
 LONG_CONTEXT = 4096
 LONG_ARGS = ["--max-model-len", str(LONG_CONTEXT)]
 LONG_ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "KV_BYTES": "256M"}
+VICTIM_EARLY: pytest.StashKey[VllmServer] = pytest.StashKey()
+VICTIM_TESTS = "tests/realvllm/test_continuation_real_vllm.py"
+"""The tests that SIGKILL a server of their own (the session's ``a`` is never killed)."""
+VICTIM_ARGS = ("--max-num-seqs", "32", "--stream-interval", "2")
+"""The victim's extra vLLM arguments: room for all 32 streams of the kill drill at once
+(the drill kills it while every stream is mid-generation, so none may wait in its queue);
+two tokens per stream event (vLLM's ``--stream-interval``: what a lagging server does
+anyway, made certain), so that a continuation must count tokens by their ids. It also runs
+without ``FAST`` (its engine core a process of its own), so that the drill can stop the
+engine while the 32 requests arrive and continue it once all are queued: they then start
+in the same step (with the engine inside the API server's process, a loaded machine let
+the first stream finish before the API server had passed on the others)."""
 
 
 def make_servers(venv: Path, logs: Path, nice: int = 0) -> dict[str, VllmServer]:
@@ -47,9 +60,18 @@ def make_servers(venv: Path, logs: Path, nice: int = 0) -> dict[str, VllmServer]
     }
 
 
+def make_victim(venv: Path, logs: Path, nice: int = 0) -> VllmServer:
+    """The kill drill's own server (not launched): the same model as ``a``, with
+    :data:`VICTIM_ARGS`."""
+    return VllmServer(venv, ensure_tiny_model(venv), log_path=logs / "victim.log", nice=nice,
+                      extra_args=VICTIM_ARGS, fast=False)
+
+
 def launch_early(session: pytest.Session) -> None:
     """Launch the servers in the background (niceness 19) if a collected test will use
-    them and vLLM is installed; the ``real_vllm`` fixture picks them up."""
+    them and vLLM is installed; the ``real_vllm`` fixture picks them up (and the
+    ``victim_vllm`` fixture the victim, launched only when a test of
+    :data:`VICTIM_TESTS` was collected)."""
     if not any(item.nodeid.startswith("tests/realvllm/") for item in session.items):
         return
     venv = default_vllm_venv()
@@ -57,12 +79,18 @@ def launch_early(session: pytest.Session) -> None:
         return  # the fixture skips with the reason
     logs = Path(tempfile.mkdtemp(prefix="vllm-logs-"))
     servers = make_servers(venv, logs, nice=19)
+    if any(item.nodeid.startswith(VICTIM_TESTS) for item in session.items):
+        session.config.stash[VICTIM_EARLY] = make_victim(venv, logs, nice=19)
     try:
         for s in servers.values():
             s.launch()
+        if VICTIM_EARLY in session.config.stash:
+            session.config.stash[VICTIM_EARLY].launch()
     except BaseException:
         for s in servers.values():
             s.stop()
+        if VICTIM_EARLY in session.config.stash:
+            session.config.stash[VICTIM_EARLY].stop()
         raise
     session.config.stash[EARLY] = servers
 
@@ -71,3 +99,6 @@ def stop_early(session: pytest.Session) -> None:
     """Stop servers launched early that no fixture took (e.g. the session was cut short)."""
     for s in session.config.stash.get(EARLY, {}).values():
         s.stop()
+    victim = session.config.stash.get(VICTIM_EARLY, None)
+    if victim is not None:
+        victim.stop()

@@ -369,6 +369,36 @@ class VllmServer:
             self._tmpdir = None
         _live.discard(self)
 
+    def engine_pids(self) -> list[int]:
+        """The server's engine-core processes (title ``VLLM::EngineCore``); none with
+        ``fast`` (its engine runs inside the API server's process)."""
+        if self.proc is None:
+            return []
+        out = []
+        for pid in _group_pids(self.proc.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"EngineCore" in f.read():
+                        out.append(pid)
+            except OSError:
+                continue
+        return out
+
+    def signal_engine(self, sig: int) -> int:
+        """Send ``sig`` (e.g. SIGSTOP / SIGCONT) to the engine-core processes only: the API
+        server keeps accepting requests while its engine is stopped. Returns how many."""
+        pids = self.engine_pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        return len(pids)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (API server, engine core, resource
+        tracker: a machine lost, not a shutdown). :meth:`stop` still reaps it."""
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+
     def __enter__(self) -> VllmServer:
         if self.proc is None:
             self.start()

@@ -601,3 +601,9 @@ def test_hide_token_ids_gives_back_vllms_nulls() -> None:
         b'[{"token_ids": null, "text": "hi"}]}\n\ndata: [DONE]\n\n')
     plain = b'data: {"id":"c","choices":[{"text":"token_ids"}]}\n\n'
     assert hide_token_ids(plain) is plain
+    chat = (b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}'
+            b'}],"prompt_token_ids":[5,6],"prompt_text":"<|im_start|>user\\n\\"hi\\"'
+            b'<|im_end|>"}\n\n')
+    assert hide_token_ids(chat) == (
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}'
+        b'}],"prompt_token_ids":null,"prompt_text":null}\n\n')
