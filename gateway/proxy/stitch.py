@@ -11,6 +11,12 @@ What the client sees after a continuation (:class:`Stitcher`):
   role on a chunk that also carries content is removed;
 * no continuation prompt: ``prompt_token_ids`` / ``prompt_text`` (the original prompt plus
   the generated text) are set to null;
+* no prompt text twice: vLLM 0.32 streams a token-id prompt's whole text back in the first
+  delta when the prompt ends inside a UTF-8 sequence (vllm-project/vllm#48853: its fast
+  incremental detokenizer; a completions continuation's prompt ends so when the last token
+  the client got ended inside a character). The first text of a completions continuation
+  that holds what the client already has (at least :data:`LEAK_MIN_CHARS` characters of
+  it, or the original prompt string followed by it) is cut after it;
 * one ``finish_reason`` (a second one is nulled) and one ``[DONE]``;
 * usage as the client asked: the continuation is always asked for it
   (``include_usage: true``); its usage chunk is dropped when the client did not ask, else
@@ -52,6 +58,26 @@ def encode_event(obj: Any) -> bytes:
 
 def _chunk_object(endpoint: str, t: StreamTranscript) -> str:
     return t.object or ("chat.completion.chunk" if endpoint == CHAT else "text_completion")
+
+
+LEAK_MIN_CHARS = 8
+"""Characters of the client's text a leaked first delta must hold to be cut without the
+prompt string to check (shorter, a genuine token could hold them)."""
+
+
+def leaked_prefix(text: str, sent: str, prompt: str | None) -> int:
+    """How many leading characters of a completions continuation's first ``text`` are vLLM's
+    prompt leak (vllm-project/vllm#48853: the prompt's text, the original prompt then the
+    generated ``sent``, before the new text), 0 when none: ``text`` holds ``sent``
+    (``LEAK_MIN_CHARS`` or more characters), or starts with the original ``prompt`` string
+    then ``sent``."""
+    if len(sent) >= LEAK_MIN_CHARS:
+        k = text.rfind(sent)
+        if k >= 0:
+            return k + len(sent)
+    if prompt and text.startswith(prompt) and text[len(prompt):].startswith(sent):
+        return len(prompt) + len(sent)
+    return 0
 
 
 def _usage_dict(prompt: int, completion: int) -> dict[str, int]:
@@ -116,6 +142,11 @@ class Stitcher:
             self._held = len(rec.token_ids) - rec.settled_ids
         else:
             self._held = rec.token_events - rec.settled_events
+        # the first text of a completions continuation is checked for vLLM's prompt leak
+        self._leak_check = not self._chat
+        self._sent = rec.text
+        given = request.get("prompt")
+        self._prompt_text = given if isinstance(given, str) else None
         self.prior: int = t.produced()[0]
         """Completion tokens the client got before this continuation."""
         self._prompt_tokens = t.prompt_tokens()
@@ -193,6 +224,11 @@ class Stitcher:
         if isinstance(ids, list):
             self.own_ids += len(ids)
         text = delta.get("content") if isinstance(delta, dict) else ch.get("text")
+        if self._leak_check and isinstance(text, str) and text and not isinstance(delta, dict):
+            self._leak_check = False
+            cut = leaked_prefix(text, self._sent, self._prompt_text)
+            if cut:
+                text = ch["text"] = text[cut:]
         reason = ch.get("finish_reason")
         if isinstance(text, str) and not (isinstance(delta, dict) and "role" in delta):
             self.own_token_events += 1

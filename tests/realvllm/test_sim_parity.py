@@ -142,20 +142,33 @@ def pair(real_vllm) -> Iterator[tuple[str, str, str]]:
 
 
 def compare(pair: tuple[str, str, str], method: str, path: str, body: Any) -> None:
+    """The same request to real vLLM and to the simulator: the same status, content type,
+    header names and payload shape. A stream is asked of real vLLM again (3 tries at most)
+    when its events are fewer than the simulator's: vLLM sends several tokens in one event
+    when its output lags (a busy machine), which is vLLM's timing, not its shape."""
     real, sim, model = pair
-    got = []
-    for base in (real, sim):
-        kw: dict[str, Any] = {}
-        if isinstance(body, str):
-            kw = {"content": body, "headers": {"content-type": "application/json"}}
-        elif body is not None:
-            kw = {"json": {"model": model, **body}}
+    kw: dict[str, Any] = {}
+    if isinstance(body, str):
+        kw = {"content": body, "headers": {"content-type": "application/json"}}
+    elif body is not None:
+        kw = {"json": {"model": model, **body}}
+
+    def ask(base: str) -> tuple[Any, ...]:
         r = httpx.request(method, base + path, timeout=30, **kw)
         headers = sorted(
             k for k in r.headers if k not in ("date", "content-length", "x-request-id")
         )
-        got.append((r.status_code, r.headers.get("content-type"), headers, payload(r)))
-    assert got[1] == got[0]
+        return r.status_code, r.headers.get("content-type"), headers, payload(r)
+
+    want = ask(sim)
+    got = ask(real)
+    for _ in range(2):
+        lagged = isinstance(got[3], list) and isinstance(want[3], list) and len(
+            got[3]) < len(want[3])
+        if not lagged:
+            break
+        got = ask(real)
+    assert want == got
 
 
 @pytest.mark.parametrize(("method", "path", "body"), CASES, ids=lambda c: str(c)[:40])

@@ -54,11 +54,14 @@ class DrillRequest:
 
     def sdk_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``chat.completions.create`` / ``completions.create``:
-        temperature 0, ``seed``, ``ignore_eos`` (exactly ``max_tokens`` tokens), usage."""
+        temperature 0, ``seed``, ``ignore_eos`` (exactly ``max_tokens`` tokens), usage, and
+        vLLM's token ids (``return_token_ids``: the client asks for them, so the gateway
+        relays them, and the tokens received are counted by id)."""
         kw: dict[str, Any] = {
             "model": MODEL, "max_tokens": self.max_tokens, "temperature": 0, "seed": self.seed,
             "stream": True, "stream_options": {"include_usage": True},
-            "extra_body": {"ignore_eos": True}, "extra_headers": {TAG: self.key},
+            "extra_body": {"ignore_eos": True, "return_token_ids": True},
+            "extra_headers": {TAG: self.key},
         }
         if self.kind == "chat":
             kw["messages"] = [{"role": "user", "content": self.prompt}]

@@ -607,3 +607,35 @@ def test_hide_token_ids_gives_back_vllms_nulls() -> None:
     assert hide_token_ids(chat) == (
         b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}'
         b'}],"prompt_token_ids":null,"prompt_text":null}\n\n')
+
+
+def test_a_completions_continuation_that_leaks_its_prompt_is_cut_after_it() -> None:
+    """vLLM 0.32 (vllm-project/vllm#48853) streams a token-id prompt's whole text back in the
+    first delta when the prompt ends inside a UTF-8 sequence: the client must get only the
+    new text. A first delta that does not hold the client's text passes unchanged, and only
+    the first text is checked."""
+    from gateway.proxy.stitch import Stitcher, leaked_prefix
+
+    sent = "al\ufffdal\ufffdal\ufffdal"
+    assert leaked_prefix("violin winter" + sent + "\u00e9x", sent, "violin winter") == (
+        13 + len(sent))
+    assert leaked_prefix("violin winter" + sent + "\u00e9x", sent, None) == 13 + len(sent)
+    assert leaked_prefix("ab" + "c\u00e9", "ab", "P") == 0  # short: needs the prompt
+    assert leaked_prefix("Pab" + "c\u00e9", "ab", "P") == 3
+    assert leaked_prefix("\u00e9 more", sent, "violin") == 0
+
+    req = {"model": "m", "prompt": "violin winter", "stream": True}
+    t = StreamTranscript(COMPLETIONS)
+    t.feed(b'data: {"id":"c1","object":"text_completion","created":1,"model":"m","choices":'
+           b'[{"index":0,"text":"' + sent.encode() + b'","logprobs":null,'
+           b'"finish_reason":null,"token_ids":[7,8,9,10,11,12,13,14,15,16]}]}\n\n')
+    st = Stitcher(COMPLETIONS, req, t)
+    leak = ("violin winter" + sent + "\u00e9").encode()
+    out = st.feed(b'data: {"id":"c2","object":"text_completion","created":2,"model":"m",'
+                  b'"choices":[{"index":0,"text":"' + leak + b'","logprobs":null,'
+                  b'"finish_reason":null,"token_ids":[17]}]}\n\n'
+                  b'data: {"id":"c2","object":"text_completion","created":2,"model":"m",'
+                  b'"choices":[{"index":0,"text":"' + leak + b'","logprobs":null,'
+                  b'"finish_reason":null,"token_ids":[18]}]}\n\n')
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in out.split(b"\n\n") if e]
+    assert texts == ["\u00e9", leak.decode()]  # the first cut, the second as sent
