@@ -53,7 +53,8 @@ Decisions (and why):
   > 1 or when its output lags) counts as settled whole, since which ids its text covers
   cannot be told without the tokenizer; a completions continuation's prompt then ends
   inside a UTF-8 sequence, and vLLM 0.32 streams that whole prompt's text back in its
-  first delta (vllm-project/vllm#48853).
+  first delta (vllm-project/vllm#48853); the stitcher cuts that leak
+  (:func:`gateway.proxy.stitch.leaked_prefix`).
 * **Not exact, so not continued**: more than one choice (``n_gt_1``); a tool call streamed,
   or ``tool_choice`` forcing one (``tool_call``); a constrained output (``structured_output``:
   ``response_format`` json_schema / json_object / structural_tag, ``guided_*``,
@@ -61,7 +62,12 @@ Decisions (and why):
   would be conditioned on a different prompt); a ``reasoning_content`` / ``reasoning``
   delta (``reasoning``: it cannot be handed back as the assistant message's content, and a
   continuation would start a new reasoning section); a ``refusal`` delta (``refusal``); an
-  in-band error already sent (``error``); an event that is not JSON (``unparseable``).
+  in-band error already sent (``error``); an event that is not JSON (``unparseable``);
+  ``stop`` strings once text was generated (``stop``: vLLM holds back the text that may
+  begin one while it streams every token id, and checks a stop string only in its own
+  output: :func:`_stop_strings`); ``echo`` (``echo``: the echoed prompt is not generated
+  text, and the first attempt is sent without ``return_token_ids``, which blanks vLLM's
+  echo).
   Constrained or forced outputs are still continued when nothing was generated yet: the
   continuation is then the original request again. Tools with ``tool_choice`` auto and only
   content so far are continued (a tool call the continuation makes is its own whole call).
@@ -179,6 +185,17 @@ def _structured(request: Mapping[str, Any]) -> bool:
     return any(request.get(k) is not None for k in _GUIDED)
 
 
+def _stop_strings(stop: Any) -> bool:
+    """``stop`` names at least one non-empty string: vLLM then holds back the text that may
+    begin one (``max(len) - 1`` characters, ``vllm/v1/engine/detokenizer.py``) while it
+    streams every token id, and checks a stop string only in its own output, so neither a
+    continuation from the ids (text lost) nor one from the text (a stop string across the
+    cut missed, the held tokens counted twice) can be exact."""
+    if isinstance(stop, str):
+        return bool(stop)
+    return isinstance(stop, list) and any(isinstance(s, str) and s for s in stop)
+
+
 def _forced_tool(request: Mapping[str, Any]) -> bool:
     tc = request.get("tool_choice")
     return bool(request.get("tools")) and (tc == "required" or isinstance(tc, dict))
@@ -204,7 +221,8 @@ def continuable(
     ``endpoint``) go on on another backend? ``headers``: the client's request headers (read
     case-insensitively); ``used``: continuations already sent for it, against
     ``max_continuations`` (``proxy.max_continuations``). Reasons are checked in this order:
-    disabled, endpoint, unparseable, error, n_gt_1, finished, length, the inexact ones,
+    disabled, endpoint, unparseable, error, n_gt_1, finished, length, echo, the inexact
+    ones (the transcript's obstacle, logprobs, tool_call, structured_output, stop),
     no_token_ids, budget."""
     if _disabled(headers):
         return Verdict("disabled")
@@ -223,6 +241,8 @@ def continuable(
     left = remaining(endpoint, request, t)
     if left is not None and left <= 0:
         return Verdict("length")
+    if request.get("echo"):
+        return Verdict("echo")
     if t.obstacle is not None:
         return Verdict(t.obstacle)
     if _asks_logprobs(endpoint, request):
@@ -232,6 +252,8 @@ def continuable(
         return Verdict("tool_call")
     if generated and _structured(request):
         return Verdict("structured_output")
+    if generated and _stop_strings(request.get("stop")):
+        return Verdict("stop")
     if generated and endpoint == COMPLETIONS and _prefix_ids(request, t) is None:
         return Verdict("no_token_ids")
     if used >= max_continuations:
@@ -277,9 +299,11 @@ def with_token_ids(endpoint: str, request: Mapping[str, Any]) -> dict[str, Any]:
     """The first attempt's body with ``return_token_ids: true`` (vLLM then streams the
     prompt's and each chunk's token ids: what an exact completions continuation needs, and
     the exact count of produced and prompt tokens for chat). A client that did not ask for
-    them is sent vLLM's ``null`` instead (:func:`hide_token_ids`)."""
+    them is sent vLLM's ``null`` instead (:func:`hide_token_ids`). Not for ``echo``: vLLM
+    0.32 echoes nothing when ``return_token_ids`` is set (``serving.py``: ``prompt_text =
+    ""``), and an echo stream is not continued anyway (its echo is not generated text)."""
     body = dict(request)
-    if endpoint in ENDPOINTS:
+    if endpoint in ENDPOINTS and not request.get("echo"):
         body["return_token_ids"] = True
     return body
 

@@ -24,7 +24,8 @@ What the client sees after a continuation (:class:`Stitcher`):
   the continuation's prompt tokens less the produced ones: the continuation's prompt is the
   original plus them, exact for completions' token ids), ``completion_tokens`` = the
   produced tokens before the continuation plus the continuation's, ``total_tokens`` their
-  sum. Per-chunk usage (``continuous_usage_stats``) is rewritten the same way. A
+  sum. Per-chunk usage (``continuous_usage_stats``) is rewritten the same way, and dropped
+  when the client did not ask ``include_usage`` (vLLM sends none then). A
   continuation that sends ``[DONE]`` without usage gets one built from the counts.
 
 Events are re-serialized as vLLM writes them (compact JSON, UTF-8 unescaped, key order
@@ -195,6 +196,8 @@ class Stitcher:
         if isinstance(usage, dict):
             self.own_usage = usage
             obj["usage"] = self._merged(usage)
+            if choices and not self._want_usage:
+                del obj["usage"]  # per-chunk usage (continuous_usage_stats) not asked for
             if not choices:
                 if not self._want_usage or self.usage_sent:
                     return b""

@@ -34,7 +34,7 @@ from typing import Any, Literal
 Reason = Literal[
     "disabled", "unparseable", "error", "n_gt_1", "finished", "length", "tool_call",
     "structured_output", "logprobs", "reasoning", "refusal", "no_token_ids", "budget",
-    "endpoint",
+    "endpoint", "echo", "stop",
 ]
 """A verdict's reason code (a metric label value: ``reason`` of
 ``gateway_stream_continuations_total``)."""

@@ -359,7 +359,9 @@ def parse_generation(
             "Stream options can only be defined when `stream=True`.", "stream_options"
         )
     include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
-    continuous = bool(isinstance(so, dict) and so.get("continuous_usage_stats"))
+    # per-chunk usage needs both (vLLM's ``should_include_usage``)
+    continuous = include_usage and bool(
+        isinstance(so, dict) and so.get("continuous_usage_stats"))
     if n is None or n < 1:
         raise error(400, f"n must be at least 1, got {n}.", "BadRequestError")
     if max_tokens is not None:

@@ -122,7 +122,7 @@ CHAT_REQ: dict[str, Any] = {
 COMP_REQ: dict[str, Any] = {
     "model": MODEL, "prompt": "hi there", "stream": True, "return_token_ids": True,
     "stream_options": {"include_usage": True}, "max_tokens": 50, "temperature": 0,
-    "seed": 7, "stop": ["\n\n"], "x_unknown": True,
+    "seed": 7, "stop_token_ids": [99], "x_unknown": True,
 }
 
 
@@ -514,7 +514,8 @@ def test_budget_reduction_and_unknown_fields_pass_through() -> None:
     body = continuation_body(COMPLETIONS, req, t)
     assert body["max_tokens"] == 16 - 4 and body["echo"] is False
     assert body["prompt"] == [9, 1, 2, 3, 4] and body["x_unknown"] is True
-    assert body["stop"] == ["\n\n"] and body["seed"] == 7 and body["return_token_ids"] is True
+    assert body["stop_token_ids"] == [99] and body["seed"] == 7
+    assert body["return_token_ids"] is True
     # chat without a limit stays without one
     nolimit = {k: v for k, v in CHAT_REQ.items() if k != "max_tokens"}
     assert "max_tokens" not in continuation_body(CHAT, nolimit, _chat_transcript({"content": "x"}))
@@ -639,3 +640,22 @@ def test_a_completions_continuation_that_leaks_its_prompt_is_cut_after_it() -> N
                   b'"finish_reason":null,"token_ids":[18]}]}\n\n')
     texts = [json.loads(e[6:])["choices"][0]["text"] for e in out.split(b"\n\n") if e]
     assert texts == ["\u00e9", leak.decode()]  # the first cut, the second as sent
+
+
+def test_stop_strings_and_echo_are_not_continued() -> None:
+    """``stop`` strings once text was generated (vLLM holds back text that may begin one
+    while streaming every id, and checks one only in its own output): ``stop``; ``echo``
+    (the echoed prompt is not generated text): ``echo``, and its first attempt is sent
+    without ``return_token_ids`` (vLLM 0.32 blanks the echo with it). Stop token ids, an
+    empty stop string and stop strings before any text are no obstacle."""
+    t = StreamTranscript(COMPLETIONS)
+    t.feed(b"".join(completion_events("cmpl-a", 1, TOKENS, prompt_ids=[9])[:2]))
+    assert continuable(COMPLETIONS, {**COMP_REQ, "stop": ["END"]}, t).reason == "stop"
+    assert continuable(COMPLETIONS, {**COMP_REQ, "stop": "\n"}, t).reason == "stop"
+    assert continuable(COMPLETIONS, {**COMP_REQ, "stop": ["", None]}, t).ok
+    assert continuable(COMPLETIONS, {**COMP_REQ, "echo": True}, t).reason == "echo"
+    assert continuable(CHAT, {**CHAT_REQ, "stop": ["x"]},
+                       _chat_transcript({"content": "ab"})).reason == "stop"
+    assert continuable(CHAT, {**CHAT_REQ, "stop": ["x"]}, _chat_transcript()).ok
+    echo = {k: v for k, v in COMP_REQ.items() if k != "return_token_ids"} | {"echo": True}
+    assert "return_token_ids" not in with_token_ids(COMPLETIONS, echo)

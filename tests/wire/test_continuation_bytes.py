@@ -229,11 +229,11 @@ def client_rest(endpoint: str, include_usage: bool, sent: int) -> bytes:
 
 CHAT_BODY: dict[str, Any] = {
     "model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "stream": True,
-    "temperature": 0, "seed": 7, "top_p": 0.9, "stop": ["\n\n"], "x_unknown": {"keep": [1]},
+    "temperature": 0, "seed": 7, "top_p": 0.9, "stop_token_ids": [99], "x_unknown": {"keep": [1]},
 }
 COMPLETIONS_BODY: dict[str, Any] = {
     "model": MODEL, "prompt": "Say hi", "stream": True, "temperature": 0, "seed": 7,
-    "top_p": 0.9, "stop": ["\n\n"], "frequency_penalty": 0.5, "x_unknown": {"keep": [1]},
+    "top_p": 0.9, "stop_token_ids": [99], "frequency_penalty": 0.5, "x_unknown": {"keep": [1]},
 }
 LIMIT = 50  # the client's token limit
 
@@ -480,7 +480,7 @@ def test_chat_cut_inside_utf8_written_out(rig):
     )
     assert res.bodies[1:] == [{
         "model": "m1", "stream": True, "temperature": 0, "seed": 7, "top_p": 0.9,
-        "stop": ["\n\n"], "x_unknown": {"keep": [1]}, "max_completion_tokens": 49,
+        "stop_token_ids": [99], "x_unknown": {"keep": [1]}, "max_completion_tokens": 49,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "Say hi"},
                      {"role": "assistant", "content": "Hello"}],
@@ -512,7 +512,7 @@ def test_completions_cut_inside_event_written_out(rig):
     )
     assert res.bodies[1:] == [{
         "model": "m1", "prompt": [101, 102, 103, 11, 12, 13, 14], "stream": True,
-        "temperature": 0, "seed": 7, "top_p": 0.9, "stop": ["\n\n"],
+        "temperature": 0, "seed": 7, "top_p": 0.9, "stop_token_ids": [99],
         "frequency_penalty": 0.5, "x_unknown": {"keep": [1]}, "max_tokens": 46,
         "return_token_ids": True, "stream_options": {"include_usage": True},
     }]
@@ -599,6 +599,11 @@ NOT_CONTINUED: dict[str, tuple[str, list[bytes], list[bytes], int, dict[str, Any
     "chat_tool_call_cut": (CHAT, tool_call_chat(), tool_call_chat(), 3,
                            {**client_body(CHAT, False), "tools": TOOLS, "tool_choice": "auto"},
                            {}, "tool_call"),
+    "chat_stop_strings": (CHAT, original(CHAT, False), client_view(CHAT, False), 3,
+                          {**client_body(CHAT, False), "stop": ["\n\n"]}, {}, "stop"),
+    "completions_echo": (COMPLETIONS, client_view(COMPLETIONS, False),
+                         client_view(COMPLETIONS, False), 2,
+                         {**client_body(COMPLETIONS, False), "echo": True}, {}, "echo"),
     "chat_header_off": (CHAT, client_view(CHAT, True), client_view(CHAT, True), 3,
                         client_body(CHAT, True), {"x-gateway-continuation": "off"}, None),
     "completions_header_off": (COMPLETIONS, client_view(COMPLETIONS, True),
@@ -610,7 +615,8 @@ NOT_CONTINUED: dict[str, tuple[str, list[bytes], list[bytes], int, dict[str, Any
 
 @pytest.mark.parametrize("case", list(NOT_CONTINUED))
 def test_stream_that_cannot_continue_ends_with_the_error_event(rig, case):
-    """``n`` > 1, a tool call cut in its arguments, ``x-gateway-continuation: off``: the
+    """``n`` > 1, a tool call cut in its arguments, ``stop`` strings, ``echo``,
+    ``x-gateway-continuation: off``: the
     client gets the events before the cut, then today's error event and ``[DONE]``, exactly;
     the second backend receives nothing; the first got the client's request (completions:
     with ``return_token_ids`` unless the client turned continuation off)."""
@@ -619,6 +625,7 @@ def test_stream_that_cannot_continue_ends_with_the_error_event(rig, case):
     prefix = b"".join(view[:k])
     res = send(rig, Plan(endpoint, [Leg(events, offset, "fin", len(prefix))]), body, headers)
     assert res.raw == prefix + ERROR_DISCONNECTED + DONE
-    assert res.bodies == [first_request(endpoint, body) if outcome is not None else body]
+    asked = outcome is not None and not body.get("echo")  # echo: sent without the ids
+    assert res.bodies == [first_request(endpoint, body) if asked else body]
     assert res.continuations == (
         {} if outcome is None else {("upstream_disconnected", outcome): 1})
