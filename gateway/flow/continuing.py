@@ -130,6 +130,9 @@ class StreamContinuer:
             return closing_events(ctx.endpoint, self.request, self.transcript, verdict)
         if not verdict.ok:
             m.labels(code, str(verdict.reason)).inc()
+            log.info("stream not continued (%s): %s failed (%s) after %d events [request %s]",
+                     verdict.reason, self.current.backend.id, code, self.transcript.events,
+                     ctx.request_id)
             return None
         failed = self.current.backend
         p.stream_failed(ctx, self.current, code)  # ends it: a new attempt may start
@@ -159,8 +162,8 @@ class StreamContinuer:
                 opened.resp, opened.data, opened.framer, self.stitcher, opened.backend.heard
             )
         m.labels(code, why).inc()
-        log.info("stream not continued (%s): no backend took it after %s failed (%s) "
-                 "[request %s]", why, failed.id, code, ctx.request_id)
+        log.info("stream not continued (%s): %s failed (%s) after %d events [request %s]",
+                 why, failed.id, code, self.transcript.events, ctx.request_id)
         return None
 
     def done(self, outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
