@@ -69,15 +69,16 @@ prompt string to check (shorter, a genuine token could hold them)."""
 def leaked_prefix(text: str, sent: str, prompt: str | None) -> int:
     """How many leading characters of a completions continuation's first ``text`` are vLLM's
     prompt leak (vllm-project/vllm#48853: the prompt's text, the original prompt then the
-    generated ``sent``, before the new text), 0 when none: ``text`` holds ``sent``
-    (``LEAK_MIN_CHARS`` or more characters), or starts with the original ``prompt`` string
-    then ``sent``."""
-    if len(sent) >= LEAK_MIN_CHARS:
-        k = text.rfind(sent)
-        if k >= 0:
-            return k + len(sent)
+    generated ``sent``, before the new text), 0 when none: ``text`` starts with the original
+    ``prompt`` string then ``sent``, or holds ``sent`` (``LEAK_MIN_CHARS`` or more
+    characters; its first place: repetitive text, which the new text may go on, holds it
+    again one period later)."""
     if prompt and text.startswith(prompt) and text[len(prompt):].startswith(sent):
         return len(prompt) + len(sent)
+    if len(sent) >= LEAK_MIN_CHARS:
+        k = text.find(sent)
+        if k >= 0:
+            return k + len(sent)
     return 0
 
 

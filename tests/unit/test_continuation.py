@@ -624,6 +624,9 @@ def test_a_completions_continuation_that_leaks_its_prompt_is_cut_after_it() -> N
     assert leaked_prefix("ab" + "c\u00e9", "ab", "P") == 0  # short: needs the prompt
     assert leaked_prefix("Pab" + "c\u00e9", "ab", "P") == 3
     assert leaked_prefix("\u00e9 more", sent, "violin") == 0
+    # repetitive text the new text goes on: cut after its first place, not one period later
+    loop = "al\ufffd" * 7 + "al"
+    assert leaked_prefix("P x" + loop + "\ufffdal\ufffd", loop, None) == 3 + len(loop)
 
     req = {"model": "m", "prompt": "violin winter", "stream": True}
     t = StreamTranscript(COMPLETIONS)
