@@ -28,7 +28,7 @@ BACKEND_KEY = "backend-secret"
 RESPONSES_STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 EARLY: pytest.StashKey[dict[str, VllmServer]] = pytest.StashKey()
 # ``a`` and ``b`` take 4096 positions (the tiny model's config says 1024; random weights do not
-# care): long enough generations (3000 tokens: ~15 s for 8 streams on 2 cores) to be still open
+# care): long enough generations (1500 tokens: ~6 s for 8 streams on 2 cores) to be still open
 # at a 2 s drain deadline (tests/realvllm/test_continuation_drain_real_vllm.py)
 LONG_CONTEXT = 4096
 LONG_ARGS = ["--max-model-len", str(LONG_CONTEXT)]

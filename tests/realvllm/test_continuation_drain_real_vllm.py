@@ -31,7 +31,7 @@ pytestmark = pytest.mark.realvllm
 
 MODEL = "tiny-llama"
 STREAMS = 8
-TOKENS = 3000  # of a's and b's 4096 positions (tests/realvllm/servers.py): ~15 s for 8
+TOKENS = 1500  # of a's and b's 4096 positions (tests/realvllm/servers.py): ~6 s for 8
 DEADLINE_S = 2.0
 USAGE: Any = {"include_usage": True}
 
