@@ -48,7 +48,7 @@ from gateway.api.parsing import (
 from gateway.core.outcomes import BackendAnswer
 from gateway.core.vocab import Cut
 from gateway.flow.context import NOTHING_GENERATED, Answer, Opened, RequestContext
-from gateway.flow.continuing import StreamContinuer, asked_token_ids, first_request
+from gateway.flow.continuing import StreamContinuer, first_request
 from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.flow.responses import RESPONSES
@@ -247,8 +247,7 @@ async def model_response(
             endpoint, stream, up.body, up.headers, cfg.proxy.max_continuations
         )
         if resumable is not None:  # token ids asked for
-            hide_ids = not asked_token_ids(up.body)
-            up.body = json.dumps(resumable, ensure_ascii=False).encode()
+            up.body = json.dumps(resumable.body, ensure_ascii=False).encode()
         opened = await gw.pipeline.open(ctx, bound)
         if endpoint == RESPONSES:
             gw.responses.learn(opened, model)
@@ -277,7 +276,8 @@ async def model_response(
     if opened.framer is not None:  # the stream's end observes it (Pipeline.stream_done)
         resumer = None
         if resumable is not None:
-            resumer = StreamContinuer(gw.pipeline, ctx, opened, resumable, hide_ids)
+            resumer = StreamContinuer(gw.pipeline, ctx, opened, resumable.body,
+                                      resumable.hide_ids)
         return _relay(gw, ctx, opened, watch, resumer)
     watch.stop()
     answer = gw.pipeline.finish_body(ctx, opened)

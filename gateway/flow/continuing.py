@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gateway.flow.context import Opened, RequestContext
 from gateway.proxy.continuation import (
@@ -47,15 +47,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.flow.continuing")
 
 
+class FirstAttempt(NamedTuple):
+    """A continuable stream's first attempt: the JSON ``body`` it is sent, and ``hide_ids``:
+    the client did not ask for vLLM's token ids itself (``return_token_ids: true``), so the
+    relay hides those the gateway asked for
+    (:func:`gateway.proxy.continuation.hide_token_ids`)."""
+
+    body: dict[str, Any]
+    hide_ids: bool
+
+
 def first_request(
     endpoint: str,
     stream: bool,
     body: bytes,
     headers: Mapping[str, str],
     max_continuations: int,
-) -> dict[str, Any] | None:
-    """The JSON body a continuable stream's first attempt is sent (``body``: the bytes the
-    gateway would send; :func:`gateway.proxy.continuation.with_token_ids` of it), or None
+) -> FirstAttempt | None:
+    """A continuable stream's first attempt (``body``: the bytes the gateway would send; the
+    attempt's body is :func:`gateway.proxy.continuation.with_token_ids` of it), or None
     when continuation is off for it: not a stream, not chat / completions,
     ``max_continuations`` 0, the forwarded ``headers`` say ``x-gateway-continuation: off``,
     or a body that is not a JSON object.
@@ -78,20 +88,8 @@ def first_request(
         return None
     if not isinstance(request, dict):
         return None
-    return with_token_ids(endpoint, request)
-
-
-def asked_token_ids(body: bytes) -> bool:
-    """Whether the client's own request body asked for vLLM's token ids
-    (``return_token_ids: true``): else the relay hides those the gateway asked for
-    (:func:`gateway.proxy.continuation.hide_token_ids`)."""
-    if b"return_token_ids" not in body:
-        return False
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return False
-    return isinstance(request, dict) and request.get("return_token_ids") is True
+    return FirstAttempt(with_token_ids(endpoint, request),
+                        request.get("return_token_ids") is not True)
 
 
 class StreamContinuer:
