@@ -14,6 +14,12 @@ pipeline's (docs/architecture.md section 3): the failed attempt is ended and its
 handed over (the relay closed it) before the new attempt starts; the last one is ended by
 :meth:`gateway.flow.pipeline.Pipeline.stream_done`.
 
+Before the body is built, where the last event with text carried several token ids, a
+backend of the model says (``POST /detokenize``, :func:`detokenize`) whether those ids end
+inside a UTF-8 sequence; the ids that do are held back, so a completions continuation's
+prompt ends on a whole character and the produced count is the tokens whose text the
+client has (:func:`gateway.proxy.continuation.seam_ids`).
+
 Each continuation is counted in ``gateway_stream_continuations_total{reason,outcome}``
 (``reason``: the stream error code; ``outcome``: ``continued``, ``closed``,
 ``no_backend`` (none untried, or every try failed), ``no_budget`` (the retry budget is
@@ -22,29 +28,39 @@ spent), ``shutdown``, or the verdict's reason) and logged with both backends.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import aiohttp
+
+from gateway.flow.candidates import candidates
 from gateway.flow.context import Opened, RequestContext
 from gateway.proxy.continuation import (
     ENDPOINTS,
     HEADER,
     continuable,
     continuation_body,
+    partial_tail,
+    seam_drops,
+    seam_ids,
     with_token_ids,
 )
 from gateway.proxy.relay import Resumed, StreamOutcome
 from gateway.proxy.sse import EventFramer
 from gateway.proxy.stitch import Stitcher, closing_events
 from gateway.proxy.transcript import StreamTranscript
-from gateway.proxy.upstream import UpstreamFailure
+from gateway.proxy.upstream import UpstreamFailure, UpstreamRequest
 
 if TYPE_CHECKING:
     from gateway.flow.pipeline import Pipeline
 
 log = logging.getLogger("gateway.flow.continuing")
+
+DETOKENIZE_MAX_BYTES = 1 << 20
+"""Largest ``/detokenize`` answer read (bytes): a few tokens' text is far less."""
 
 
 class FirstAttempt(NamedTuple):
@@ -92,6 +108,40 @@ def first_request(
                         request.get("return_token_ids") is not True)
 
 
+async def detokenize(
+    p: Pipeline, ctx: RequestContext, model: str, ids: list[int]
+) -> str | None:
+    """The text of token ``ids`` as a backend of ``model`` that ``ctx`` has not tried decodes
+    them (vLLM's ``POST /detokenize``: ``{"model", "tokens"}`` in, ``{"prompt": text}``
+    out; the simulator serves it too), within ``health.timeout_s`` seconds; None when no
+    such backend is routable or it gave no such answer (any error, status or timeout)."""
+    backends = candidates(p.fleet, ctx.model, ctx.tried, p.clock())
+    if not backends:
+        return None
+    b = backends[0]
+    body = json.dumps({"model": model, "tokens": ids}).encode()
+    req = UpstreamRequest("POST", "/detokenize", {
+        "content-type": "application/json", "accept-encoding": "identity",
+        p.id_header: ctx.request_id}, body, False)
+    try:
+        async with asyncio.timeout(p.cfg.health.timeout_s):
+            resp = await p.transport.send(b, req, b.api_key)
+            try:
+                data = b""
+                while chunk := await resp.content.readany():
+                    data += chunk
+                    if len(data) > DETOKENIZE_MAX_BYTES:
+                        return None
+            finally:
+                resp.release()
+        if resp.status != 200:
+            return None
+        text = json.loads(data).get("prompt")
+    except (UpstreamFailure, TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+        return None
+    return text if isinstance(text, str) else None
+
+
 class StreamContinuer:
     """The continuations of one stream (module docstring). ``request``: the JSON body the
     gateway sent the first attempt (:func:`gateway.proxy.continuation.with_token_ids`);
@@ -135,6 +185,7 @@ class StreamContinuer:
         failed = self.current.backend
         p.stream_failed(ctx, self.current, code)  # ends it: a new attempt may start
         self.recorded = True
+        await self._settle_seam()
         body = continuation_body(ctx.endpoint, self.request, self.transcript)
         ctx.upstream.body = json.dumps(body, ensure_ascii=False).encode()
         why = "no_backend"  # every try failed (each recorded by the pipeline)
@@ -163,6 +214,24 @@ class StreamContinuer:
         log.info("stream not continued (%s): %s failed (%s) after %d events [request %s]",
                  why, failed.id, code, self.transcript.events, ctx.request_id)
         return None
+
+    async def _settle_seam(self) -> None:
+        """Hold back the trailing settled ids that end inside a UTF-8 sequence, asking a
+        backend of the model this request has not tried to decode them
+        (:func:`gateway.proxy.continuation.seam_ids`); nothing when no check is needed or
+        no backend answers it (then the continuation goes on as the ids say)."""
+        t = self.transcript
+        ids = seam_ids(t)
+        model = self.request.get("model")
+        if ids is None or not isinstance(model, str):
+            return
+        for k in range(seam_drops(t) + 1):
+            text = await detokenize(self.pipeline, self.ctx, model, ids[: len(ids) - k])
+            if text is None:
+                return
+            if not partial_tail(text):
+                t.unsettle(k)
+                return
 
     def done(self, outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
         """The relay's ``on_done``: the stream's end, recorded by

@@ -47,13 +47,17 @@ Decisions (and why):
   event that carried text are left out of the continuation's prefix and of the produced
   count (``ChoiceRecord.settled_ids`` / ``settled_events``), the continuation generates
   them again and the stitcher does not send them twice, so a cut inside a multi-byte
-  character loses and duplicates nothing. Known limit (measured on real vLLM 0.32,
-  ``tests/realvllm/test_continuation_real_vllm.py``): an event that carries text *and*,
-  after it, such a token (vLLM sends several tokens per event with ``--stream-interval``
-  > 1 or when its output lags) counts as settled whole, since which ids its text covers
-  cannot be told without the tokenizer; a completions continuation's prompt then ends
-  inside a UTF-8 sequence, and vLLM 0.32 streams that whole prompt's text back in its
-  first delta (vllm-project/vllm#48853); the stitcher cuts that leak
+  character loses and duplicates nothing. An event that carries text *and*, after it,
+  such a token (vLLM sends several tokens per event with ``--stream-interval`` > 1 or when
+  its output lags) cannot be told apart without the tokenizer: when the last event with
+  text carried more than one id, :func:`seam_ids` are the ids to ask a backend of the model
+  about (vLLM's ``POST /detokenize``, the I/O side) and :func:`partial_tail` reads its
+  answer; the ids that end inside a character are held back
+  (:meth:`StreamTranscript.unsettle`). Without that check (measured on real vLLM 0.32,
+  ``benchmarks/real_vllm.py continuation``) a completions continuation's prompt ended
+  inside a UTF-8 sequence, vLLM 0.32 streamed that whole prompt's text back in its first
+  delta (vllm-project/vllm#48853), and a chat continuation counted a token twice. When no
+  backend answers the check, the stitcher still cuts such a leak
   (:func:`gateway.proxy.stitch.leaked_prefix`).
 * **Not exact, so not continued**: more than one choice (``n_gt_1``); a tool call streamed,
   or ``tool_choice`` forcing one (``tool_call``); a constrained output (``structured_output``:
@@ -103,7 +107,8 @@ from gateway.proxy.transcript import (
 __all__ = [
     "CHAT", "CLOSING", "COMPLETIONS", "ENDPOINTS", "HEADER", "ChoiceRecord", "Reason",
     "StreamTranscript", "Verdict", "client_wants_usage", "continuable", "continuation_body",
-    "event_data", "remaining", "split_events", "token_limit", "with_token_ids",
+    "event_data", "partial_tail", "remaining", "seam_drops", "seam_ids", "split_events",
+    "token_limit", "with_token_ids",
 ]
 
 CHAT = "/v1/chat/completions"
@@ -293,6 +298,46 @@ def _prefix_ids(request: Mapping[str, Any], t: StreamTranscript) -> list[int] | 
     if prompt is None:
         return None
     return list(prompt) + rec.token_ids[: rec.settled_ids]
+
+
+SEAM_CONTEXT_IDS = 4
+"""Settled ids before the last text event's that :func:`seam_ids` adds, so that the decoded
+tail does not start inside a character made of earlier tokens (it is only read at its end)."""
+SEAM_MAX_HELD = 3
+"""Ids that can end inside one character: a UTF-8 sequence is at most 4 bytes (RFC 3629),
+so at most 3 byte tokens of it come before the one that completes it."""
+
+
+def seam_ids(t: StreamTranscript) -> list[int] | None:
+    """The settled generated ids whose decoded text says where the sent text really ends,
+    when that needs asking: the last event with text carried more than one token id (vLLM's
+    detokenizer sends no text for a token that ends inside a UTF-8 sequence, so an event of
+    one id with text ends on a whole character, ``vllm/v1/engine/detokenizer.py``). The
+    last text event's ids with up to :data:`SEAM_CONTEXT_IDS` before them; None when the
+    check is not needed (ids not streamed, one id, nothing settled).
+
+    The caller decodes them and then ``ids[:len(ids) - k]`` for ``k`` = 1, 2, ... up to
+    :data:`SEAM_MAX_HELD` (and fewer than the event's ids) until :func:`partial_tail` is
+    false, and holds back those ``k`` (:meth:`StreamTranscript.unsettle`)."""
+    rec = t.choice()
+    if rec.token_ids is None or rec.settled_event_ids < 2:
+        return None
+    start = max(0, rec.settled_ids - rec.settled_event_ids - SEAM_CONTEXT_IDS)
+    return rec.token_ids[start:rec.settled_ids]
+
+
+def seam_drops(t: StreamTranscript) -> int:
+    """How many trailing ids of :func:`seam_ids` may be held back: the last text event's
+    ids but one (its text came from at least one), at most :data:`SEAM_MAX_HELD`."""
+    return max(0, min(SEAM_MAX_HELD, t.choice().settled_event_ids - 1))
+
+
+def partial_tail(decoded: str) -> bool:
+    """Whether a tokenizer's decoded text ends inside a UTF-8 sequence: it ends with U+FFFD
+    (Hugging Face tokenizers decode incomplete bytes with ``errors="replace"``, and their
+    byte-fallback decoder likewise). The text a client was sent never ends so (vLLM holds
+    such text back), so a U+FFFD there is a partial character, not generated text."""
+    return decoded.endswith("\ufffd")
 
 
 def with_token_ids(endpoint: str, request: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,8 @@ class ChoiceRecord:
     finish_reason: str | None = None
     token_events: int = 0
     settled_events: int = 0
+    settled_event_ids: int = 0
+    """Token ids the last event with text carried (``token_ids`` streamed)."""
 
     @property
     def text(self) -> str:
@@ -202,8 +204,20 @@ class StreamTranscript:
         if (isinstance(text, str) and text) or reason is not None:
             rec.settled_ids = len(rec.token_ids) if rec.token_ids is not None else 0
             rec.settled_events = rec.token_events
+            rec.settled_event_ids = len(ids) if ids is not None else 0
 
     # ---- reading --------------------------------------------------------------------------
+
+    def unsettle(self, n: int) -> None:
+        """The last ``n`` settled token ids (of the last event with text) are held back after
+        all: their text was not sent (they end inside a UTF-8 sequence, as the tokenizer
+        said: :func:`gateway.proxy.continuation.seam_ids`). At most that event's ids but
+        one; no-op for ``n`` <= 0."""
+        rec = self.choice()
+        n = min(n, rec.settled_event_ids - 1)
+        if n > 0 and rec.token_ids is not None:
+            rec.settled_ids -= n
+            rec.settled_event_ids -= n
 
     def choice(self) -> ChoiceRecord:
         """The stream's one choice (index 0 when none was streamed yet)."""

@@ -54,6 +54,10 @@ class Plan:
     endpoint: str
     legs: list[Leg]
     client_read: int = 0
+    vocab: dict[int, bytes] | None = None
+    """Each token id's bytes: ``POST /detokenize`` answers as vLLM does (``{"prompt":
+    text}``, incomplete UTF-8 decoded to U+FFFD as Hugging Face tokenizers do); None: 404,
+    as a backend without the route."""
 
 
 class Script:
@@ -62,6 +66,7 @@ class Script:
     def __init__(self) -> None:
         self.plan: Plan | None = None
         self.calls: list[tuple[int, dict[str, Any]]] = []  # (backend, JSON body) in order
+        self.detokenized: list[list[int]] = []  # the ids each /detokenize asked about
 
     def backend(self, i: int) -> Callable[[Received, Conn], Awaitable[None]]:
         """Backend ``i``'s script (:class:`tests.support.scripted.ScriptedBackend`'s)."""
@@ -72,6 +77,9 @@ class Script:
         the plan has none left: the test's assertions on the requests then fail)."""
         plan = self.plan
         assert plan is not None
+        if req.path == "/detokenize":
+            await self.detokenize(plan, req, conn)
+            return
         self.calls.append((i, req.json()))
         if len(self.calls) > len(plan.legs):
             await conn.send_json(500, error_obj("unexpected request", 500))
@@ -102,6 +110,17 @@ class Script:
         else:  # "hang": silent until the gateway gives up on it and closes
             await conn.sleep(WAIT_S)
             conn.close()
+
+
+    async def detokenize(self, plan: Plan, req: Received, conn: Conn) -> None:
+        """vLLM's ``/detokenize`` from the plan's ``vocab``."""
+        ids = req.json()["tokens"]
+        self.detokenized.append(ids)
+        if plan.vocab is None:
+            await conn.send_json(404, {"detail": "Not Found"})
+            return
+        text = b"".join(plan.vocab[t] for t in ids).decode("utf-8", "replace")
+        await conn.send_json(200, {"prompt": text})
 
 
 def chunk(data: bytes) -> bytes:
@@ -174,6 +193,7 @@ class Result:
     raw: bytes
     calls: list[tuple[int, dict[str, Any]]]
     continuations: dict[tuple[str, str], float]
+    detokenized: list[list[int]]
 
     @property
     def bodies(self) -> list[dict[str, Any]]:
@@ -195,6 +215,7 @@ def send(rig: Rig, plan: Plan, body: dict[str, Any],
          headers: dict[str, str] | None = None) -> Result:
     """Run ``plan`` for one streaming request of ``body`` (module docstring)."""
     rig.script.calls = []
+    rig.script.detokenized = []
     rig.script.plan = plan
     before = continuations(rig.gw)
     got = b""
@@ -206,4 +227,4 @@ def send(rig: Rig, plan: Plan, body: dict[str, Any],
             plan.client_read = len(got)
     after = continuations(rig.gw)
     delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
-    return Result(got, list(rig.script.calls), delta)
+    return Result(got, list(rig.script.calls), delta, list(rig.script.detokenized))

@@ -21,6 +21,9 @@ from gateway.proxy.continuation import (
     StreamTranscript,
     continuable,
     continuation_body,
+    partial_tail,
+    seam_drops,
+    seam_ids,
     with_token_ids,
 )
 from gateway.proxy.sse import EventFramer
@@ -662,3 +665,31 @@ def test_stop_strings_and_echo_are_not_continued() -> None:
     assert continuable(CHAT, {**CHAT_REQ, "stop": ["x"]}, _chat_transcript()).ok
     echo = {k: v for k, v in COMP_REQ.items() if k != "return_token_ids"} | {"echo": True}
     assert "return_token_ids" not in with_token_ids(COMPLETIONS, echo)
+
+
+def _multi_id_transcript(events: list[tuple[str, list[int]]]) -> StreamTranscript:
+    """A completions transcript of events that carry several ids each."""
+    t = StreamTranscript(COMPLETIONS)
+    for text, ids in events:
+        t.feed(ev({"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+                   "choices": [{"index": 0, "text": text, "logprobs": None,
+                                "finish_reason": None, "token_ids": ids}]}))
+    return t
+
+
+def test_the_seam_is_checked_only_after_an_event_of_several_ids() -> None:
+    """``seam_ids``: the last text event's ids (and up to 4 before them) when it carried more
+    than one; at most 3 may be held back, never all of the event's; ``unsettle`` moves the
+    count, the continuation's prompt and budget with it."""
+    one = _multi_id_transcript([("a", [1]), ("b", [2])])
+    assert seam_ids(one) is None and seam_drops(one) == 0
+    t = _multi_id_transcript([("a", [1, 2, 3, 4, 5, 6]), ("b", [7, 8, 9]), ("", [10])])
+    assert seam_ids(t) == [3, 4, 5, 6, 7, 8, 9]  # token 10 came without text: not settled
+    assert seam_drops(t) == 2
+    t.unsettle(5)  # bounded by the event's ids but one
+    assert t.produced() == (7, "token_ids")
+    body = continuation_body(COMPLETIONS, {"model": MODEL, "prompt": [100], "max_tokens": 20,
+                                           "stream": True}, t)
+    assert body["prompt"] == [100, 1, 2, 3, 4, 5, 6, 7]
+    assert body["max_tokens"] == 13
+    assert partial_tail("ab\ufffd") and not partial_tail("a\ufffdb") and not partial_tail("")
