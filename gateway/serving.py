@@ -11,14 +11,13 @@ A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import math
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import uvicorn
@@ -27,18 +26,11 @@ from gateway.config import GatewayConfig
 from gateway.core.listening import CannotListen, host_port
 from gateway.core.vocab import Cut
 from gateway.core.wording import plural
+from gateway.embedded import EmbeddedServer
 from gateway.proxy.client_writes import write_timeout_protocol
 from gateway.wiring import Gateway
 
 log = logging.getLogger("gateway.serving")
-
-
-class EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to its host program."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:

@@ -13,23 +13,16 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI
 
 from gateway.core.listening import CannotListen, host_port
+from gateway.embedded import EmbeddedServer
 from gateway.sim.config import SimConfig
 from gateway.sim.server import create_sim_app
 from gateway.sim.state import SimState
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn server that leaves the process's signal handlers alone."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -104,7 +97,7 @@ async def run_sim_server(
     """
     app = app or create_sim_app(config or SimConfig())
     sock = _bind(host, port)
-    server = _EmbeddedServer(_uvicorn_config(app, log_level))
+    server = EmbeddedServer(_uvicorn_config(app, log_level))
     app.state.http_server = server
     task = asyncio.create_task(server.serve(sockets=[sock]), name="sim-uvicorn")
     try:

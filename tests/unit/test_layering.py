@@ -26,7 +26,8 @@ from pathlib import Path
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: shared vocabulary, the config schema, metric declarations
-    ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics"),
+    #    (gateway.embedded: the uvicorn server the gateway, the simulator and tests embed)
+    ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
