@@ -25,7 +25,7 @@ from tests.support.vllm import free_port
 
 MODEL = "sim-model"
 CLIENTS = 32
-SECONDS = float(os.environ.get("CLOSED_LOOP_SECONDS", "15"))
+SECONDS = float(os.environ.get("CLOSED_LOOP_SECONDS", "10"))
 
 
 def start_sim(port: int) -> subprocess.Popen[bytes]:

@@ -22,7 +22,7 @@ SEQS = 4  # max_num_seqs of each simulated backend
 ITL_S = 0.25  # seconds per decode step
 TOKENS = 6
 SLO_TTFT_S = 2.0
-OVERLOAD_S = drill_s(30.0, 15.0)  # seconds of overload (benchmarks: 30)
+OVERLOAD_S = drill_s(30.0, 10.0)  # seconds of overload (benchmarks: 30)
 
 
 def _sample_in_flight(sims, stop: threading.Event, out: list[int]) -> None:

@@ -85,9 +85,9 @@ def medium_cycles(gw: GatewayThread, backend: str) -> int:
     return int(c._value.get())
 
 
-# ---- 3 replicas, 3 backends, fast cycles, 2 minutes of load (45 s in the suite) -------------
+# ---- 3 replicas, 3 backends, fast cycles, 2 minutes of load (30 s in the suite) -------------
 
-LOAD_S = drill_s(120.0, 45.0)
+LOAD_S = drill_s(120.0, 30.0)
 
 def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_once_per_cycle(
         redis_server, sims, replicas):

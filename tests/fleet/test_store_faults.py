@@ -23,7 +23,7 @@ from tests.fleet.drills import drill_s
 from tests.lifecycle.support import MODEL, sdk
 from tests.support.scripted import wait_for
 
-OUTAGE_S = drill_s(20.0, 8.0)
+OUTAGE_S = drill_s(20.0, 5.0)
 FREEZE_S = 4.0
 
 

@@ -82,7 +82,7 @@ class GatewayThread:
                 self._task.result()
             if time.monotonic() > deadline:
                 raise TimeoutError("gateway did not start")
-            time.sleep(0.02)
+            time.sleep(0.005)
         if wait_ready:
             self.wait_ready(timeout)
         return self.url
@@ -97,7 +97,7 @@ class GatewayThread:
                 fleet = httpx.get(self.url + "/ready/fleet", timeout=5).json()
                 if len(fleet["routable"]) >= want:
                     return
-            time.sleep(0.05)
+            time.sleep(0.02)
         raise TimeoutError(
             f"gateway not ready: {httpx.get(self.url + '/ready', timeout=5).text}; "
             f"backends: {httpx.get(self.url + '/admin/backends', timeout=5).text}"
