@@ -111,7 +111,8 @@ def one_round(a: VllmServer, victim: VllmServer, args: argparse.Namespace, seed:
         t0 = time.monotonic()
         results, killed, missed = asyncio.run(
             kill_drill(gw.url, requests, victim.kill, args.min_tokens, gate=engine_gate(
-                victim, lambda: gw.gateway.fleet.get("victim").in_flight)))
+                victim, lambda: gw.gateway.fleet.get("victim").in_flight),
+                upstream_open=lambda: gw.gateway.fleet.get("victim").in_flight))
         continued = continuation_counts(gw.gateway.metrics)
     finally:
         gw.stop()

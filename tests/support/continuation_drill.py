@@ -288,18 +288,27 @@ async def kill_drill(
     min_tokens: int,
     tries: int = 3,
     gate: Gate | None = None,
+    upstream_open: Callable[[], int] | None = None,
 ) -> tuple[list[StreamResult], float | None, int]:
     """:func:`run_streams` with ``kill`` called once every stream has ``min_tokens`` tokens
-    and none has finished. When a stream finished before the last one had started (the
-    streams' starts are spread by the machine's load, and nothing was killed), the whole
-    batch is sent again, at most ``tries`` times. ``gate``: as :func:`run_streams`'s.
-    Returns the last results, the kill's
-    monotonic time (None: never killed) and the batches that missed it."""
+    and none has finished, and (``upstream_open``: the gateway's requests still open to the
+    server to be killed) the gateway still has every one of them open: a client that has
+    not seen a stream's end yet may lag behind a server that finished it (a loaded machine),
+    and a kill then interrupts nothing. When a stream finished before the last one had
+    started (the streams' starts are spread by the machine's load, and nothing was
+    killed), the whole batch is sent again, at most ``tries`` times. ``gate``: as
+    :func:`run_streams`'s. Returns the last results, the kill's monotonic time (None: never
+    killed) and the batches that missed it."""
     missed = 0
+    started = all_started_none_finished(min_tokens)
+
+    def when(results: list[StreamResult]) -> bool:
+        return started(results) and (upstream_open is None
+                                     or upstream_open() >= len(requests))
+
     while True:
         results, killed = await run_streams(
-            base_url, requests, when=all_started_none_finished(min_tokens), then=kill,
-            gate=gate)
+            base_url, requests, when=when, then=kill, gate=gate)
         if killed is not None or missed + 1 >= tries:
             return results, killed, missed
         missed += 1
