@@ -10,18 +10,21 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 
-from gateway.api import admin, autoscale, ops, zones
+from gateway.api import admin, autoscale, config_admin, ops, zones
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
 from gateway.api.errors import install_error_handlers
 from gateway.config import GatewayConfig, check_secrets
+from gateway.config_history import ConfigHistory
 from gateway.fleet.discovery import DiscoverySource
 from gateway.flow.responses import RESPONSES
 from gateway.proxy.upstream import Transport
+from gateway.reloading import Reloader
 from gateway.wiring import build_gateway
 
 log = logging.getLogger("gateway.app")
@@ -62,17 +65,23 @@ def create_app(
     cfg: GatewayConfig,
     transport: Transport | None = None,
     source: DiscoverySource | None = None,
+    config_path: str | Path | None = None,
 ) -> GatewayApp:
     """The gateway's ASGI app for ``cfg``. ``transport``: how upstream requests are sent
     (default: the aiohttp pool; tests pass an in-process one); ``source``: the discovery
-    source (default: the one ``cfg.discovery`` names). Raises ``ConfigError`` for
-    unresolvable secrets (a stand-in ``source`` needs no Kubernetes credentials)."""
+    source (default: the one ``cfg.discovery`` names); ``config_path``: the file ``cfg``
+    came from (what ``SIGHUP`` and ``reload.watch`` read again; None: none). Raises
+    ``ConfigError`` for unresolvable secrets (a stand-in ``source`` needs no Kubernetes
+    credentials) and ``OSError`` for a ``reload.state_dir`` that cannot be made."""
     check_secrets(cfg, discovery_credentials=source is None)
+    history = ConfigHistory(cfg.reload.state_dir, cfg.reload.keep)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw = build_gateway(cfg, transport, source)
         app.state.gateway = gw
+        gw.reloader = Reloader(gw, history, config_path, wall=gw.controller.wall)
+        gw.reloader.start()
         if gw.coord is not None:
             await gw.coord.connect()  # fleet mode: the shared store before the loops
         await gw.controller.start()
@@ -95,6 +104,9 @@ def create_app(
             gw.controller.add_loop("forecast", 1.0, forecast_tick)
         if gw.autoscaling is not None:  # desired replicas per model (GET /autoscale)
             gw.controller.add_loop("autoscale", cfg.autoscale.interval_s, gw.autoscaling.round)
+        if cfg.reload.watch and config_path is not None:  # the config file, re-read on change
+            gw.controller.add_loop("config_watch", cfg.reload.watch_interval_s,
+                                   gw.reloader.watch_round)
         try:
             yield
         finally:
@@ -127,5 +139,6 @@ def create_app(
     autoscale.install_routes(app)
     admin.install_routes(app)
     admin.install_fleet_route(app)
+    config_admin.install_routes(app)
     zones.install_routes(app)
     return GatewayApp(app, set(openai_api.SERVED_ROUTES) | set(cfg.proxy.passthrough_paths))

@@ -108,9 +108,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_workers(cfg, args.workers, setup_logging)
     from gateway.app import create_app
+    from gateway.reloading import resume_config
     from gateway.serving import run, serve
 
-    app = create_app(cfg)
+    path = find_config(args.config)
+    cfg, resumed = resume_config(cfg, path)
+    if resumed is not None:
+        server = {k: v for k, v in (("host", getattr(args, "host", None)),
+                                    ("port", getattr(args, "port", None))) if v is not None}
+        cfg = with_server_overrides(cfg, **server)
+        print(f"config: resuming version {resumed.version} ({resumed.source}), the last "
+              f"applied, kept in {cfg.reload.state_dir} (the config file is unchanged "
+              f"since)", file=sys.stderr, flush=True)
+    app = create_app(cfg, config_path=path)
     run(lambda: serve(app, cfg), cfg)
     return 0
 

@@ -1032,6 +1032,12 @@ class BackendConfig(_Strict):
     )
     pod: str | None = Field(None, description="its pod's name (restart_hook.delete_pod)")
     namespace: str | None = Field(None, description="its pod's namespace (delete_pod)")
+    model_version: str | None = Field(
+        None,
+        description="the version of the model(s) it serves (a release: weights, engine "
+        "build); clients keep asking for the model name, and a rollout moves a model's "
+        "traffic from one version to another; null: unversioned",
+    )
 
     @field_validator("url")
     @classmethod
@@ -1443,6 +1449,25 @@ class CoordinationConfig(_Strict):
         return bool(self.redis_url)
 
 
+class ReloadConfig(_Strict):
+    """Live configuration changes (:mod:`gateway.reloading`): ``SIGHUP``, ``POST
+    /admin/config`` and, with ``watch``, the config file checked every
+    ``watch_interval_s`` seconds (its content's digest: an editor's save, a Kubernetes
+    ConfigMap update). What may change live is :mod:`gateway.config_diff`'s.
+
+    The last ``keep`` applied configs (default 3) are kept for ``GET
+    /admin/config/history`` and ``POST /admin/config/rollback``: in memory, and in
+    ``state_dir`` when set (one JSON file each, mode 0600: they hold what the config
+    holds, inline keys included), so that a restart starts from the last applied config
+    when the config file is the one it started from (an edited file wins). Null: kept in
+    memory only, and a restart starts from the file."""
+
+    state_dir: str | None = Field(None, description="directory of the applied configs")
+    keep: int = Field(3, ge=1, le=100, description="applied configs kept")
+    watch: bool = Field(False, description="re-read the config file when its content changes")
+    watch_interval_s: float = Field(2.0, gt=0, description="seconds between file checks")
+
+
 class GatewayConfig(BaseSettings):
     """The whole configuration (one YAML file plus ``LLM_GATEWAY_*`` env overrides)."""
 
@@ -1472,6 +1497,7 @@ class GatewayConfig(BaseSettings):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     spot: SpotConfig = Field(default_factory=SpotConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    reload: ReloadConfig = Field(default_factory=ReloadConfig)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:
@@ -1547,20 +1573,34 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
-        try:
-            loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
-        except yaml.YAMLError as e:
-            raise ConfigError(f"invalid YAML in {path}: {e}") from e
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-        data = loaded
+        data = parse_config_text(text, source)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
             data[key] = {**data[key], **value}
         else:
             data[key] = value
+    return config_from_mapping(data, source)
+
+
+def parse_config_text(text: str, source: str) -> dict[str, Any]:
+    """The mapping of a config's YAML (or JSON, a subset of YAML) ``text``; ``source``
+    names it in errors. Raises :class:`ConfigError` for bad YAML, a repeated key or a top
+    level that is not a mapping."""
+    try:
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {source}: {e}") from e
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    return loaded
+
+
+def config_from_mapping(data: Mapping[str, Any], source: str) -> GatewayConfig:
+    """A validated config from ``data`` (sections) with the ``LLM_GATEWAY_*`` env overrides
+    applied (as :func:`load_config`). Raises :class:`ConfigError` naming ``source``, the
+    dotted field path and the problem."""
     check_env_names()
     try:
         return GatewayConfig(**data)

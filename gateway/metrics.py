@@ -366,6 +366,20 @@ class GatewayMetrics:
             ["reason", "outcome"],
             registry=r,
         )
+        self.config_reloads = Counter(
+            "gateway_config_reloads",
+            "Live config changes (issue 18) by source (sighup, watch, admin, rollback) and "
+            "outcome (applied; unchanged, the same config; refused: invalid, or a field "
+            "that cannot change live; nothing changed then)",
+            ["source", "outcome"],
+            registry=r,
+        )
+        self.config_version = Gauge(
+            "gateway_config_version",
+            "Version of the running config in the config history (GET "
+            "/admin/config/history); 0 before the first is recorded",
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "gateway_client_disconnects",
             "Client closed the connection before the answer "

@@ -126,6 +126,18 @@ def run(main: Callable[[], Coroutine[Any, Any, None]], cfg: GatewayConfig) -> No
         runner.run(main())
 
 
+async def _reload_file(gw: Gateway) -> None:
+    """``SIGHUP``'s reload of the config file, logged (applied or why not)."""
+    from gateway.reloading import ReloadRefused
+
+    assert gw.reloader is not None
+    try:
+        await gw.reloader.reload_file("sighup")
+    except ReloadRefused as e:
+        log.error("SIGHUP: config not applied (the running config is unchanged): %s",
+                  e.problem)
+
+
 async def serve(
     app: Any,
     cfg: GatewayConfig,
@@ -163,6 +175,19 @@ async def serve(
 
     for sig in signals:
         loop.add_signal_handler(sig, on_signal)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hangup() -> None:  # SIGHUP: the config file again (gateway.reloading)
+        gw: Gateway | None = getattr(app.state, "gateway", None)
+        if gw is None or gw.reloader is None:
+            log.warning("SIGHUP: the gateway is not started yet; not reloaded")
+            return
+        task = loop.create_task(_reload_file(gw))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    if hasattr(signal, "SIGHUP") and signal.SIGHUP not in signals:
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

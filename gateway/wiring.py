@@ -41,6 +41,7 @@ from gateway.flow.pipeline import Pipeline
 from gateway.flow.responses import ResponseRouting
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.upstream import Transport, UpstreamPool
+from gateway.reloading import Reloader
 from gateway.routing.policies import Policy, build_policy
 from gateway.routing.policy import LoadThermalPolicy
 from gateway.routing.response_owners import ResponseOwners
@@ -81,6 +82,8 @@ class Gateway:
     discovery: DiscoverySource = field(default_factory=StaticSource)
     # the autoscaling signals (cfg.autoscale; the `autoscale` loop, GET /autoscale)
     autoscaling: AutoscaleSignals | None = None
+    # live reload and the kept configs (gateway.reloading; set by the app's lifespan)
+    reloader: Reloader | None = None
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -90,6 +93,21 @@ class Gateway:
             self.cfg.routing.session_header.lower().encode("latin-1"),
             self.cfg.admission.priority_header.lower().encode("latin-1"),
         )
+
+    def reconfigure_auth(self, new: GatewayConfig) -> None:
+        """A live reload's ``auth`` (:mod:`gateway.reloading`; its secrets already resolved):
+        the client keys and the admin key are the new ones from the next request on; a
+        key removed, or whose ``rpm`` / ``tpm`` changed, loses its buckets (new ones at the
+        new limits). Raises ``ConfigError`` for an unset ``key_env`` before changing
+        anything."""
+        keys = {k.resolve(): k for k in new.auth.client_keys}
+        admin = new.auth.resolved_admin_key()
+        after = {k.name: (k.rpm, k.tpm) for k in new.auth.client_keys}
+        for k in self.cfg.auth.client_keys:
+            if after.get(k.name) != (k.rpm, k.tpm):
+                self.gate.keys.drop(k.name)
+        self.client_keys = keys
+        self.admin_key = admin
 
     def new_lease(self) -> RequestLease:
         """A lease for one client request (:mod:`gateway.flow.lease`): with the batcher

@@ -135,6 +135,17 @@ class Backend:
         c = self.config
         self.placement = Placement(c.zone, c.node, c.capacity_type, c.instance_type)
 
+    def reconfigure(self, config: BackendConfig) -> None:
+        """A live reload changed this backend's settings in place (same id, url, models and
+        placement: :data:`gateway.config_diff.LIVE_BACKEND_FIELDS`): its role, key,
+        ``max_num_seqs`` (the service model's configured bound) and ``model_version`` are
+        the new ones from now on; what it learnt (service rate, breaker, state) is kept.
+        Raises ``ConfigError`` for an unset ``api_key_env`` (nothing changed then)."""
+        key = config.resolved_api_key()
+        self.config = config
+        self.api_key = key
+        self.service.configured = config.max_num_seqs
+
     @property
     def id(self) -> str:
         return self.config.id

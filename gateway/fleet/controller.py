@@ -35,9 +35,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from gateway.config import GatewayConfig
+from gateway.config import BackendConfig, GatewayConfig
 from gateway.fleet import liveness
 from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
@@ -152,6 +152,17 @@ class FleetController:
             self.add_loop("gpu_telemetry", self.cfg.thermal.scrape_interval_s, self.gpu.round)
         if self.cfg.discovery.dynamic:
             self.add_loop("membership", MEMBERSHIP_INTERVAL_S, self.membership.round)
+
+    def reconfigure_backends(
+        self, backends: Sequence[BackendConfig], changed: Sequence[str]
+    ) -> tuple[list[str], list[str]]:
+        """A live reload's ``backends`` (:meth:`Membership.reconfigure_static`); the
+        membership loop, which removes the drained ones, runs from then on even in a static
+        fleet. Returns (added, leaving) ids."""
+        out = self.membership.reconfigure_static(backends, changed)
+        if not self.loops.has("membership"):
+            self.add_loop("membership", MEMBERSHIP_INTERVAL_S, self.membership.round)
+        return out
 
     async def stop(self) -> None:
         """Cancel every loop, warm-up, procedure and probe, then close the clients."""

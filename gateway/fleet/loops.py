@@ -57,6 +57,10 @@ class LoopRunner:
         self._loops: list[_Loop] = []
         self._stopped = False
 
+    def has(self, name: str) -> bool:
+        """Whether a loop named ``name`` was added (and not stopped)."""
+        return any(lp.name == name for lp in self._loops)
+
     def add_loop(
         self, name: str, interval_s: float, body: LoopBody, stall_after_s: float | None = None
     ) -> None:

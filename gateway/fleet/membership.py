@@ -255,6 +255,59 @@ class Membership:
         self.metrics.discovery_changes.labels("rejoined").inc()
         log.info("discovery (%s): backend %s serving again", self.source_name, backend_id)
 
+    # ---- a live reload of the static list (gateway.reloading) -----------------------------
+    def reconfigure_static(
+        self, backends: Sequence[BackendConfig], changed: Sequence[str] = ()
+    ) -> tuple[list[str], list[str]]:
+        """The config's ``backends`` list after a live reload: ids not in the fleet are
+        added (``cold``: probed, warmed up, slow start), static ids no longer listed leave
+        (drained, ``config_removed``: in-flight requests finish, cut after
+        ``lifecycle.drain_deadline_s``; removed by the membership loop once idle), and the
+        ``changed`` ids get their new settings in place (:meth:`Backend.reconfigure`).
+        Returns (added, leaving) ids. The caller checked the plan
+        (:func:`gateway.config_diff.plan_reload`) and the secrets first."""
+        by_id = {c.id: c for c in backends}
+        for i in changed:
+            b = self.fleet.get(i)
+            if b is not None and i in by_id:
+                b.reconfigure(by_id[i])
+                log.info("config: backend %s reconfigured", i)
+        added: list[str] = []
+        for c in backends:
+            b = self.fleet.get(c.id)
+            if b is not None and c.id not in self.static_ids and c.id in self._gone:
+                # removed by an earlier reload and still draining: listed again, it stays
+                self._gone.discard(c.id)
+                self._deadline.pop(c.id, None)
+                self._leaving.pop(c.id, None)
+                self._known.pop(c.id, None)
+                b.reconfigure(c)
+                self.drains.rejoin(b)
+                log.info("config: backend %s listed again: back in rotation", c.id)
+                continue
+            if c.id in self.static_ids or b is not None:
+                continue
+            self.fleet.add(c)
+            added.append(c.id)
+            log.info("config: backend %s added at %s (cold)", c.id, c.base_url)
+        leaving = sorted(self.static_ids - set(by_id))
+        deadline_s = self.lifecycle.drain_deadline_s
+        for i in leaving:
+            b = self.fleet.get(i)
+            if b is None:
+                continue
+            log.info("config: backend %s removed from the config: draining (cut after %g s)",
+                     i, deadline_s)
+            self.drains.leave(b, "config_removed", deadline_s)
+            self._known[i] = Known(b.base_url, True, True)
+            self._leaving[i] = membership_plan.Leave(i, "config_removed", True)
+            at = self.clock() + deadline_s
+            self._deadline[i] = min(self._deadline.get(i, at), at)
+            self._gone.add(i)
+        self.static_ids = frozenset(by_id)
+        self.static_urls = frozenset(c.base_url for c in backends)
+        return added, leaving
+
     # ---- the membership loop ---------------------------------------------------------------
     async def round(self) -> None:
         """The ``membership`` loop's body: :meth:`round_now`."""

@@ -90,6 +90,13 @@ class KeyLimits:
             lim = self.limiters[name] = self._new(name, rpm, tpm, now)
         return lim
 
+    def drop(self, name: str) -> None:
+        """Forget client ``name``'s buckets (a live reload changed or removed its key's
+        limits): its next request starts with full buckets at the new limits."""
+        lim = self.limiters.pop(name, None)
+        if lim is not None and self.quota is not None and isinstance(lim, GlobalKeyLimiter):
+            self.quota.forget(lim)
+
     def _new(self, name: str, rpm: int | None, tpm: int | None, now: float) -> EntryLimiter:
         if self.quota is None:
             return KeyLimiter(rpm, tpm, now)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,9 +22,8 @@ import pytest
 import yaml
 
 from tests.lifecycle.support import Background, chat_body, sdk_kwargs, stream_chat
+from tests.support.gateway_process import ServeProcess
 from tests.support.scripted import read_json_answer, wait_for
-
-CLI = Path(sys.executable).with_name("llm-gateway")
 
 
 def free_port() -> int:
@@ -35,15 +32,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class GatewayProcess:
-    """``llm-gateway serve -c <tmp yaml>`` as a subprocess; its log goes to a file."""
+class GatewayProcess(ServeProcess):
+    """``llm-gateway serve -c <tmp yaml>`` in front of ``backend_url``; its log goes to a
+    file."""
 
     def __init__(self, tmp: Path, backend_url: str, grace_s: float,
                  extra: dict[str, Any] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         cfg: dict[str, Any] = {
-            "server": {"host": "127.0.0.1", "port": self.port, "graceful_shutdown_s": grace_s},
+            "server": {"host": "127.0.0.1", "port": port, "graceful_shutdown_s": grace_s},
             "health": {"interval_s": 0.2, "timeout_s": 1.0},
             "telemetry": {"scrape_interval_s": 0.2},
             "lifecycle": {"warmup_batch_shapes": [1, 2], "short": {"every_s": 0},
@@ -61,29 +58,7 @@ class GatewayProcess:
                 cfg[section] = {**cfg.get(section, {}), **fields}
         path = tmp / "gateway.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        self.log = tmp / "gateway.log"
-        cli = [str(CLI)] if CLI.exists() else [sys.executable, "-m", "gateway.cli"]
-        cmd = [*cli, "serve", "-c", str(path)]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            try:
-                if (httpx.get(self.url + "/ready", timeout=1).status_code == 200
-                        and httpx.get(self.url + "/ready/fleet", timeout=1).status_code == 200):
-                    return  # ready, and its backend routable
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("gateway not ready: " + self.log.read_text()[-2000:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        super().__init__(path, port, tmp / "gateway.log", tmp)
 
 
 @pytest.fixture

@@ -27,7 +27,10 @@ from pathlib import Path
 LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: shared vocabulary, the config schema, metric declarations
     #    (gateway.embedded: the uvicorn server the gateway, the simulator and tests embed)
-    ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded"),
+    #    (gateway.config_diff: what a live reload changes; gateway.config_history: the kept
+    #    applied configs)
+    ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
+     "gateway.config_diff", "gateway.config_history"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
@@ -45,7 +48,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    coord.affinity: response ids)
     ("gateway.flow.*", "gateway.coord.*"),
     # 4: the component container (Gateway) and build_gateway
-    ("gateway.wiring",),
+    #    (gateway.reloading: live reload, applied to the Gateway)
+    ("gateway.wiring", "gateway.reloading"),
     # 5: the HTTP edge (gateway.api.forms: multipart bodies; gateway.api.responses: by-id)
     ("gateway.api.*",),
     # 6: the ASGI app and its lifespan
@@ -70,6 +74,7 @@ SIMULATOR_IMPORTERS = ("gateway.demo", "gateway.cli")
 
 PURE = (
     "gateway.core.*",
+    "gateway.config_diff",
     "gateway.routing.*",
     "gateway.traffic.*",
     "gateway.autoscale",

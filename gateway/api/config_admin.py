@@ -1,0 +1,119 @@
+"""The config's admin routes (issue 18), guarded like every admin route (``auth.admin_key``,
+:mod:`gateway.api.admin`):
+
+* ``GET /admin/config``: the running config (inline keys shown as ``***``) and its version;
+* ``POST /admin/config``: a new config as the body, YAML or JSON (any content type: JSON is
+  YAML), applied live (:mod:`gateway.reloading`): 200 with what changed (``applied``,
+  ``version``, ``changed``, ``backends_added`` / ``_removed`` / ``_changed``); 400 in
+  OpenAI's error shape when it is not applied (``code``: ``invalid_config``, a body that is
+  not a valid config, ``param`` the first field named; ``config_refused``, fields that
+  cannot change while the gateway runs, each named in the message), the running config
+  untouched;
+* ``GET /admin/config/history``: the kept configs, newest first (version, when, how, digest,
+  what changed; ``?config=true`` adds each config, redacted);
+* ``POST /admin/config/rollback``: ``{"version": N}`` (or no body: the one before the
+  running one) applied again as a new version (``source: rollback``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse
+
+from gateway.api.admin import _gateway
+from gateway.api.errors import Refusal
+from gateway.config_history import redact
+from gateway.reloading import Reloader, ReloadRefused
+
+if TYPE_CHECKING:
+    from gateway.wiring import Gateway
+
+MAX_BODY_BYTES = 4 << 20
+"""The largest config body taken (bytes): a config is kilobytes."""
+
+
+def _reloader(gw: Gateway) -> Reloader:
+    if gw.reloader is None:  # only before the lifespan has started
+        raise Refusal(503, "The gateway is starting.", code="starting")
+    return gw.reloader
+
+
+def _refused(e: ReloadRefused) -> Refusal:
+    code = "config_refused" if e.plan is not None and e.plan.refused else "invalid_config"
+    return Refusal(400, f"Config not applied (the running config is unchanged): {e.problem}",
+                   code=code, param=e.param)
+
+
+async def get_config(request: Request) -> JSONResponse:
+    gw = _gateway(request)
+    last = _reloader(gw).history.last
+    return JSONResponse({"version": last.version if last else None,
+                         "config": redact(gw.cfg.model_dump(mode="json"))})
+
+
+async def post_config(request: Request) -> JSONResponse:
+    gw = _gateway(request)
+    reloader = _reloader(gw)
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise Refusal(413, f"A config body is at most {MAX_BODY_BYTES} bytes.",
+                      code="invalid_config")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Refusal(400, "The config body is not UTF-8 text (YAML or JSON).",
+                      code="invalid_config") from None
+    try:
+        result = await reloader.apply_text(text, "admin")
+    except ReloadRefused as e:
+        raise _refused(e) from None
+    return JSONResponse(result.view())
+
+
+async def get_history(request: Request) -> JSONResponse:
+    gw = _gateway(request)
+    history = _reloader(gw).history
+    with_config = request.query_params.get("config", "").lower() in ("1", "true", "yes")
+    last = history.last
+    return JSONResponse({
+        "running": last.version if last else None,
+        "keep": history.keep,
+        "state_dir": str(history.dir) if history.dir is not None else None,
+        "data": [s.view(with_config) for s in reversed(history.snapshots)],
+    })
+
+
+async def post_rollback(request: Request) -> JSONResponse:
+    gw = _gateway(request)
+    reloader = _reloader(gw)
+    body = await request.body()
+    version: Any = None
+    if body.strip():
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise Refusal(400, "The body must be JSON: {\"version\": N}, or empty.",
+                          code="invalid_request", param="version") from None
+        version = data.get("version") if isinstance(data, dict) else data
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise Refusal(400, "'version' must be an integer (a version of "
+                          "GET /admin/config/history) or absent.", param="version",
+                          code="invalid_request")
+    try:
+        result = await reloader.rollback(version)
+    except ReloadRefused as e:
+        raise _refused(e) from None
+    return JSONResponse(result.view())
+
+
+def install_routes(app: FastAPI) -> None:
+    """Add the config routes to ``app``."""
+    app.add_api_route("/admin/config", get_config, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/admin/config", post_config, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/admin/config/history", get_history, methods=["GET"],
+                      include_in_schema=False)
+    app.add_api_route("/admin/config/rollback", post_rollback, methods=["POST"],
+                      include_in_schema=False)

@@ -1,0 +1,154 @@
+"""The last applied configurations (issue 18's snapshots): what ``GET /admin/config/history``
+lists and ``POST /admin/config/rollback`` returns to, kept in memory and, with
+``reload.state_dir``, on disk so that a restart starts from the last applied one.
+
+Each :class:`Snapshot` is one applied config: a version number (1, 2, ... for the life of
+the state directory), when (Unix seconds), how (``start``, ``file``, ``sighup``, ``watch``,
+``admin``, ``rollback``), the config itself (``model_dump(mode="json")``), the digest of
+that config (sha256 of its canonical JSON), the digest of the config *file* the gateway
+was started from (the rule for a restart, :meth:`ConfigHistory.resume`), and what the
+change did (:meth:`gateway.config_diff.ReloadPlan.summary`).
+
+On disk: ``<state_dir>/config-history/<version>.json``, written atomically (a temporary
+file, fsync, rename) with mode 0600 (a config may hold inline keys), the oldest deleted
+beyond ``keep``. A file that cannot be read or parsed is skipped with a warning: a damaged
+state directory never stops a start. :func:`redact` is the view for the admin API.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("gateway.config")
+
+SUBDIR = "config-history"
+SECRET_FIELDS = frozenset({"api_key", "admin_key", "key"})
+"""Fields whose values :func:`redact` hides (inline keys: a backend's, the admin key, a
+client key)."""
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+
+
+def digest(obj: Any) -> str:
+    """sha256 (hex) of ``obj``'s canonical JSON (sorted keys, no spaces), or of a string's
+    UTF-8 bytes as they are."""
+    data = obj.encode() if isinstance(obj, str) else json.dumps(
+        obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def redact(obj: Any) -> Any:
+    """``obj`` (a config's JSON) with every inline secret replaced by ``"***"`` (the fields
+    of :data:`SECRET_FIELDS` that hold a value; the password of a URL such as a
+    ``redis_url``). A new object; ``obj`` is not changed."""
+    if isinstance(obj, Mapping):
+        return {k: ("***" if k in SECRET_FIELDS and v not in (None, "") else redact(v))
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    if isinstance(obj, str):
+        return _URL_PASSWORD.sub(r"\1***@", obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One applied config (module docstring). ``applied_at``: Unix seconds."""
+
+    version: int
+    applied_at: float
+    source: str
+    digest: str
+    file_digest: str | None
+    config: dict[str, Any]
+    summary: dict[str, Any]
+
+    def view(self, with_config: bool = False) -> dict[str, Any]:
+        """JSON for the admin API: everything but the config, or with it redacted."""
+        out = {k: v for k, v in asdict(self).items() if k != "config"}
+        if with_config:
+            out["config"] = redact(self.config)
+        return out
+
+
+class ConfigHistory:
+    """The last ``keep`` snapshots, oldest first, mirrored in ``state_dir`` when given
+    (created if missing). Raises ``OSError`` when the directory cannot be created or a
+    snapshot cannot be written (the caller refuses the change then)."""
+
+    def __init__(self, state_dir: str | Path | None, keep: int = 3) -> None:
+        self.dir = Path(state_dir) / SUBDIR if state_dir is not None else None
+        self.keep = keep
+        self.snapshots: list[Snapshot] = []
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.snapshots = self._read()[-keep:]
+
+    def _read(self) -> list[Snapshot]:
+        assert self.dir is not None
+        out: list[Snapshot] = []
+        for p in sorted(self.dir.glob("*.json")):
+            try:
+                out.append(Snapshot(**json.loads(p.read_text())))
+            except (OSError, ValueError, TypeError) as e:
+                log.warning("config history: %s skipped: %s", p, e)
+        return sorted(out, key=lambda s: s.version)
+
+    @property
+    def last(self) -> Snapshot | None:
+        """The snapshot of the running config (the last applied), if any."""
+        return self.snapshots[-1] if self.snapshots else None
+
+    def get(self, version: int) -> Snapshot | None:
+        """The kept snapshot ``version``, or None."""
+        return next((s for s in self.snapshots if s.version == version), None)
+
+    def resume(self, file_digest: str | None) -> Snapshot | None:
+        """The snapshot a restart starts from: the last applied one, when the config file
+        is the one it was started from (``file_digest``: the file's content digest now;
+        None: no file). An edited file (or none kept) gives None: start from the file."""
+        last = self.last
+        if last is None or last.source == "start" or last.file_digest != file_digest:
+            return None
+        return last
+
+    def record(self, config: dict[str, Any], source: str, file_digest: str | None,
+               summary: dict[str, Any], now: float) -> Snapshot:
+        """Keep ``config`` as the newest snapshot (``now``: Unix seconds); the oldest beyond
+        ``keep`` is dropped (and its file deleted). Raises ``OSError`` when it cannot be
+        written (nothing changes then)."""
+        version = (self.last.version if self.last else 0) + 1
+        snap = Snapshot(version, now, source, digest(config), file_digest, config, summary)
+        if self.dir is not None:
+            self._write(snap)
+        self.snapshots.append(snap)
+        for old in self.snapshots[: -self.keep]:
+            if self.dir is not None:
+                try:
+                    (self.dir / f"{old.version:08d}.json").unlink(missing_ok=True)
+                except OSError as e:
+                    log.warning("config history: cannot delete snapshot %d: %s", old.version, e)
+        self.snapshots = self.snapshots[-self.keep:]
+        return snap
+
+    def _write(self, snap: Snapshot) -> None:
+        assert self.dir is not None
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".snapshot-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(snap), f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.dir / f"{snap.version:08d}.json")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
