@@ -85,24 +85,31 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--ttft-factor",
         type=float,
+        metavar="F",
         default=1.0,
         help="prefill steps take this many times as long: a lone request's TTFT x F (default 1)",
     )
     r.add_argument(
         "--itl-factor",
         type=float,
+        metavar="F",
         default=1.0,
         help="decode steps take this many times as long: a lone stream's ITL x F (default 1)",
     )
     r.add_argument(
         "--drift",
         type=float,
+        metavar="D",
         default=0.0,
         help="share of generated tokens replaced by other words, greedy requests included, "
         "the same on every repeat (0-1; default 0: the default build's text)",
     )
     r.add_argument(
-        "--drift-seed", type=int, default=1, help="which tokens drift, and to what (default 1)"
+        "--drift-seed",
+        type=int,
+        default=1,
+        metavar="N",
+        help="which tokens drift, and to what (default 1)",
     )
     g.add_argument("--log-level", default="info", help="uvicorn log level")
     g.add_argument(

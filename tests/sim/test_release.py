@@ -157,6 +157,7 @@ def test_drifted_build_continues_its_own_text(drift_clients: dict[str, openai.Op
         model=MODEL, prompt=PROMPT, max_tokens=LENGTH, temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     ).choices[0]  # fmt: skip
+    assert whole.text != _greedy(drift_clients["default"])  # drifted text, continued below
     assert whole.model_extra is not None  # vLLM's fields, beyond the SDK's model
     prompt_ids: list[int] = whole.model_extra["prompt_token_ids"]
     ids: list[int] = whole.model_extra["token_ids"]
