@@ -896,6 +896,58 @@ class FaultConfig(BaseModel):
         return v
 
 
+class ReleaseConfig(BaseModel):
+    """The build this simulated server plays: a good release (the defaults) or a bad one,
+    so that a canary rollout (issue 18) can be tested end to end against simulators.
+
+    * ``ttft_factor``: every engine step that prefills (admits at least one request, and so
+      ends with those requests' first token) lasts this many times as long. An unloaded
+      server's TTFT is then exactly ``ttft_factor`` times the default build's; under load
+      the queue before admission grows with it, and the running requests' tokens of such a
+      step come late too (no chunked prefill: a prefill stalls the batch, see
+      :mod:`gateway.sim.engine`).
+    * ``itl_factor``: every other step (decode only) lasts this many times as long, so an
+      unloaded stream's inter-token latency (ITL) is ``itl_factor`` times the default's.
+    * ``drift``: the share of generated tokens replaced by other words (0-1). Which tokens
+      and by what is a function of the context, the text seed and ``drift_seed``, so a
+      repeated request, greedy (``temperature`` 0) ones included, gets the same drifted
+      answer, as a real model of another version answers greedy prompts the same way every
+      time but not as the baseline does. Stop lengths are unchanged. 0 (the default):
+      the text is exactly what it always was.
+    * ``drift_seed``: which drift (another value drifts other tokens to other words).
+
+    Factors below 1 make a faster build. A higher error rate is ``faults.error_rate``
+    (:class:`FaultConfig`), and the version a build reports is ``vllm_version``
+    (``/version`` and ``system_fingerprint``): vLLM's ``/v1/models`` has no version field,
+    so none is added there.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_factor: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="multiplier of the duration of a step that prefills (TTFT of a lone "
+        "request x ttft_factor); 1: the default build",
+    )
+    itl_factor: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="multiplier of the duration of a decode-only step (ITL of a lone "
+        "stream x itl_factor); 1: the default build",
+    )
+    drift: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of generated tokens replaced by other words, the same for a "
+        "repeated request (greedy included); 0: text exactly as the default build's",
+    )
+    drift_seed: int = Field(1, description="seed of which tokens drift and to what")
+
+
 class GpuConfig(BaseModel):
     """The simulated backend's GPUs and where they sit (°C, K/W, seconds)."""
 
@@ -931,7 +983,8 @@ class SimConfig(BaseModel):
     """Everything one simulated vLLM server needs.
 
     ``engine`` holds capacity and speed (seconds, tokens), ``faults`` the injected
-    faults, ``seed`` the default seed of generated text (a request's ``seed`` wins; a greedy
+    faults, ``release`` the build played (a slower or drifted one: :class:`ReleaseConfig`),
+    ``seed`` the default seed of generated text (a request's ``seed`` wins; a greedy
     request, ``temperature`` 0, uses neither: vLLM's greedy decoding ignores seeds).
     With ``api_key`` set, routes under ``/v1`` (and ``/v2``, ``/inference``,
     ``/cohere``, as vLLM's ``AuthenticationMiddleware``) need
@@ -946,6 +999,10 @@ class SimConfig(BaseModel):
     seed: int = 0
     engine: EngineParams = Field(default_factory=EngineParams)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+    release: ReleaseConfig = Field(
+        default_factory=ReleaseConfig,
+        description="the build played: slower TTFT / ITL, drifted text (a canary's drills)",
+    )
     gpu: GpuConfig = Field(default_factory=GpuConfig, description="GPUs behind /gpu/metrics")
     api_key: str | None = None
     embedding_dim: int = Field(64, ge=1)

@@ -5,7 +5,7 @@ For the demo, tests and benchmarks; never imported by the request path.
     from gateway.sim import SimConfig, SimServerThread, run_sim_server, create_sim_app
 """
 
-from gateway.sim.config import LoraAdapter, SimConfig
+from gateway.sim.config import LoraAdapter, ReleaseConfig, SimConfig
 from gateway.sim.engine import Engine, EngineParams
 from gateway.sim.engine_types import EngineEvent, EngineRequest, EngineStats
 from gateway.sim.faults import FaultConfig
@@ -20,6 +20,7 @@ __all__ = [
     "EngineStats",
     "FaultConfig",
     "LoraAdapter",
+    "ReleaseConfig",
     "SimConfig",
     "SimServerThread",
     "create_sim_app",

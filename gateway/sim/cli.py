@@ -17,11 +17,12 @@ import logging
 import signal
 import sys
 
+from pydantic import ValidationError
+
+from gateway.config import ConfigError
 from gateway.core.listening import CannotListen
 from gateway.sim.config import LoraAdapter, SimConfig
 from gateway.sim.engine import EngineParams
-from gateway.sim.faults import FaultConfig
-from gateway.sim.gpu import GpuConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV-cache size, tokens")
     g.add_argument("--speed", type=float, default=1.0, help="speed multiplier (2 = twice as fast)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    g.add_argument("--error-rate", type=float, default=0.0, help="share of 5xx answers (0-1)")
+    g.add_argument(
+        "--error-rate",
+        type=float,
+        default=0.0,
+        help="share of 5xx answers (0-1; a bad release's higher error rate)",
+    )
     g.add_argument("--error-status", type=int, default=500, help="status of injected errors")
     g.add_argument("--rate-limit-rate", type=float, default=0.0, help="share of 429s (0-1)")
     g.add_argument("--retry-after", type=float, default=1.0, help="Retry-After of 429s, s")
@@ -73,6 +79,38 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cooling-failure", action="store_true", help="start with failed cooling (R_th x2.5)"
     )
+    r = parser.add_argument_group(
+        "the build played (a bad release for canary drills; default: the good one)"
+    )
+    r.add_argument(
+        "--ttft-factor",
+        type=float,
+        metavar="F",
+        default=1.0,
+        help="prefill steps take this many times as long: a lone request's TTFT x F (default 1)",
+    )
+    r.add_argument(
+        "--itl-factor",
+        type=float,
+        metavar="F",
+        default=1.0,
+        help="decode steps take this many times as long: a lone stream's ITL x F (default 1)",
+    )
+    r.add_argument(
+        "--drift",
+        type=float,
+        metavar="D",
+        default=0.0,
+        help="share of generated tokens replaced by other words, greedy requests included, "
+        "the same on every repeat (0-1; default 0: the default build's text)",
+    )
+    r.add_argument(
+        "--drift-seed",
+        type=int,
+        default=1,
+        metavar="N",
+        help="which tokens drift, and to what (default 1)",
+    )
     g.add_argument("--log-level", default="info", help="uvicorn log level")
     g.add_argument(
         "--request-overhead",
@@ -90,40 +128,70 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
-    """Build the ``SimConfig`` described by parsed ``add_sim_arguments`` flags."""
+    """Build the ``SimConfig`` described by parsed ``add_sim_arguments`` flags.
+
+    Raises :class:`gateway.config.ConfigError` naming the field and the problem when a
+    flag's value is out of range (e.g. ``release.ttft_factor: Input should be greater
+    than 0``)."""
+    try:
+        return _sim_config(args)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err['input']!r})"
+            for err in e.errors()
+        )
+        raise ConfigError(f"invalid simulator flags: {problems}") from None
+    except ValueError as e:  # EngineParams' own checks
+        raise ConfigError(f"invalid simulator flags: engine: {e}") from None
+
+
+def _sim_config(args: argparse.Namespace) -> SimConfig:
     loras = []
     for spec in args.served_lora:
         name, _, parent = spec.partition("=")
         loras.append(LoraAdapter(name=name, parent=parent or None))
-    return SimConfig(
-        model=args.model,
-        lora_adapters=loras,
-        seed=args.seed,
-        api_key=args.api_key,
-        request_overhead_s=args.request_overhead,
-        input_overhead_s=args.input_overhead,
-        engine=EngineParams(
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            kv_cache_tokens=args.kv_cache_tokens,
-            speed=args.speed,
-        ),
-        faults=FaultConfig(
-            error_rate=args.error_rate,
-            error_status=args.error_status,
-            rate_limit_rate=args.rate_limit_rate,
-            retry_after_s=args.retry_after,
-            added_latency_s=args.added_latency,
-            hang=args.hang,
-            drop_after_chunks=args.drop_after_chunks,
-            drop_after_tokens=args.drop_after_tokens,
-            unhealthy=args.unhealthy,
-            seed=args.seed,
-            cooling_failure=args.cooling_failure,
-        ),
-        gpu=GpuConfig(
-            model=args.gpu, count=args.gpus, ambient_c=args.ambient, r_th_k_per_w=args.r_th
-        ),
+    engine = EngineParams(
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+        speed=args.speed,
+    )
+    # validated as one document, so that a bad value is named by its path (faults.error_rate)
+    return SimConfig.model_validate(
+        {
+            "model": args.model,
+            "lora_adapters": loras,
+            "seed": args.seed,
+            "api_key": args.api_key,
+            "request_overhead_s": args.request_overhead,
+            "input_overhead_s": args.input_overhead,
+            "engine": engine,
+            "faults": {
+                "error_rate": args.error_rate,
+                "error_status": args.error_status,
+                "rate_limit_rate": args.rate_limit_rate,
+                "retry_after_s": args.retry_after,
+                "added_latency_s": args.added_latency,
+                "hang": args.hang,
+                "drop_after_chunks": args.drop_after_chunks,
+                "drop_after_tokens": args.drop_after_tokens,
+                "unhealthy": args.unhealthy,
+                "seed": args.seed,
+                "cooling_failure": args.cooling_failure,
+            },
+            "release": {
+                "ttft_factor": args.ttft_factor,
+                "itl_factor": args.itl_factor,
+                "drift": args.drift,
+                "drift_seed": args.drift_seed,
+            },
+            "gpu": {
+                "model": args.gpu,
+                "count": args.gpus,
+                "ambient_c": args.ambient,
+                "r_th_k_per_w": args.r_th,
+            },
+        }
     )
 
 
@@ -156,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     add_sim_arguments(parser)
     try:
         run_sim_from_args(parser.parse_args(argv))
-    except CannotListen as e:
+    except (CannotListen, ConfigError) as e:
         sys.exit(f"vLLM simulator: {e}")
 
 

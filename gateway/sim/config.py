@@ -6,6 +6,6 @@ imports the simulator); this module names it for the simulator's own code.
 
 from __future__ import annotations
 
-from gateway.config import LoraAdapter, SimConfig
+from gateway.config import LoraAdapter, ReleaseConfig, SimConfig
 
-__all__ = ["LoraAdapter", "SimConfig"]
+__all__ = ["LoraAdapter", "ReleaseConfig", "SimConfig"]

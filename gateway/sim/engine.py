@@ -20,7 +20,10 @@ KV-cache manager (``vllm/v1/core/kv_cache_manager.py``, ``block_pool.py``):
                 (prefill_base_s + prefill_per_token_s * uncached_prompt_tokens)) / speed
 
   so inter-token latency grows with the batch and a prefill stalls the whole batch
-  (no chunked prefill).
+  (no chunked prefill). A build's step-time factors (``ReleaseConfig``, issue 18: a
+  slower release) multiply it: ``ttft_factor`` a step that admits a request (its
+  prefill, which ends with its first token), ``itl_factor`` a decode-only step; an
+  unloaded request's TTFT and ITL are thus exactly those factors times the default's.
 * Paged KV cache and prefix cache: :mod:`gateway.sim.kv_cache` (blocks, chained prompt
   hashes, LRU of cached free blocks). Growth that does not fit preempts the most recently
   admitted request (recompute mode: it returns to the front of the waiting queue and
@@ -55,8 +58,20 @@ class Engine:
     not go backwards. The same inputs always give the same events.
     """
 
-    def __init__(self, params: EngineParams | None = None) -> None:
+    def __init__(
+        self,
+        params: EngineParams | None = None,
+        *,
+        ttft_factor: float = 1.0,
+        itl_factor: float = 1.0,
+    ) -> None:
+        """``ttft_factor`` / ``itl_factor`` (> 0, 1: the default build) multiply the
+        duration of a step that prefills / of a decode-only step (see the module doc)."""
+        if not (ttft_factor > 0 and itl_factor > 0):
+            raise ValueError("ttft_factor and itl_factor must be > 0")
         self.params = params or EngineParams()
+        self.ttft_factor = ttft_factor
+        self.itl_factor = itl_factor
         self._pool = BlockPool(self.params.num_blocks)
         self._waiting: deque[Seq] = deque()
         self._running: list[Seq] = []  # admission order
@@ -329,6 +344,7 @@ class Engine:
                 i += 1
         # 2. Admit waiting requests FCFS.
         prefill_s = 0.0
+        admitted = False
         while self._waiting and len(self._running) < p.max_num_seqs:
             seq = self._waiting[0]
             uncached = self._try_admit(seq)
@@ -340,11 +356,13 @@ class Engine:
                 seq.first_scheduled = t
             self._running.append(seq)
             prefill_s += p.prefill_time_s(uncached)
+            admitted = True
         if not self._running:
             self._step_end = None
             self._step_batch = []
             return
-        duration = (p.decode_time_s(len(self._running)) + prefill_s) * self.slowdown
+        build = self.ttft_factor if admitted else self.itl_factor
+        duration = (p.decode_time_s(len(self._running)) + prefill_s) * build * self.slowdown
         self._step_start = t
         self._step_end = t + duration
         self._step_batch = list(self._running)

@@ -26,8 +26,13 @@ class EngineRunner:
         self,
         params: EngineParams,
         on_finished: Callable[[RequestMetrics], None] | None = None,
+        *,
+        ttft_factor: float = 1.0,
+        itl_factor: float = 1.0,
     ) -> None:
-        self.engine = Engine(params)
+        """``ttft_factor`` / ``itl_factor``: the build's step-time factors, handed to
+        :class:`gateway.sim.engine.Engine`."""
+        self.engine = Engine(params, ttft_factor=ttft_factor, itl_factor=itl_factor)
         self._on_finished = on_finished
         self._queues: dict[str, asyncio.Queue[EngineEvent]] = {}
         self._wake = asyncio.Event()

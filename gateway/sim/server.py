@@ -31,7 +31,7 @@ from starlette.responses import Response
 
 from gateway.sim import protocol as P
 from gateway.sim.asgi import SimFastAPI, SimMiddleware, error_response
-from gateway.sim.config import SimConfig
+from gateway.sim.config import ReleaseConfig, SimConfig
 from gateway.sim.faults import FaultInjector
 from gateway.sim.gpu import GpuTicker, SimGpus
 from gateway.sim.metrics import SimMetrics
@@ -55,8 +55,18 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     def on_finished(m: Any) -> None:
         holder["state"].metrics.observe(m)
 
-    runner = EngineRunner(params, on_finished=on_finished)
-    fp = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:8]
+    release = cfg.release
+    runner = EngineRunner(
+        params,
+        on_finished=on_finished,
+        ttft_factor=release.ttft_factor,
+        itl_factor=release.itl_factor,
+    )
+    # A default build fingerprints as it did before ``release`` existed; any other build
+    # (slower, drifted) has a fingerprint of its own.
+    default_build = release == ReleaseConfig()
+    dumped = cfg.model_dump_json(exclude={"release"} if default_build else None)
+    fp = hashlib.sha256(dumped.encode()).hexdigest()[:8]
     state = SimState(
         config=cfg,
         faults=FaultInjector(cfg.faults),

@@ -67,6 +67,7 @@ class SimState:
         s = self.engine_stats()
         return {
             "model": self.config.model,
+            "release": self.config.release.model_dump(),  # the build played (issue 18)
             "requests_by_path": dict(self.requests_by_path),
             "responses_by_status": dict(self.responses_by_status),
             "open_requests": self.open_requests,

@@ -2,7 +2,8 @@
 
 A choice's token ``i`` (0-based, in this request) is generation token ``offset + i`` of
 the generation keyed ``key`` (:func:`gateway.sim.text.continuation_point`): a request
-that continues an earlier generation picks up where it was cut. With
+that continues an earlier generation picks up where it was cut. A drifted build's tokens
+drift by the choice's ``drift`` (:class:`gateway.sim.text.Drift`). With
 ``return_token_ids`` (vLLM's field) the chunks carry the ids: ``prompt_token_ids`` on
 the first chunk (top level for chat, in the choice for completions) and per choice
 ``token_ids`` (the ids generated in that chunk; the EOS id on a "stop").
@@ -42,26 +43,29 @@ class Choice:
     finish_reason: str | None = None
     offset: int = 0  # generation tokens already in the prompt (a continued generation)
     prompt_ids: list[int] | None = None  # for ``prompt_token_ids`` (return_token_ids)
+    drift: tx.Drift = tx.NO_DRIFT  # the build's drift (``ReleaseConfig.drift``)
 
 
 def token_id(seed: int, ch: Choice, index: int, finish_reason: str | None) -> int:
     """Id of token ``index`` of a choice in this request; the EOS id for a "stop"."""
     if finish_reason == "stop":
         return tx.EOS_ID
-    return tx.generated_token_id(seed, ch.key, ch.sample, ch.offset + index)
+    return tx.generated_token_id(seed, ch.key, ch.sample, ch.offset + index, ch.drift)
 
 
 def token_text(seed: int, ch: Choice, index: int, finish_reason: str | None) -> str:
     """Text of generated token ``index`` of a choice; the EOS token of a "stop" is empty."""
     if finish_reason == "stop":
         return ""
-    return tx.generated_token_text(seed, ch.key, ch.sample, ch.offset + index)
+    return tx.generated_token_text(seed, ch.key, ch.sample, ch.offset + index, ch.drift)
 
 
 def choice_token_ids(seed: int, ch: Choice) -> list[int]:
     """Ids of a finished (or aborted) choice's tokens, the EOS id last on a "stop"."""
     n = ch.tokens - 1 if ch.finish_reason == "stop" else ch.tokens
-    ids = [tx.generated_token_id(seed, ch.key, ch.sample, ch.offset + i) for i in range(n)]
+    ids = [
+        tx.generated_token_id(seed, ch.key, ch.sample, ch.offset + i, ch.drift) for i in range(n)
+    ]
     return [*ids, tx.EOS_ID] if ch.finish_reason == "stop" and ch.tokens else ids
 
 
@@ -69,7 +73,8 @@ def choice_text(seed: int, ch: Choice) -> str:
     """Whole text of a finished (or aborted) choice."""
     n = ch.tokens - 1 if ch.finish_reason == "stop" else ch.tokens
     return "".join(
-        tx.generated_token_text(seed, ch.key, ch.sample, ch.offset + i) for i in range(max(0, n))
+        tx.generated_token_text(seed, ch.key, ch.sample, ch.offset + i, ch.drift)
+        for i in range(max(0, n))
     )
 
 

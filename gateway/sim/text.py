@@ -26,6 +26,13 @@ tokens and stops at the same place, as a real model does at temperature 0. A pro
 tail is not such a generation (nearly all fresh prompts) starts a new generation keyed by
 the whole prompt, which is what the simulator always did.
 
+A drifted build (``ReleaseConfig.drift``, issue 18: a canary whose answers differ from
+the baseline's) replaces a share of the generated tokens by other words: a :class:`Drift`
+passed to ``generated_token_id`` (and ``continuation_point``, so a drifted server still
+continues its own generations). Which tokens drift, and to what, is again a pure
+function of (drift seed, seed, key, sample, index), so a greedy request repeated gets the
+same drifted answer. ``NO_DRIFT`` (the default) leaves every token as it was.
+
 Chat with ``continue_final_message`` renders the final message without its end-of-turn
 (``<|im_start|>assistant\ncontent``, as Hugging Face ``apply_chat_template`` cuts the
 rendered text after the final message's content), so "original chat + k generated
@@ -37,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 BOS_ID = 0
@@ -255,20 +263,58 @@ def natural_stop_length(seed: int, key: int, sample: int = 0, lo: int = 4, hi: i
     return max(1, round(lo * float((hi / lo) ** u)))
 
 
-def generated_token_id(seed: int, key: int, sample: int, index: int) -> int:
-    """Id of generated token number ``index`` (0-based): a word, space-prefixed after the first."""
-    word = _GEN_WORDS[_digest("tok", seed, key, sample, index) % len(_GEN_WORDS)]
+@dataclass(frozen=True)
+class Drift:
+    """How a build's text drifts from the default build's (``ReleaseConfig``).
+
+    ``share``: probability (0-1) that a generated token is replaced by another word, drawn
+    per token from a hash (not a stateful RNG), so the same token of the same generation
+    drifts the same way on every request. ``seed``: which tokens drift and to which words.
+    """
+
+    share: float = 0.0
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.share <= 1.0:
+            raise ValueError(f"drift share must be in [0, 1], got {self.share}")
+
+
+NO_DRIFT = Drift()
+"""The default build's text: no token replaced."""
+
+_UNIT = 1 << 53  # hash -> uniform [0, 1) at float precision
+
+
+def generated_token_id(
+    seed: int, key: int, sample: int, index: int, drift: Drift = NO_DRIFT
+) -> int:
+    """Id of generated token number ``index`` (0-based): a word, space-prefixed after the first.
+
+    With ``drift``, the token is replaced with probability ``drift.share`` by another word
+    (never the same one), keyed by (drift seed, seed, key, sample, index)."""
+    n = len(_GEN_WORDS)
+    w = _digest("tok", seed, key, sample, index) % n
+    if drift.share > 0:
+        u = (_digest("drift", drift.seed, seed, key, sample, index) % _UNIT) / _UNIT
+        if u < drift.share:  # another word: a shift of 1..n-1 places
+            w = (w + 1 + _digest("to", drift.seed, seed, key, sample, index) % (n - 1)) % n
+    word = _GEN_WORDS[w]
     return _VOCAB[word if index == 0 else " " + word]
 
 
-def generated_token_text(seed: int, key: int, sample: int, index: int) -> str:
+def generated_token_text(
+    seed: int, key: int, sample: int, index: int, drift: Drift = NO_DRIFT
+) -> str:
     """Text of generated token number ``index`` (see ``generated_token_id``)."""
-    return _ID_TO_PIECE[generated_token_id(seed, key, sample, index)]
+    return _ID_TO_PIECE[generated_token_id(seed, key, sample, index, drift)]
 
 
-def generated_text(seed: int, key: int, sample: int, num_tokens: int) -> str:
+def generated_text(
+    seed: int, key: int, sample: int, num_tokens: int, drift: Drift = NO_DRIFT
+) -> str:
     """Concatenated text of the first ``num_tokens`` generated tokens."""
-    return "".join(generated_token_text(seed, key, sample, i) for i in range(num_tokens))
+    return "".join(generated_token_text(seed, key, sample, i, drift) for i in range(num_tokens))
 
 
 _WORD_END = _WORD_BASE + 2 * len(_WORDS)
@@ -279,12 +325,15 @@ def _is_word(token_id: int, spaced: bool) -> bool:
     return _WORD_BASE <= token_id < _WORD_END and (token_id - _WORD_BASE) % 2 == int(spaced)
 
 
-def continuation_point(seed: int, context: Sequence[int]) -> tuple[int, int]:
+def continuation_point(
+    seed: int, context: Sequence[int], drift: Drift = NO_DRIFT
+) -> tuple[int, int]:
     """``(key, generated)``: where the generation in ``context`` began, and its progress.
 
     ``context`` is a prompt's token ids. Its tail ``context[s:]`` is taken as tokens
     already generated when it is exactly ``generated_token_id(seed, prompt_key(
-    context[:s]), 0, i)`` for each of its ``i``; ``s`` is the smallest such start (the
+    context[:s]), 0, i, drift)`` for each of its ``i`` (a build continues its own text:
+    a drifted build's, drifted); ``s`` is the smallest such start (the
     tail is empty, ``s = len(context)``, for a fresh prompt). Returns the key of
     ``context[:s]`` and ``len(context) - s`` (tokens). Since token 0 is an unspaced word
     and later tokens are space-prefixed words, only one start can qualify: the token
@@ -303,7 +352,7 @@ def continuation_point(seed: int, context: Sequence[int]) -> tuple[int, int]:
     if s >= 0 and _is_word(context[s], spaced=False):
         key = prompt_key(context[:s])
         if all(
-            context[s + i] == generated_token_id(seed, key, 0, i) for i in range(end - s)
+            context[s + i] == generated_token_id(seed, key, 0, i, drift) for i in range(end - s)
         ):
             return key, end - s
     return prompt_key(context), 0

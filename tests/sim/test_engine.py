@@ -334,3 +334,37 @@ def test_random_load_keeps_invariants() -> None:
     for rid, m in done.items():
         assert m.generation_tokens == submitted[rid] and m.finish_reason == "length"
     assert s.prefix_cache_hits_total > 0 and s.num_preemptions_total > 0
+
+
+def test_a_builds_factors_multiply_prefill_steps_and_decode_only_steps() -> None:
+    """``ReleaseConfig.ttft_factor`` / ``itl_factor`` (issue 18): a lone request's TTFT and
+    ITL are exactly the factors times the default build's; a step that prefills a late
+    arrival takes ``ttft_factor``, so the running stream's token in it comes late too."""
+
+    def lone(**factors: float) -> tuple[float, tuple[float, ...]]:
+        e = Engine(P, **factors)
+        e.submit(req("a", 100, max_tokens=4), 0.0)
+        run(e)
+        (m,) = e.drain_finished()
+        assert m.ttft_s is not None
+        return m.ttft_s, m.itl_s
+
+    ttft, itl = lone()
+    assert ttft == pytest.approx(0.011 + 0.005 + 0.01)  # decode(1) + prefill(100)
+    slow_ttft, same_itl = lone(ttft_factor=2.0)
+    assert slow_ttft == pytest.approx(2 * ttft) and same_itl == pytest.approx(itl)
+    same_ttft, slow_itl = lone(itl_factor=3.0)
+    assert same_ttft == pytest.approx(ttft)
+    assert slow_itl == pytest.approx(tuple(3 * x for x in itl))
+
+    e = Engine(P, ttft_factor=2.0)
+    e.submit(req("a", 100, max_tokens=3), 0.0)
+    events = e.advance(0.0)  # a's prefill step: it ends at 2 * ttft
+    e.submit(req("b", list(range(5000, 5100)), max_tokens=1), 2 * ttft)  # joins a's next step
+    events += run(e, 2 * ttft)
+    a = token_times(events, "a")
+    mixed = (0.012 + 0.015) * 2  # decode(2) + prefill(100, no prefix shared): prefills
+    assert a[1] - a[0] == pytest.approx(mixed)
+    assert a[2] - a[1] == pytest.approx(0.011)  # decode-only again: the default's
+    with pytest.raises(ValueError, match="factor"):
+        Engine(P, itl_factor=0.0)

@@ -28,6 +28,7 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
     params = cfg.engine
     runner = state.runner
     lora_names = {a.name for a in cfg.lora_adapters}
+    drift = tx.Drift(cfg.release.drift, cfg.release.drift_seed)  # the build's text
     served = cfg.served_ids
     # The modelled API-server frontend (request_overhead_s, input_overhead_s): one process,
     # requests served one at a time. Its timeline is computed (when it frees), so the
@@ -68,11 +69,11 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
         queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         for i, prompt in enumerate(req.prompts):
             # A prompt that ends in this simulator's own generation continues it.
-            key, offset = tx.continuation_point(seed, prompt)
+            key, offset = tx.continuation_point(seed, prompt, drift)
             for j in range(req.n):
                 ch = Choice(
                     len(choices), f"{base}-{i}-{j}", len(prompt), key, j, offset=offset,
-                    prompt_ids=prompt if req.return_token_ids else None,
+                    prompt_ids=prompt if req.return_token_ids else None, drift=drift,
                 )
                 eos = (
                     None
