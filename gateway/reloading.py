@@ -15,7 +15,8 @@ One :class:`Reloader` per app. :meth:`Reloader.apply` is the one way in:
    :meth:`gateway.fleet.controller.FleetController.reconfigure_backends` (added cold,
    removed drained, changed in place), the client and admin keys on the
    :class:`gateway.wiring.Gateway` (a key whose limits changed gets new buckets), and
-   ``gateway.cfg`` becomes the new config;
+   the admission limits on the gate (and the batcher's queue), the routing weights on the
+   ``load_thermal`` policy; ``gateway.cfg`` becomes the new config;
 4. counted in ``gateway_config_reloads_total{source,outcome}`` and
    ``gateway_config_version``, logged with what changed.
 
@@ -41,11 +42,14 @@ from gateway.config import (
 )
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
+from gateway.routing.policy import LoadThermalPolicy
 
 if TYPE_CHECKING:
     from gateway.fleet.controller import FleetController
     from gateway.flow.admission import AdmissionGate
+    from gateway.flow.batching import BatchDispatcher
     from gateway.metrics import GatewayMetrics
+    from gateway.routing.policies import Policy
 
 log = logging.getLogger("gateway.config")
 
@@ -57,6 +61,8 @@ class Reloadable(Protocol):
     metrics: GatewayMetrics
     controller: FleetController
     gate: AdmissionGate
+    batching: BatchDispatcher | None
+    router: Policy
 
     def reconfigure_auth(self, new: GatewayConfig) -> None: ...
 
@@ -190,12 +196,20 @@ class Reloader:
                                 f"{self.history.dir}: {e}", plan) from None
         added: list[str] = []
         leaving: list[str] = []
-        if "backends" in {p.split(".", 1)[0] for p in plan.changed}:
+        if plan.touches("backends"):
             added, leaving = gw.controller.reconfigure_backends(new.backends,
                                                                 plan.changed_backends)
             gw.gate.fleet_changed()
         if plan.auth:
             gw.reconfigure_auth(new)
+        if plan.touches("admission"):
+            gw.gate.reconfigure(new)
+            if gw.batching is not None:
+                gw.batching.reconfigure(new)
+        if plan.touches("routing.weights"):
+            policy = getattr(gw.router, "inner", gw.router)  # under spot steering
+            if isinstance(policy, LoadThermalPolicy):
+                policy.reweight(new.routing.weights)
         gw.cfg = new
         self._set_version(snap.version)
         log.info("config (%s): version %d applied: %d field(s) changed; backends added %s, "
