@@ -36,6 +36,7 @@ canary; later steps apply to everyone.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -102,7 +103,7 @@ class RolloutPlan:
     def __post_init__(self) -> None:
         s = self.steps
         if not s or any(not (0.0 < x <= 1.0) for x in s) or s[-1] != 1.0 or any(
-            b <= a for a, b in zip(s, s[1:], strict=False)
+            b <= a for a, b in itertools.pairwise(s)
         ):
             raise ValueError("RolloutPlan.steps must be strictly increasing shares in (0, 1] "
                              f"ending at 1.0, got {list(s)!r}")

@@ -232,8 +232,8 @@ def two_proportion_greater(
 ) -> tuple[float, float]:
     """One-sided pooled two-proportion z-test that rate a (``errors_a / n_a``) exceeds rate
     b: ``(z, p-value)`` with ``z = (p_a - p_b) / sqrt(p (1 - p) (1/n_a + 1/n_b))`` and ``p``
-    the pooled rate (Agresti, *Categorical Data Analysis*, the large-sample test). No errors or all errors on both
-    sides: ``(0, 1)``. Needs ``n_a, n_b > 0``."""
+    the pooled rate (Agresti, *Categorical Data Analysis*, the large-sample test). No
+    errors or all errors on both sides: ``(0, 1)``. Needs ``n_a, n_b > 0``."""
     if n_a <= 0 or n_b <= 0:
         raise ValueError("a two-proportion test needs requests on both sides")
     pa, pb = errors_a / n_a, errors_b / n_b
