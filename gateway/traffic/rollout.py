@@ -44,16 +44,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.core.vocab import Prio
+from gateway.traffic.calibration_match import CalibrationMeasure, probe_matches
 from gateway.traffic.rollout_stats import (
-    CalibrationMeasure,
     Comparison,
     Thresholds,
     combine,
     compare_calibration,
     compare_errors,
     compare_latency,
-    probe_matches,
 )
+from gateway.traffic.rollout_window import Side
 
 Version = Literal["baseline", "canary"]
 Status = Literal["running", "promoted", "rolled_back"]
@@ -107,16 +107,16 @@ class RolloutPlan:
         ):
             raise ValueError("RolloutPlan.steps must be strictly increasing shares in (0, 1] "
                              f"ending at 1.0, got {list(s)!r}")
-        if not (math.isfinite(self.min_step_s) and self.min_step_s >= 0):
-            raise ValueError(f"RolloutPlan.min_step_s must be >= 0 s, got {self.min_step_s!r}")
-        if not (math.isfinite(self.max_step_s) and self.max_step_s >= self.min_step_s):
-            raise ValueError("RolloutPlan.max_step_s must be >= min_step_s, "
-                             f"got {self.max_step_s!r}")
-        if self.min_step_requests < 1:
-            raise ValueError("RolloutPlan.min_step_requests must be >= 1, "
-                             f"got {self.min_step_requests!r}")
-        if not (math.isfinite(self.recheck_s) and self.recheck_s > 0):
-            raise ValueError(f"RolloutPlan.recheck_s must be > 0 s, got {self.recheck_s!r}")
+        for name, ok, need in (
+            ("min_step_s", math.isfinite(self.min_step_s) and self.min_step_s >= 0, ">= 0 s"),
+            ("max_step_s", math.isfinite(self.max_step_s)
+             and self.max_step_s >= self.min_step_s, ">= min_step_s"),
+            ("min_step_requests", self.min_step_requests >= 1, ">= 1"),
+            ("recheck_s", math.isfinite(self.recheck_s) and self.recheck_s > 0, "> 0 s"),
+        ):
+            if not ok:
+                raise ValueError(f"RolloutPlan.{name} must be {need}, "
+                                 f"got {getattr(self, name)!r}")
         if not 0 <= self.targeted_steps < len(s):
             raise ValueError("RolloutPlan.targeted_steps must be in [0, len(steps) - 1] (the "
                              f"last step is for everyone), got {self.targeted_steps!r}")
@@ -129,38 +129,6 @@ class RolloutPlan:
         if self.baseline == self.canary:
             raise ValueError("RolloutPlan.canary must differ from baseline, "
                              f"both are {self.canary!r}")
-
-
-class Reservoir:
-    """A uniform sample of at most ``size`` values from a stream (Vitter 1985, algorithm R),
-    with the count of values seen."""
-
-    def __init__(self, size: int, rng: random.Random) -> None:
-        self.size = size
-        self.seen = 0
-        self.values: list[float] = []
-        self._rng = rng
-
-    def add(self, value: float) -> None:
-        """Offer one value (kept with probability ``size / seen``)."""
-        self.seen += 1
-        if len(self.values) < self.size:
-            self.values.append(value)
-            return
-        j = self._rng.randrange(self.seen)
-        if j < self.size:
-            self.values[j] = value
-
-
-class Side:
-    """What one version served in a window: TTFT and ITL samples (seconds), requests and
-    errors (counts)."""
-
-    def __init__(self, size: int, rng: random.Random) -> None:
-        self.ttft = Reservoir(size, rng)
-        self.itl = Reservoir(size, rng)
-        self.requests = 0
-        self.errors = 0
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from gateway.core.vocab import Prio
 from gateway.traffic.rollout import DEFAULT_STEPS, Rollout, RolloutPlan, Version
 from gateway.traffic.rollout_sim import Release, Traffic, simulate
 from gateway.traffic.rollout_stats import Thresholds
+from gateway.traffic.rollout_window import Reservoir
 
 QUICK = RolloutPlan("m", "v1", "v2", min_step_s=60.0, min_step_requests=100)
 """The default steps and thresholds, with one-minute steps to keep the runs short."""
@@ -216,3 +217,12 @@ def test_detection_time_shrinks_as_the_regression_grows() -> None:
         assert out.decided_after_s is not None
         times[factor] = out.decided_after_s
     assert times[2.0] <= times[1.5] <= times[1.1]
+
+
+def test_the_window_keeps_a_bounded_uniform_sample() -> None:
+    res = Reservoir(200, random.Random(0))
+    for v in range(20_000):
+        res.add(float(v))
+    assert res.seen == 20_000 and len(res.values) == 200
+    assert 7000 < sum(res.values) / 200 < 13_000  # uniform over 0..19 999: mean ~10 000
+    assert max(res.values) > 15_000  # late values get in too

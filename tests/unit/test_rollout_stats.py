@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from gateway.traffic.calibration_match import calibration_score, probe_matches, whitespace_f1
 from gateway.traffic.rollout_stats import (
     Thresholds,
-    calibration_score,
     combine,
     compare_calibration,
     compare_errors,
@@ -21,9 +21,7 @@ from gateway.traffic.rollout_stats import (
     fisher_greater,
     mann_whitney_greater,
     percentile,
-    probe_matches,
     two_proportion_greater,
-    whitespace_f1,
 )
 
 TH = Thresholds()
