@@ -70,7 +70,9 @@ def test_good_canary_is_promoted_through_every_step() -> None:
 def test_no_false_rollbacks_of_a_good_canary_over_20_rollouts() -> None:
     outcomes = [simulate(QUICK, Release(), TRAFFIC, seed=s) for s in range(20)]
     rolled = [o.reason for o in outcomes if o.status != "promoted"]
-    assert rolled == []  # measured: 0 of 20 (the bound at alpha 0.01 x 5 steps: ~1)
+    # measured: 0 of these 20 (3 of 100 over seeds 0-99; the tests' bound: alpha 0.01 a
+    # step x 5 steps = 5 %); the z-test without its exact fallback rolled back 4 of 20
+    assert len(rolled) <= 1, rolled
 
 
 @pytest.mark.parametrize(("release", "reason"), [
