@@ -57,7 +57,9 @@ from gateway.traffic.rollout_window import Side
 
 Version = Literal["baseline", "canary"]
 Status = Literal["running", "promoted", "rolled_back"]
-StepOutcome = Literal["pass", "fail", "insufficient", "hold", "promoted", "rolled_back"]
+StepOutcome = Literal["pass", "hold", "promoted", "rolled_back"]
+"""A recorded decision: the step passed, held past ``max_step_s``, the rollout promoted or
+rolled back (a failed comparison is recorded as ``rolled_back``, its comparison attached)."""
 
 DEFAULT_STEPS: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5, 1.0)
 """The canary's share of the model's traffic at each step (the issue's default)."""
