@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from gateway.api import admin, autoscale, config_admin, ops, zones
+from gateway.api import admin, autoscale, config_admin, ops, rollouts, zones
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
 from gateway.api.errors import install_error_handlers
@@ -23,9 +23,11 @@ from gateway.config import GatewayConfig, check_secrets
 from gateway.config_history import ConfigHistory
 from gateway.fleet.discovery import DiscoverySource
 from gateway.flow.responses import RESPONSES
+from gateway.flow.rollout_probes import PROBE_TICK_S
+from gateway.flow.rollouts import TICK_S as ROLLOUT_TICK_S
 from gateway.proxy.upstream import Transport
-from gateway.reloading import Reloader
-from gateway.wiring import build_gateway
+from gateway.reloading import Reloader, ReloadRefused
+from gateway.wiring import Gateway, build_gateway
 
 log = logging.getLogger("gateway.app")
 
@@ -107,6 +109,7 @@ def create_app(
         if cfg.reload.watch and config_path is not None:  # the config file, re-read on change
             gw.controller.add_loop("config_watch", cfg.reload.watch_interval_s,
                                    gw.reloader.watch_round)
+        _start_rollouts(gw)
         try:
             yield
         finally:
@@ -140,5 +143,41 @@ def create_app(
     admin.install_routes(app)
     admin.install_fleet_route(app)
     config_admin.install_routes(app)
+    rollouts.install_routes(app)
     zones.install_routes(app)
     return GatewayApp(app, set(openai_api.SERVED_ROUTES) | set(cfg.proxy.passthrough_paths))
+
+
+def _start_rollouts(gw: Gateway) -> None:
+    """Start the config's canary rollouts, their loops (decisions, calibration probes) and
+    the config's return when a rollout from the config rolls back: to the kept snapshot
+    before the version that started it (:mod:`gateway.flow.rollouts`)."""
+    rollouts, reloader = gw.rollouts, gw.reloader
+    assert rollouts is not None and reloader is not None and gw.rollout_probes is not None
+    last = reloader.history.last
+
+    async def return_config(started_in: int | None, reason: str) -> None:
+        target = None  # the config before the running one
+        if started_in is not None:
+            before = [s.version for s in reloader.history.snapshots if s.version < started_in]
+            if not before:
+                log.error("rollout rolled back (%s): no config before version %d is kept; "
+                          "the config stays as it is", reason, started_in)
+                return
+            target = before[-1]
+        try:
+            result = await reloader.rollback(target)
+        except ReloadRefused as e:
+            log.error("rollout rolled back (%s): the config was not returned: %s", reason,
+                      e.problem)
+            return
+        log.warning("rollout rolled back (%s): config returned to version %s (now version "
+                    "%s)", reason, target if target is not None else "before the running one",
+                    result.snapshot.version if result.snapshot else "unchanged")
+
+    rollouts.on_config_rollback = return_config
+    rollouts.sync(gw.cfg.rollouts, last.version if last is not None else None)
+    gw.controller.add_loop("rollouts", ROLLOUT_TICK_S, rollouts.round)
+    # a round waits on generations (6 short greedy answers): not a stall below 10 minutes
+    gw.controller.add_loop("rollout_probes", PROBE_TICK_S, gw.rollout_probes.round,
+                           stall_after_s=600.0)

@@ -38,6 +38,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from gateway.config_rollouts import RolloutConfig, check_versions
+
 ENV_PREFIX = "LLM_GATEWAY_"
 
 # vLLM OpenAI-server routes (besides chat/completions/embeddings) that carry a "model" field.
@@ -1555,6 +1557,11 @@ class GatewayConfig(BaseSettings):
     spot: SpotConfig = Field(default_factory=SpotConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     reload: ReloadConfig = Field(default_factory=ReloadConfig)
+    rollouts: list[RolloutConfig] = Field(
+        default_factory=list,
+        description="canary rollouts of a model's new version (gateway.config_rollouts); "
+        "live: a new entry starts one, a removed one stops it",
+    )
 
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:
@@ -1579,6 +1586,8 @@ class GatewayConfig(BaseSettings):
         names = [k.name for k in self.auth.client_keys]
         if len(names) != len(set(names)):
             raise ValueError("auth.client_keys: names must be unique")
+        if not self.discovery.dynamic:  # discovered backends are checked when started
+            check_versions(self.rollouts, self.backends)
         return self
 
     @classmethod

@@ -19,6 +19,8 @@ differs and "restart the gateway to change it", and the running config stays as 
   token estimate: from the next request (a request admitted or queued keeps its place);
   new default rates start every client's buckets full.
 * ``routing.weights``: the ``load_thermal`` policy's next pick scores with them.
+* ``rollouts``: a new entry starts a canary rollout, a removed (or changed) one stops it:
+  rolled back to its baseline (:meth:`gateway.flow.rollouts.Rollouts.sync`).
 
 Every other section (proxy, lifecycle, thermal, routing's policy, ...) is read by its
 component when it is built, so a change there is refused for now.
@@ -32,7 +34,7 @@ from typing import Any
 
 from gateway.config import BackendConfig, GatewayConfig
 
-LIVE_SECTIONS = frozenset({"auth", "backends", "admission", "routing.weights"})
+LIVE_SECTIONS = frozenset({"auth", "backends", "admission", "routing.weights", "rollouts"})
 """Sections (dotted prefixes) whose every field applies live (``backends`` by the rules
 above)."""
 

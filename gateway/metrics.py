@@ -380,6 +380,39 @@ class GatewayMetrics:
             "/admin/config/history); 0 before the first is recorded",
             registry=r,
         )
+        self.rollout_step = Gauge(
+            "gateway_rollout_step",
+            "Canary rollouts (issue 18): the step a model's rollout is at (0 = the first; "
+            "the number of steps once promoted; -1 once rolled back)",
+            ["model"],
+            registry=r,
+        )
+        self.rollout_decisions = Counter(
+            "gateway_rollout_decisions",
+            "Canary rollout decisions by model, decision (pass, hold, promoted, "
+            "rolled_back) and reason (ok; ttft, itl, errors, calibration: the metric that "
+            "failed; insufficient: not enough samples by max_step_s; operator: an abort or "
+            "the config entry removed)",
+            ["model", "decision", "reason"],
+            registry=r,
+        )
+        self.version_requests = Counter(
+            "gateway_version_requests",
+            "Requests of a model under a canary rollout by the model_version that served "
+            "them (the share of traffic per version); a counter of its own rather than a "
+            "label on gateway_requests_total, whose series (and every dashboard and alert "
+            "on them) stay exactly as they were, and which would multiply by versions for "
+            "every model",
+            ["model", "version"],
+            registry=r,
+        )
+        self.rollout_fallbacks = Counter(
+            "gateway_rollout_fallbacks",
+            "Requests assigned to a version (label) with no routable backend of it, served "
+            "by the other version of the rollout instead",
+            ["model", "version"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "gateway_client_disconnects",
             "Client closed the connection before the answer "

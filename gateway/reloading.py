@@ -16,7 +16,9 @@ One :class:`Reloader` per app. :meth:`Reloader.apply` is the one way in:
    removed drained, changed in place), the client and admin keys on the
    :class:`gateway.wiring.Gateway` (a key whose limits changed gets new buckets), and
    the admission limits on the gate (and the batcher's queue), the routing weights on the
-   ``load_thermal`` policy; ``gateway.cfg`` becomes the new config;
+   ``load_thermal`` policy, the canary rollouts (:meth:`gateway.flow.rollouts.Rollouts
+   .sync`: a new entry starts one, a removed one stops it); ``gateway.cfg`` becomes the
+   new config;
 4. counted in ``gateway_config_reloads_total{source,outcome}`` and
    ``gateway_config_version``, logged with what changed.
 
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from gateway.fleet.controller import FleetController
     from gateway.flow.admission import AdmissionGate
     from gateway.flow.batching import BatchDispatcher
+    from gateway.flow.rollouts import Rollouts
     from gateway.metrics import GatewayMetrics
     from gateway.routing.policies import Policy
 
@@ -63,6 +66,7 @@ class Reloadable(Protocol):
     gate: AdmissionGate
     batching: BatchDispatcher | None
     router: Policy
+    rollouts: Rollouts | None
 
     def reconfigure_auth(self, new: GatewayConfig) -> None: ...
 
@@ -210,6 +214,8 @@ class Reloader:
             policy = getattr(gw.router, "inner", gw.router)  # under spot steering
             if isinstance(policy, LoadThermalPolicy):
                 policy.reweight(new.routing.weights)
+        if plan.touches("rollouts") and gw.rollouts is not None:
+            gw.rollouts.sync(new.rollouts, snap.version)  # started / stopped
         gw.cfg = new
         self._set_version(snap.version)
         log.info("config (%s): version %d applied: %d field(s) changed; backends added %s, "

@@ -39,6 +39,8 @@ from gateway.flow.forecasts import ArrivalForecasts, forecast_params
 from gateway.flow.lease import RequestLease
 from gateway.flow.pipeline import Pipeline
 from gateway.flow.responses import ResponseRouting
+from gateway.flow.rollout_probes import RolloutProbes
+from gateway.flow.rollouts import Rollouts
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.upstream import Transport, UpstreamPool
 from gateway.reloading import Reloader
@@ -84,6 +86,9 @@ class Gateway:
     autoscaling: AutoscaleSignals | None = None
     # live reload and the kept configs (gateway.reloading; set by the app's lifespan)
     reloader: Reloader | None = None
+    # canary rollouts (gateway.flow.rollouts; started by the lifespan from cfg.rollouts)
+    rollouts: Rollouts | None = None
+    rollout_probes: RolloutProbes | None = None  # their calibration rounds
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -257,7 +262,10 @@ def build_gateway(
             shares.total = gate.fleet_capacity
 
     fleet.on_change(membership_changed)
+    rollouts = Rollouts(metrics, fleet, clock, controller.wall)
     return Gateway(
+        rollouts=rollouts,
+        rollout_probes=RolloutProbes(rollouts, fleet, controller.calibrator, clock),
         cfg=cfg,
         fleet=fleet,
         metrics=metrics,

@@ -54,12 +54,14 @@ from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of
 from gateway.flow.responses import RESPONSES
 from gateway.flow.shaping import cap_max_tokens, key_limits_for, ratelimit_headers
 from gateway.proxy.inband import stream_kind
-from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse
+from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse, StreamOutcome
+from gateway.proxy.sse import EventFramer
 from gateway.proxy.upstream import UpstreamRequest, forward_headers, response_headers
 from gateway.traffic.admission import completion_budget, estimate_tokens
 from gateway.traffic.estimate import GENERATES_NOTHING, prompt_tokens
 
 if TYPE_CHECKING:
+    from gateway.flow.rollouts import Rollouts
     from gateway.metrics import GatewayMetrics
     from gateway.wiring import Gateway
 
@@ -206,6 +208,10 @@ async def model_response(
             ctx.pooled_extra = seqs - 1
         else:
             ctx.places = seqs
+    rollouts = gw.rollouts
+    if rollouts is not None and rollouts.runs and pinned is None:
+        # a model under a canary rollout: its version, before admission
+        rollouts.assign(ctx, key.name if key is not None else None)
     try:
         if gate.enabled:
             # admission: entry (key limits), resource (saturation), scheduler (slot or queue)
@@ -229,7 +235,7 @@ async def model_response(
         batching = gw.batching
         bound = None
         if batching is not None:
-            if batching.merge and not stream:
+            if batching.merge and not stream and ctx.version is None:
                 up = ctx.upstream
                 mkey = merge_key(endpoint, payload, route_key(up.path, up.headers, idh))
                 if mkey is not None:
@@ -255,6 +261,8 @@ async def model_response(
         watch.stop()
         ctx.settle(NOTHING_GENERATED)  # no backend served it: the key pays no tokens
         answered(metrics, endpoint, model, e.status, started)
+        if rollouts is not None and ctx.version is not None:
+            rollouts.observe_failure(ctx, e.status)
         log_refusal(e, endpoint, rid)
         e.headers.extend(ctx.ratelimit)
         return render(e, rid, idh)
@@ -262,6 +270,8 @@ async def model_response(
         watch.stop()
         ctx.settle(NOTHING_GENERATED)  # a backend's 429/5xx generated nothing
         answered(metrics, endpoint, model, e.status, started)
+        if rollouts is not None and ctx.version is not None:
+            rollouts.observe_failure(ctx, e.status)
         return render_backend_answer(e, idh, rid, ctx.ratelimit)
     except asyncio.CancelledError:
         watch.stop()
@@ -282,6 +292,9 @@ async def model_response(
     watch.stop()
     answer = gw.pipeline.finish_body(ctx, opened)
     answered(metrics, endpoint, model, answer.status, started)
+    if rollouts is not None and ctx.version is not None:  # TTFT: the whole answer's time
+        rollouts.observe(ctx, opened.backend, answer.status >= 500,
+                         time.perf_counter() - opened.sent_at)
     return _render_answer(answer, idh, rid, ctx.ratelimit)
 
 
@@ -330,6 +343,11 @@ def _relay(
     headers.extend(key_limits_for(headers, ctx.ratelimit))
     headers.append((idh.encode(), ctx.request_id.encode()))
     assert opened.framer is not None
+    on_done: Callable[[str, EventFramer, float | None], None] = (
+        resumer.done if resumer is not None else functools.partial(
+            gw.pipeline.stream_done, ctx, opened))
+    if gw.rollouts is not None and ctx.version is not None:
+        on_done = _observed(gw.rollouts, ctx, opened, on_done)
     return RelayResponse(
         opened.resp,
         headers,
@@ -338,13 +356,46 @@ def _relay(
         watch,
         ctx.cut,
         gw.cfg.proxy.idle_timeout_s,
-        resumer.done if resumer is not None else functools.partial(
-            gw.pipeline.stream_done, ctx, opened
-        ),
+        on_done,
         kind=stream_kind(ctx.endpoint),
         heard=opened.backend.heard,
         resumer=resumer,
     )
+
+
+def _observed(
+    rollouts: Rollouts,
+    ctx: RequestContext,
+    opened: Opened,
+    on_done: Callable[[str, EventFramer, float | None], None],
+) -> Callable[[str, EventFramer, float | None], None]:
+    """``on_done`` of a stream under a canary rollout, which also observes it on its
+    version (:meth:`gateway.flow.rollouts.Rollouts.observe`): TTFT from the attempt's send
+    to the first events sent (seconds), ITL the mean time between the events after them
+    (``[DONE]`` not counted; none for a continued stream, whose events came from two
+    backends), an error unless it ended ``ok``, the client gone, or with an in-band 4xx."""
+    framer0 = opened.framer
+    first_events = opened.data.count(b"\n\n")
+
+    def done(outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
+        on_done(outcome, framer, first_sent_at)
+        ended = time.perf_counter()
+        if outcome == StreamOutcome.CLIENT_GONE:
+            return
+        if outcome == StreamOutcome.IN_BAND_ERROR:
+            error = framer.error is None or framer.error.status >= 500
+        else:
+            error = outcome != StreamOutcome.OK
+        ttft = itl = None
+        if first_sent_at is not None:
+            ttft = first_sent_at - opened.sent_at
+            gaps = framer.events - first_events - int(framer.saw_done)
+            if framer is framer0 and gaps > 0:
+                itl = (ended - first_sent_at) / gaps
+        backend = opened.backend if framer is framer0 else None
+        rollouts.observe(ctx, backend, error, ttft, itl)
+
+    return done
 
 
 async def serve(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> None:

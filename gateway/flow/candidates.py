@@ -14,13 +14,32 @@ from gateway.fleet.backend import Backend
 
 
 def candidates(
-    backends: Iterable[Backend], model: str, tried: Sequence[str], now: float
+    backends: Iterable[Backend], model: str, tried: Sequence[str], now: float,
+    version: str | None = None,
 ) -> list[Backend]:
     """Backends that may take a request for ``model`` at monotonic ``now`` and whose ids
     are not in ``tried``: warm, serving it, not cooling after a 429, breaker not open (or a
     free half-open slot). Standby backends only when no primary qualifies; backends
     suspected of hanging (silent on their probes and scrapes,
-    :mod:`gateway.fleet.liveness`) only when nothing else does."""
+    :mod:`gateway.fleet.liveness`) only when nothing else does.
+
+    ``version``: the ``model_version`` a canary rollout assigned the request
+    (:mod:`gateway.flow.rollouts`; None: versions ignored, as without a rollout): only
+    backends of that version, unless none of them qualifies; then the others (the request
+    is served by the other version rather than refused, and counted as a fallback when it
+    ends)."""
+    if version is not None:
+        backends = list(backends)
+        same = _candidates(
+            (b for b in backends if b.config.model_version == version), model, tried, now)
+        if same:
+            return same
+    return _candidates(backends, model, tried, now)
+
+
+def _candidates(
+    backends: Iterable[Backend], model: str, tried: Sequence[str], now: float
+) -> list[Backend]:
     primaries: list[Backend] = []
     standbys: list[Backend] = []
     suspects: list[Backend] | None = None

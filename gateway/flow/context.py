@@ -64,6 +64,9 @@ class RequestContext:
     charge: Charge | None = None
     # ids of the backends this request's attempts went to (a continuation never goes back)
     tried: list[str] = field(default_factory=list)
+    # the model_version a canary rollout assigned it (gateway.flow.rollouts): only backends
+    # of that version are its candidates, its retries' and continuations' too; None: any
+    version: str | None = None
 
     def settle(self, usage: tuple[int, int] | None) -> None:
         """The answer reported ``usage`` (prompt, completion tokens; None: not reported):

@@ -43,10 +43,11 @@ class EventFramer:
     events a substring test flags (:func:`gateway.proxy.inband.inspect_events`).
     """
 
-    __slots__ = ("_buf", "_done", "_usage", "error", "terminal")
+    __slots__ = ("_buf", "_done", "_usage", "error", "events", "terminal")
 
     def __init__(self) -> None:
         self._buf = b""
+        self.events = 0  # complete events released (a stream's mean ITL: canary rollouts)
         self._usage: tuple[int, int] | None = None
         self._done = False
         self.error: InBandError | None = None  # the first request error the stream carried
@@ -72,6 +73,7 @@ class EventFramer:
             out, self._buf = data, hold
         else:
             out, self._buf = data[:end], data[end:] + hold
+        self.events += out.count(b"\n\n")
         if b"[DONE]" in out and _DONE_RE.search(out):
             self._done = True
         if b'"usage"' in out:

@@ -1,0 +1,112 @@
+"""The canary rollouts' admin routes (issue 18), guarded like every admin route
+(``auth.admin_key``, :mod:`gateway.api.admin`):
+
+* ``GET /admin/rollouts``: ``{"data": [...]}``, each rollout's snapshot
+  (:meth:`gateway.flow.rollouts.Rollouts.view`: status, step and shares, requests served per
+  version and the canary's share, calibration probes, the last comparison with its numbers,
+  every decision with its time, fallbacks, where it came from);
+* ``POST /admin/rollouts``: start one; the body is a JSON object with the fields of a
+  ``rollouts:`` entry (:class:`gateway.config_rollouts.RolloutConfig`). 201 with its
+  snapshot; 400 in OpenAI's error shape (``code: invalid_rollout``, ``param`` the field)
+  for a body that is not a valid rollout or names a version no backend of the model has;
+  409 (``rollout_running``) when one runs for the model. Not written to the config: a
+  rollout started here is not in the config history, and its rollback returns no config;
+* ``POST /admin/rollouts/{model}/abort``: the operator's rollback (every request of the
+  model to the baseline from now on; ``{"reason": "..."}`` optional); 404 when none runs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from gateway.api.admin import _gateway
+from gateway.api.errors import Refusal
+from gateway.config_rollouts import RolloutConfig
+
+if TYPE_CHECKING:
+    from gateway.flow.rollouts import Rollouts
+    from gateway.wiring import Gateway
+
+MAX_BODY_BYTES = 64 << 10
+"""The largest rollout body taken (bytes)."""
+
+
+def _rollouts(gw: Gateway) -> Rollouts:
+    if gw.rollouts is None:  # only before the lifespan has started
+        raise Refusal(503, "The gateway is starting.", code="starting")
+    return gw.rollouts
+
+
+async def _json(request: Request) -> object:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise Refusal(413, f"A rollout body is at most {MAX_BODY_BYTES} bytes.",
+                      code="invalid_rollout")
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise Refusal(400, "The body must be a JSON object.", code="invalid_rollout") from None
+
+
+async def list_rollouts(request: Request) -> JSONResponse:
+    return JSONResponse({"data": _rollouts(_gateway(request)).view()})
+
+
+async def start_rollout(request: Request) -> JSONResponse:
+    gw = _gateway(request)
+    rollouts = _rollouts(gw)
+    data = await _json(request)
+    if not isinstance(data, dict):
+        raise Refusal(400, "The body must be a JSON object with the fields of a rollouts: "
+                      "entry (model, baseline, canary, ...).", code="invalid_rollout")
+    try:
+        cfg = RolloutConfig.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        msg = "unknown field (check the spelling)" if first["type"] == "extra_forbidden" \
+            else first["msg"]
+        raise Refusal(400, f"Invalid rollout: {param or '(body)'}: {msg}", param=param,
+                      code="invalid_rollout") from None
+    problem = rollouts.version_problem(cfg)
+    if problem is not None:
+        raise Refusal(400, f"Invalid rollout: {problem}", param=problem.split(":", 1)[0],
+                      code="invalid_rollout")
+    run = rollouts.runs.get(cfg.model)
+    if run is not None and run.running:
+        raise Refusal(409, f"A rollout of {cfg.model!r} is running (step {run.rollout.step}); "
+                      f"abort it first: POST /admin/rollouts/{cfg.model}/abort",
+                      param="model", code="rollout_running")
+    rollouts.start(cfg, "admin")
+    view = next(v for v in rollouts.view() if v["model"] == cfg.model)
+    return JSONResponse(view, status_code=201)
+
+
+async def abort_rollout(model: str, request: Request) -> JSONResponse:
+    gw = _gateway(request)
+    rollouts = _rollouts(gw)
+    data = await _json(request)
+    reason = data.get("reason") if isinstance(data, dict) else None
+    text = "operator: aborted" + (f": {reason}" if isinstance(reason, str) and reason else "")
+    if rollouts.abort(model, text) is None:
+        raise Refusal(404, f"No rollout of {model!r} is running.", param="model",
+                      code="rollout_not_found")
+    view = next(v for v in rollouts.view() if v["model"] == model)
+    return JSONResponse(view)
+
+
+def install_routes(app: FastAPI) -> None:
+    """Add the rollout routes to ``app``."""
+    app.add_api_route("/admin/rollouts", list_rollouts, methods=["GET"],
+                      include_in_schema=False)
+    app.add_api_route("/admin/rollouts", start_rollout, methods=["POST"],
+                      include_in_schema=False)
+    app.add_api_route("/admin/rollouts/{model:path}/abort", abort_rollout, methods=["POST"],
+                      include_in_schema=False)

@@ -1,0 +1,293 @@
+"""Canary rollouts in the running gateway (issue 18): which version serves each request of a
+model under rollout, what each finished request says about its version, the decisions and
+their consequences. The decisions themselves are the pure state machine's
+(:mod:`gateway.traffic.rollout`); the calibration probes are
+:mod:`gateway.flow.rollout_probes`'; the admin API is :mod:`gateway.api.rollouts`.
+
+* **Assignment** (:meth:`Rollouts.assign`, at the edge, before admission): a request for a
+  model with a rollout gets a version (:meth:`gateway.traffic.rollout.Rollout.assign`:
+  sticky by the session header's key, else a capped random draw; the first steps only for
+  the targeted client keys / the low priority class) as ``ctx.version``; from then on only
+  backends of that ``model_version`` are its candidates (:func:`gateway.flow.candidates
+  .candidates`: its attempts, retries, continuations and the batcher's placement). When
+  none of them is routable, the other version's serve it (it is not refused: availability
+  first), counted in ``gateway_rollout_fallbacks_total`` and observed on the version that
+  served it. A model without a rollout is untouched (one dict lookup).
+* **Observing** (:meth:`Rollouts.observe`): a finished request on its serving backend's
+  version: TTFT (seconds from the attempt's send to the first event of a stream, to the
+  whole answer of a non-stream: the backend's own, the gateway's queue excluded, which both
+  versions share), ITL (a stream's mean time between the events after its first, seconds),
+  error (a 5xx, an in-band 5xx error, a stream cut by the backend or the gateway; a 4xx is
+  the client's and a client hanging up is not the version's: not errors).
+* **Deciding** (:meth:`Rollouts.tick`, the ``rollouts`` control loop every
+  :data:`TICK_S`, and every assignment): each decision is counted
+  (``gateway_rollout_decisions_total{model,decision,reason}``), the step exported
+  (``gateway_rollout_step{model}``) and logged in one line. A rollout that ended stays in
+  the table with its last routing: **rolled back**, every request of the model goes to the
+  baseline; **promoted**, to the canary, until another rollout of the model replaces it.
+  A rollback of a rollout that came from the config also returns the config to the
+  snapshot before the one that started it (``on_config_rollback``, wired by the app to
+  :meth:`gateway.reloading.Reloader.rollback`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.config_rollouts import RolloutConfig, version_problem
+from gateway.core.vocab import Prio
+from gateway.fleet.backend import Backend
+from gateway.fleet.fleet import Fleet
+from gateway.flow.context import RequestContext
+from gateway.metrics import GatewayMetrics
+from gateway.traffic.rollout import Rollout, RolloutPlan, StepRecord, Version
+from gateway.traffic.rollout_stats import Thresholds
+
+log = logging.getLogger("gateway.rollouts")
+
+TICK_S = 0.25
+"""Seconds between two rounds of the ``rollouts`` loop (decisions are also made on each
+assignment): a pure computation per running rollout, cheap at any rate; it bounds how late
+a decision is made when the model's traffic stops."""
+
+Origin = Literal["config", "admin"]
+
+_METRIC_REASON = {"ttft": "ttft", "itl": "itl", "error_rate": "errors",
+                  "calibration": "calibration"}
+
+
+def plan_of(cfg: RolloutConfig, rollout_id: str) -> RolloutPlan:
+    """The pure :class:`RolloutPlan` of a validated rollout config (calibration ``off``: no
+    probe is required, the calibration metric passes)."""
+    cal = cfg.calibration
+    t = cfg.targeting
+    return RolloutPlan(
+        model=cfg.model, baseline=cfg.baseline, canary=cfg.canary, steps=tuple(cfg.steps),
+        min_step_s=cfg.min_step_s, min_step_requests=cfg.min_step_requests,
+        max_step_s=cfg.max_step_s, recheck_s=cfg.recheck_s,
+        on_insufficient=cfg.on_insufficient,
+        target_keys=frozenset(t.client_keys),
+        target_priorities=frozenset({Prio.LOW}) if t.low_priority else frozenset(),
+        targeted_steps=t.steps,
+        calibration="exact" if cal.measure == "off" else cal.measure,
+        thresholds=Thresholds(min_samples=cfg.min_samples, min_requests=cfg.min_requests,
+                              min_calibration_probes=0 if cal.measure == "off"
+                              else cal.min_probes),
+        rollout_id=rollout_id,
+    )
+
+
+def reason_label(rec: StepRecord) -> str:
+    """The metric label of a decision's reason: ``ok`` (a pass or the promotion),
+    ``operator`` (no comparison: an abort), ``insufficient`` (a hold, or a rollback for
+    want of samples), else the failing metric (``ttft``, ``itl``, ``errors``,
+    ``calibration``)."""
+    cmp = rec.comparison
+    if cmp is None:
+        return "operator"
+    if rec.outcome in ("pass", "promoted"):
+        return "ok"
+    for m in cmp.metrics:
+        if m.decision == "fail":
+            return _METRIC_REASON.get(m.metric, m.metric)
+    return "insufficient"
+
+
+@dataclass
+class RolloutRun:
+    """One rollout in the gateway: its config, the pure state machine, where it came from
+    (``config`` or ``admin``), the config version that started it (None: unknown), the Unix
+    time it started, fallbacks per assigned version (requests), when its next calibration
+    round is due (monotonic seconds), and how many of its decisions were handled."""
+
+    cfg: RolloutConfig
+    rollout: Rollout
+    origin: Origin
+    config_version: int | None
+    started_unix: float
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    next_probe_at: float = 0.0
+    handled: int = 0
+
+    def side(self, version: str | None) -> Version | None:
+        """``baseline`` / ``canary`` for a ``model_version`` of this rollout, else None."""
+        if version == self.cfg.canary:
+            return "canary"
+        if version == self.cfg.baseline:
+            return "baseline"
+        return None
+
+    @property
+    def running(self) -> bool:
+        return self.rollout.status == "running"
+
+
+class Rollouts:
+    """Every model's rollout (module docstring). ``clock``: monotonic seconds (the state
+    machine's); ``wall``: Unix seconds (for the admin view)."""
+
+    def __init__(self, metrics: GatewayMetrics, fleet: Fleet,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.metrics = metrics
+        self.fleet = fleet
+        self.clock = clock
+        self.wall = wall
+        self.runs: dict[str, RolloutRun] = {}
+        # set by the app: return the config to the version before ``config_version``
+        # (None: the one before the running one), ``reason`` for the log
+        self.on_config_rollback: Callable[[int | None, str], Awaitable[None]] | None = None
+        self._config_rollbacks: list[tuple[int | None, str]] = []
+
+    # ---- starting and stopping ----------------------------------------------------------
+    def version_problem(self, cfg: RolloutConfig) -> str | None:
+        """Why ``cfg``'s versions cannot be served by the running fleet (naming the field),
+        or None: each must be the ``model_version`` of a backend of the model."""
+        return version_problem(cfg, (b.config.model_version for b in self.fleet.backends
+                                     if _serves(b, cfg.model)))
+
+    def start(self, cfg: RolloutConfig, origin: Origin,
+              config_version: int | None = None) -> RolloutRun:
+        """Start a rollout of ``cfg`` (replacing an ended one of the model; the caller
+        refuses when one is running)."""
+        now = self.clock()
+        rid = uuid.uuid4().hex[:12]
+        run = RolloutRun(cfg, Rollout(plan_of(cfg, rid), now, random.Random()), origin,
+                         config_version, self.wall())
+        self.runs[cfg.model] = run
+        self.metrics.rollout_step.labels(cfg.model).set(0)
+        log.info("rollout %s of %s: started (%s) from %s to %s, steps %s", rid, cfg.model,
+                 origin, cfg.baseline, cfg.canary, cfg.steps)
+        return run
+
+    def abort(self, model: str, reason: str) -> RolloutRun | None:
+        """An operator's rollback of ``model``'s running rollout (every request to the
+        baseline from now on); None when none runs. The config is not returned."""
+        run = self.runs.get(model)
+        if run is None or not run.running:
+            return None
+        run.rollout.rollback(self.clock(), reason)
+        self._handle(run)
+        return run
+
+    def sync(self, configs: Sequence[RolloutConfig], config_version: int | None) -> None:
+        """The config's ``rollouts:`` (at start and at each reload that changes them): a
+        rollout of the config whose entry is gone or changed is stopped (rolled back, reason
+        ``operator``); a new or changed entry starts one (``config_version``: the config
+        version that starts it)."""
+        wanted = {c.model: c for c in configs}
+        for model, run in list(self.runs.items()):
+            if run.origin == "config" and wanted.get(model) != run.cfg:
+                self.abort(model, "operator: the rollout's config entry was removed or "
+                                  "changed")
+        for model, c in wanted.items():
+            have = self.runs.get(model)
+            if have is not None and have.cfg == c:
+                continue
+            if have is not None and have.running:  # started by the admin API: left alone
+                log.warning("rollout of %s: the config's entry not started: one started by "
+                            "the admin API runs", model)
+                continue
+            self.start(c, "config", config_version)
+
+    # ---- the request path ---------------------------------------------------------------
+    def assign(self, ctx: RequestContext, client_key: str | None) -> None:
+        """Set ``ctx.version`` when ``ctx.model`` has a rollout (module docstring)."""
+        run = self.runs.get(ctx.model)
+        if run is None:
+            return
+        side = run.rollout.assign(ctx.session_key, client_key, ctx.priority, self.clock())
+        ctx.version = run.cfg.canary if side == "canary" else run.cfg.baseline
+        if len(run.rollout.history) > run.handled:
+            self._handle(run)
+
+    def observe(self, ctx: RequestContext, backend: Backend | None, error: bool,
+                ttft_s: float | None = None, itl_s: float | None = None) -> None:
+        """A finished request that was assigned a version (``ctx.version``): observed on
+        the version of ``backend``, the one that served it (None: none did, the assigned
+        one), counted per version, and as a fallback when that is not the assigned one."""
+        run = self.runs.get(ctx.model)
+        if run is None or ctx.version is None:
+            return
+        served = backend.config.model_version if backend is not None else ctx.version
+        side = run.side(served)
+        if side is None or served is None:
+            return
+        m = self.metrics
+        m.version_requests.labels(ctx.model, served).inc()
+        if served != ctx.version:
+            m.rollout_fallbacks.labels(ctx.model, ctx.version).inc()
+            run.fallbacks[ctx.version] = run.fallbacks.get(ctx.version, 0) + 1
+        run.rollout.observe(side, None if error else ttft_s, None if error else itl_s, error)
+
+    def observe_failure(self, ctx: RequestContext, status: int) -> None:
+        """A request with a version that ended without a backend's answer to relay as
+        served (a refusal, a backend's own error answer): an error when ``status`` is a
+        5xx, observed on the last backend it went to."""
+        if ctx.version is None or status < 500:
+            return
+        backend = self.fleet.get(ctx.tried[-1]) if ctx.tried else None
+        self.observe(ctx, backend, True)
+
+    # ---- deciding -----------------------------------------------------------------------
+    async def round(self) -> None:
+        """The ``rollouts`` loop's body: decide every running rollout that is due, then
+        return the config for each rollout from the config that rolled back."""
+        now = self.clock()
+        for run in list(self.runs.values()):
+            if run.running:
+                run.rollout.tick(now)
+            if len(run.rollout.history) > run.handled:
+                self._handle(run)
+        while self._config_rollbacks and self.on_config_rollback is not None:
+            version, reason = self._config_rollbacks.pop(0)
+            await self.on_config_rollback(version, reason)
+
+    def _handle(self, run: RolloutRun) -> None:
+        """Count, export and log the decisions not handled yet."""
+        model = run.cfg.model
+        m = self.metrics
+        r = run.rollout
+        for rec in r.history[run.handled:]:
+            label = reason_label(rec)
+            m.rollout_decisions.labels(model, rec.outcome, label).inc()
+            level = logging.WARNING if rec.outcome in ("rolled_back", "hold") else logging.INFO
+            log.log(level, "rollout %s of %s: step %d (canary %.0f%%) %s [%s]: %s; canary "
+                    "served %.2f%% of requests", r.plan.rollout_id, model, rec.step,
+                    rec.share * 100, rec.outcome, label, rec.reason,
+                    r.canary_share_served * 100)
+            if (rec.outcome == "rolled_back" and label != "operator"
+                    and run.origin == "config"):
+                self._config_rollbacks.append((run.config_version, rec.reason))
+        run.handled = len(r.history)
+        step = {"running": r.step, "promoted": len(r.plan.steps), "rolled_back": -1}
+        m.rollout_step.labels(model).set(step[r.status])
+
+    # ---- the admin view -----------------------------------------------------------------
+    def view(self) -> list[dict[str, object]]:
+        """``GET /admin/rollouts``: each rollout's snapshot (times in Unix seconds), where it
+        came from and its fallbacks."""
+        now, wall = self.clock(), self.wall()
+        out: list[dict[str, object]] = []
+        for run in self.runs.values():
+            snap = run.rollout.snapshot(now)
+            for rec in snap["history"]:  # type: ignore[attr-defined]
+                rec["at_unix"] = round(wall - (now - rec["at"]), 3)
+            snap.update({"id": run.rollout.plan.rollout_id, "origin": run.origin,
+                         "config_version": run.config_version,
+                         "started_unix": run.started_unix, "fallbacks": dict(run.fallbacks),
+                         "config": run.cfg.model_dump(mode="json")})
+            out.append(snap)
+        return out
+
+
+def _serves(b: Backend, model: str) -> bool:
+    """Whether ``b`` serves (or, without a configured list, may serve) ``model``."""
+    configured: Iterable[str] | None = b.config.models
+    return model in b.models or configured is None or model in configured

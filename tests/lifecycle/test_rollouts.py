@@ -1,0 +1,341 @@
+"""Canary rollouts in the running gateway (issue 18, Deliver 3 and 4), through real HTTP:
+the gateway under uvicorn in front of simulated vLLM servers of two versions, clients on the
+real ``openai`` SDK, rollouts started by the config, by a live reload and by the admin API.
+
+Must hold: a good canary is promoted through every step with 0 failed requests; a slower
+canary (TTFT x1.5) is rolled back at its first step (and a rollout from a config change
+returns the config); a drifted canary (calibration) is rolled back even when it is fast;
+the share the bad canary served is within the first step's share plus the step's minimum
+sample; sticky sessions stay on one version; a model without a rollout routes as before.
+
+Steps are small (tiny ``min_step_s``, 0.1 s calibration rounds, 40 requests and 20 latency
+samples a side before a comparison), so each test sends a few hundred short requests. Backends per version are sized to the step's shares, so that a
+version's backends carry the same load per backend as the other's (a canary at 25 % is one
+backend of four; a good canary runs on three backends against the baseline's one, so that
+at the 100 % step each of its backends carries less than the baseline's did at 50 %): a
+backend with more concurrent requests queues longer (a prefill step stalls the batch), a
+difference of load, not of version, which a closed loop of clients on one machine would
+otherwise turn into a false regression.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from gateway.sim import EngineParams, ReleaseConfig, SimConfig, SimServerThread
+from tests.lifecycle.support import metric, metric_samples
+from tests.support.scripted import wait_for
+from tests.support.servers import GatewayThread, gateway_config
+
+MODEL = "m1"
+# a prefill step (TTFT) well above the machine's jitter; short decode steps
+ENGINE = EngineParams(prefill_base_s=0.03, prefill_per_token_s=0.0, itl_base_s=0.004,
+                      itl_per_seq_s=0.0, max_num_seqs=64)
+FAST_STEPS: dict[str, Any] = {"min_step_s": 0.3, "min_step_requests": 40, "recheck_s": 0.2,
+                              "max_step_s": 60, "min_requests": 40, "min_samples": 20,
+                              "calibration": {"interval_s": 0.1, "min_probes": 10}}
+
+
+def config(backends: list[dict[str, Any]], **sections: Any) -> Any:
+    """The test config: short calibration answers (4 tokens: a probe round is 6 of them)."""
+    return gateway_config(backends, calibration={"max_tokens": 4}, **sections)
+
+
+class Servers:
+    """Simulated servers by name: (thread, url, version)."""
+
+    def __init__(self) -> None:
+        self.threads: list[SimServerThread] = []
+        self.version_of: dict[str, str] = {}  # system_fingerprint -> version
+        self.backends: list[dict[str, Any]] = []
+
+    def add(self, name: str, version: str, model: str = MODEL, **release: Any) -> str:
+        t = SimServerThread(SimConfig(model=model, engine_label=name, engine=ENGINE,
+                                      release=ReleaseConfig(**release)))
+        url = t.start()
+        self.threads.append(t)
+        self.version_of[t.state.fingerprint] = version
+        self.backends.append({"id": name, "url": url, "models": [model],
+                              "model_version": version})
+        return url
+
+    def stop(self) -> None:
+        for t in self.threads:
+            t.stop()
+
+
+@pytest.fixture
+def servers() -> Iterator[Servers]:
+    s = Servers()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+class Traffic:
+    """``clients`` threads sending short chat requests for ``model`` (every other one
+    streamed) until :meth:`stop`; a request of client ``i`` carries session ``s<i>-<k>``
+    every third time. Keeps every failure and the version of every answer by session."""
+
+    def __init__(self, url: str, clients: int = 6, model: str = MODEL) -> None:
+        self.failures: list[str] = []
+        self.versions: list[str] = []  # fingerprints, in order
+        self.sessions: dict[str, list[str]] = {}  # fingerprints in order
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(url, i, model), daemon=True)
+                         for i in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, url: str, i: int, model: str) -> None:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                               timeout=30)
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            session = f"s{i}-{n % 4}" if n % 3 == 0 else None
+            headers = {"x-session-id": session} if session else {}
+            try:
+                kwargs: dict[str, Any] = {
+                    "model": model, "messages": [{"role": "user", "content": f"hi {i} {n}"}],
+                    "max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True},
+                    "extra_headers": headers}
+                if n % 2:
+                    stream = client.chat.completions.create(stream=True, **kwargs)
+                    fps = {c.system_fingerprint for c in stream if c.system_fingerprint}
+                    assert len(fps) == 1, fps
+                    fp = fps.pop()
+                else:
+                    fp = client.chat.completions.create(**kwargs).system_fingerprint or ""
+            except Exception as e:  # every failure a client sees is kept
+                with self._lock:
+                    self.failures.append(f"{type(e).__name__}: {e}")
+                continue
+            with self._lock:
+                self.versions.append(fp)
+                if session:
+                    self.sessions.setdefault(session, []).append(fp)
+        client.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+def rollouts(url: str) -> list[dict[str, Any]]:
+    r = httpx.get(url + "/admin/rollouts", timeout=10)
+    r.raise_for_status()
+    return r.json()["data"]  # type: ignore[no-any-return]
+
+
+def rollout(url: str, model: str = MODEL) -> dict[str, Any]:
+    return next(r for r in rollouts(url) if r["model"] == model)
+
+
+def ended(url: str) -> bool:
+    return rollout(url)["status"] != "running"
+
+
+def run_until_decided(gw: GatewayThread, timeout: float = 60) -> tuple[dict[str, Any], Traffic]:
+    """Traffic until the rollout of ``MODEL`` ends; returns its snapshot and the traffic."""
+    traffic = Traffic(gw.url)
+    try:
+        assert wait_for(lambda: ended(gw.url), timeout, 0.1), rollout(gw.url)
+    finally:
+        traffic.stop()
+    return rollout(gw.url), traffic
+
+
+def decisions(url: str) -> dict[tuple[str, str], float]:
+    s = metric_samples(url)
+    out: dict[tuple[str, str], float] = {}
+    for d in ("pass", "promoted", "rolled_back", "hold"):
+        for reason in ("ok", "ttft", "itl", "errors", "calibration", "insufficient",
+                       "operator"):
+            v = metric(s, "gateway_rollout_decisions_total", model=MODEL, decision=d,
+                       reason=reason)
+            if v:
+                out[(d, reason)] = v
+    return out
+
+
+def test_good_canary_is_promoted_through_every_step(servers: Servers) -> None:
+    servers.add("a", "v1")
+    for name in ("b1", "b2", "b3"):
+        servers.add(name, "v2")
+    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
+            **FAST_STEPS}
+    with GatewayThread(config(servers.backends, rollouts=[plan])) as gw:
+        snap, traffic = run_until_decided(gw)
+        assert snap["status"] == "promoted", snap["history"]
+        assert [h["outcome"] for h in snap["history"]] == ["pass", "promoted"]
+        assert traffic.failures == []
+        # each decision with its numbers and times
+        cmp = snap["history"][0]["comparison"]
+        assert {m["metric"] for m in cmp["metrics"]} == {"calibration", "ttft", "itl",
+                                                         "error_rate"}
+        assert all(m["decision"] == "pass" for m in cmp["metrics"])
+        assert snap["calibration"]["probes"] >= 10 and snap["calibration"]["failures"] == 0
+        assert all(h["at_unix"] > 0 for h in snap["history"])
+        # sticky sessions: a session stays on its version; as the canary's share grows a
+        # session of the baseline moves to the canary at most once, and never back
+        moves = {s: _runs([servers.version_of[fp] for fp in fps])
+                 for s, fps in traffic.sessions.items()}
+        assert moves and all(m in (["v1"], ["v2"], ["v1", "v2"]) for m in moves.values()), moves
+        assert any(m[0] == "v1" for m in moves.values()), moves  # some began on each
+        assert any(m[0] == "v2" for m in moves.values()), moves
+        assert decisions(gw.url) == {("pass", "ok"): 1, ("promoted", "ok"): 1}
+        s = metric_samples(gw.url)
+        assert metric(s, "gateway_rollout_step", model=MODEL) == 2
+        served = {v: metric(s, "gateway_version_requests_total", model=MODEL, version=v)
+                  for v in ("v1", "v2")}
+        assert served["v1"] and served["v2"], served
+        # promoted: every request goes to the canary now
+        before = len(traffic.versions)
+        after = Traffic(gw.url, clients=2)
+        time.sleep(0.5)
+        after.stop()
+        assert after.failures == []
+        assert {servers.version_of[fp] for fp in after.versions} == {"v2"}, before
+
+
+def _runs(versions: list[str]) -> list[str]:
+    """``versions`` with repeats in a row collapsed: the versions a session went through."""
+    return [v for i, v in enumerate(versions) if i == 0 or versions[i - 1] != v]
+
+
+def _config_text(gw: GatewayThread, **changes: Any) -> str:
+    data = gw.gateway.cfg.model_dump(mode="json")
+    data.update(changes)
+    return yaml.safe_dump(data)
+
+
+def test_slow_canary_from_a_config_change_rolls_back_and_returns_the_config(
+    servers: Servers,
+) -> None:
+    for name in ("a1", "a2", "a3"):  # the canary one backend of four, as in a fleet:
+        servers.add(name, "v1")  # at 25 % each backend carries the same load
+    servers.add("b", "v2", ttft_factor=1.5)
+    first = 0.25
+    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [first, 1.0],
+            **FAST_STEPS, "calibration": {"measure": "off"}}
+    with GatewayThread(config(servers.backends)) as gw:
+        r = httpx.post(gw.url + "/admin/config", content=_config_text(gw, rollouts=[plan]),
+                       timeout=10)
+        assert r.status_code == 200, r.text
+        started_in = r.json()["version"]
+        assert rollout(gw.url)["origin"] == "config"
+        snap, traffic = run_until_decided(gw)
+        assert snap["status"] == "rolled_back", snap["history"]
+        last = snap["history"][-1]
+        assert last["step"] == 0 and "ttft" in last["reason"], last
+        assert traffic.failures == []
+        # the bound: the first step's share plus the step's minimum sample
+        served = snap["served"]
+        total = served["baseline"] + served["canary"]
+        assert served["canary"] <= first * total + plan["min_step_requests"], served
+        assert snap["share_before_rollback"] is not None
+        assert decisions(gw.url) == {("rolled_back", "ttft"): 1}
+        assert metric(metric_samples(gw.url), "gateway_rollout_step", model=MODEL) == -1
+        # the config went back to the one before the change (a new version, no rollouts)
+        def returned() -> bool:
+            h = httpx.get(gw.url + "/admin/config/history", timeout=10).json()
+            return h["running"] > started_in and h["data"][0]["source"] == "rollback"
+        assert wait_for(returned, 10)
+        assert gw.gateway.cfg.rollouts == []
+        # every request to the baseline now
+        after = Traffic(gw.url, clients=2)
+        time.sleep(0.5)
+        after.stop()
+        assert after.failures == [] and after.versions
+        assert {servers.version_of[fp] for fp in after.versions} == {"v1"}
+
+
+def test_drifted_canary_rolls_back_on_calibration_though_fast(servers: Servers) -> None:
+    servers.add("a", "v1")
+    servers.add("b", "v2", drift=0.5)
+    with GatewayThread(config(servers.backends)) as gw:
+        # 3 probes (one round) suffice: calibration decides at the step's first comparison
+        body = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
+                **FAST_STEPS, "calibration": {"interval_s": 0.1, "min_probes": 3}}
+        r = httpx.post(gw.url + "/admin/rollouts", json=body, timeout=10)
+        assert r.status_code == 201, r.text
+        again = httpx.post(gw.url + "/admin/rollouts", json=body, timeout=10)
+        assert again.status_code == 409 and again.json()["error"]["param"] == "model"
+        snap, traffic = run_until_decided(gw)
+        assert snap["status"] == "rolled_back", snap["history"]
+        last = snap["history"][-1]
+        assert last["step"] == 0 and last["reason"].startswith("calibration failed"), last
+        # the canary is as fast as the baseline by construction (no ttft / itl factor):
+        # calibration's failure decides, whatever the latencies say
+        assert snap["calibration"]["failures"] > 0.02 * snap["calibration"]["probes"]
+        assert traffic.failures == []
+        assert decisions(gw.url) == {("rolled_back", "calibration"): 1}
+        # an admin rollout returns no config
+        h = httpx.get(gw.url + "/admin/config/history", timeout=10).json()
+        assert h["data"][0]["source"] == "start"
+
+
+def test_admin_api_errors_and_abort(servers: Servers) -> None:
+    servers.add("a", "v1")
+    servers.add("b", "v2")
+    with GatewayThread(config(servers.backends)) as gw:
+        url = gw.url + "/admin/rollouts"
+        r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v9"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "canary", r.text
+        assert "v9" in r.json()["error"]["message"]
+        r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2",
+                                  "steps": [0.5, 0.2]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "steps", r.text
+        r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2",
+                                  "stepz": [1.0]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stepz", r.text
+        assert httpx.post(url + "/m1/abort").status_code == 404
+        r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2"})
+        assert r.status_code == 201 and r.json()["status"] == "running"
+        r = httpx.post(url + "/m1/abort", json={"reason": "pager"})
+        assert r.status_code == 200 and r.json()["status"] == "rolled_back"
+        assert r.json()["history"][-1]["reason"] == "operator: aborted: pager"
+        assert decisions(gw.url) == {("rolled_back", "operator"): 1}
+        # rolled back: the baseline serves everything
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+        fps = {c.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                 "content": "x"}],
+                                         max_tokens=2).system_fingerprint
+               for _ in range(10)}
+        assert {servers.version_of[fp or ""] for fp in fps} == {"v1"}
+
+
+def test_invalid_rollout_config_names_the_field(servers: Servers) -> None:
+    servers.add("a", "v1")
+    with pytest.raises(Exception, match=r"rollouts\.0\.canary: no backend of model 'm1'"):
+        gateway_config(servers.backends, rollouts=[{"model": MODEL, "baseline": "v1",
+                                                    "canary": "v2"}])
+
+
+def test_a_model_without_rollout_routes_as_before(servers: Servers) -> None:
+    servers.add("a", "v1")
+    servers.add("b", "v2")
+    servers.add("x", "old", model="m2")
+    servers.add("y", "new", model="m2")
+    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0]}
+    with GatewayThread(config(servers.backends, rollouts=[plan])) as gw:
+        traffic = Traffic(gw.url, clients=2, model="m2")
+        assert wait_for(lambda: len({servers.version_of[fp] for fp in traffic.versions})
+                        == 2, 10)  # both versions of m2 serve it: versions ignored
+        traffic.stop()
+        assert traffic.failures == []
+        s = metric_samples(gw.url)
+        assert metric(s, "gateway_version_requests_total", model="m2", version="old") is None
+        assert rollout(gw.url)["served"] == {"baseline": 0, "canary": 0}
