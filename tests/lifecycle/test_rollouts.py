@@ -9,8 +9,9 @@ the share the bad canary served is within the first step's share plus the step's
 sample; sticky sessions stay on one version; a model without a rollout routes as before.
 
 Steps are small (tiny ``min_step_s``, 0.1 s calibration rounds, 40 requests and 20 latency
-samples a side before a comparison), so each test sends a few hundred short requests. Backends per version are sized to the step's shares, so that a
-version's backends carry the same load per backend as the other's (a canary at 25 % is one
+samples a side before a comparison), so each test sends a few hundred short requests.
+Backends per version are sized to the step's shares, so that a version's backends carry
+no more load per backend than the other's (a canary at 25 % is one
 backend of four; a good canary runs on three backends against the baseline's one, so that
 at the 100 % step each of its backends carries less than the baseline's did at 50 %): a
 backend with more concurrent requests queues longer (a prefill step stalls the batch), a
