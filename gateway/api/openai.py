@@ -293,8 +293,8 @@ async def model_response(
     answer = gw.pipeline.finish_body(ctx, opened)
     answered(metrics, endpoint, model, answer.status, started)
     if rollouts is not None and ctx.version is not None:  # TTFT: the whole answer's time
-        rollouts.observe(ctx, opened.backend, answer.status >= 500,
-                         time.perf_counter() - opened.sent_at)
+        ttft = time.perf_counter() - opened.sent_at if answer.status < 400 else None
+        rollouts.observe(ctx, opened.backend, answer.status >= 500, ttft)
     return _render_answer(answer, idh, rid, ctx.ratelimit)
 
 
@@ -373,7 +373,8 @@ def _observed(
     version (:meth:`gateway.flow.rollouts.Rollouts.observe`): TTFT from the attempt's send
     to the first events sent (seconds), ITL the mean time between the events after them
     (``[DONE]`` not counted; none for a continued stream, whose events came from two
-    backends), an error unless it ended ``ok``, the client gone, or with an in-band 4xx."""
+    backends), an error unless it ended ``ok``, the client gone (not observed), or with an
+    in-band 4xx (the request's fault: counted, without latencies)."""
     framer0 = opened.framer
     first_events = opened.data.count(b"\n\n")
 
@@ -382,12 +383,14 @@ def _observed(
         ended = time.perf_counter()
         if outcome == StreamOutcome.CLIENT_GONE:
             return
+        client_error = False  # an in-band 4xx: the request's fault, and no latency sample
         if outcome == StreamOutcome.IN_BAND_ERROR:
             error = framer.error is None or framer.error.status >= 500
+            client_error = not error
         else:
             error = outcome != StreamOutcome.OK
         ttft = itl = None
-        if first_sent_at is not None:
+        if first_sent_at is not None and not client_error:
             ttft = first_sent_at - opened.sent_at
             gaps = framer.events - first_events - int(framer.saw_done)
             if framer is framer0 and gaps > 0:

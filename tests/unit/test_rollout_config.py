@@ -1,0 +1,126 @@
+"""Canary rollouts' config and the pure parts of their wiring (issue 18): the ``rollouts:``
+section's validation (each problem naming its field), the plan it maps to, the metric
+reason of a decision, and the candidates of a request assigned a version (with the
+fallback to the other version when none of its own is routable)."""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+import pytest
+
+from gateway.config import BackendConfig, ConfigError, load_config
+from gateway.config_rollouts import RolloutConfig
+from gateway.core.vocab import BackendState, Prio
+from gateway.fleet.backend import Backend
+from gateway.flow.candidates import candidates
+from gateway.flow.rollouts import plan_of, reason_label
+from gateway.traffic.rollout import Rollout
+
+BACKENDS = [
+    {"id": "a", "url": "http://h:1", "models": ["m"], "model_version": "v1"},
+    {"id": "b", "url": "http://h:2", "models": ["m"], "model_version": "v2"},
+    {"id": "c", "url": "http://h:3", "models": ["other"], "model_version": "v3"},
+]
+
+
+def cfg(**rollout: Any) -> Any:
+    return load_config(None, backends=BACKENDS,
+                       rollouts=[{"model": "m", "baseline": "v1", "canary": "v2", **rollout}])
+
+
+def test_a_valid_rollout_with_its_defaults() -> None:
+    r = cfg().rollouts[0]
+    assert r.steps == [0.01, 0.05, 0.25, 0.5, 1.0]
+    assert (r.min_step_s, r.min_step_requests, r.max_step_s) == (300.0, 100, 3600.0)
+    assert r.calibration.measure == "exact" and r.on_insufficient == "rollback"
+
+
+@pytest.mark.parametrize(("rollout", "field"), [
+    ({"canary": "v3"}, "rollouts.0.canary: no backend of model 'm' has model_version 'v3'"),
+    ({"baseline": "v9"}, "rollouts.0.baseline: no backend of model 'm'"),
+    ({"steps": [0.5, 0.2, 1.0]}, "rollouts.0.steps"),
+    ({"steps": [0.5, 0.9]}, "rollouts.0.steps"),
+    ({"min_step_requests": 0}, "rollouts.0.min_step_requests"),
+    ({"min_samples": 5}, "rollouts.0.min_samples"),
+    ({"canary": "v1"}, "canary must differ from baseline"),
+    ({"max_step_s": 10, "min_step_s": 20}, "max_step_s (10) must be >= min_step_s"),
+    ({"targeting": {"steps": 2}}, "targeting.steps needs targeting.client_keys"),
+    ({"targeting": {"steps": 5, "low_priority": True}}, "targeting.steps (5) must be below"),
+    ({"calibration": {"measure": "bleu"}}, "rollouts.0.calibration.measure"),
+    ({"stepz": [1.0]}, "rollouts.0.stepz: unknown field"),
+])
+def test_bad_rollouts_are_refused_naming_the_field(rollout: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        cfg(**rollout)
+
+
+def test_one_rollout_per_model() -> None:
+    r = {"model": "m", "baseline": "v1", "canary": "v2"}
+    with pytest.raises(ConfigError, match=r"rollouts\.1\.model: a second rollout for model 'm'"):
+        load_config(None, backends=BACKENDS, rollouts=[r, r])
+
+
+def test_the_plan_a_config_maps_to() -> None:
+    r = RolloutConfig(model="m", baseline="v1", canary="v2", steps=[0.5, 1.0], min_samples=20,
+                      min_requests=40, recheck_s=0.5,
+                      targeting={"client_keys": ["batch"], "low_priority": True, "steps": 1},
+                      calibration={"measure": "off"})
+    p = plan_of(r, "id1")
+    assert p.steps == (0.5, 1.0) and p.recheck_s == 0.5 and p.rollout_id == "id1"
+    assert p.target_keys == frozenset({"batch"}) and p.target_priorities == {Prio.LOW}
+    assert p.targeted_steps == 1
+    assert (p.thresholds.min_samples, p.thresholds.min_requests) == (20, 40)
+    assert p.thresholds.min_calibration_probes == 0  # off: calibration passes unprobed
+    on = plan_of(RolloutConfig(model="m", baseline="v1", canary="v2",
+                               calibration={"measure": "token_overlap", "min_probes": 6}), "x")
+    assert on.calibration == "token_overlap" and on.thresholds.min_calibration_probes == 6
+
+
+def _decided(canary_ttft: float, probes_failed: int = 0) -> Rollout:
+    r = RolloutConfig(model="m", baseline="v1", canary="v2", steps=[0.5, 1.0], min_step_s=0,
+                      min_step_requests=40, min_requests=40, min_samples=20, recheck_s=0.01,
+                      calibration={"min_probes": 10})
+    rollout = Rollout(plan_of(r, "x"), 0.0, random.Random(1))
+    rng = random.Random(2)
+    for i in range(10):
+        rollout.record_probe(i >= probes_failed)
+    for i in range(400):  # a request every 0.05 s until the first decision
+        side = rollout.assign(None, None, Prio.NORMAL, i * 0.05)
+        base = rng.lognormvariate(-1.4, 0.2)
+        rollout.observe(side, base * (canary_ttft if side == "canary" else 1.0), 0.03, False)
+        if rollout.tick(i * 0.05) is not None or rollout.history:
+            break
+    return rollout
+
+
+def test_reason_labels_of_decisions() -> None:
+    slow = _decided(2.0)
+    assert slow.status == "rolled_back" and reason_label(slow.history[-1]) == "ttft"
+    drifted = _decided(1.0, probes_failed=3)
+    assert reason_label(drifted.history[-1]) == "calibration"
+    good = _decided(1.0)
+    assert good.history[-1].outcome == "pass" and reason_label(good.history[-1]) == "ok"
+    good.rollback(2.0, "operator: aborted")
+    assert reason_label(good.history[-1]) == "operator"
+
+
+def _backend(i: str, version: str | None, state: BackendState = BackendState.WARM) -> Backend:
+    b = Backend(config=BackendConfig(id=i, url=f"http://h:{ord(i)}", models=["m"],
+                                     model_version=version))
+    b.models = ("m",)
+    b.state = state
+    return b
+
+
+def test_candidates_of_a_version_and_the_fallback() -> None:
+    fleet = [_backend("a", "v1"), _backend("b", "v2"), _backend("c", "v2")]
+    assert [b.id for b in candidates(fleet, "m", (), 0.0)] == ["a", "b", "c"]  # no version
+    assert [b.id for b in candidates(fleet, "m", (), 0.0, "v2")] == ["b", "c"]
+    assert [b.id for b in candidates(fleet, "m", ("b",), 0.0, "v2")] == ["c"]  # a retry
+    assert [b.id for b in candidates(fleet, "m", (), 0.0, "v1")] == ["a"]
+    # no routable backend of v1: the other version serves rather than none
+    fleet[0].state = BackendState.UNHEALTHY
+    assert [b.id for b in candidates(fleet, "m", (), 0.0, "v1")] == ["b", "c"]
