@@ -340,3 +340,24 @@ def test_a_model_without_rollout_routes_as_before(servers: Servers) -> None:
         s = metric_samples(gw.url)
         assert metric(s, "gateway_version_requests_total", model="m2", version="old") is None
         assert rollout(gw.url)["served"] == {"baseline": 0, "canary": 0}
+
+
+def test_a_version_without_a_routable_backend_falls_back_to_the_other(
+    servers: Servers,
+) -> None:
+    servers.add("a", "v1")
+    servers.add("b", "v2")
+    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
+            "min_step_s": 600, "calibration": {"measure": "off"}}
+    with GatewayThread(config(servers.backends, rollouts=[plan])) as gw:
+        servers.threads[1].stop()  # the canary's only backend is gone
+        traffic = Traffic(gw.url, clients=2)
+        assert wait_for(lambda: len(traffic.versions) >= 40, 20)
+        traffic.stop()
+        assert traffic.failures == []  # retried on, then routed to, the baseline
+        assert {servers.version_of[fp] for fp in traffic.versions} == {"v1"}
+        snap = rollout(gw.url)
+        assert snap["status"] == "running" and snap["fallbacks"].get("v2", 0) > 0, snap
+        s = metric_samples(gw.url)
+        assert metric(s, "gateway_rollout_fallbacks_total", model=MODEL, version="v2")
+        assert metric(s, "gateway_version_requests_total", model=MODEL, version="v2") is None
