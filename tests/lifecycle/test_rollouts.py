@@ -361,3 +361,31 @@ def test_a_version_without_a_routable_backend_falls_back_to_the_other(
         s = metric_samples(gw.url)
         assert metric(s, "gateway_rollout_fallbacks_total", model=MODEL, version="v2")
         assert metric(s, "gateway_version_requests_total", model=MODEL, version="v2") is None
+
+
+def test_the_batcher_places_by_version_and_admin_routes_need_the_admin_key(
+    servers: Servers,
+) -> None:
+    servers.add("a", "v1")
+    servers.add("b", "v2")
+    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
+            "min_step_s": 600, "calibration": {"measure": "off"}}
+    cfg = config(servers.backends, rollouts=[plan], batcher={"enabled": True},
+                 auth={"admin_key": "sekret"})
+    with GatewayThread(cfg) as gw:
+        url = gw.url + "/admin/rollouts"
+        assert httpx.get(url).status_code == 401
+        assert httpx.post(url + "/m1/abort").status_code == 401
+        admin = {"authorization": "Bearer sekret"}
+        assert httpx.get(url, headers=admin).json()["data"][0]["status"] == "running"
+        traffic = Traffic(gw.url, clients=2)
+        assert wait_for(lambda: len({servers.version_of[fp] for fp in traffic.versions}) == 2,
+                        10)  # the batcher places on both versions while it runs
+        r = httpx.post(url + "/m1/abort", headers=admin)
+        assert r.status_code == 200 and r.json()["status"] == "rolled_back"
+        seen = len(traffic.versions)
+        assert wait_for(lambda: len(traffic.versions) >= seen + 20, 10)
+        traffic.stop()
+        assert traffic.failures == []
+        after = {servers.version_of[fp] for fp in traffic.versions[seen + 2:]}
+        assert after == {"v1"}, after  # rolled back: the batcher places on the baseline only
