@@ -82,6 +82,8 @@ def create_app(
         app.state.gateway = gw
         gw.reloader = Reloader(gw, history, config_path, wall=gw.controller.wall)
         gw.reloader.start()
+        if gw.coord is not None:  # fleet mode: one config for the fleet (coord.config_sync)
+            gw.reloader.join_fleet(gw.coord.share_config())
         if gw.coord is not None:
             await gw.coord.connect()  # fleet mode: the shared store before the loops
         await gw.controller.start()

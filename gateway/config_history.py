@@ -121,16 +121,25 @@ class ConfigHistory:
         return last
 
     def record(self, config: dict[str, Any], source: str, file_digest: str | None,
-               summary: dict[str, Any], now: float) -> Snapshot:
+               summary: dict[str, Any], now: float, version: int | None = None) -> Snapshot:
         """Keep ``config`` as the newest snapshot (``now``: Unix seconds); the oldest beyond
-        ``keep`` is dropped (and its file deleted). Raises ``OSError`` when it cannot be
-        written (nothing changes then)."""
-        version = (self.last.version if self.last else 0) + 1
+        ``keep`` is dropped (and its file deleted). ``version``: the number to give it (fleet
+        mode: the fleet's, allocated by the shared store, :mod:`gateway.coord.config_sync`);
+        default the last one's + 1. Kept snapshots numbered ``version`` or above (a history
+        from before this replica joined the fleet's sequence) are dropped first, so the
+        newest is always the running one. Raises ``OSError`` when it cannot be written
+        (nothing changes then)."""
+        if version is None:
+            version = (self.last.version if self.last else 0) + 1
         snap = Snapshot(version, now, source, digest(config), file_digest, config, summary)
         if self.dir is not None:
             self._write(snap)
+        stale = [s for s in self.snapshots if s.version >= version]
+        self.snapshots = [s for s in self.snapshots if s.version < version]
         self.snapshots.append(snap)
-        for old in self.snapshots[: -self.keep]:
+        for old in [*stale, *self.snapshots[: -self.keep]]:
+            if old.version == version:
+                continue  # its file is the new snapshot's now
             if self.dir is not None:
                 try:
                     (self.dir / f"{old.version:08d}.json").unlink(missing_ok=True)

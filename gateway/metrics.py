@@ -380,6 +380,14 @@ class GatewayMetrics:
             "/admin/config/history); 0 before the first is recorded",
             registry=r,
         )
+        self.config_fleet_version = Gauge(
+            "gateway_config_fleet_version",
+            "Fleet mode: the version of the fleet's current config in the shared store, as "
+            "last read (gateway.coord.config_sync); a replica whose gateway_config_version "
+            "differs for longer than a sync round does not run it (refused: see "
+            "GET /admin/fleet, config_refused); 0 outside fleet mode",
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "gateway_client_disconnects",
             "Client closed the connection before the answer "

@@ -20,6 +20,18 @@ One :class:`Reloader` per app. :meth:`Reloader.apply` is the one way in:
    ``gateway_config_version``, logged with what changed.
 
 Applies run one at a time (a lock): two admin calls never interleave.
+
+**Fleet mode** (:meth:`Reloader.join_fleet`, :mod:`gateway.coord.config_sync`): a change from
+any source but ``fleet`` is published to the shared store after step 2 and before step 3 (the
+store allocates its version, the fleet's); the store down refuses it
+(:class:`ReloadUnpublished`, nothing applied anywhere). Every other replica applies it in
+its sync round (:meth:`Reloader.adopt_fleet`, source ``fleet``); one that cannot (e.g. an
+env var its key needs is unset there) keeps its running config, logs it, and says so in
+its heartbeat (``GET /admin/fleet``: ``config_version``, ``config_refused``) and in
+``gateway_config_fleet_version`` vs ``gateway_config_version``: the replica that published
+keeps the change (the fleet's current config is what an operator asked for; the replica
+that refused is the one to fix, or the fleet is rolled back). ``rollback`` and ``GET
+/admin/config/history`` use the configs kept in the store.
 """
 
 from __future__ import annotations
@@ -41,6 +53,8 @@ from gateway.config import (
 )
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
+from gateway.coord.config_sync import FleetConfig, shared_digest, with_local
+from gateway.coord.link import CoordinationUnavailable
 
 if TYPE_CHECKING:
     from gateway.fleet.controller import FleetController
@@ -71,6 +85,11 @@ class ReloadRefused(Exception):
         self.problem = problem
         self.plan = plan
         self.param = param
+
+
+class ReloadUnpublished(ReloadRefused):
+    """Fleet mode: a change not applied because the shared store did not take it (``problem``
+    says why); nothing changed on any replica."""
 
 
 @dataclass
@@ -133,6 +152,7 @@ class Reloader:
         self.file_digest = file_digest(path)  # the file the gateway started from
         self._lock = asyncio.Lock()
         self._watched = self.file_digest
+        self.fleet: FleetConfig | None = None  # fleet mode: join_fleet
 
     def start(self) -> None:
         """Record the running config as a ``start`` snapshot unless the last one kept is
@@ -153,14 +173,36 @@ class Reloader:
     def _set_version(self, version: int) -> None:
         self.gw.metrics.config_version.set(version)
 
+    @property
+    def version(self) -> int:
+        """The running config's version (0 before the first is recorded)."""
+        last = self.history.last
+        return last.version if last is not None else 0
+
+    def join_fleet(self, fleet: FleetConfig) -> None:
+        """Fleet mode: publish every change to ``fleet`` and apply the fleet's
+        (:meth:`adopt_fleet`) in its sync round (module docstring)."""
+        self.fleet = fleet
+        fleet.bind(self.adopt_fleet, lambda: (self.gw.cfg.model_dump(mode="json"),
+                                              self.version))
+        self._ran()
+
+    def _ran(self, refused: str | None = None, file_differs: bool | None = None) -> None:
+        if self.fleet is not None:
+            self.fleet.ran(self.version, {b.id: str(b.url) for b in self.gw.cfg.backends},
+                           refused, file_differs)
+
     async def apply(self, new: GatewayConfig, source: str,
-                    from_file: str | None = None) -> ReloadResult:
+                    from_file: str | None = None, version: int | None = None) -> ReloadResult:
         """Apply ``new`` (validated) as the module docstring says (``from_file``: the digest
-        of the config file it was read from, which a restart then resumes from). Raises
-        :class:`ReloadRefused` when it cannot (nothing changed then)."""
+        of the config file it was read from, which a restart then resumes from;
+        ``version``: the fleet's version of a config from the store, ``source`` ``fleet``).
+        Raises :class:`ReloadRefused` when it cannot (nothing changed then), and
+        :class:`ReloadUnpublished` in fleet mode when the shared store does not take it."""
         async with self._lock:
             try:
-                result = self._apply(new, source, from_file or self.file_digest)
+                result = await self._apply(new, source, from_file or self.file_digest,
+                                           version)
             except ReloadRefused:
                 self.gw.metrics.config_reloads.labels(source, "refused").inc()
                 raise
@@ -168,7 +210,8 @@ class Reloader:
             self.gw.metrics.config_reloads.labels(source, outcome).inc()
             return result
 
-    def _apply(self, new: GatewayConfig, source: str, from_file: str | None) -> ReloadResult:
+    async def _apply(self, new: GatewayConfig, source: str, from_file: str | None,
+                     version: int | None) -> ReloadResult:
         gw = self.gw
         plan = plan_reload(gw.cfg, new)
         if not plan.ok:
@@ -182,9 +225,20 @@ class Reloader:
             check_secrets(new, discovery_credentials=False)
         except ConfigError as e:
             raise ReloadRefused(str(e), plan) from None
+        data = new.model_dump(mode="json")
+        if self.fleet is not None and version is None:  # fleet mode: the store first
+            try:
+                published = await self.fleet.publish(data, source, plan.summary(),
+                                                     self.version)
+            except CoordinationUnavailable as e:
+                raise ReloadUnpublished(
+                    f"{e}: in fleet mode a config change goes through the shared store so "
+                    "that every replica applies it; nothing changed on any replica", plan
+                ) from None
+            version = published.version
         try:
-            snap = self.history.record(new.model_dump(mode="json"), source, from_file,
-                                       plan.summary(), self.wall())
+            snap = self.history.record(data, source, from_file, plan.summary(), self.wall(),
+                                       version)
         except OSError as e:
             raise ReloadRefused(f"the config history cannot be written to "
                                 f"{self.history.dir}: {e}", plan) from None
@@ -198,6 +252,7 @@ class Reloader:
             gw.reconfigure_auth(new)
         gw.cfg = new
         self._set_version(snap.version)
+        self._ran()
         log.info("config (%s): version %d applied: %d field(s) changed; backends added %s, "
                  "draining %s, changed %s", source, snap.version, len(plan.changed),
                  added or "none", leaving or "none", plan.changed_backends or "none")
@@ -234,25 +289,95 @@ class Reloader:
         return result
 
     async def rollback(self, version: int | None) -> ReloadResult:
-        """Return to the kept snapshot ``version`` (None: the one before the running one).
-        Raises :class:`ReloadRefused` when there is none, or it cannot apply live."""
-        snaps = self.history.snapshots
+        """Return to the kept snapshot ``version`` (None: the one before the running one;
+        fleet mode: the fleet's kept configs, :meth:`kept`). Raises :class:`ReloadRefused`
+        when there is none, or it cannot apply live."""
+        snaps = await self.kept()
         if version is None:
             if len(snaps) < 2:
                 raise ReloadRefused("no earlier config is kept to roll back to")
             target = snaps[-2]
         else:
-            found = self.history.get(version)
+            found = next((s for s in snaps if s.version == version), None)
             if found is None:
                 kept = [s.version for s in snaps]
                 raise ReloadRefused(f"config version {version} is not kept (kept: {kept})",
                                     param="version")
             target = found
+        config = target.config
+        if self.fleet is not None:  # this replica's own listening address, id, state dir
+            config = with_local(config, self.gw.cfg.model_dump(mode="json"))
         try:
-            new = config_from_mapping(target.config, f"config version {target.version}")
+            new = config_from_mapping(config, f"config version {target.version}")
         except ConfigError as e:
             raise ReloadRefused(str(e)) from None
         return await self.apply(new, "rollback")
+
+    async def kept(self) -> list[Snapshot]:
+        """The kept configs, oldest first: this replica's history, or in fleet mode the
+        fleet's (from the store). Raises :class:`ReloadUnpublished` in fleet mode while the
+        store does not answer."""
+        if self.fleet is None:
+            return list(self.history.snapshots)
+        try:
+            return await self.fleet.history()
+        except CoordinationUnavailable as e:
+            raise ReloadUnpublished(f"{e}: the fleet's kept configs cannot be read") from None
+
+    async def adopt_fleet(self, snap: Snapshot) -> None:
+        """Run the fleet's config ``snap`` here (fleet mode's sync round,
+        :mod:`gateway.coord.config_sync`): with this replica's own :data:`LOCAL_FIELDS
+        <gateway.coord.config_sync.LOCAL_FIELDS>`, applied as source ``fleet`` under the
+        fleet's version, or, when this replica runs that config already, only recorded
+        under that version. Refused here (a field that cannot change live, an unset
+        ``key_env``): the running config stays, the refusal is logged and published in this
+        replica's heartbeat (``config_refused``). Never raises but for the store."""
+        running = self.gw.cfg.model_dump(mode="json")
+        differs = self._file_differs(snap.digest)
+        if differs:
+            log.warning("config: the config file %s is not the fleet's current config "
+                        "(version %d); running the fleet's. To make the file the fleet's "
+                        "config, send SIGHUP to one replica (or POST it to /admin/config)",
+                        self.path, snap.version)
+        if shared_digest(running) == snap.digest:
+            async with self._lock:
+                last = self.history.last
+                if last is None or last.version != snap.version:
+                    try:
+                        self.history.record(running, "fleet", self.file_digest,
+                                            {"changed": []}, self.wall(), snap.version)
+                    except OSError as e:
+                        log.error("config history: cannot write to %s: %s",
+                                  self.history.dir, e)
+                    else:
+                        self._set_version(snap.version)
+                self._ran(file_differs=differs)
+            return
+        try:
+            new = config_from_mapping(with_local(snap.config, running),
+                                      f"the fleet's config version {snap.version}")
+            await self.apply(new, "fleet", version=snap.version)
+        except (ReloadRefused, ConfigError) as e:
+            problem = e.problem if isinstance(e, ReloadRefused) else str(e)
+            log.error("config (fleet): the fleet's config version %d not applied on this "
+                      "replica (it keeps running version %d): %s", snap.version,
+                      self.version, problem)
+            self._ran(refused=f"version {snap.version}: {problem}", file_differs=differs)
+            return
+        self._ran(file_differs=differs)
+
+    def _file_differs(self, fleet_digest: str) -> bool | None:
+        """Whether the config file (the one started from, or reloaded) is not the fleet's
+        config ``fleet_digest`` (:func:`shared_digest`); None without a readable, valid
+        file."""
+        if self.path is None:
+            return None
+        try:
+            text = self.path.read_text()
+            mine = config_from_mapping(parse_config_text(text, str(self.path)), str(self.path))
+        except (OSError, ConfigError):
+            return None
+        return shared_digest(mine.model_dump(mode="json")) != fleet_digest
 
     async def watch_round(self) -> None:
         """The file watch's body: reload when the file's content changed since it was last
