@@ -36,7 +36,8 @@ def fleet_summary(gw: Gateway) -> dict[str, Any]:
     file is not the fleet's config); ``config``: ``running_version`` (this replica's) and
     ``fleet_version`` (the fleet's current, as last read); ``leases``: the maintenance
     leases (``backend``, ``holder``, ``cycle``, ``phase``, ``expires_in_s``) from
-    ``gw.coord.leases`` when that part is built, else empty. Without fleet mode: ``fleet_mode`` false and a ``message``."""
+    ``gw.coord.leases`` when that part is built, else empty. Without fleet mode:
+    ``fleet_mode`` false and a ``message``."""
     coord = gw.coord
     if coord is None:
         return {"fleet_mode": False, "replica_id": None, "message": FLEET_MODE_OFF,
