@@ -26,12 +26,10 @@ any source but ``fleet`` is published to the shared store after step 2 and befor
 store allocates its version, the fleet's); the store down refuses it
 (:class:`ReloadUnpublished`, nothing applied anywhere). Every other replica applies it in
 its sync round (:meth:`Reloader.adopt_fleet`, source ``fleet``); one that cannot (e.g. an
-env var its key needs is unset there) keeps its running config, logs it, and says so in
-its heartbeat (``GET /admin/fleet``: ``config_version``, ``config_refused``) and in
-``gateway_config_fleet_version`` vs ``gateway_config_version``: the replica that published
-keeps the change (the fleet's current config is what an operator asked for; the replica
-that refused is the one to fix, or the fleet is rolled back). ``rollback`` and ``GET
-/admin/config/history`` use the configs kept in the store.
+env var its key needs is unset there) keeps its config, logs it and says so (``GET
+/admin/fleet``: ``config_version``, ``config_refused``). The publisher keeps the change
+(what the operator asked for: fix the refusing replica, or roll the fleet back).
+``rollback`` and ``GET /admin/config/history`` use the configs kept in the store.
 """
 
 from __future__ import annotations
@@ -325,13 +323,12 @@ class Reloader:
             raise ReloadUnpublished(f"{e}: the fleet's kept configs cannot be read") from None
 
     async def adopt_fleet(self, snap: Snapshot) -> None:
-        """Run the fleet's config ``snap`` here (fleet mode's sync round,
-        :mod:`gateway.coord.config_sync`): with this replica's own :data:`LOCAL_FIELDS
-        <gateway.coord.config_sync.LOCAL_FIELDS>`, applied as source ``fleet`` under the
-        fleet's version, or, when this replica runs that config already, only recorded
-        under that version. Refused here (a field that cannot change live, an unset
-        ``key_env``): the running config stays, the refusal is logged and published in this
-        replica's heartbeat (``config_refused``). Never raises but for the store."""
+        """Run the fleet's config ``snap`` here (the sync round of
+        :mod:`gateway.coord.config_sync`, whose ``LOCAL_FIELDS`` stay this replica's):
+        applied as source ``fleet`` under the fleet's version, or only recorded under it
+        when it runs here already. Refused (a field that cannot change live, an unset
+        ``key_env``): the running config stays, the refusal is logged and published in the
+        heartbeat (``config_refused``). Never raises."""
         running = self.gw.cfg.model_dump(mode="json")
         differs = self._file_differs(snap.digest)
         if differs:
