@@ -51,7 +51,7 @@ from gateway.config import (
 )
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
-from gateway.coord.config_sync import FleetConfig, shared_digest, with_local
+from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, with_local
 from gateway.coord.link import CoordinationUnavailable
 
 if TYPE_CHECKING:
@@ -151,6 +151,7 @@ class Reloader:
         self._lock = asyncio.Lock()
         self._watched = self.file_digest
         self.fleet: FleetConfig | None = None  # fleet mode: join_fleet
+        self._unpublished: str | None = None  # the file digest the store did not take
 
     def start(self) -> None:
         """Record the running config as a ``start`` snapshot unless the last one kept is
@@ -303,7 +304,7 @@ class Reloader:
                                     param="version")
             target = found
         config = target.config
-        if self.fleet is not None:  # this replica's own listening address, id, state dir
+        if self.fleet is not None:  # this replica's own server, coordination, reload
             config = with_local(config, self.gw.cfg.model_dump(mode="json"))
         try:
             new = config_from_mapping(config, f"config version {target.version}")
@@ -312,9 +313,8 @@ class Reloader:
         return await self.apply(new, "rollback")
 
     async def kept(self) -> list[Snapshot]:
-        """The kept configs, oldest first: this replica's history, or in fleet mode the
-        fleet's (from the store). Raises :class:`ReloadUnpublished` in fleet mode while the
-        store does not answer."""
+        """The kept configs, oldest first (fleet mode: the store's; :class:`ReloadUnpublished`
+        while it does not answer)."""
         if self.fleet is None:
             return list(self.history.snapshots)
         try:
@@ -330,7 +330,7 @@ class Reloader:
         ``key_env``): the running config stays, the refusal is logged and published in the
         heartbeat (``config_refused``). Never raises."""
         running = self.gw.cfg.model_dump(mode="json")
-        differs = self._file_differs(snap.digest)
+        differs = file_differs(self.path, snap.digest)
         if differs:
             log.warning("config: the config file %s is not the fleet's current config "
                         "(version %d); running the fleet's. To make the file the fleet's "
@@ -363,30 +363,22 @@ class Reloader:
             return
         self._ran(file_differs=differs)
 
-    def _file_differs(self, fleet_digest: str) -> bool | None:
-        """Whether the config file (the one started from, or reloaded) is not the fleet's
-        config ``fleet_digest`` (:func:`shared_digest`); None without a readable, valid
-        file."""
-        if self.path is None:
-            return None
-        try:
-            text = self.path.read_text()
-            mine = config_from_mapping(parse_config_text(text, str(self.path)), str(self.path))
-        except (OSError, ConfigError):
-            return None
-        return shared_digest(mine.model_dump(mode="json")) != fleet_digest
-
     async def watch_round(self) -> None:
         """The file watch's body: reload when the file's content changed since it was last
-        read (a refused one is logged and not retried until the file changes again)."""
-        now = file_digest(self.path)
-        if now is None or now == self._watched:
+        read (a refused one is logged and not retried until the file changes again; one the
+        shared store did not take, fleet mode, is tried again every round)."""
+        now, before = file_digest(self.path), self._watched
+        if now is None or now == before:
             return
         self._watched = now
         try:
             await self.reload_file("watch")
         except ReloadRefused as e:
-            log.error("config (watch): %s not applied: %s", self.path, e.problem)
+            if isinstance(e, ReloadUnpublished):
+                self._watched = before  # again next round, until the store answers
+            if not isinstance(e, ReloadUnpublished) or self._unpublished != now:
+                log.error("config (watch): %s not applied: %s", self.path, e.problem)
+            self._unpublished = now if isinstance(e, ReloadUnpublished) else None
 
 
 def _first_path(message: str) -> str | None:

@@ -26,9 +26,10 @@ config the same way and runs it when it differs from its own. When the store hol
 offers its running config (:data:`PUBLISH` in ``seed`` mode: written only while there is
 none, under that replica's own version).
 
-**Per replica.** :data:`LOCAL_FIELDS` stay each replica's own (its listening address, its
-replica id, its state directory): they are neither compared (:func:`shared_digest`) nor
-taken from the fleet's config (:func:`with_local`). What each replica runs is in its
+**Per replica.** :data:`LOCAL_FIELDS` stay each replica's own (how it listens, how it joins
+the fleet, how it takes changes: e.g. one replica watching a file, each its own state
+directory): they are neither compared (:func:`shared_digest`) nor taken from the fleet's
+config (:func:`with_local`). What each replica runs is in its
 heartbeat description (:class:`gateway.coord.replicas.Replicas`' ``info``): its
 ``config_version``, ``config_refused`` (why it does not run the fleet's current version) and
 ``config_file_differs``; ``GET /admin/fleet`` shows them per replica.
@@ -43,8 +44,10 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from gateway.config import ConfigError, config_from_mapping, parse_config_text
 from gateway.config_history import Snapshot, digest
 from gateway.coord.link import RedisLink
 from gateway.coord.replicas import Replicas
@@ -52,13 +55,11 @@ from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.coord")
 
-LOCAL_FIELDS: tuple[tuple[str, ...], ...] = (
-    ("server",),
-    ("coordination", "replica_id"),
-    ("reload", "state_dir"),
-)
+LOCAL_FIELDS: tuple[tuple[str, ...], ...] = (("server",), ("coordination",), ("reload",))
 """Dotted paths of a config that belong to one replica, not to the fleet: ``server`` (where
-it listens), ``coordination.replica_id``, ``reload.state_dir``."""
+and how it listens), ``coordination`` (its replica id, its link to the store: none of it
+changes live, and a difference would refuse every reload there), ``reload`` (its state
+directory, whether it watches a file)."""
 
 # KEYS: counter, current, version, history. ARGV: mode ('new' | 'seed'), config JSON,
 # source, digest, replica id, summary JSON, the publisher's last version, keep.
@@ -132,6 +133,18 @@ def with_local(fleet: dict[str, Any], running: dict[str, Any]) -> dict[str, Any]
         else:
             dst.pop(path[-1], None)
     return out
+
+
+def file_differs(path: Path | None, fleet_digest: str) -> bool | None:
+    """Whether the config file at ``path`` is not the fleet's config ``fleet_digest``
+    (:func:`shared_digest`); None without a file, or for one unreadable or invalid."""
+    if path is None:
+        return None
+    try:
+        mine = config_from_mapping(parse_config_text(path.read_text(), str(path)), str(path))
+    except (OSError, ConfigError):
+        return None
+    return shared_digest(mine.model_dump(mode="json")) != fleet_digest
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
 
+from gateway.app import create_app
 from tests.lifecycle.support import Sim, admin, metric, metric_samples
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
@@ -178,3 +180,42 @@ def test_a_replica_that_cannot_apply_the_fleets_config_keeps_its_own_and_says_so
     assert metric(m, "gateway_config_version") != float(v)
     assert (metric(m, "gateway_config_reloads_total", source="fleet", outcome="refused")
             or 0) >= 1
+
+
+def test_a_watched_file_edited_while_the_store_is_down_reaches_the_fleet_once_it_answers(
+    redis_server: Any, sims: Callable[..., Sim], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR, logger="gateway.config")
+    a, b = sims("a"), sims("b")
+    coord = {"redis_url": redis_server.url, "sync_interval_s": 0.1, "retry_interval_s": 0.2}
+
+    def cfg(rid: str, watch: bool) -> Any:
+        return gateway_config([{"id": "a", "url": a.url}],
+                              coordination={**coord, "replica_id": rid},
+                              reload={"watch": watch, "watch_interval_s": 0.1})
+
+    path = tmp_path / "gateway.yaml"
+    c1 = cfg("r1", True)
+    path.write_text(yaml.safe_dump(c1.model_dump(mode="json")))
+    r1, r2 = GatewayThread(c1), GatewayThread(cfg("r2", False))
+    r1.app = create_app(c1, config_path=path)  # r1 watches its config file
+    gws = [r1, r2]
+    try:
+        for gw in gws:
+            gw.start()
+        assert wait_for(lambda: version(r1) == version(r2), timeout=10)
+        redis_server.stop()
+        assert wait_for(lambda: all(gw.gateway.coord.link.fallback for gw in gws), timeout=10)
+        path.write_text(config_text(r1, {"a": a.url, "b": b.url}))
+        time.sleep(0.8)  # several watch rounds: refused, nothing applied anywhere
+        assert ids(r1) == {"a"} and ids(r2) == {"a"}
+        refused = [r for r in caplog.records if "(watch)" in r.getMessage()]
+        assert len(refused) == 1 and "nothing changed on any replica" in refused[0].getMessage()
+        redis_server.start()  # empty, as a Redis without persistence: seeded again
+        for gw in gws:
+            assert wait_for(lambda gw=gw: "b" in ids(gw), timeout=10)
+        assert wait_for(lambda: version(r1) == version(r2), timeout=10)
+    finally:
+        for gw in gws:
+            gw.stop()

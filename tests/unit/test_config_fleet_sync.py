@@ -7,8 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 from gateway.config_history import ConfigHistory
-from gateway.coord.config_sync import FleetRecord, shared_digest, shared_view, with_local
+from gateway.coord.config_sync import (
+    FleetRecord,
+    file_differs,
+    shared_digest,
+    shared_view,
+    with_local,
+)
 from tests.support.servers import gateway_config
 
 
@@ -20,12 +28,12 @@ def config(rid: str, port: int, backends: dict[str, str], state_dir: str | None 
                           reload={"state_dir": state_dir}).model_dump(mode="json")
 
 
-def test_replicas_share_all_but_their_listening_address_id_and_state_dir() -> None:
+def test_replicas_share_all_but_their_server_coordination_and_reload_sections() -> None:
     one = config("r1", 8001, {"a": "http://a:1"}, "/var/lib/r1")
     two = config("r2", 8002, {"a": "http://a:1"}, None)
     assert shared_digest(one) == shared_digest(two)
     assert "server" not in shared_view(one)
-    assert "replica_id" not in shared_view(one)["coordination"]
+    assert "coordination" not in shared_view(one) and "reload" not in shared_view(one)
     assert one["server"]["port"] == 8001  # shared_view copies
     other = config("r2", 8002, {"a": "http://a:1", "b": "http://b:1"}, None)
     assert shared_digest(other) != shared_digest(two)
@@ -66,3 +74,17 @@ def test_history_numbered_by_the_fleet_keeps_the_running_one_last(tmp_path: Path
     assert h.last is not None and h.last.config == {"n": 11}
     on_disk = ConfigHistory(tmp_path, keep=3)
     assert [(s.version, s.config) for s in on_disk.snapshots] == [(4, {"n": 4}), (5, {"n": 11})]
+
+
+def test_a_config_file_differs_from_the_fleets_config_unless_only_its_own_fields_do(
+    tmp_path: Path,
+) -> None:
+    fleet = config("r1", 8001, {"a": "http://a:1"})
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config("r2", 8002, {"a": "http://a:1"}, str(tmp_path))))
+    assert file_differs(path, shared_digest(fleet)) is False
+    path.write_text(yaml.safe_dump(config("r2", 8002, {"b": "http://b:1"})))
+    assert file_differs(path, shared_digest(fleet)) is True
+    path.write_text("backends: [")  # not a config: nothing said
+    assert file_differs(path, shared_digest(fleet)) is None
+    assert file_differs(None, shared_digest(fleet)) is None
