@@ -4,7 +4,8 @@ lists and ``POST /admin/config/rollback`` returns to, kept in memory and, with
 
 Each :class:`Snapshot` is one applied config: a version number (1, 2, ... for the life of
 the state directory), when (Unix seconds), how (``start``, ``file``, ``sighup``, ``watch``,
-``admin``, ``rollback``), the config itself (``model_dump(mode="json")``), the digest of
+``admin``, ``rollback``; ``fleet``: another replica's, in fleet mode, numbered with the
+fleet's version), the config itself (``model_dump(mode="json")``), the digest of
 that config (sha256 of its canonical JSON), the digest of the config *file* the gateway
 was started from (the rule for a restart, :meth:`ConfigHistory.resume`), and what the
 change did (:meth:`gateway.config_diff.ReloadPlan.summary`).

@@ -368,7 +368,8 @@ class GatewayMetrics:
         )
         self.config_reloads = Counter(
             "gateway_config_reloads",
-            "Live config changes (issue 18) by source (sighup, watch, admin, rollback) and "
+            "Live config changes (issue 18) by source (sighup, watch, admin, rollback; fleet: "
+            "another replica's, from the shared store) and "
             "outcome (applied; unchanged, the same config; refused: invalid, or a field "
             "that cannot change live; nothing changed then)",
             ["source", "outcome"],
