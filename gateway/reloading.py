@@ -239,6 +239,8 @@ class Reloader:
             snap = self.history.record(data, source, from_file, plan.summary(), self.wall(),
                                        version)
         except OSError as e:
+            if self.fleet is not None:  # published: the sync round tries it again
+                self.fleet.seen = None
             raise ReloadRefused(f"the config history cannot be written to "
                                 f"{self.history.dir}: {e}", plan) from None
         added: list[str] = []
