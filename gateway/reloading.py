@@ -39,6 +39,7 @@ from gateway.config import (
     check_secrets,
     config_from_mapping,
     parse_config_text,
+    with_server_overrides,
 )
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
@@ -128,11 +129,15 @@ def resume_config(
 class Reloader:
     """Applies new configs to ``gw`` (module docstring). ``path``: the config file the
     gateway was started from (None: none: SIGHUP and the watch have nothing to read);
-    ``history``: the kept snapshots; ``wall``: Unix seconds."""
+    ``history``: the kept snapshots; ``wall``: Unix seconds; ``server_overrides``: the
+    command line's ``--host`` / ``--port``, which beat every reloaded config as they beat
+    the file at start."""
 
     def __init__(self, gw: Reloadable, history: ConfigHistory, path: str | Path | None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 server_overrides: dict[str, object] | None = None) -> None:
         self.gw = gw
+        self.server_overrides = dict(server_overrides or {})
         self.history = history
         self.path = Path(path) if path is not None else None
         self.wall = wall
@@ -222,8 +227,8 @@ class Reloader:
         """A config given as YAML or JSON text (``POST /admin/config``). Raises
         :class:`ReloadRefused` for text that is not a valid config."""
         try:
-            new = config_from_mapping(parse_config_text(text, "the new config"),
-                                      "the new config")
+            new = self._overridden(config_from_mapping(parse_config_text(text, "the new config"),
+                                                       "the new config"))
         except ConfigError as e:
             raise ReloadRefused(str(e), param=_first_path(str(e))) from None
         return await self.apply(new, source)
@@ -240,12 +245,17 @@ class Reloader:
             raise ReloadRefused(f"cannot read {self.path}: {e.strerror or e}") from None
         self._watched = digest(text)
         try:
-            new = config_from_mapping(parse_config_text(text, str(self.path)), str(self.path))
+            new = self._overridden(
+                config_from_mapping(parse_config_text(text, str(self.path)), str(self.path)))
         except ConfigError as e:
             raise ReloadRefused(str(e), param=_first_path(str(e))) from None
         result = await self.apply(new, source, from_file=self._watched)
         self.file_digest = self._watched  # the file now is what runs
         return result
+
+    def _overridden(self, cfg: GatewayConfig) -> GatewayConfig:
+        """``cfg`` with the command line's server settings. Raises ``ConfigError``."""
+        return with_server_overrides(cfg, **self.server_overrides)
 
     async def rollback(self, version: int | None) -> ReloadResult:
         """Return to the kept snapshot ``version`` (None: the one before the running one).
