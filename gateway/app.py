@@ -66,11 +66,14 @@ def create_app(
     transport: Transport | None = None,
     source: DiscoverySource | None = None,
     config_path: str | Path | None = None,
+    server_overrides: dict[str, object] | None = None,
 ) -> GatewayApp:
     """The gateway's ASGI app for ``cfg``. ``transport``: how upstream requests are sent
     (default: the aiohttp pool; tests pass an in-process one); ``source``: the discovery
     source (default: the one ``cfg.discovery`` names); ``config_path``: the file ``cfg``
-    came from (what ``SIGHUP`` and ``reload.watch`` read again; None: none). Raises
+    came from (what ``SIGHUP`` and ``reload.watch`` read again; None: none);
+    ``server_overrides``: the command line's ``server`` settings (``--host``, ``--port``),
+    applied again over every reloaded config. Raises
     ``ConfigError`` for unresolvable secrets (a stand-in ``source`` needs no Kubernetes
     credentials) and ``OSError`` for a ``reload.state_dir`` that cannot be made."""
     check_secrets(cfg, discovery_credentials=source is None)
@@ -80,7 +83,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw = build_gateway(cfg, transport, source)
         app.state.gateway = gw
-        gw.reloader = Reloader(gw, history, config_path, wall=gw.controller.wall)
+        gw.reloader = Reloader(gw, history, config_path, wall=gw.controller.wall,
+                               server_overrides=server_overrides)
         gw.reloader.start()
         if gw.coord is not None:  # fleet mode: one config for the fleet (coord.config_sync)
             gw.reloader.join_fleet(gw.coord.share_config())

@@ -15,10 +15,13 @@ differs and "restart the gateway to change it", and the running config stays as 
 * ``auth``: client keys (added, removed, rotated, new priorities and limits) and the admin
   key: the next request is judged by the new keys (in-flight ones keep what they were
   admitted with); a key whose ``rpm`` / ``tpm`` changed starts with full new buckets.
+* ``admission`` (limits): the in-flight bound, queue bound and wait, default rates, the
+  token estimate: from the next request (a request admitted or queued keeps its place);
+  new default rates start every client's buckets full.
+* ``routing.weights``: the ``load_thermal`` policy's next pick scores with them.
 
-Every other section (admission, routing, proxy, lifecycle, thermal, ...) is read by its
-component when it is built, so a change there is refused for now (a later step of issue 18
-makes limits and weights live).
+Every other section (proxy, lifecycle, thermal, routing's policy, ...) is read by its
+component when it is built, so a change there is refused for now.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from typing import Any
 
 from gateway.config import BackendConfig, GatewayConfig
 
-LIVE_SECTIONS = frozenset({"auth", "backends"})
-"""Top-level sections whose every field applies live (``backends`` by the rules above)."""
+LIVE_SECTIONS = frozenset({"auth", "backends", "admission", "routing.weights"})
+"""Sections (dotted prefixes) whose every field applies live (``backends`` by the rules
+above)."""
 
 LIVE_BACKEND_FIELDS = frozenset({"role", "max_num_seqs", "api_key", "api_key_env",
                                  "model_version"})
@@ -67,6 +71,10 @@ class ReloadPlan:
     def ok(self) -> bool:
         """Nothing refused: the plan may be applied."""
         return not self.refused
+
+    def touches(self, section: str) -> bool:
+        """Whether a changed field is in ``section`` (a dotted prefix)."""
+        return any(p == section or p.startswith(section + ".") for p in self.changed)
 
     @property
     def empty(self) -> bool:
@@ -127,11 +135,13 @@ def plan_reload(old: GatewayConfig, new: GatewayConfig) -> ReloadPlan:
     """The :class:`ReloadPlan` of going from ``old`` (running) to ``new`` (validated)."""
     a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
     plan = ReloadPlan(changed=differences(a, b))
-    sections = {p.split(".", 1)[0] for p in plan.changed}
-    for s in sorted(sections - LIVE_SECTIONS):
-        paths = [p for p in plan.changed if p == s or p.startswith(s + ".")]
-        plan.refused.extend(Refusal(p, RESTART) for p in paths)
-    if "backends" in sections:
+    plan.refused.extend(Refusal(p, RESTART) for p in plan.changed if not live(p))
+    if plan.touches("backends"):
         _backend_plan(old.backends, new.backends, plan)
-    plan.auth = "auth" in sections
+    plan.auth = plan.touches("auth")
     return plan
+
+
+def live(path: str) -> bool:
+    """Whether the field at dotted ``path`` is in a section of :data:`LIVE_SECTIONS`."""
+    return any(path == s or path.startswith(s + ".") for s in LIVE_SECTIONS)

@@ -15,21 +15,17 @@ One :class:`Reloader` per app. :meth:`Reloader.apply` is the one way in:
    :meth:`gateway.fleet.controller.FleetController.reconfigure_backends` (added cold,
    removed drained, changed in place), the client and admin keys on the
    :class:`gateway.wiring.Gateway` (a key whose limits changed gets new buckets), and
-   ``gateway.cfg`` becomes the new config;
+   the admission limits on the gate (and the batcher's queue), the routing weights on the
+   ``load_thermal`` policy; ``gateway.cfg`` becomes the new config;
 4. counted in ``gateway_config_reloads_total{source,outcome}`` and
    ``gateway_config_version``, logged with what changed.
 
 Applies run one at a time (a lock): two admin calls never interleave.
 
-**Fleet mode** (:meth:`Reloader.join_fleet`, :mod:`gateway.coord.config_sync`): a change from
-any source but ``fleet`` is published to the shared store after step 2 and before step 3 (the
-store allocates its version, the fleet's); the store down refuses it
-(:class:`ReloadUnpublished`, nothing applied anywhere). Every other replica applies it in
-its sync round (:meth:`Reloader.adopt_fleet`, source ``fleet``); one that cannot (e.g. an
-env var its key needs is unset there) keeps its config, logs it and says so (``GET
-/admin/fleet``: ``config_version``, ``config_refused``). The publisher keeps the change
-(what the operator asked for: fix the refusing replica, or roll the fleet back).
-``rollback`` and ``GET /admin/config/history`` use the configs kept in the store.
+**Fleet mode** (:meth:`Reloader.join_fleet`; the rules: :mod:`gateway.coord.config_sync`): a
+change is published to the shared store between steps 2 and 3 (:class:`ReloadUnpublished`
+when it does not answer), and :meth:`Reloader.adopt_fleet` runs the others' (source
+``fleet``); ``rollback`` and ``GET /admin/config/history`` use the store's kept configs.
 """
 
 from __future__ import annotations
@@ -48,16 +44,20 @@ from gateway.config import (
     check_secrets,
     config_from_mapping,
     parse_config_text,
+    with_server_overrides,
 )
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
 from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, with_local
 from gateway.coord.link import CoordinationUnavailable
+from gateway.routing.policy import LoadThermalPolicy
 
 if TYPE_CHECKING:
     from gateway.fleet.controller import FleetController
     from gateway.flow.admission import AdmissionGate
+    from gateway.flow.batching import BatchDispatcher
     from gateway.metrics import GatewayMetrics
+    from gateway.routing.policies import Policy
 
 log = logging.getLogger("gateway.config")
 
@@ -69,6 +69,8 @@ class Reloadable(Protocol):
     metrics: GatewayMetrics
     controller: FleetController
     gate: AdmissionGate
+    batching: BatchDispatcher | None
+    router: Policy
 
     def reconfigure_auth(self, new: GatewayConfig) -> None: ...
 
@@ -86,8 +88,7 @@ class ReloadRefused(Exception):
 
 
 class ReloadUnpublished(ReloadRefused):
-    """Fleet mode: a change not applied because the shared store did not take it (``problem``
-    says why); nothing changed on any replica."""
+    """Fleet mode: the shared store did not take the change (``problem``): applied nowhere."""
 
 
 @dataclass
@@ -139,11 +140,15 @@ def resume_config(
 class Reloader:
     """Applies new configs to ``gw`` (module docstring). ``path``: the config file the
     gateway was started from (None: none: SIGHUP and the watch have nothing to read);
-    ``history``: the kept snapshots; ``wall``: Unix seconds."""
+    ``history``: the kept snapshots; ``wall``: Unix seconds; ``server_overrides``: the
+    command line's ``--host`` / ``--port``, which beat every reloaded config as they beat
+    the file at start."""
 
     def __init__(self, gw: Reloadable, history: ConfigHistory, path: str | Path | None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 server_overrides: dict[str, object] | None = None) -> None:
         self.gw = gw
+        self.server_overrides = dict(server_overrides or {})
         self.history = history
         self.path = Path(path) if path is not None else None
         self.wall = wall
@@ -245,12 +250,20 @@ class Reloader:
                                 f"{self.history.dir}: {e}", plan) from None
         added: list[str] = []
         leaving: list[str] = []
-        if "backends" in {p.split(".", 1)[0] for p in plan.changed}:
+        if plan.touches("backends"):
             added, leaving = gw.controller.reconfigure_backends(new.backends,
                                                                 plan.changed_backends)
             gw.gate.fleet_changed()
         if plan.auth:
             gw.reconfigure_auth(new)
+        if plan.touches("admission"):
+            gw.gate.reconfigure(new)
+            if gw.batching is not None:
+                gw.batching.reconfigure(new)
+        if plan.touches("routing.weights"):
+            policy = getattr(gw.router, "inner", gw.router)  # under spot steering
+            if isinstance(policy, LoadThermalPolicy):
+                policy.reweight(new.routing.weights)
         gw.cfg = new
         self._set_version(snap.version)
         self._ran()
@@ -264,8 +277,8 @@ class Reloader:
         """A config given as YAML or JSON text (``POST /admin/config``). Raises
         :class:`ReloadRefused` for text that is not a valid config."""
         try:
-            new = config_from_mapping(parse_config_text(text, "the new config"),
-                                      "the new config")
+            new = self._overridden(config_from_mapping(parse_config_text(text, "the new config"),
+                                                       "the new config"))
         except ConfigError as e:
             raise ReloadRefused(str(e), param=_first_path(str(e))) from None
         return await self.apply(new, source)
@@ -282,12 +295,17 @@ class Reloader:
             raise ReloadRefused(f"cannot read {self.path}: {e.strerror or e}") from None
         self._watched = digest(text)
         try:
-            new = config_from_mapping(parse_config_text(text, str(self.path)), str(self.path))
+            new = self._overridden(
+                config_from_mapping(parse_config_text(text, str(self.path)), str(self.path)))
         except ConfigError as e:
             raise ReloadRefused(str(e), param=_first_path(str(e))) from None
         result = await self.apply(new, source, from_file=self._watched)
         self.file_digest = self._watched  # the file now is what runs
         return result
+
+    def _overridden(self, cfg: GatewayConfig) -> GatewayConfig:
+        """``cfg`` with the command line's server settings. Raises ``ConfigError``."""
+        return with_server_overrides(cfg, **self.server_overrides)
 
     async def rollback(self, version: int | None) -> ReloadResult:
         """Return to the kept snapshot ``version`` (None: the one before the running one;
@@ -338,19 +356,15 @@ class Reloader:
                         "(version %d); running the fleet's. To make the file the fleet's "
                         "config, send SIGHUP to one replica (or POST it to /admin/config)",
                         self.path, snap.version)
-        if shared_digest(running) == snap.digest:
-            async with self._lock:
-                last = self.history.last
-                if last is None or last.version != snap.version:
-                    try:
-                        self.history.record(running, "fleet", self.file_digest,
-                                            {"changed": []}, self.wall(), snap.version)
-                    except OSError as e:
-                        log.error("config history: cannot write to %s: %s",
-                                  self.history.dir, e)
-                    else:
-                        self._set_version(snap.version)
-                self._ran(file_differs=differs)
+        if shared_digest(running) == snap.digest:  # runs here already: numbered alike
+            if self.version != snap.version:
+                try:
+                    self.history.record(running, "fleet", self.file_digest, {"changed": []},
+                                        self.wall(), snap.version)
+                    self._set_version(snap.version)
+                except OSError as e:
+                    log.error("config history: cannot write to %s: %s", self.history.dir, e)
+            self._ran(file_differs=differs)
             return
         try:
             new = config_from_mapping(with_local(snap.config, running),

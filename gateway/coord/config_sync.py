@@ -32,7 +32,13 @@ directory): they are neither compared (:func:`shared_digest`) nor taken from the
 config (:func:`with_local`). What each replica runs is in its
 heartbeat description (:class:`gateway.coord.replicas.Replicas`' ``info``): its
 ``config_version``, ``config_refused`` (why it does not run the fleet's current version) and
-``config_file_differs``; ``GET /admin/fleet`` shows them per replica.
+``config_file_differs``; ``GET /admin/fleet`` shows them per replica. A replica that
+refuses the fleet's config (a field that cannot change live differs in its own, an env var
+its keys need is unset there) keeps running its own, logs why, and its
+``gateway_config_version`` stays below ``gateway_config_fleet_version``; the refused version
+is not tried again until a newer one. The replica that published keeps the change (it is
+what the operator asked for, and the fleet's current config): fix the refusing replica and
+restart it (it starts with the fleet's config), or roll the fleet back.
 
 Two replicas publishing at once: each applies its own; the later version is the fleet's
 current, and the other adopts it in its next round (last writer wins, like two operators).

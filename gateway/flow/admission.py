@@ -122,6 +122,27 @@ class AdmissionGate:
         known = [c for c in caps if c is not None]
         return max(1, math.ceil(sum(known) * self.cfg.admission.in_flight_per_seq))
 
+    def reconfigure(self, cfg: GatewayConfig) -> None:
+        """A live reload changed ``admission`` (:mod:`gateway.reloading`): the next request
+        is judged by the new limits, queue bounds and token estimate; requests already
+        admitted or queued keep their place. A new ``max_in_flight`` (or, derived, a new
+        ``in_flight_per_seq``) resizes the scheduler as :meth:`fleet_changed` does (waiters
+        woken when it grows); new default rates start every client's buckets full
+        (:meth:`KeyLimits.reconfigure`)."""
+        old, self.cfg = self.cfg.admission, cfg
+        a = cfg.admission
+        self.enabled = a.enabled
+        self.keys.reconfigure(a)
+        e = a.estimate
+        self.media_costs = MediaCosts(e.image_tokens, e.audio_tokens, e.video_tokens, e.file_tokens)
+        sched = self.scheduler
+        sched.max_queued = a.max_queued
+        sched.max_wait_s = a.max_queue_wait_s
+        if a.max_in_flight == old.max_in_flight and a.in_flight_per_seq == old.in_flight_per_seq:
+            return
+        capacity = a.max_in_flight if a.max_in_flight is not None else self._derived_capacity()
+        self._resize(capacity)
+
     def fleet_changed(self, resize: bool = True) -> None:
         """The fleet's membership changed (discovery): the capacity derived from its
         ``max_num_seqs`` follows (a configured ``admission.max_in_flight`` stays). With
@@ -136,6 +157,12 @@ class AdmissionGate:
         self.fleet_capacity = capacity
         if not resize:
             return
+        self._resize(capacity)
+
+    def _resize(self, capacity: int | None) -> None:
+        """The scheduler's in-flight bound becomes ``capacity`` (None: unbounded); waiters
+        are woken when it grows or goes, a lower one cuts nothing."""
+        self.fleet_capacity = capacity
         sched = self.scheduler
         if self.cfg.batcher.enabled:  # the batcher bounds per backend: the rate's capacity
             sched.capacity = capacity

@@ -128,6 +128,13 @@ class BatchDispatcher:
         for prio, name in enumerate(BUCKETS):
             metrics.queue_depth.labels(name).set_function(_length_of(self.core.queues[prio]))
 
+    def reconfigure(self, cfg: GatewayConfig) -> None:
+        """A live reload's ``admission``: the queue's bound (``max_queued``) and wait
+        (``max_queue_wait_s``) for requests queued from now on."""
+        self.cfg = cfg
+        self.core.max_queued = cfg.admission.max_queued
+        self.queue_timeout_s = cfg.admission.max_queue_wait_s
+
     # ---- the request's side ----------------------------------------------------------
     @property
     def pending(self) -> dict[str, int]:

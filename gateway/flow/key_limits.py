@@ -90,6 +90,17 @@ class KeyLimits:
             lim = self.limiters[name] = self._new(name, rpm, tpm, now)
         return lim
 
+    def reconfigure(self, cfg: AdmissionConfig) -> None:
+        """A live reload's ``admission``: when the default rates changed, every client's
+        buckets start full at the new limits (a key's own ``rpm`` / ``tpm`` are
+        :meth:`drop`'s)."""
+        changed = (cfg.default_rpm, cfg.default_tpm) != (self.cfg.default_rpm,
+                                                         self.cfg.default_tpm)
+        self.cfg = cfg
+        if changed:
+            for name in list(self.limiters):
+                self.drop(name)
+
     def drop(self, name: str) -> None:
         """Forget client ``name``'s buckets (a live reload changed or removed its key's
         limits): its next request starts with full buckets at the new limits."""

@@ -264,6 +264,10 @@ class LoadThermalPolicy:
         self._slow = SlowStart(slow_start_s, slow_start_min_weight, rng or random.Random())
         self._rr = 0
 
+    def reweight(self, weights: RoutingWeights) -> None:
+        """A live reload's ``routing.weights``: the next pick scores with them."""
+        self.weights = weights
+
     @property
     def thermal(self) -> ThermalHook | None:
         """The thermal hook given at construction (read-only), or None."""

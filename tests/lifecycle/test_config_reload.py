@@ -206,3 +206,43 @@ def test_client_keys_rotate_live_and_history_keeps_the_last_three(sims, tmp_path
         assert same.json() == {**same.json(), "applied": False, "version": None}
     finally:
         gw.stop()
+
+
+def test_admission_limits_and_routing_weights_apply_to_the_next_request(sims):
+    """``admission.max_in_flight`` 1 with no queue: a second request while one streams is
+    refused (429); after a reload to 4, the same second request is served while the first
+    still streams. ``routing.weights`` reach the ``load_thermal`` policy."""
+    a = sims("A", itl_s=0.05)
+    gw = GatewayThread(gateway_config([{"id": "a", "url": a.url}],
+                                      admission={"max_in_flight": 1, "max_queued": 0}))
+    gw.start()
+    try:
+        client = sdk(gw.url)
+
+        def second_while_one_streams() -> int:
+            stream = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=60,
+                stream=True)
+            it = iter(stream)
+            next(it)  # the first stream holds the one slot now
+            try:
+                client.with_options(max_retries=0).chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                status = 200
+            except openai.APIStatusError as e:
+                status = e.status_code
+            for _ in it:
+                pass
+            return status
+
+        assert second_while_one_streams() == 429
+        r = post_config(gw, config_text(gw, {"a": a.url}, admission={"max_in_flight": 4},
+                                        routing={"weights": {"waiting": 3.0}}))
+        assert r.status_code == 200, r.text
+        assert set(r.json()["changed"]) == {"admission.max_in_flight",
+                                            "routing.weights.waiting"}
+        assert second_while_one_streams() == 200
+        policy = getattr(gw.gateway.router, "inner", gw.gateway.router)
+        assert policy.weights.waiting == 3.0
+    finally:
+        gw.stop()

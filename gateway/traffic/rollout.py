@@ -1,0 +1,376 @@
+"""One model's canary rollout: baseline version -> canary version in steps (pure: no I/O;
+the clock and the random source are injected).
+
+Issue 18, "Model versions and rollouts". A :class:`Rollout` moves a share of one model's
+traffic to the canary through ``plan.steps`` (default 1 %, 5 %, 25 %, 50 %, 100 %). A step
+lasts at least ``min_step_s`` seconds and ``min_step_requests`` canary requests; then
+:mod:`gateway.traffic.rollout_stats` compares the canary with the baseline on that step's
+window (TTFT, ITL, error rate; calibration over every canary probe of the rollout, since
+the canary's answers to fixed prompts do not depend on its share):
+
+* ``pass``: the next step, with a fresh window (the last step passed: ``promoted``);
+* ``fail``: ``rolled_back``, with the failing metric's reason;
+* ``insufficient``: checked again every ``recheck_s`` until ``max_step_s``; then, by
+  default (``on_insufficient="rollback"``), ``rolled_back`` with reason
+  ``insufficient ...``: a canary that cannot be verified does not keep its traffic
+  indefinitely, the baseline is the version known to be good, and the reason says that it
+  was not a regression. ``"hold"`` keeps the step (and its growing window) until the
+  comparison decides, for models whose traffic is too thin for any bound on time.
+
+At the last step (share 1.0) the baseline serves nothing; its side of the comparison is
+the previous step's baseline window (kept as the reference when a step passes).
+
+**Assignment** (:meth:`Rollout.assign`): a request with a session key is hashed (BLAKE2b,
+salted with the model and the rollout id) to a point in [0, 1) and goes to the canary when
+the point is below the share, so a session on the canary stays there as the share grows
+(and a session on the baseline moves at most once). Without a session key it is random
+(the injected ``random.Random``), capped so that in a step the canary never takes more than
+``share x requests + min_step_requests`` of the step's requests: what a bad canary serves
+before its first comparison is bounded by the first step's share plus the step's minimum
+sample (the issue's must-hold; a heavy sticky session is not cut off, stickiness wins).
+During the first ``targeted_steps`` steps only targeted requests (a client key in
+``target_keys`` or a priority in ``target_priorities``, e.g. the low class) may go to the
+canary; later steps apply to everyone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.core.vocab import Prio
+from gateway.traffic.calibration_match import CalibrationMeasure, probe_matches
+from gateway.traffic.rollout_stats import (
+    Comparison,
+    Thresholds,
+    combine,
+    compare_calibration,
+    compare_errors,
+    compare_latency,
+)
+from gateway.traffic.rollout_window import Side
+
+Version = Literal["baseline", "canary"]
+Status = Literal["running", "promoted", "rolled_back"]
+StepOutcome = Literal["pass", "hold", "promoted", "rolled_back"]
+"""A recorded decision: the step passed, held past ``max_step_s``, the rollout promoted or
+rolled back (a failed comparison is recorded as ``rolled_back``, its comparison attached)."""
+
+DEFAULT_STEPS: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5, 1.0)
+"""The canary's share of the model's traffic at each step (the issue's default)."""
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What a rollout does (the lead's config / ``POST /admin/rollouts`` maps onto it).
+
+    ``model``: the model name clients ask for; ``baseline`` / ``canary``: the two
+    ``model_version`` values. ``steps``: canary shares (fractions of the model's traffic),
+    strictly increasing in (0, 1], ending at 1.0. ``min_step_s`` (seconds, 300: several
+    calibration rounds and long enough for a cold prefix cache to warm) and
+    ``min_step_requests`` (canary requests observed, 100: the error test's ``min_requests``)
+    must both be met before a step is compared; ``max_step_s`` (seconds, 3600) ends a step
+    whose comparison is still ``insufficient`` by ``on_insufficient`` (module docstring);
+    ``recheck_s`` (seconds, 10): how often an insufficient comparison is retried.
+    ``target_keys`` / ``target_priorities`` / ``targeted_steps``: the first
+    ``targeted_steps`` steps only for those requests. ``calibration``: the match measure of
+    a probe. ``max_window_samples`` (samples per side and latency metric, 10 000): a
+    uniform reservoir (Vitter's algorithm R) bounds the memory and a comparison's sort.
+    ``rollout_id``: salts the session hash, so successive rollouts start different sessions
+    on their canaries.
+    """
+
+    model: str
+    baseline: str
+    canary: str
+    steps: tuple[float, ...] = DEFAULT_STEPS
+    min_step_s: float = 300.0
+    min_step_requests: int = 100
+    max_step_s: float = 3600.0
+    recheck_s: float = 10.0
+    on_insufficient: Literal["rollback", "hold"] = "rollback"
+    target_keys: frozenset[str] = frozenset()
+    target_priorities: frozenset[Prio] = frozenset()
+    targeted_steps: int = 0
+    calibration: CalibrationMeasure = "exact"
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    max_window_samples: int = 10_000
+    rollout_id: str = ""
+
+    def __post_init__(self) -> None:
+        s = self.steps
+        if not s or any(not (0.0 < x <= 1.0) for x in s) or s[-1] != 1.0 or any(
+            b <= a for a, b in itertools.pairwise(s)
+        ):
+            raise ValueError("RolloutPlan.steps must be strictly increasing shares in (0, 1] "
+                             f"ending at 1.0, got {list(s)!r}")
+        for name, ok, need in (
+            ("min_step_s", math.isfinite(self.min_step_s) and self.min_step_s >= 0, ">= 0 s"),
+            ("max_step_s", math.isfinite(self.max_step_s)
+             and self.max_step_s >= self.min_step_s, ">= min_step_s"),
+            ("min_step_requests", self.min_step_requests >= 1, ">= 1"),
+            ("recheck_s", math.isfinite(self.recheck_s) and self.recheck_s > 0, "> 0 s"),
+        ):
+            if not ok:
+                raise ValueError(f"RolloutPlan.{name} must be {need}, "
+                                 f"got {getattr(self, name)!r}")
+        if not 0 <= self.targeted_steps < len(s):
+            raise ValueError("RolloutPlan.targeted_steps must be in [0, len(steps) - 1] (the "
+                             f"last step is for everyone), got {self.targeted_steps!r}")
+        if self.targeted_steps and not (self.target_keys or self.target_priorities):
+            raise ValueError("RolloutPlan.targeted_steps needs target_keys or "
+                             "target_priorities")
+        if self.max_window_samples < self.thresholds.min_samples:
+            raise ValueError("RolloutPlan.max_window_samples must be >= "
+                             f"thresholds.min_samples, got {self.max_window_samples!r}")
+        if self.baseline == self.canary:
+            raise ValueError("RolloutPlan.canary must differ from baseline, "
+                             f"both are {self.canary!r}")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One decision of the rollout: ``at`` (the injected clock, seconds), the step index and
+    share, the ``outcome`` and its ``reason``, and the comparison it rests on (None for an
+    operator's rollback)."""
+
+    at: float
+    step: int
+    share: float
+    outcome: StepOutcome
+    reason: str
+    comparison: Comparison | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready dict."""
+        return {"at": self.at, "step": self.step, "share": self.share,
+                "outcome": self.outcome, "reason": self.reason,
+                "comparison": self.comparison.to_json() if self.comparison else None}
+
+
+def unit_hash(salt: str, key: str) -> float:
+    """A stable point in [0, 1) for ``key`` (BLAKE2b, the same in every process)."""
+    digest = hashlib.blake2b(f"{salt}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+class Rollout:
+    """The state machine of one model's rollout (module docstring). Call :meth:`assign`
+    for each request of the model, :meth:`observe` when it ends, :meth:`observe_calibration`
+    for each calibration probe answered by the canary; :meth:`tick` (also run by
+    :meth:`assign`) decides the step when it is due."""
+
+    def __init__(self, plan: RolloutPlan, now: float, rng: random.Random) -> None:
+        self.plan = plan
+        self.started_at = now
+        self.status: Status = "running"
+        self.step = 0
+        self.step_started_at = now
+        self.history: list[StepRecord] = []
+        self.last_comparison: Comparison | None = None
+        self.served: dict[Version, int] = {"baseline": 0, "canary": 0}
+        self.share_before_rollback: float | None = None
+        self.probes = 0
+        self.probe_failures = 0
+        self._rng = rng
+        self._salt = f"{plan.model}\x00{plan.rollout_id}"
+        self._holding = False
+        self._last_check: float | None = None
+        self._reference: Side | None = None
+        self._new_window()
+
+    def _new_window(self) -> None:
+        size = self.plan.max_window_samples
+        self._window: dict[Version, Side] = {"baseline": Side(size, self._rng),
+                                             "canary": Side(size, self._rng)}
+        self._step_assigned: dict[Version, int] = {"baseline": 0, "canary": 0}
+
+    @property
+    def share(self) -> float:
+        """The canary's share now: the step's while running, 1.0 once promoted, 0.0 once
+        rolled back."""
+        if self.status == "promoted":
+            return 1.0
+        if self.status == "rolled_back":
+            return 0.0
+        return self.plan.steps[self.step]
+
+    def targeted(self, client_key: str | None, priority: Prio) -> bool:
+        """Whether a request may go to the canary at the current step (always, past the
+        targeted steps)."""
+        if self.step >= self.plan.targeted_steps:
+            return True
+        return client_key in self.plan.target_keys or priority in self.plan.target_priorities
+
+    def assign(
+        self, session_key: str | None, client_key: str | None, priority: Prio, now: float
+    ) -> Version:
+        """Which version serves this request (module docstring, "Assignment"); runs
+        :meth:`tick` first, so a due step is decided before the request is placed."""
+        self.tick(now)
+        version = self._choose(session_key, client_key, priority)
+        self.served[version] += 1
+        self._step_assigned[version] += 1
+        return version
+
+    def _choose(self, session_key: str | None, client_key: str | None,
+                priority: Prio) -> Version:
+        if self.status != "running":
+            return "canary" if self.status == "promoted" else "baseline"
+        if not self.targeted(client_key, priority):
+            return "baseline"
+        share = self.plan.steps[self.step]
+        if session_key is not None:
+            return "canary" if unit_hash(self._salt, session_key) < share else "baseline"
+        total = self._step_assigned["baseline"] + self._step_assigned["canary"]
+        cap = share * total + self.plan.min_step_requests
+        if self._step_assigned["canary"] >= cap:
+            return "baseline"
+        return "canary" if self._rng.random() < share else "baseline"
+
+    def observe(self, version: Version, ttft_s: float | None, itl_s: float | None,
+                error: bool) -> None:
+        """One finished request of ``version``: its TTFT and mean ITL in seconds (None when
+        it has none: an error before the first token, a one-token answer) and whether it
+        failed. Ignored once the rollout has ended."""
+        if self.status != "running":
+            return
+        side = self._window[version]
+        side.requests += 1
+        side.errors += int(error)
+        if ttft_s is not None and math.isfinite(ttft_s):
+            side.ttft.add(ttft_s)
+        if itl_s is not None and math.isfinite(itl_s):
+            side.itl.add(itl_s)
+
+    def observe_calibration(self, reference: str | Sequence[float],
+                            answer: str | Sequence[float]) -> bool:
+        """One calibration probe answered by the canary, against the baseline version's
+        answer to the same prompt (text, or an embedding vector for ``cosine``): scored by
+        the plan's measure, counted; returns whether it matched."""
+        matched = probe_matches(self.plan.calibration, reference, answer,
+                                self.plan.thresholds)
+        self.record_probe(matched)
+        return matched
+
+    def record_probe(self, matched: bool) -> None:
+        """Count one canary calibration probe already scored (ignored once ended)."""
+        if self.status != "running":
+            return
+        self.probes += 1
+        self.probe_failures += int(not matched)
+
+    def compare(self) -> Comparison:
+        """The current window's comparison (the reference baseline window when this one's
+        baseline served fewer than ``min_requests``: the last step)."""
+        th = self.plan.thresholds
+        base = self._window["baseline"]
+        if base.requests < th.min_requests and self._reference is not None:
+            base = self._reference
+        can = self._window["canary"]
+        return combine([
+            compare_calibration(self.probes, self.probe_failures, th),
+            compare_latency("ttft", base.ttft.values, can.ttft.values, th),
+            compare_latency("itl", base.itl.values, can.itl.values, th),
+            compare_errors(base.errors, base.requests, can.errors, can.requests, th),
+        ])
+
+    def tick(self, now: float) -> StepRecord | None:
+        """Decide the current step if it is due (module docstring); returns the record of
+        a decision made now, else None."""
+        if self.status != "running":
+            return None
+        p = self.plan
+        elapsed = now - self.step_started_at
+        due = (elapsed >= p.min_step_s
+               and self._window["canary"].requests >= p.min_step_requests)
+        timed_out = elapsed >= p.max_step_s
+        if not (due or timed_out):
+            return None
+        if self._last_check is not None and now - self._last_check < p.recheck_s:
+            return None
+        self._last_check = now
+        cmp = self.compare()
+        self.last_comparison = cmp
+        if cmp.decision == "fail":
+            return self._roll_back(now, cmp.reason, cmp)
+        if cmp.decision == "pass" and due:
+            return self._advance(now, cmp)
+        if not timed_out:
+            return None
+        short = cmp.reason if cmp.decision == "insufficient" else (
+            f"{self._window['canary'].requests} canary requests, "
+            f"{p.min_step_requests} needed")
+        if p.on_insufficient == "rollback":
+            return self._roll_back(now, f"insufficient after {p.max_step_s:g} s: {short}",
+                                   cmp)
+        if self._holding:
+            return None
+        self._holding = True
+        return self._record(now, "hold", f"holding past {p.max_step_s:g} s: {short}", cmp)
+
+    def rollback(self, now: float, reason: str) -> StepRecord | None:
+        """An operator's rollback (None when the rollout has already ended)."""
+        if self.status != "running":
+            return None
+        return self._roll_back(now, reason, None)
+
+    def _record(self, now: float, outcome: StepOutcome, reason: str,
+                cmp: Comparison | None) -> StepRecord:
+        rec = StepRecord(now, self.step, self.plan.steps[self.step], outcome, reason, cmp)
+        self.history.append(rec)
+        return rec
+
+    def _roll_back(self, now: float, reason: str, cmp: Comparison | None) -> StepRecord:
+        rec = self._record(now, "rolled_back", reason, cmp)
+        self.share_before_rollback = self.canary_share_served
+        self.status = "rolled_back"
+        return rec
+
+    def _advance(self, now: float, cmp: Comparison) -> StepRecord:
+        if self.step == len(self.plan.steps) - 1:
+            rec = self._record(now, "promoted", cmp.reason, cmp)
+            self.status = "promoted"
+            return rec
+        rec = self._record(now, "pass", cmp.reason, cmp)
+        if self._window["baseline"].requests >= self.plan.thresholds.min_requests:
+            self._reference = self._window["baseline"]
+        self.step += 1
+        self.step_started_at = now
+        self._holding = False
+        self._last_check = None
+        self._new_window()
+        return rec
+
+    @property
+    def canary_share_served(self) -> float:
+        """The canary's share of the requests assigned since the start (0.0 before any)."""
+        total = self.served["baseline"] + self.served["canary"]
+        return self.served["canary"] / total if total else 0.0
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        """``/admin/rollouts``' view of this rollout (JSON-ready): model, versions, status,
+        step and share, the step's age (seconds), requests served per version, the canary's
+        share served (and before a rollback), calibration probes, the last comparison with
+        its numbers and the decision history with times."""
+        p = self.plan
+        return {
+            "model": p.model, "baseline": p.baseline, "canary": p.canary,
+            "status": self.status, "step": self.step, "steps": list(p.steps),
+            "share": self.share, "started_at": self.started_at,
+            "step_age_s": now - self.step_started_at if self.status == "running" else None,
+            "targeted": self.step < p.targeted_steps and self.status == "running",
+            "served": dict(self.served),
+            "step_served": dict(self._step_assigned),
+            "canary_share_served": self.canary_share_served,
+            "share_before_rollback": self.share_before_rollback,
+            "calibration": {"probes": self.probes, "failures": self.probe_failures,
+                            "measure": p.calibration},
+            "comparison": self.last_comparison.to_json() if self.last_comparison else None,
+            "history": [r.to_json() for r in self.history],
+        }

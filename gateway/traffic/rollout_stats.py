@@ -1,0 +1,371 @@
+"""Canary vs baseline on one rollout step's window (pure: no I/O, data as arguments).
+
+Issue 18, "Model versions and rollouts": every step compares the canary version with the
+baseline version on the same window, and a failure rolls the canary back. Four metrics:
+
+* **TTFT and ITL** (seconds, one sample per request; ITL: a request's mean inter-token
+  latency): a regression is *significant* (a one-sided Mann-Whitney U test, the canary
+  stochastically larger than the baseline, p below the per-test alpha) **and** *large
+  enough to matter* (canary P50 / baseline P50 at least ``1 + p50_tolerance``, or the same
+  for P99 with ``p99_tolerance``). The test alone would roll back a 1 % slowdown seen on a
+  million requests; the effect gate alone would roll back the noise of a P99 read off a
+  hundred samples. Both together is the shape of Kayenta's ``MannWhitneyClassifier``
+  (Spinnaker / Netflix automated canary analysis: a Mann-Whitney test plus an effect-size
+  bound). The rank test needs no distribution (latencies are skewed, long-tailed) and is
+  insensitive to a few outliers.
+* **Error rate** (errors / requests): a one-sided pooled two-proportion z-test (the canary
+  rate above the baseline's; Agresti, *Categorical Data Analysis*), or Fisher's exact test
+  when the expected error counts are too small for the normal approximation
+  (:data:`Z_TEST_MIN_EXPECTED`), **and** an absolute gate (the canary rate at least
+  ``error_rate_gate`` above, 0.5 percentage points by default).
+* **Calibration**: the baseline version's answers to the fixed calibration prompts are the
+  reference; a canary probe fails when its answer does not match by the configured measure
+  (:mod:`gateway.traffic.calibration_match`: exact text, token-overlap F1, or embedding
+  cosine). More than
+  ``calibration_max_failures`` (2 %) of the canary's probes failing fails the step whatever
+  the latencies say (the issue's rule: a rule on counts, not a test).
+
+The per-test alpha is ``alpha / 3`` (Bonferroni over the three tests: TTFT, ITL, errors),
+so a good canary fails a step's comparison with probability at most ``alpha`` (1 %).
+
+**Why no scipy.** ``scipy.stats.mannwhitneyu(x, y, alternative="greater",
+method="asymptotic")`` and ``scipy.stats.fisher_exact(..., alternative="greater")`` are the
+reference implementations, and the tests check :func:`mann_whitney_greater` and
+:func:`fisher_greater` against them to 1e-9 (scipy is a test-only dependency). The
+gateway only needs the large-sample normal approximation of U (both sides hold at least
+``min_samples`` >= 30 values, past the n > 20 that scipy's own documentation asks of it)
+and a hypergeometric tail, about 50 lines of ``math``; scipy 1.17 is a 35 MB wheel, 113 MB
+installed (numpy besides), and ``import scipy.stats`` took 0.7 s here: a cost to every
+gateway start and worker for those lines. :func:`percentile` is numpy's default
+(``linear``) interpolation, also checked against numpy in the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Decision = Literal["pass", "fail", "insufficient"]
+"""One metric's or one step's verdict: ``insufficient`` while either side lacks samples."""
+
+Number = float | int | None
+
+Z_TEST_MIN_EXPECTED = 5.0
+"""Expected errors (and successes) on the smaller side, at the pooled rate, below which the
+error test is Fisher's exact test instead of the z-test: the textbook validity condition
+of the normal approximation, ``n p >= 5`` and ``n (1 - p) >= 5`` (5 or more successes and
+failures on each side). Measured: with the z-test alone, 1 error in the canary's first 100 requests
+against a 0.1 % baseline gave p ~ 3e-4 (the exact chance is ~10 %) and rolled back 4 of 20
+good canaries."""
+
+TESTS_COMPARED = 3
+"""Statistical tests per step (TTFT, ITL, error rate): the Bonferroni divisor of alpha."""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What a step's comparison calls a regression. Each default, and why:
+
+    * ``alpha`` 0.01: the chance that a good canary fails one step's comparison (family-wise
+      over the three tests; each test gets ``alpha / 3``). With 5 steps a good canary is
+      rolled back in at most ~5 % of rollouts by the tests alone, and the effect gates
+      below cut that a little (measured in simulation: 0 of 20 seeded good rollouts rolled
+      back, 3 of 100; tests/unit/test_rollout.py).
+      Kayenta's ``MannWhitneyClassifier`` defaults to a 0.95 confidence level per metric;
+      we ask 0.99 per step because a false rollback costs a release, while a real
+      regression persists and is caught at a later step on more samples.
+    * ``p50_tolerance`` 0.05 (unitless ratio - 1): below 5 % at the median, a slowdown is
+      within what a cold prefix cache or another GPU in the same pool already moves.
+    * ``p99_tolerance`` 0.10: twice the median's room, because a P99 read off a few
+      hundred requests is set by its few largest values.
+    * ``error_rate_gate`` 0.005 (fraction of requests, 0.5 percentage points): a smaller
+      excess is within the retries' and clients' normal error budget; with a significant
+      test, +0.5 points on top of a 0.1 % baseline is already 6x the errors.
+    * ``min_samples`` 30 (samples per side, each latency metric): the normal approximation
+      of U is good past 20 per side (scipy's ``mannwhitneyu`` documentation); 30 for margin.
+    * ``min_requests`` 100 (requests per side, error rate): the z-test's normal
+      approximation wants ``n p >= 5`` on the canary side at the rates it must catch
+      (+5 points: 100 x 0.05 = 5; the textbook rule of thumb; below it the exact test).
+    * ``calibration_max_failures`` 0.02 (fraction of the canary's probes): the issue's
+      rule; exactly 2 % passes, more fails.
+    * ``min_calibration_probes`` 10 (probes): one probe is not a rate; with 10, a single
+      drifted answer (10 %) already fails. 0 when calibration is off: the metric then passes
+      with "no calibration probes".
+    * ``overlap_threshold`` 0.8 (token F1): the same answer re-worded in a few places.
+    * ``cosine_threshold`` 0.99 (cosine similarity): the same embedding model on another
+      build/kernel differs in the 3rd-4th decimal; another model or a bug falls well below.
+    """
+
+    alpha: float = 0.01
+    p50_tolerance: float = 0.05
+    p99_tolerance: float = 0.10
+    error_rate_gate: float = 0.005
+    min_samples: int = 30
+    min_requests: int = 100
+    calibration_max_failures: float = 0.02
+    min_calibration_probes: int = 10
+    overlap_threshold: float = 0.8
+    cosine_threshold: float = 0.99
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "calibration_max_failures", "error_rate_gate",
+                     "overlap_threshold", "cosine_threshold"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0.0 <= v <= 1.0) or (name == "alpha" and v == 0):
+                raise ValueError(f"Thresholds.{name} must be in (0, 1] / [0, 1], got {v!r}")
+        for name in ("p50_tolerance", "p99_tolerance"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"Thresholds.{name} must be a finite ratio >= 0, got {v!r}")
+        for name in ("min_samples", "min_requests"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"Thresholds.{name} must be >= 2, got {getattr(self, name)!r}")
+        if self.min_calibration_probes < 0:
+            raise ValueError("Thresholds.min_calibration_probes must be >= 0, "
+                             f"got {self.min_calibration_probes!r}")
+
+    @property
+    def alpha_each(self) -> float:
+        """The per-test significance level: ``alpha / TESTS_COMPARED`` (Bonferroni)."""
+        return self.alpha / TESTS_COMPARED
+
+
+@dataclass(frozen=True)
+class MetricResult:
+    """One metric's comparison: ``metric`` (``ttft``, ``itl``, ``error_rate``,
+    ``calibration``), its ``decision``, a ``reason`` naming the metric, and its ``numbers``
+    (sample sizes ``baseline_n`` / ``canary_n``, P50/P99 in seconds and their ratios, rates,
+    the p-value; None where not computed)."""
+
+    metric: str
+    decision: Decision
+    reason: str
+    numbers: dict[str, Number] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready dict (floats rounded to 6 significant digits)."""
+        return {"metric": self.metric, "decision": self.decision, "reason": self.reason,
+                **{k: _round(v) for k, v in self.numbers.items()}}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A step's verdict over its metrics: ``fail`` when any metric fails (the first failing
+    one, calibration first, gives the ``reason``), else ``insufficient`` when any lacks
+    samples, else ``pass``."""
+
+    decision: Decision
+    reason: str
+    metrics: tuple[MetricResult, ...]
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready dict for ``/admin/rollouts``."""
+        return {"decision": self.decision, "reason": self.reason,
+                "metrics": [m.to_json() for m in self.metrics]}
+
+    def metric(self, name: str) -> MetricResult:
+        """The result of one metric by name (KeyError when not compared)."""
+        for m in self.metrics:
+            if m.metric == name:
+                return m
+        raise KeyError(name)
+
+
+def _round(v: Number) -> Number:
+    if isinstance(v, float) and math.isfinite(v) and v != 0.0:
+        return float(f"{v:.6g}")
+    return v
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` with linear interpolation between
+    order statistics (numpy's default method, Hyndman & Fan's type 7). Empty: ValueError."""
+    if not values:
+        raise ValueError("percentile of no values")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _normal_sf(z: float) -> float:
+    """P(Z > z) for a standard normal Z."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """One-sided Mann-Whitney U test that ``x`` is stochastically greater than ``y``:
+    ``(U of x, p-value)``. Normal approximation with the tie correction of the variance
+    and a 0.5 continuity correction, exactly ``scipy.stats.mannwhitneyu(x, y,
+    alternative="greater", method="asymptotic")`` (Mann & Whitney 1947; the tie term:
+    Lehmann, *Nonparametrics*, 1975). All values tied: p = 1. Needs both sides non-empty."""
+    n1, n2 = len(x), len(y)
+    if n1 == 0 or n2 == 0:
+        raise ValueError("Mann-Whitney U needs values on both sides")
+    pooled = sorted([(v, 0) for v in x] + [(v, 1) for v in y])
+    n = n1 + n2
+    rank_x = 0.0
+    tie_term = 0.0
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and pooled[j + 1][0] == pooled[i][0]:
+            j += 1
+        t = j - i + 1
+        mid = (i + j) / 2.0 + 1.0  # average rank of the tie group (ranks are 1-based)
+        rank_x += mid * sum(1 for k in range(i, j + 1) if pooled[k][1] == 0)
+        tie_term += t**3 - t
+        i = j + 1
+    u = rank_x - n1 * (n1 + 1) / 2.0
+    var = n1 * n2 / 12.0 * ((n + 1) - tie_term / (n * (n - 1)))
+    if var <= 0.0:
+        return u, 1.0
+    z = (u - n1 * n2 / 2.0 - 0.5) / math.sqrt(var)
+    return u, _normal_sf(z)
+
+
+def two_proportion_greater(
+    errors_a: int, n_a: int, errors_b: int, n_b: int
+) -> tuple[float, float]:
+    """One-sided pooled two-proportion z-test that rate a (``errors_a / n_a``) exceeds rate
+    b: ``(z, p-value)`` with ``z = (p_a - p_b) / sqrt(p (1 - p) (1/n_a + 1/n_b))`` and ``p``
+    the pooled rate (Agresti, *Categorical Data Analysis*, the large-sample test). No
+    errors or all errors on both sides: ``(0, 1)``. Needs ``n_a, n_b > 0``."""
+    if n_a <= 0 or n_b <= 0:
+        raise ValueError("a two-proportion test needs requests on both sides")
+    pa, pb = errors_a / n_a, errors_b / n_b
+    pooled = (errors_a + errors_b) / (n_a + n_b)
+    se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
+    if se == 0.0:
+        return 0.0, 1.0
+    z = (pa - pb) / se
+    return z, _normal_sf(z)
+
+
+def compare_latency(
+    metric: str, baseline: Sequence[float], canary: Sequence[float], th: Thresholds
+) -> MetricResult:
+    """Canary vs baseline latencies (seconds) of one metric (``ttft`` or ``itl``): fail
+    when the Mann-Whitney test is significant at ``th.alpha_each`` and the P50 ratio is at
+    least ``1 + p50_tolerance`` or the P99 ratio at least ``1 + p99_tolerance``;
+    insufficient below ``th.min_samples`` on either side."""
+    nb, nc = len(baseline), len(canary)
+    numbers: dict[str, Number] = {"baseline_n": nb, "canary_n": nc}
+    if nb < th.min_samples or nc < th.min_samples:
+        return MetricResult(metric, "insufficient",
+                            f"{metric}: {nc} canary / {nb} baseline samples, "
+                            f"{th.min_samples} needed on each side", numbers)
+    b50, b99 = percentile(baseline, 50), percentile(baseline, 99)
+    c50, c99 = percentile(canary, 50), percentile(canary, 99)
+    r50 = c50 / b50 if b50 > 0 else math.inf
+    r99 = c99 / b99 if b99 > 0 else math.inf
+    u, p = mann_whitney_greater(canary, baseline)
+    numbers.update({"baseline_p50_s": b50, "canary_p50_s": c50, "p50_ratio": r50,
+                    "baseline_p99_s": b99, "canary_p99_s": c99, "p99_ratio": r99,
+                    "u": u, "p_value": p, "alpha": th.alpha_each})
+    significant = p < th.alpha_each
+    big = r50 >= 1.0 + th.p50_tolerance or r99 >= 1.0 + th.p99_tolerance
+    if significant and big:
+        return MetricResult(metric, "fail",
+                            f"{metric} regression: P50 x{r50:.3g}, P99 x{r99:.3g}, "
+                            f"Mann-Whitney p={p:.3g} < {th.alpha_each:.3g}", numbers)
+    why = "not significant" if not significant else "below the tolerances"
+    return MetricResult(metric, "pass",
+                        f"{metric}: P50 x{r50:.3g}, P99 x{r99:.3g}, p={p:.3g} ({why})",
+                        numbers)
+
+
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def fisher_greater(errors_a: int, n_a: int, errors_b: int, n_b: int) -> float:
+    """One-sided Fisher exact test that rate a exceeds rate b: the p-value ``P(X >=
+    errors_a)`` for ``X`` hypergeometric (``n_a`` draws from ``n_a + n_b`` requests of which
+    ``errors_a + errors_b`` failed), i.e. ``scipy.stats.fisher_exact(table,
+    alternative="greater")`` (Fisher 1935; Agresti, *Categorical Data Analysis*)."""
+    total, bad = n_a + n_b, errors_a + errors_b
+    hi = min(bad, n_a)
+    if errors_a > hi:
+        return 0.0
+    base = _log_comb(total, n_a)
+    terms = [_log_comb(bad, x) + _log_comb(total - bad, n_a - x) - base
+             for x in range(errors_a, hi + 1) if n_a - x <= total - bad]
+    if not terms:
+        return 0.0
+    top = max(terms)
+    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
+
+
+def compare_errors(
+    baseline_errors: int, baseline_n: int, canary_errors: int, canary_n: int,
+    th: Thresholds,
+) -> MetricResult:
+    """Canary vs baseline error rate (errors / requests): fail when the one-sided pooled
+    z-test is significant at ``th.alpha_each`` and the canary's rate exceeds the baseline's
+    by at least ``th.error_rate_gate``; insufficient below ``th.min_requests`` a side."""
+    numbers: dict[str, Number] = {"baseline_n": baseline_n, "canary_n": canary_n,
+                                  "baseline_errors": baseline_errors,
+                                  "canary_errors": canary_errors}
+    if baseline_n < th.min_requests or canary_n < th.min_requests:
+        return MetricResult("error_rate", "insufficient",
+                            f"error_rate: {canary_n} canary / {baseline_n} baseline "
+                            f"requests, {th.min_requests} needed on each side", numbers)
+    rb, rc = baseline_errors / baseline_n, canary_errors / canary_n
+    pooled = (baseline_errors + canary_errors) / (baseline_n + canary_n)
+    expected = min(canary_n, baseline_n) * min(pooled, 1.0 - pooled)
+    z: float | None = None
+    if expected >= Z_TEST_MIN_EXPECTED:
+        test = "z"
+        z, p = two_proportion_greater(canary_errors, canary_n, baseline_errors, baseline_n)
+    else:
+        test = "fisher"
+        p = fisher_greater(canary_errors, canary_n, baseline_errors, baseline_n)
+    numbers.update({"baseline_rate": rb, "canary_rate": rc, "difference": rc - rb,
+                    "z": z, "p_value": p, "alpha": th.alpha_each})
+    if p < th.alpha_each and rc - rb >= th.error_rate_gate - 1e-12:
+        return MetricResult("error_rate", "fail",
+                            f"error_rate regression: {rc:.2%} vs {rb:.2%}, "
+                            f"{test} test p={p:.3g} < {th.alpha_each:.3g}", numbers)
+    return MetricResult("error_rate", "pass",
+                        f"error_rate: {rc:.2%} vs {rb:.2%}, p={p:.3g}", numbers)
+
+
+def compare_calibration(probes: int, failures: int, th: Thresholds) -> MetricResult:
+    """The canary's calibration probes (counts): fail when ``failures`` is more than
+    ``th.calibration_max_failures`` of ``probes`` (exactly 2 % passes); insufficient below
+    ``th.min_calibration_probes`` probes (with 0 required and none run: pass)."""
+    numbers: dict[str, Number] = {"canary_n": probes, "failures": failures,
+                                  "failure_rate": failures / probes if probes else None,
+                                  "max_failure_rate": th.calibration_max_failures}
+    if probes == 0 and th.min_calibration_probes == 0:
+        return MetricResult("calibration", "pass", "calibration: no calibration probes",
+                            numbers)
+    if probes < th.min_calibration_probes:
+        return MetricResult("calibration", "insufficient",
+                            f"calibration: {probes} probes, "
+                            f"{th.min_calibration_probes} needed", numbers)
+    # ``failures / probes > share`` in integers-and-epsilon: 1 of 50 is exactly 2 %
+    if failures > probes * th.calibration_max_failures + 1e-9:
+        return MetricResult("calibration", "fail",
+                            f"calibration failed on {failures}/{probes} probes "
+                            f"({failures / probes:.1%} > "
+                            f"{th.calibration_max_failures:.0%})", numbers)
+    return MetricResult("calibration", "pass",
+                        f"calibration: {failures}/{probes} probes failed", numbers)
+
+
+def combine(results: Sequence[MetricResult]) -> Comparison:
+    """A step's :class:`Comparison` from its metrics' results (calibration's failure, when
+    present, named first: it fails the step whatever the latencies say)."""
+    ordered = sorted(results, key=lambda r: r.metric != "calibration")
+    for r in ordered:
+        if r.decision == "fail":
+            return Comparison("fail", r.reason, tuple(results))
+    short = [r for r in results if r.decision == "insufficient"]
+    if short:
+        return Comparison("insufficient", "; ".join(r.reason for r in short), tuple(results))
+    return Comparison("pass", "every metric within its thresholds", tuple(results))
