@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from gateway.app import create_app
-from tests.lifecycle.support import Sim, admin, metric, metric_samples
+from tests.lifecycle.support import Sim, metric, metric_samples
+from tests.support.reload_client import config_text, ids, post_config
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
 
@@ -47,20 +48,10 @@ def extra(redis_server: Any) -> Iterator[Callable[..., GatewayThread]]:
         gw.stop()
 
 
-def config_text(gw: GatewayThread, backends: dict[str, str]) -> str:
-    """``gw``'s running config as YAML with ``backends`` (id -> url)."""
-    data = gw.gateway.cfg.model_dump(mode="json")
-    data["backends"] = [{"id": i, "url": u} for i, u in backends.items()]
-    return yaml.safe_dump(data)
 
 
-def post_config(gw: GatewayThread, text: str) -> httpx.Response:
-    return httpx.post(gw.url + "/admin/config", content=text.encode(),
-                      headers={"content-type": "application/yaml"}, timeout=10)
 
 
-def ids(gw: GatewayThread) -> set[str]:
-    return {b["id"] for b in admin(gw.url)}
 
 
 def version(gw: GatewayThread) -> int:
