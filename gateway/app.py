@@ -68,11 +68,14 @@ def create_app(
     transport: Transport | None = None,
     source: DiscoverySource | None = None,
     config_path: str | Path | None = None,
+    server_overrides: dict[str, object] | None = None,
 ) -> GatewayApp:
     """The gateway's ASGI app for ``cfg``. ``transport``: how upstream requests are sent
     (default: the aiohttp pool; tests pass an in-process one); ``source``: the discovery
     source (default: the one ``cfg.discovery`` names); ``config_path``: the file ``cfg``
-    came from (what ``SIGHUP`` and ``reload.watch`` read again; None: none). Raises
+    came from (what ``SIGHUP`` and ``reload.watch`` read again; None: none);
+    ``server_overrides``: the command line's ``server`` settings (``--host``, ``--port``),
+    applied again over every reloaded config. Raises
     ``ConfigError`` for unresolvable secrets (a stand-in ``source`` needs no Kubernetes
     credentials) and ``OSError`` for a ``reload.state_dir`` that cannot be made."""
     check_secrets(cfg, discovery_credentials=source is None)
@@ -82,8 +85,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw = build_gateway(cfg, transport, source)
         app.state.gateway = gw
-        gw.reloader = Reloader(gw, history, config_path, wall=gw.controller.wall)
+        gw.reloader = Reloader(gw, history, config_path, wall=gw.controller.wall,
+                               server_overrides=server_overrides)
         gw.reloader.start()
+        if gw.coord is not None:  # fleet mode: one config for the fleet (coord.config_sync)
+            gw.reloader.join_fleet(gw.coord.share_config())
         if gw.coord is not None:
             await gw.coord.connect()  # fleet mode: the shared store before the loops
         await gw.controller.start()
@@ -158,14 +164,14 @@ def _start_rollouts(gw: Gateway) -> None:
 
     async def return_config(started_in: int | None, reason: str) -> None:
         target = None  # the config before the running one
-        if started_in is not None:
-            before = [s.version for s in reloader.history.snapshots if s.version < started_in]
-            if not before:
-                log.error("rollout rolled back (%s): no config before version %d is kept; "
-                          "the config stays as it is", reason, started_in)
-                return
-            target = before[-1]
         try:
+            if started_in is not None:  # kept: the fleet's in fleet mode
+                before = [s.version for s in await reloader.kept() if s.version < started_in]
+                if not before:
+                    log.error("rollout rolled back (%s): no config before version %d is "
+                              "kept; the config stays as it is", reason, started_in)
+                    return
+                target = before[-1]
             result = await reloader.rollback(target)
         except ReloadRefused as e:
             log.error("rollout rolled back (%s): the config was not returned: %s", reason,

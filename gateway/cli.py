@@ -97,6 +97,7 @@ def _load(
         server["port"] = args.port
     cfg = with_server_overrides(load_config(path), **server)
     require_backends(cfg)
+    args.server_overrides = server  # a live reload applies them again (gateway.reloading)
     return cfg
 
 
@@ -112,15 +113,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.serving import run, serve
 
     path = find_config(args.config)
+    server = args.server_overrides
     cfg, resumed = resume_config(cfg, path)
     if resumed is not None:
-        server = {k: v for k, v in (("host", getattr(args, "host", None)),
-                                    ("port", getattr(args, "port", None))) if v is not None}
         cfg = with_server_overrides(cfg, **server)
         print(f"config: resuming version {resumed.version} ({resumed.source}), the last "
               f"applied, kept in {cfg.reload.state_dir} (the config file is unchanged "
               f"since)", file=sys.stderr, flush=True)
-    app = create_app(cfg, config_path=path)
+    app = create_app(cfg, config_path=path, server_overrides=server)
     run(lambda: serve(app, cfg), cfg)
     return 0
 

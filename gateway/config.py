@@ -1407,7 +1407,8 @@ class CoordinationConfig(_Strict):
     and nothing to install. With it (``coordination.redis_url`` or the env override
     ``LLM_GATEWAY_COORDINATION__REDIS_URL``) every replica with the same ``namespace`` shares
     maintenance leases, operator actions, GPU verdicts, rate limits, backend protection,
-    capacity and affinity (``docs/architecture.md``, "Fleet mode").
+    capacity, affinity and the config itself (a live reload reaches every replica:
+    :mod:`gateway.coord.config_sync`) (``docs/architecture.md``, "Fleet mode").
 
     ``op_timeout_s`` bounds every Redis call (seconds): a slow or dead store never holds a
     request longer than that, and then the replica runs on its local share until the store
@@ -1519,7 +1520,11 @@ class ReloadConfig(_Strict):
     ``state_dir`` when set (one JSON file each, mode 0600: they hold what the config
     holds, inline keys included), so that a restart starts from the last applied config
     when the config file is the one it started from (an edited file wins). Null: kept in
-    memory only, and a restart starts from the file."""
+    memory only, and a restart starts from the file.
+
+    Fleet mode (``coordination.redis_url``): a change reaches every replica and the last
+    ``keep`` are kept in the shared store too (:mod:`gateway.coord.config_sync`); this
+    section, like ``server`` and ``coordination``, stays each replica's own."""
 
     state_dir: str | None = Field(None, description="directory of the applied configs")
     keep: int = Field(3, ge=1, le=100, description="applied configs kept")

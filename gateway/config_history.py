@@ -4,7 +4,8 @@ lists and ``POST /admin/config/rollback`` returns to, kept in memory and, with
 
 Each :class:`Snapshot` is one applied config: a version number (1, 2, ... for the life of
 the state directory), when (Unix seconds), how (``start``, ``file``, ``sighup``, ``watch``,
-``admin``, ``rollback``), the config itself (``model_dump(mode="json")``), the digest of
+``admin``, ``rollback``; ``fleet``: another replica's, in fleet mode, numbered with the
+fleet's version), the config itself (``model_dump(mode="json")``), the digest of
 that config (sha256 of its canonical JSON), the digest of the config *file* the gateway
 was started from (the rule for a restart, :meth:`ConfigHistory.resume`), and what the
 change did (:meth:`gateway.config_diff.ReloadPlan.summary`).
@@ -121,16 +122,25 @@ class ConfigHistory:
         return last
 
     def record(self, config: dict[str, Any], source: str, file_digest: str | None,
-               summary: dict[str, Any], now: float) -> Snapshot:
+               summary: dict[str, Any], now: float, version: int | None = None) -> Snapshot:
         """Keep ``config`` as the newest snapshot (``now``: Unix seconds); the oldest beyond
-        ``keep`` is dropped (and its file deleted). Raises ``OSError`` when it cannot be
-        written (nothing changes then)."""
-        version = (self.last.version if self.last else 0) + 1
+        ``keep`` is dropped (and its file deleted). ``version``: the number to give it (fleet
+        mode: the fleet's, allocated by the shared store, :mod:`gateway.coord.config_sync`);
+        default the last one's + 1. Kept snapshots numbered ``version`` or above (a history
+        from before this replica joined the fleet's sequence) are dropped first, so the
+        newest is always the running one. Raises ``OSError`` when it cannot be written
+        (nothing changes then)."""
+        if version is None:
+            version = (self.last.version if self.last else 0) + 1
         snap = Snapshot(version, now, source, digest(config), file_digest, config, summary)
         if self.dir is not None:
             self._write(snap)
+        stale = [s for s in self.snapshots if s.version >= version]
+        self.snapshots = [s for s in self.snapshots if s.version < version]
         self.snapshots.append(snap)
-        for old in self.snapshots[: -self.keep]:
+        for old in [*stale, *self.snapshots[: -self.keep]]:
+            if old.version == version:
+                continue  # its file is the new snapshot's now
             if self.dir is not None:
                 try:
                     (self.dir / f"{old.version:08d}.json").unlink(missing_ok=True)

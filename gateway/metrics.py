@@ -368,7 +368,8 @@ class GatewayMetrics:
         )
         self.config_reloads = Counter(
             "gateway_config_reloads",
-            "Live config changes (issue 18) by source (sighup, watch, admin, rollback) and "
+            "Live config changes (issue 18) by source (sighup, watch, admin, rollback; fleet: "
+            "another replica's, from the shared store) and "
             "outcome (applied; unchanged, the same config; refused: invalid, or a field "
             "that cannot change live; nothing changed then)",
             ["source", "outcome"],
@@ -378,6 +379,14 @@ class GatewayMetrics:
             "gateway_config_version",
             "Version of the running config in the config history (GET "
             "/admin/config/history); 0 before the first is recorded",
+            registry=r,
+        )
+        self.config_fleet_version = Gauge(
+            "gateway_config_fleet_version",
+            "Fleet mode: the version of the fleet's current config in the shared store, as "
+            "last read (gateway.coord.config_sync); a replica whose gateway_config_version "
+            "differs for longer than a sync round does not run it (refused: see "
+            "GET /admin/fleet, config_refused); 0 outside fleet mode",
             registry=r,
         )
         self.rollout_step = Gauge(

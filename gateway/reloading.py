@@ -23,6 +23,11 @@ One :class:`Reloader` per app. :meth:`Reloader.apply` is the one way in:
    ``gateway_config_version``, logged with what changed.
 
 Applies run one at a time (a lock): two admin calls never interleave.
+
+**Fleet mode** (:meth:`Reloader.join_fleet`; the rules: :mod:`gateway.coord.config_sync`): a
+change is published to the shared store between steps 2 and 3 (:class:`ReloadUnpublished`
+when it does not answer), and :meth:`Reloader.adopt_fleet` runs the others' (source
+``fleet``); ``rollback`` and ``GET /admin/config/history`` use the store's kept configs.
 """
 
 from __future__ import annotations
@@ -41,9 +46,12 @@ from gateway.config import (
     check_secrets,
     config_from_mapping,
     parse_config_text,
+    with_server_overrides,
 )
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
+from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, with_local
+from gateway.coord.link import CoordinationUnavailable
 from gateway.routing.policy import LoadThermalPolicy
 
 if TYPE_CHECKING:
@@ -81,6 +89,10 @@ class ReloadRefused(Exception):
         self.problem = problem
         self.plan = plan
         self.param = param
+
+
+class ReloadUnpublished(ReloadRefused):
+    """Fleet mode: the shared store did not take the change (``problem``): applied nowhere."""
 
 
 @dataclass
@@ -132,17 +144,23 @@ def resume_config(
 class Reloader:
     """Applies new configs to ``gw`` (module docstring). ``path``: the config file the
     gateway was started from (None: none: SIGHUP and the watch have nothing to read);
-    ``history``: the kept snapshots; ``wall``: Unix seconds."""
+    ``history``: the kept snapshots; ``wall``: Unix seconds; ``server_overrides``: the
+    command line's ``--host`` / ``--port``, which beat every reloaded config as they beat
+    the file at start."""
 
     def __init__(self, gw: Reloadable, history: ConfigHistory, path: str | Path | None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 server_overrides: dict[str, object] | None = None) -> None:
         self.gw = gw
+        self.server_overrides = dict(server_overrides or {})
         self.history = history
         self.path = Path(path) if path is not None else None
         self.wall = wall
         self.file_digest = file_digest(path)  # the file the gateway started from
         self._lock = asyncio.Lock()
         self._watched = self.file_digest
+        self.fleet: FleetConfig | None = None  # fleet mode: join_fleet
+        self._unpublished: str | None = None  # the file digest the store did not take
 
     def start(self) -> None:
         """Record the running config as a ``start`` snapshot unless the last one kept is
@@ -163,14 +181,36 @@ class Reloader:
     def _set_version(self, version: int) -> None:
         self.gw.metrics.config_version.set(version)
 
+    @property
+    def version(self) -> int:
+        """The running config's version (0 before the first is recorded)."""
+        last = self.history.last
+        return last.version if last is not None else 0
+
+    def join_fleet(self, fleet: FleetConfig) -> None:
+        """Fleet mode: publish every change to ``fleet`` and apply the fleet's
+        (:meth:`adopt_fleet`) in its sync round (module docstring)."""
+        self.fleet = fleet
+        fleet.bind(self.adopt_fleet, lambda: (self.gw.cfg.model_dump(mode="json"),
+                                              self.version))
+        self._ran()
+
+    def _ran(self, refused: str | None = None, file_differs: bool | None = None) -> None:
+        if self.fleet is not None:
+            self.fleet.ran(self.version, {b.id: str(b.url) for b in self.gw.cfg.backends},
+                           refused, file_differs)
+
     async def apply(self, new: GatewayConfig, source: str,
-                    from_file: str | None = None) -> ReloadResult:
+                    from_file: str | None = None, version: int | None = None) -> ReloadResult:
         """Apply ``new`` (validated) as the module docstring says (``from_file``: the digest
-        of the config file it was read from, which a restart then resumes from). Raises
-        :class:`ReloadRefused` when it cannot (nothing changed then)."""
+        of the config file it was read from, which a restart then resumes from;
+        ``version``: the fleet's version of a config from the store, ``source`` ``fleet``).
+        Raises :class:`ReloadRefused` when it cannot (nothing changed then), and
+        :class:`ReloadUnpublished` in fleet mode when the shared store does not take it."""
         async with self._lock:
             try:
-                result = self._apply(new, source, from_file or self.file_digest)
+                result = await self._apply(new, source, from_file or self.file_digest,
+                                           version)
             except ReloadRefused:
                 self.gw.metrics.config_reloads.labels(source, "refused").inc()
                 raise
@@ -178,7 +218,8 @@ class Reloader:
             self.gw.metrics.config_reloads.labels(source, outcome).inc()
             return result
 
-    def _apply(self, new: GatewayConfig, source: str, from_file: str | None) -> ReloadResult:
+    async def _apply(self, new: GatewayConfig, source: str, from_file: str | None,
+                     version: int | None) -> ReloadResult:
         gw = self.gw
         plan = plan_reload(gw.cfg, new)
         if not plan.ok:
@@ -192,10 +233,23 @@ class Reloader:
             check_secrets(new, discovery_credentials=False)
         except ConfigError as e:
             raise ReloadRefused(str(e), plan) from None
+        data = new.model_dump(mode="json")
+        if self.fleet is not None and version is None:  # fleet mode: the store first
+            try:
+                published = await self.fleet.publish(data, source, plan.summary(),
+                                                     self.version)
+            except CoordinationUnavailable as e:
+                raise ReloadUnpublished(
+                    f"{e}: in fleet mode a config change goes through the shared store so "
+                    "that every replica applies it; nothing changed on any replica", plan
+                ) from None
+            version = published.version
         try:
-            snap = self.history.record(new.model_dump(mode="json"), source, from_file,
-                                       plan.summary(), self.wall())
+            snap = self.history.record(data, source, from_file, plan.summary(), self.wall(),
+                                       version)
         except OSError as e:
+            if self.fleet is not None:  # published: the sync round tries it again
+                self.fleet.seen = None
             raise ReloadRefused(f"the config history cannot be written to "
                                 f"{self.history.dir}: {e}", plan) from None
         added: list[str] = []
@@ -218,6 +272,7 @@ class Reloader:
             gw.rollouts.sync(new.rollouts, snap.version)  # started / stopped
         gw.cfg = new
         self._set_version(snap.version)
+        self._ran()
         log.info("config (%s): version %d applied: %d field(s) changed; backends added %s, "
                  "draining %s, changed %s", source, snap.version, len(plan.changed),
                  added or "none", leaving or "none", plan.changed_backends or "none")
@@ -228,8 +283,8 @@ class Reloader:
         """A config given as YAML or JSON text (``POST /admin/config``). Raises
         :class:`ReloadRefused` for text that is not a valid config."""
         try:
-            new = config_from_mapping(parse_config_text(text, "the new config"),
-                                      "the new config")
+            new = self._overridden(config_from_mapping(parse_config_text(text, "the new config"),
+                                                       "the new config"))
         except ConfigError as e:
             raise ReloadRefused(str(e), param=_first_path(str(e))) from None
         return await self.apply(new, source)
@@ -246,45 +301,106 @@ class Reloader:
             raise ReloadRefused(f"cannot read {self.path}: {e.strerror or e}") from None
         self._watched = digest(text)
         try:
-            new = config_from_mapping(parse_config_text(text, str(self.path)), str(self.path))
+            new = self._overridden(
+                config_from_mapping(parse_config_text(text, str(self.path)), str(self.path)))
         except ConfigError as e:
             raise ReloadRefused(str(e), param=_first_path(str(e))) from None
         result = await self.apply(new, source, from_file=self._watched)
         self.file_digest = self._watched  # the file now is what runs
         return result
 
+    def _overridden(self, cfg: GatewayConfig) -> GatewayConfig:
+        """``cfg`` with the command line's server settings. Raises ``ConfigError``."""
+        return with_server_overrides(cfg, **self.server_overrides)
+
     async def rollback(self, version: int | None) -> ReloadResult:
-        """Return to the kept snapshot ``version`` (None: the one before the running one).
-        Raises :class:`ReloadRefused` when there is none, or it cannot apply live."""
-        snaps = self.history.snapshots
+        """Return to the kept snapshot ``version`` (None: the one before the running one;
+        fleet mode: the fleet's kept configs, :meth:`kept`). Raises :class:`ReloadRefused`
+        when there is none, or it cannot apply live."""
+        snaps = await self.kept()
         if version is None:
             if len(snaps) < 2:
                 raise ReloadRefused("no earlier config is kept to roll back to")
             target = snaps[-2]
         else:
-            found = self.history.get(version)
+            found = next((s for s in snaps if s.version == version), None)
             if found is None:
                 kept = [s.version for s in snaps]
                 raise ReloadRefused(f"config version {version} is not kept (kept: {kept})",
                                     param="version")
             target = found
+        config = target.config
+        if self.fleet is not None:  # this replica's own server, coordination, reload
+            config = with_local(config, self.gw.cfg.model_dump(mode="json"))
         try:
-            new = config_from_mapping(target.config, f"config version {target.version}")
+            new = config_from_mapping(config, f"config version {target.version}")
         except ConfigError as e:
             raise ReloadRefused(str(e)) from None
         return await self.apply(new, "rollback")
 
+    async def kept(self) -> list[Snapshot]:
+        """The kept configs, oldest first (fleet mode: the store's; :class:`ReloadUnpublished`
+        while it does not answer)."""
+        if self.fleet is None:
+            return list(self.history.snapshots)
+        try:
+            return await self.fleet.history()
+        except CoordinationUnavailable as e:
+            raise ReloadUnpublished(f"{e}: the fleet's kept configs cannot be read") from None
+
+    async def adopt_fleet(self, snap: Snapshot) -> None:
+        """Run the fleet's config ``snap`` here (the sync round of
+        :mod:`gateway.coord.config_sync`, whose ``LOCAL_FIELDS`` stay this replica's):
+        applied as source ``fleet`` under the fleet's version, or only recorded under it
+        when it runs here already. Refused (a field that cannot change live, an unset
+        ``key_env``): the running config stays, the refusal is logged and published in the
+        heartbeat (``config_refused``). Never raises."""
+        running = self.gw.cfg.model_dump(mode="json")
+        differs = file_differs(self.path, snap.digest)
+        if differs:
+            log.warning("config: the config file %s is not the fleet's current config "
+                        "(version %d); running the fleet's. To make the file the fleet's "
+                        "config, send SIGHUP to one replica (or POST it to /admin/config)",
+                        self.path, snap.version)
+        if shared_digest(running) == snap.digest:  # runs here already: numbered alike
+            if self.version != snap.version:
+                try:
+                    self.history.record(running, "fleet", self.file_digest, {"changed": []},
+                                        self.wall(), snap.version)
+                    self._set_version(snap.version)
+                except OSError as e:
+                    log.error("config history: cannot write to %s: %s", self.history.dir, e)
+            self._ran(file_differs=differs)
+            return
+        try:
+            new = config_from_mapping(with_local(snap.config, running),
+                                      f"the fleet's config version {snap.version}")
+            await self.apply(new, "fleet", version=snap.version)
+        except (ReloadRefused, ConfigError) as e:
+            problem = e.problem if isinstance(e, ReloadRefused) else str(e)
+            log.error("config (fleet): the fleet's config version %d not applied on this "
+                      "replica (it keeps running version %d): %s", snap.version,
+                      self.version, problem)
+            self._ran(refused=f"version {snap.version}: {problem}", file_differs=differs)
+            return
+        self._ran(file_differs=differs)
+
     async def watch_round(self) -> None:
         """The file watch's body: reload when the file's content changed since it was last
-        read (a refused one is logged and not retried until the file changes again)."""
-        now = file_digest(self.path)
-        if now is None or now == self._watched:
+        read (a refused one is logged and not retried until the file changes again; one the
+        shared store did not take, fleet mode, is tried again every round)."""
+        now, before = file_digest(self.path), self._watched
+        if now is None or now == before:
             return
         self._watched = now
         try:
             await self.reload_file("watch")
         except ReloadRefused as e:
-            log.error("config (watch): %s not applied: %s", self.path, e.problem)
+            if isinstance(e, ReloadUnpublished):
+                self._watched = before  # again next round, until the store answers
+            if not isinstance(e, ReloadUnpublished) or self._unpublished != now:
+                log.error("config (watch): %s not applied: %s", self.path, e.problem)
+            self._unpublished = now if isinstance(e, ReloadUnpublished) else None
 
 
 def _first_path(message: str) -> str | None:

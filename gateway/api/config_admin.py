@@ -13,6 +13,13 @@
   what changed; ``?config=true`` adds each config, redacted);
 * ``POST /admin/config/rollback``: ``{"version": N}`` (or no body: the one before the
   running one) applied again as a new version (``source: rollback``).
+
+Fleet mode (``coordination.redis_url``, :mod:`gateway.coord.config_sync`): a change is
+published to the shared store and applied by every replica; the history and the rollback
+are the fleet's (the configs kept in the store). While the store does not answer, ``POST
+/admin/config`` and the rollback answer 503 ``coordination_unavailable`` and change nothing
+on any replica (the rule of every fleet-mode admin write, :mod:`gateway.api.admin`); the
+history then lists this replica's own kept configs (``"from": "local"``).
 """
 
 from __future__ import annotations
@@ -23,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
-from gateway.api.admin import _gateway
+from gateway.api.admin import _gateway, _store_down
 from gateway.api.errors import Refusal
 from gateway.config_history import redact
-from gateway.reloading import Reloader, ReloadRefused
+from gateway.reloading import Reloader, ReloadRefused, ReloadUnpublished
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -41,7 +48,9 @@ def _reloader(gw: Gateway) -> Reloader:
     return gw.reloader
 
 
-def _refused(e: ReloadRefused) -> Refusal:
+def _refused(gw: Gateway, e: ReloadRefused) -> Refusal:
+    if isinstance(e, ReloadUnpublished):
+        return _store_down(gw, e.problem)
     code = "config_refused" if e.plan is not None and e.plan.refused else "invalid_config"
     return Refusal(400, f"Config not applied (the running config is unchanged): {e.problem}",
                    code=code, param=e.param)
@@ -69,20 +78,31 @@ async def post_config(request: Request) -> JSONResponse:
     try:
         result = await reloader.apply_text(text, "admin")
     except ReloadRefused as e:
-        raise _refused(e) from None
+        raise _refused(gw, e) from None
     return JSONResponse(result.view())
 
 
 async def get_history(request: Request) -> JSONResponse:
     gw = _gateway(request)
-    history = _reloader(gw).history
+    reloader = _reloader(gw)
+    history = reloader.history
     with_config = request.query_params.get("config", "").lower() in ("1", "true", "yes")
     last = history.last
+    snaps = history.snapshots
+    source = "local"
+    if reloader.fleet is not None:
+        try:
+            snaps = await reloader.kept()
+            source = "store"
+        except ReloadUnpublished:
+            pass  # the store does not answer: this replica's own
     return JSONResponse({
         "running": last.version if last else None,
         "keep": history.keep,
         "state_dir": str(history.dir) if history.dir is not None else None,
-        "data": [s.view(with_config) for s in reversed(history.snapshots)],
+        "fleet": reloader.fleet is not None,
+        "from": source,
+        "data": [s.view(with_config) for s in reversed(snaps)],
     })
 
 
@@ -105,7 +125,7 @@ async def post_rollback(request: Request) -> JSONResponse:
     try:
         result = await reloader.rollback(version)
     except ReloadRefused as e:
-        raise _refused(e) from None
+        raise _refused(gw, e) from None
     return JSONResponse(result.view())
 
 

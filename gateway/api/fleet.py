@@ -30,9 +30,14 @@ def fleet_summary(gw: Gateway) -> dict[str, Any]:
     ``replicas``: the live ones as last read, sorted by id (``id``, ``self``, ``host``,
     ``pid``, ``listen``, ``started`` (unix s), ``last_seen`` (unix s, the store's clock),
     ``last_seen_s_ago``, ``config_differs``: what its config disagrees on with this one's
-    about the shared backends, or null); ``leases``: the maintenance leases (``backend``,
-    ``holder``, ``cycle``, ``phase``, ``expires_in_s``) from ``gw.coord.leases`` when that part is
-    built, else empty. Without fleet mode: ``fleet_mode`` false and a ``message``."""
+    about the shared backends, or null; ``config_version``: the config version it runs,
+    ``config_refused``: why it does not run the fleet's current config (a live reload it
+    refused, :mod:`gateway.coord.config_sync`), or null; ``config_file_differs``: its config
+    file is not the fleet's config); ``config``: ``running_version`` (this replica's) and
+    ``fleet_version`` (the fleet's current, as last read); ``leases``: the maintenance
+    leases (``backend``, ``holder``, ``cycle``, ``phase``, ``expires_in_s``) from
+    ``gw.coord.leases`` when that part is built, else empty. Without fleet mode:
+    ``fleet_mode`` false and a ``message``."""
     coord = gw.coord
     if coord is None:
         return {"fleet_mode": False, "replica_id": None, "message": FLEET_MODE_OFF,
@@ -50,6 +55,9 @@ def fleet_summary(gw: Gateway) -> dict[str, Any]:
             "last_seen": round(r.seen_at, 3),
             "last_seen_s_ago": round(max(0.0, now - r.seen_at), 3),
             "config_differs": coord.replicas.differences.get(r.id),
+            "config_version": r.info.get("config_version"),
+            "config_refused": r.info.get("config_refused"),
+            "config_file_differs": r.info.get("config_file_differs"),
         }
         for r in sorted(coord.replicas.live, key=lambda r: r.id)
     ]
@@ -66,6 +74,10 @@ def fleet_summary(gw: Gateway) -> dict[str, Any]:
             "down_for_s": round(link.down_for_s(), 3),
         },
         "replicas_alive": coord.replicas.alive,
+        "config": {
+            "running_version": gw.reloader.version if gw.reloader is not None else None,
+            "fleet_version": coord.config.fleet_version if coord.config is not None else None,
+        },
         "replicas": replicas,
         "leases": list(leases.snapshot()) if leases is not None else [],
     }

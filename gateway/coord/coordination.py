@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from gateway.config import GatewayConfig
+from gateway.coord.config_sync import FleetConfig
 from gateway.coord.leases import FleetLeases
 from gateway.coord.link import CoordinationUnavailable, RedisLink, default_replica_id
 from gateway.coord.operator import OperatorActions
@@ -63,6 +64,7 @@ class Coordination:
         self._stops: list[SyncBody] = []
         self._fallbacks: list[tuple[str, SyncBody]] = []
         self.operator: OperatorActions | None = None  # share_operator_actions
+        self.config: FleetConfig | None = None  # share_config
         # maintenance leases (bound to the fleet controller by wiring: leases.bind)
         self.leases = FleetLeases(self.link, self.replicas, metrics, cfg)
         self.add_part(
@@ -78,6 +80,14 @@ class Coordination:
         self.add_part("operator", ops.sync, ops.resync, ops.stop)
         controller.share_verdicts(ops, ops)
         return ops
+
+    def share_config(self) -> FleetConfig:
+        """The fleet's config in the store (:mod:`gateway.coord.config_sync`), synced every
+        round after the parts added before it; bound to the reloader by the app."""
+        fc = FleetConfig(self.link, self.replicas, self.metrics, self.cfg.reload.keep)
+        self.config = fc
+        self.add_part("config", fc.sync)
+        return fc
 
     def add_part(
         self,

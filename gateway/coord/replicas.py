@@ -136,6 +136,7 @@ class Replicas:
         self.live: list[ReplicaInfo] = []
         # replica id -> what its config disagrees on with this one's (config_differences)
         self.differences: dict[str, str] = {}
+        self._logged: dict[str, str] = {}  # replica id -> the difference last logged
         self._script = link.client.register_script(HEARTBEAT)
 
     @property
@@ -180,7 +181,9 @@ class Replicas:
     def _compare(self, live: list[ReplicaInfo]) -> None:
         """Note (and log once per replica and difference) the live replicas whose config
         disagrees with this one's about the shared fleet: same namespace, other backends
-        (e.g. two unrelated fleets on one Redis without their own ``namespace``)."""
+        (e.g. two unrelated fleets on one Redis without their own ``namespace``). Not logged
+        while a live reload is on its way (:mod:`gateway.coord.config_sync`: the two run
+        different config versions and neither refused the fleet's): shown only."""
         found: dict[str, str] = {}
         for r in live:
             if r.id == self.link.replica_id:
@@ -189,7 +192,11 @@ class Replicas:
             if diff is None:
                 continue
             found[r.id] = diff
-            if self.differences.get(r.id) != diff:
+            reloading = (r.info.get("config_version") != self.info.get("config_version")
+                         and not r.info.get("config_refused")
+                         and not self.info.get("config_refused"))
+            if self._logged.get(r.id) != diff and not reloading:
+                self._logged[r.id] = diff
                 log.warning(
                     "replica %s shares namespace %r but its config differs from this one's "
                     "(%s): replicas of one namespace share drains, leases and verdicts by "
@@ -197,6 +204,7 @@ class Replicas:
                     r.id, self.link.cfg.namespace, diff,
                 )
         self.differences = found
+        self._logged = {k: v for k, v in self._logged.items() if k in found}
 
     def _taken_reason(self, other_json: str) -> str:
         """Why this replica cannot use its id: who holds it, and what to change."""

@@ -16,13 +16,13 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import yaml
 
 from tests.lifecycle.support import MODEL, admin, history, sdk
+from tests.support.reload_client import config_text, ids, post_config
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
 
@@ -30,22 +30,10 @@ from tests.support.servers import GatewayThread, gateway_config
 LIFECYCLE = {"warmup_batch_shapes": [1, 2], "warmup_max_tokens": 4, "slow_start_s": 1.0}
 
 
-def config_text(gw: GatewayThread, backends: dict[str, str], **changes: Any) -> str:
-    """The running config as YAML with ``backends`` (id -> url) and top-level ``changes``."""
-    data = gw.gateway.cfg.model_dump(mode="json")
-    data["backends"] = [{"id": i, "url": u} for i, u in backends.items()]
-    for section, fields in changes.items():
-        data[section] = {**data[section], **fields}
-    return yaml.safe_dump(data)
 
 
-def post_config(gw: GatewayThread, text: str) -> httpx.Response:
-    return httpx.post(gw.url + "/admin/config", content=text.encode(),
-                      headers={"content-type": "application/yaml"}, timeout=10)
 
 
-def ids(gw: GatewayThread) -> set[str]:
-    return {b["id"] for b in admin(gw.url)}
 
 
 class Load:

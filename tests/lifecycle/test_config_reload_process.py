@@ -5,7 +5,9 @@ subprocess in front of simulated vLLM servers, ``reload.state_dir`` set.
 same (unchanged) file: it resumes from the last applied config (the added backend is there,
 the history goes on). Then the file is edited and the process gets ``SIGHUP``: the edited
 file is applied (``source: sighup``); an edit that is not a valid config is refused by
-``SIGHUP`` and changes nothing.
+``SIGHUP`` and changes nothing. The gateway runs with ``--port``, which beats the file's
+``server.port`` at start and on every reload (a reload never refuses the port the command
+line set).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def test_restart_resumes_the_last_applied_config_and_sighup_reads_the_file(sims,
     a, b, c = sims("A"), sims("B"), sims("C")
     port = free_port()
     cfg: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "port": port, "graceful_shutdown_s": 1},
+        "server": {"host": "127.0.0.1", "port": free_port(), "graceful_shutdown_s": 1},
         "health": {"interval_s": 0.2, "timeout_s": 1.0},
         "lifecycle": {"warmup_batch_shapes": [], "short": {"every_s": 0},
                       "medium": {"every_s": 0, "every_requests": 0}, "long": {"every_s": 0}},
@@ -46,7 +48,8 @@ def test_restart_resumes_the_last_applied_config_and_sighup_reads_the_file(sims,
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(cfg))
     log = tmp_path / "gateway.log"
-    gw = ServeProcess(path, port, log, tmp_path)
+    args = ("--port", str(port))
+    gw = ServeProcess(path, port, log, tmp_path, args)
     try:
         gw.wait_ready()
         running = httpx.get(gw.url + "/admin/config", timeout=5).json()["config"]
@@ -56,7 +59,7 @@ def test_restart_resumes_the_last_applied_config_and_sighup_reads_the_file(sims,
         assert wait_for(lambda: backend_ids(gw.url) == {"a", "b"}, 10)
         gw.stop()
         # ---- the same file: the restart resumes version 2 ---------------------------------
-        gw = ServeProcess(path, port, log, tmp_path)
+        gw = ServeProcess(path, port, log, tmp_path, args)
         gw.wait_ready()
         assert backend_ids(gw.url) == {"a", "b"}
         assert history(gw.url) == [(2, "admin"), (1, "start")]

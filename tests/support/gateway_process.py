@@ -14,17 +14,19 @@ CLI = Path(sys.executable).with_name("llm-gateway")
 
 
 class ServeProcess:
-    """``llm-gateway serve -c path`` started now, listening on ``port`` (the config's),
-    logging to ``log`` (appended: a restart's log follows the first's), run in ``cwd``."""
+    """``llm-gateway serve -c path`` (and ``args``) started now, listening on ``port`` (the
+    config's, or the one ``args`` give), logging to ``log`` (appended: a restart's log
+    follows the first's), run in ``cwd``."""
 
-    def __init__(self, path: Path, port: int, log: Path, cwd: Path) -> None:
+    def __init__(self, path: Path, port: int, log: Path, cwd: Path,
+                 args: tuple[str, ...] = ()) -> None:
         self.path = path
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         cli = [str(CLI)] if CLI.exists() else [sys.executable, "-m", "gateway.cli"]
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen([*cli, "serve", "-c", str(path)], stdout=out,
+            self.proc = subprocess.Popen([*cli, "serve", "-c", str(path), *args], stdout=out,
                                          stderr=subprocess.STDOUT, cwd=cwd)
 
     def wait_ready(self, timeout: float = 30) -> None:
