@@ -21,7 +21,6 @@ otherwise turn into a false regression.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,46 +30,10 @@ import openai
 import pytest
 import yaml
 
-from gateway.sim import EngineParams, ReleaseConfig, SimConfig, SimServerThread
 from tests.lifecycle.support import metric, metric_samples
+from tests.support.rollout_traffic import FAST_STEPS, MODEL, Servers, Traffic, config
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
-
-MODEL = "m1"
-# a prefill step (TTFT) well above the machine's jitter; short decode steps
-ENGINE = EngineParams(prefill_base_s=0.03, prefill_per_token_s=0.0, itl_base_s=0.004,
-                      itl_per_seq_s=0.0, max_num_seqs=64)
-FAST_STEPS: dict[str, Any] = {"min_step_s": 0.3, "min_step_requests": 40, "recheck_s": 0.2,
-                              "max_step_s": 60, "min_requests": 40, "min_samples": 20,
-                              "calibration": {"interval_s": 0.1, "min_probes": 10}}
-
-
-def config(backends: list[dict[str, Any]], **sections: Any) -> Any:
-    """The test config: short calibration answers (4 tokens: a probe round is 6 of them)."""
-    return gateway_config(backends, calibration={"max_tokens": 4}, **sections)
-
-
-class Servers:
-    """Simulated servers by name: (thread, url, version)."""
-
-    def __init__(self) -> None:
-        self.threads: list[SimServerThread] = []
-        self.version_of: dict[str, str] = {}  # system_fingerprint -> version
-        self.backends: list[dict[str, Any]] = []
-
-    def add(self, name: str, version: str, model: str = MODEL, **release: Any) -> str:
-        t = SimServerThread(SimConfig(model=model, engine_label=name, engine=ENGINE,
-                                      release=ReleaseConfig(**release)))
-        url = t.start()
-        self.threads.append(t)
-        self.version_of[t.state.fingerprint] = version
-        self.backends.append({"id": name, "url": url, "models": [model],
-                              "model_version": version})
-        return url
-
-    def stop(self) -> None:
-        for t in self.threads:
-            t.stop()
 
 
 @pytest.fixture
@@ -80,58 +43,6 @@ def servers() -> Iterator[Servers]:
         yield s
     finally:
         s.stop()
-
-
-class Traffic:
-    """``clients`` threads sending short chat requests for ``model`` (every other one
-    streamed) until :meth:`stop`; a request of client ``i`` carries session ``s<i>-<k>``
-    every third time. Keeps every failure and the version of every answer by session."""
-
-    def __init__(self, url: str, clients: int = 6, model: str = MODEL) -> None:
-        self.failures: list[str] = []
-        self.versions: list[str] = []  # fingerprints, in order
-        self.sessions: dict[str, list[str]] = {}  # fingerprints in order
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(url, i, model), daemon=True)
-                         for i in range(clients)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, url: str, i: int, model: str) -> None:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                               timeout=30)
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            session = f"s{i}-{n % 4}" if n % 3 == 0 else None
-            headers = {"x-session-id": session} if session else {}
-            try:
-                kwargs: dict[str, Any] = {
-                    "model": model, "messages": [{"role": "user", "content": f"hi {i} {n}"}],
-                    "max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True},
-                    "extra_headers": headers}
-                if n % 2:
-                    stream = client.chat.completions.create(stream=True, **kwargs)
-                    fps = {c.system_fingerprint for c in stream if c.system_fingerprint}
-                    assert len(fps) == 1, fps
-                    fp = fps.pop()
-                else:
-                    fp = client.chat.completions.create(**kwargs).system_fingerprint or ""
-            except Exception as e:  # every failure a client sees is kept
-                with self._lock:
-                    self.failures.append(f"{type(e).__name__}: {e}")
-                continue
-            with self._lock:
-                self.versions.append(fp)
-                if session:
-                    self.sessions.setdefault(session, []).append(fp)
-        client.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
 
 
 def rollouts(url: str) -> list[dict[str, Any]]:
