@@ -379,8 +379,8 @@ def _observed(
     first_events = opened.data.count(b"\n\n")
 
     def done(outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
+        ended = time.perf_counter()  # the last event was relayed
         on_done(outcome, framer, first_sent_at)
-        ended = time.perf_counter()
         if outcome == StreamOutcome.CLIENT_GONE:
             return
         client_error = False  # an in-band 4xx: the request's fault, and no latency sample
