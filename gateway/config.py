@@ -38,7 +38,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from gateway.config_rollouts import RolloutConfig, check_versions
+from gateway.config_rollouts import RolloutConfig, check_versions, key_problem
 
 ENV_PREFIX = "LLM_GATEWAY_"
 
@@ -1593,6 +1593,10 @@ class GatewayConfig(BaseSettings):
             raise ValueError("auth.client_keys: names must be unique")
         if not self.discovery.dynamic:  # discovered backends are checked when started
             check_versions(self.rollouts, self.backends)
+        for i, r in enumerate(self.rollouts):
+            problem = key_problem(r, names)
+            if problem is not None:
+                raise ValueError(f"rollouts.{i}.{problem}")
         return self
 
     @classmethod

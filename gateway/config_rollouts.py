@@ -152,6 +152,17 @@ def version_problem(r: RolloutConfig, versions: Iterable[str | None]) -> str | N
     return None
 
 
+def key_problem(r: RolloutConfig, names: Iterable[str]) -> str | None:
+    """Why ``r``'s targeting names a client key that is not configured (the field named; a
+    typo would otherwise target nobody), or None."""
+    known = set(names)
+    unknown = [k for k in r.targeting.client_keys if k not in known]
+    if unknown:
+        return (f"targeting.client_keys: {unknown} not in auth.client_keys (names: "
+                f"{sorted(known) or 'none'})")
+    return None
+
+
 def check_versions(rollouts: Sequence[RolloutConfig],
                    backends: Sequence[VersionedBackend]) -> None:
     """Validate ``rollouts:`` against ``backends:``: one rollout per model, and each

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse
 
 from gateway.api.admin import _gateway
 from gateway.api.errors import Refusal
-from gateway.config_rollouts import RolloutConfig
+from gateway.config_rollouts import RolloutConfig, key_problem
 
 if TYPE_CHECKING:
     from gateway.flow.rollouts import Rollouts
@@ -75,7 +75,8 @@ async def start_rollout(request: Request) -> JSONResponse:
             else first["msg"]
         raise Refusal(400, f"Invalid rollout: {param or '(body)'}: {msg}", param=param,
                       code="invalid_rollout") from None
-    problem = rollouts.version_problem(cfg)
+    problem = rollouts.version_problem(cfg) or key_problem(
+        cfg, (k.name for k in gw.cfg.auth.client_keys))
     if problem is not None:
         raise Refusal(400, f"Invalid rollout: {problem}", param=problem.split(":", 1)[0],
                       code="invalid_rollout")

@@ -213,6 +213,10 @@ def test_admin_api_errors_and_abort(servers: Servers) -> None:
         r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2",
                                   "stepz": [1.0]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stepz", r.text
+        r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2",
+                                  "targeting": {"client_keys": ["typo"], "steps": 1}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "targeting.client_keys", r.text
         assert httpx.post(url + "/m1/abort").status_code == 404
         r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2"})
         assert r.status_code == 201 and r.json()["status"] == "running"

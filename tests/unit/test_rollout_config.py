@@ -51,6 +51,8 @@ def test_a_valid_rollout_with_its_defaults() -> None:
     ({"targeting": {"steps": 5, "low_priority": True}}, "targeting.steps (5) must be below"),
     ({"calibration": {"measure": "bleu"}}, "rollouts.0.calibration.measure"),
     ({"stepz": [1.0]}, "rollouts.0.stepz: unknown field"),
+    ({"targeting": {"client_keys": ["nobody"], "steps": 1}},
+     "rollouts.0.targeting.client_keys: ['nobody'] not in auth.client_keys"),
 ])
 def test_bad_rollouts_are_refused_naming_the_field(rollout: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(field)):
