@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.config import (
+    ENV_PREFIX,
     ConfigError,
     GatewayConfig,
     check_secrets,
@@ -109,17 +110,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_workers(cfg, args.workers, setup_logging)
     from gateway.app import create_app
-    from gateway.reloading import resume_config
+    from gateway.reload_input import resume_config
     from gateway.serving import run, serve
 
     path = find_config(args.config)
     server = args.server_overrides
-    cfg, resumed = resume_config(cfg, path)
+    cfg, resumed = resume_config(cfg, path, server)
     if resumed is not None:
-        cfg = with_server_overrides(cfg, **server)
         print(f"config: resuming version {resumed.version} ({resumed.source}), the last "
-              f"applied, kept in {cfg.reload.state_dir} (the config file is unchanged "
-              f"since)", file=sys.stderr, flush=True)
+              f"applied, kept in {cfg.reload.state_dir} (the config file, the "
+              f"{ENV_PREFIX}* environment and the command line are unchanged since)",
+              file=sys.stderr, flush=True)
     app = create_app(cfg, config_path=path, server_overrides=server)
     run(lambda: serve(app, cfg), cfg)
     return 0

@@ -1612,6 +1612,8 @@ class GatewayConfig(BaseSettings):
         return (env_settings, init_settings)
 
 
+# fields whose values an error message never shows (inline keys)
+_SECRET_FIELDS = frozenset({"key", "admin_key", "api_key"})
 # the password of a URL's user info (``scheme://user:password@``), hidden in error messages
 _URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 
@@ -1624,7 +1626,9 @@ def _format_errors(source: str, err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling)"
         value = e.get("input")
-        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+        secret = any(str(p) in _SECRET_FIELDS for p in e["loc"])
+        shown = "" if isinstance(value, dict | list) or value is None or secret else (
+            f" (got {value!r})")
         shown = _URL_PASSWORD.sub(r"\1***@", shown)  # e.g. a bad redis://:secret@host:x
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
@@ -1664,12 +1668,23 @@ def parse_config_text(text: str, source: str) -> dict[str, Any]:
     try:
         loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML in {source}: {e}") from e
+        raise ConfigError(f"invalid YAML in {source}: {_yaml_problem(e)}") from None
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
     return loaded
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error's problem and place, without the text around it (PyYAML quotes the
+    offending line, which may hold a key)."""
+    problem = getattr(e, "problem", None) or getattr(e, "context", None)
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if problem is None:
+        return type(e).__name__
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
 
 
 def config_from_mapping(data: Mapping[str, Any], source: str) -> GatewayConfig:

@@ -51,13 +51,67 @@ def redact(obj: Any) -> Any:
     of :data:`SECRET_FIELDS` that hold a value; the password of a URL such as a
     ``redis_url``). A new object; ``obj`` is not changed."""
     if isinstance(obj, Mapping):
-        return {k: ("***" if k in SECRET_FIELDS and v not in (None, "") else redact(v))
+        return {k: (REDACTED if k in SECRET_FIELDS and v not in (None, "") else redact(v))
                 for k, v in obj.items()}
     if isinstance(obj, list):
         return [redact(v) for v in obj]
     if isinstance(obj, str):
         return _URL_PASSWORD.sub(r"\1***@", obj)
     return obj
+
+
+REDACTED = "***"
+
+
+def unredact(posted: Any, running: Any) -> Any:
+    """``posted`` (a config's JSON sent back, e.g. ``GET /admin/config``'s edited) with each
+    :data:`REDACTED` value that stands where ``running`` holds a secret replaced by that
+    secret: a key field of :data:`SECRET_FIELDS` (list items matched by their ``id`` or
+    ``name``, else by position), a URL whose password :func:`redact` hid. Other values,
+    and a ``***`` with no running secret at its place, are left as they are (the caller
+    refuses a key that is still ``***``). A new object."""
+    if isinstance(posted, Mapping) and isinstance(running, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in posted.items():
+            have = running.get(k)
+            if k in SECRET_FIELDS and v == REDACTED and isinstance(have, str) and have:
+                out[k] = have
+            else:
+                out[k] = unredact(v, have)
+        return out
+    if isinstance(posted, list) and isinstance(running, list):
+        by_key = {_item_key(r): r for r in running if _item_key(r) is not None}
+        return [unredact(v, by_key.get(_item_key(v)) if _item_key(v) is not None
+                         else (running[i] if i < len(running) else None))
+                for i, v in enumerate(posted)]
+    if (isinstance(posted, str) and isinstance(running, str) and REDACTED in posted
+            and redact(running) == posted):
+        return running
+    return posted
+
+
+def _item_key(item: Any) -> Any:
+    """A list item's identity for :func:`unredact`: its ``id``, else its ``name``."""
+    if isinstance(item, Mapping):
+        return item.get("id", item.get("name"))
+    return None
+
+
+def redacted_keys(obj: Any, path: str = "") -> list[str]:
+    """Dotted paths of key fields (:data:`SECRET_FIELDS`) whose value is still
+    :data:`REDACTED` in ``obj``."""
+    out: list[str] = []
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            p = f"{path}.{k}" if path else str(k)
+            if k in SECRET_FIELDS and v == REDACTED:
+                out.append(p)
+            else:
+                out.extend(redacted_keys(v, p))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out.extend(redacted_keys(v, f"{path}.{i}"))
+    return out
 
 
 @dataclass(frozen=True)
@@ -89,6 +143,7 @@ class ConfigHistory:
         self.dir = Path(state_dir) / SUBDIR if state_dir is not None else None
         self.keep = keep
         self.snapshots: list[Snapshot] = []
+        self._highest = 0  # the highest version number ever given here (files included)
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.snapshots = self._read()[-keep:]
@@ -97,6 +152,8 @@ class ConfigHistory:
         assert self.dir is not None
         out: list[Snapshot] = []
         for p in sorted(self.dir.glob("*.json")):
+            if p.stem.isdigit():  # a damaged file's number is not given again
+                self._highest = max(self._highest, int(p.stem))
             try:
                 out.append(Snapshot(**json.loads(p.read_text())))
             except (OSError, ValueError, TypeError) as e:
@@ -131,10 +188,11 @@ class ConfigHistory:
         newest is always the running one. Raises ``OSError`` when it cannot be written
         (nothing changes then)."""
         if version is None:
-            version = (self.last.version if self.last else 0) + 1
+            version = max(self.last.version if self.last else 0, self._highest) + 1
         snap = Snapshot(version, now, source, digest(config), file_digest, config, summary)
         if self.dir is not None:
             self._write(snap)
+        self._highest = max(self._highest, version)
         stale = [s for s in self.snapshots if s.version >= version]
         self.snapshots = [s for s in self.snapshots if s.version < version]
         self.snapshots.append(snap)

@@ -370,8 +370,9 @@ class GatewayMetrics:
             "gateway_config_reloads",
             "Live config changes (issue 18) by source (sighup, watch, admin, rollback; fleet: "
             "another replica's, from the shared store) and "
-            "outcome (applied; unchanged, the same config; refused: invalid, or a field "
-            "that cannot change live; nothing changed then)",
+            "outcome (applied; unchanged, the same config; invalid: not a valid config; "
+            "refused: a field that cannot change live, a key that cannot be resolved, a "
+            "store that did not take it; nothing changed then)",
             ["source", "outcome"],
             registry=r,
         )

@@ -45,13 +45,12 @@ from gateway.config import (
     GatewayConfig,
     check_secrets,
     config_from_mapping,
-    parse_config_text,
-    with_server_overrides,
 )
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
 from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, with_local
 from gateway.coord.link import CoordinationUnavailable
+from gateway.reload_input import InvalidConfig, read_config, source_digest, text_digest
 from gateway.routing.policy import LoadThermalPolicy
 
 if TYPE_CHECKING:
@@ -108,37 +107,8 @@ class ReloadResult:
     def view(self) -> dict[str, Any]:
         """JSON for the admin API."""
         s = self.snapshot
-        return {"applied": s is not None, "version": s.version if s else None,
-                **self.plan.summary()}
-
-
-def file_digest(path: str | Path | None) -> str | None:
-    """The digest of the config file's content, or None (no file, or unreadable)."""
-    if path is None:
-        return None
-    try:
-        return digest(Path(path).read_text())
-    except OSError:
-        return None
-
-
-def resume_config(
-    cfg: GatewayConfig, path: str | Path | None
-) -> tuple[GatewayConfig, Snapshot | None]:
-    """The config a start uses: with ``reload.state_dir``, the last applied one kept there
-    when the config file (``path``) is the one it was started from
-    (:meth:`ConfigHistory.resume`), else ``cfg`` (the file's). Returns it and the snapshot
-    resumed (None: the file's). Raises ``ConfigError`` when the kept config is no longer
-    valid (an upgrade changed the schema: move the state directory away to start from the
-    file) and ``OSError`` when the state directory cannot be made."""
-    if cfg.reload.state_dir is None:
-        return cfg, None
-    history = ConfigHistory(cfg.reload.state_dir, cfg.reload.keep)
-    snap = history.resume(file_digest(path))
-    if snap is None:
-        return cfg, None
-    return config_from_mapping(
-        snap.config, f"config version {snap.version} kept in {history.dir}"), snap
+        return {"applied": s is not None, "unchanged": self.plan.empty,
+                "version": s.version if s else None, **self.plan.summary()}
 
 
 class Reloader:
@@ -156,9 +126,11 @@ class Reloader:
         self.history = history
         self.path = Path(path) if path is not None else None
         self.wall = wall
-        self.file_digest = file_digest(path)  # the file the gateway started from
+        # what the gateway started from: the file, the environment, the command line
+        self.file_digest = source_digest(path, self.server_overrides)
         self._lock = asyncio.Lock()
-        self._watched = self.file_digest
+        self._watched = text_digest(path)  # the watch's: the file's text
+        self._settling: str | None = None  # a changed text waiting one round to settle
         self.fleet: FleetConfig | None = None  # fleet mode: join_fleet
         self._unpublished: str | None = None  # the file digest the store did not take
 
@@ -229,6 +201,14 @@ class Reloader:
         if plan.empty:
             log.info("config (%s): no change", source)
             return ReloadResult(plan, None)
+        for i in plan.added:  # an id still leaving the fleet comes back only as it was
+            url = gw.controller.membership.leaving_at(i)
+            new_url = next(b.base_url for b in new.backends if b.id == i)
+            if url is not None and url != new_url:
+                raise ReloadRefused(
+                    f"backend {i} is still leaving the fleet (draining at {url}): wait until "
+                    f"it has left (GET /admin/backends) to give its id to {new_url}, or give "
+                    "the new server another id", plan, f"backends[{i}].url")
         try:
             check_secrets(new, discovery_credentials=False)
         except ConfigError as e:
@@ -279,15 +259,19 @@ class Reloader:
         return ReloadResult(plan, snap, added, leaving)
 
     # ---- the ways in --------------------------------------------------------------------
+    def _read(self, text: str, where: str, source: str) -> GatewayConfig:
+        """:func:`gateway.reload_input.read_config` of ``text``; an invalid one is counted
+        (``outcome`` ``invalid``) and raised as :class:`ReloadRefused`."""
+        try:
+            return read_config(text, where, self.gw.cfg, self.server_overrides)
+        except InvalidConfig as e:
+            self.gw.metrics.config_reloads.labels(source, "invalid").inc()
+            raise ReloadRefused(e.problem, param=e.param) from None
+
     async def apply_text(self, text: str, source: str) -> ReloadResult:
         """A config given as YAML or JSON text (``POST /admin/config``). Raises
         :class:`ReloadRefused` for text that is not a valid config."""
-        try:
-            new = self._overridden(config_from_mapping(parse_config_text(text, "the new config"),
-                                                       "the new config"))
-        except ConfigError as e:
-            raise ReloadRefused(str(e), param=_first_path(str(e))) from None
-        return await self.apply(new, source)
+        return await self.apply(self._read(text, "the new config", source), source)
 
     async def reload_file(self, source: str = "sighup") -> ReloadResult:
         """The config file again (``SIGHUP``, the watch). Raises :class:`ReloadRefused`
@@ -298,20 +282,14 @@ class Reloader:
         try:
             text = self.path.read_text()
         except OSError as e:
+            self.gw.metrics.config_reloads.labels(source, "invalid").inc()
             raise ReloadRefused(f"cannot read {self.path}: {e.strerror or e}") from None
         self._watched = digest(text)
-        try:
-            new = self._overridden(
-                config_from_mapping(parse_config_text(text, str(self.path)), str(self.path)))
-        except ConfigError as e:
-            raise ReloadRefused(str(e), param=_first_path(str(e))) from None
-        result = await self.apply(new, source, from_file=self._watched)
-        self.file_digest = self._watched  # the file now is what runs
+        new = self._read(text, str(self.path), source)
+        read = source_digest(self.path, self.server_overrides)
+        result = await self.apply(new, source, from_file=read)
+        self.file_digest = read  # the file now is what runs
         return result
-
-    def _overridden(self, cfg: GatewayConfig) -> GatewayConfig:
-        """``cfg`` with the command line's server settings. Raises ``ConfigError``."""
-        return with_server_overrides(cfg, **self.server_overrides)
 
     async def rollback(self, version: int | None) -> ReloadResult:
         """Return to the kept snapshot ``version`` (None: the one before the running one;
@@ -335,6 +313,7 @@ class Reloader:
         try:
             new = config_from_mapping(config, f"config version {target.version}")
         except ConfigError as e:
+            self.gw.metrics.config_reloads.labels("rollback", "invalid").inc()
             raise ReloadRefused(str(e)) from None
         return await self.apply(new, "rollback")
 
@@ -387,11 +366,18 @@ class Reloader:
 
     async def watch_round(self) -> None:
         """The file watch's body: reload when the file's content changed since it was last
-        read (a refused one is logged and not retried until the file changes again; one the
-        shared store did not take, fleet mode, is tried again every round)."""
-        now, before = file_digest(self.path), self._watched
+        read and it has stayed the same for one more round (an editor that truncates the
+        file then writes it is never read half-written; a rename is read the round after);
+        a refused one is logged and not retried until the file changes again; one the
+        shared store did not take, fleet mode, is tried again every round."""
+        now, before = text_digest(self.path), self._watched
         if now is None or now == before:
+            self._settling = None
             return
+        if now != self._settling:  # changed since the last round: wait until it settles
+            self._settling = now
+            return
+        self._settling = None
         self._watched = now
         try:
             await self.reload_file("watch")
@@ -402,11 +388,3 @@ class Reloader:
                 log.error("config (watch): %s not applied: %s", self.path, e.problem)
             self._unpublished = now if isinstance(e, ReloadUnpublished) else None
 
-
-def _first_path(message: str) -> str | None:
-    """The first dotted field path of a :func:`gateway.config._format_errors` message."""
-    for line in message.splitlines()[1:]:
-        head = line.strip().split(":", 1)[0]
-        if head:
-            return head
-    return None

@@ -117,6 +117,10 @@ async def post_rollback(request: Request) -> JSONResponse:
         except ValueError:
             raise Refusal(400, "The body must be JSON: {\"version\": N}, or empty.",
                           code="invalid_request", param="version") from None
+        if isinstance(data, dict) and set(data) - {"version"}:
+            extra = sorted(set(data) - {"version"})[0]
+            raise Refusal(400, f"Unknown field {extra!r}: the body is {{\"version\": N}} "
+                          "or empty.", param=extra, code="invalid_request")
         version = data.get("version") if isinstance(data, dict) else data
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise Refusal(400, "'version' must be an integer (a version of "

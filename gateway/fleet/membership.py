@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from gateway.config import BackendConfig, DiscoveryConfig, LifecycleConfig
 from gateway.core.listening import url_host
+from gateway.core.vocab import BackendState
 from gateway.core.wording import plural
 from gateway.fleet import membership_plan
 from gateway.fleet.backend import Backend
@@ -91,6 +92,9 @@ class Membership:
         self._deadline: dict[str, float] = {}  # monotonic cut time of each leaving one
         self._leaving: dict[str, membership_plan.Leave] = {}  # why each leaving one leaves
         self._collided: set[str] = set()  # collisions already warned about
+        # backends a reload removed, serving until the ones it added are warm: id ->
+        # (the added ids, monotonic time when they drain anyway)
+        self._retiring: dict[str, tuple[frozenset[str], float]] = {}
         self._task: asyncio.Task[None] | None = None
         metrics.discovery_up.labels(self.source_name).set(1)
         metrics.discovery_endpoints.labels(self.source_name).set(0 if cfg.dynamic else len(fleet))
@@ -275,6 +279,10 @@ class Membership:
         added: list[str] = []
         for c in backends:
             b = self.fleet.get(c.id)
+            if b is not None and self._retiring.pop(c.id, None) is not None:
+                b.reconfigure(c)  # removed by an earlier reload, not yet drained: it stays
+                log.info("config: backend %s listed again: it stays", c.id)
+                continue
             if b is not None and c.id not in self.static_ids and c.id in self._gone:
                 # removed by an earlier reload and still draining: listed again, it stays
                 self._gone.discard(c.id)
@@ -291,22 +299,53 @@ class Membership:
             added.append(c.id)
             log.info("config: backend %s added at %s (cold)", c.id, c.base_url)
         leaving = sorted(self.static_ids - set(by_id))
-        deadline_s = self.lifecycle.drain_deadline_s
-        for i in leaving:
-            b = self.fleet.get(i)
-            if b is None:
-                continue
-            log.info("config: backend %s removed from the config: draining (cut after %g s)",
-                     i, deadline_s)
-            self.drains.leave(b, "config_removed", deadline_s)
-            self._known[i] = Known(b.base_url, True, True)
-            self._leaving[i] = membership_plan.Leave(i, "config_removed", True)
-            at = self.clock() + deadline_s
-            self._deadline[i] = min(self._deadline.get(i, at), at)
-            self._gone.add(i)
+        if added:  # make before break: the removed ones serve until the added are warm
+            until = self.clock() + self.lifecycle.warmup_timeout_s
+            for i in leaving:
+                self._retiring[i] = (frozenset(added), until)
+                log.info("config: backend %s removed from the config: serving until %s "
+                         "%s warm (at most %g s), then draining", i, ", ".join(added),
+                         "is" if len(added) == 1 else "are", self.lifecycle.warmup_timeout_s)
+        else:
+            for i in leaving:
+                self._retire(i)
         self.static_ids = frozenset(by_id)
         self.static_urls = frozenset(c.base_url for c in backends)
         return added, leaving
+
+    def _retire(self, backend_id: str) -> None:
+        """Drain a backend the config no longer lists (``config_removed``), to be removed by
+        the membership loop once idle (cut after ``lifecycle.drain_deadline_s``)."""
+        self._retiring.pop(backend_id, None)
+        b = self.fleet.get(backend_id)
+        if b is None:
+            return
+        deadline_s = self.lifecycle.drain_deadline_s
+        log.info("config: backend %s removed from the config: draining (cut after %g s)",
+                 backend_id, deadline_s)
+        self.drains.leave(b, "config_removed", deadline_s)
+        self._known[backend_id] = Known(b.base_url, True, True)
+        self._leaving[backend_id] = membership_plan.Leave(backend_id, "config_removed", True)
+        at = self.clock() + deadline_s
+        self._deadline[backend_id] = min(self._deadline.get(backend_id, at), at)
+        self._gone.add(backend_id)
+
+    def _retire_due(self, now: float) -> None:
+        """Drain each backend a reload removed once the backends that reload added are
+        warm (or gone, or their warm-up time is up)."""
+        for i, (added, until) in list(self._retiring.items()):
+            ready = all(b is None or b.state is BackendState.WARM
+                        for b in (self.fleet.get(a) for a in added))
+            if ready or now >= until:
+                self._retire(i)
+
+    def leaving_at(self, backend_id: str) -> str | None:
+        """The URL of ``backend_id`` while it is still in the fleet but leaving it (a reload
+        removed it, or discovery did), else None."""
+        b = self.fleet.get(backend_id)
+        if b is None or (backend_id not in self._gone and backend_id not in self._retiring):
+            return None
+        return b.base_url
 
     # ---- the membership loop ---------------------------------------------------------------
     async def round(self) -> None:
@@ -339,6 +378,7 @@ class Membership:
                 deadline_s = self.lifecycle.drain_deadline_s if leave.deadline else None
                 self.drains.leave(b, leave.reason, deadline_s)
         now = self.clock()
+        self._retire_due(now)
         removed = False
         for i in sorted(self._gone):
             b = self.fleet.get(i)

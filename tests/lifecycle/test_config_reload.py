@@ -234,3 +234,95 @@ def test_admission_limits_and_routing_weights_apply_to_the_next_request(sims):
         assert policy.weights.waiting == 3.0
     finally:
         gw.stop()
+
+
+def test_replacing_every_backend_drops_no_request(sims):
+    """Make before break: a reload that replaces every backend ({a, b} -> {c, d}) keeps a and
+    b serving until c and d are warm, then drains them; clients without retries see no
+    failure (before: about 1 s of 503 ``no_backend_available``, nothing warm yet)."""
+    a, b, c, d = sims("A"), sims("B"), sims("C"), sims("D")
+    gw = GatewayThread(gateway_config([{"id": "a", "url": a.url}, {"id": "b", "url": b.url}],
+                                      lifecycle=LIFECYCLE))
+    gw.start(wait_ready=False)
+    try:
+        gw.wait_ready(timeout=20, routable=2)
+        load = Load(gw.url)
+        try:
+            time.sleep(0.5)
+            r = post_config(gw, config_text(gw, {"c": c.url, "d": d.url}))
+            assert r.status_code == 200, r.text
+            assert wait_for(lambda: ids(gw) == {"c", "d"}, 30), admin(gw.url)
+            time.sleep(0.5)
+        finally:
+            load.stop()
+        assert load.failures == [], load.failures[:5]
+        assert c.chat_requests() > 0 and d.chat_requests() > 0
+    finally:
+        gw.stop()
+
+
+def test_keys_survive_a_round_trip_and_bad_reloads_are_refused_and_counted(sims):
+    """``GET /admin/config`` shows keys as ``***``: posting it back (edited) keeps them; a
+    ``***`` where no key runs is refused; an empty body, no backends, a YAML error (its
+    message never quotes the line, which may hold a key) and a leaving backend's id given
+    to another server are refused; each refusal is counted."""
+    a, b, c = sims("A"), sims("B"), sims("C")
+    gw = GatewayThread(gateway_config(
+        [{"id": "a", "url": a.url}, {"id": "b", "url": b.url}],
+        auth={"admin_key": "adm-secret", "client_keys": [{"name": "t", "key": "cli-secret"}]}))
+    gw.start()
+    adm = {"authorization": "Bearer adm-secret"}
+    try:
+        def post(body: str) -> httpx.Response:
+            return httpx.post(gw.url + "/admin/config", content=body.encode(), headers=adm,
+                              timeout=10)
+
+        shown = httpx.get(gw.url + "/admin/config", headers=adm, timeout=5).json()["config"]
+        assert shown["auth"]["admin_key"] == "***"
+        shown["routing"]["weights"]["waiting"] = 2.0
+        r = post(yaml.safe_dump(shown))
+        assert r.status_code == 200 and r.json()["changed"] == ["routing.weights.waiting"], r.text
+        assert httpx.get(gw.url + "/admin/config", headers=adm, timeout=5).status_code == 200
+        assert httpx.get(gw.url + "/admin/config", timeout=5,
+                         headers={"authorization": "Bearer ***"}).status_code == 401
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="cli-secret", max_retries=0)
+        assert client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}]).choices
+        shown["auth"]["client_keys"].append({"name": "u", "key": "***"})
+        r = post(yaml.safe_dump(shown))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "auth.client_keys.1.key"
+        shown["auth"]["client_keys"].pop()
+        for body, why in (("", "empty"), ("  \n", "empty"),
+                          (yaml.safe_dump({**shown, "backends": []}), "no backends")):
+            r = post(body)
+            assert r.status_code == 400, (why, r.text)
+            assert r.json()["error"]["code"] == "invalid_config", r.text
+        r = post("auth:\n  admin_key: TOPSECRET: x\n")
+        assert r.status_code == 400 and "TOPSECRET" not in r.text
+        r = post(yaml.safe_dump({**shown, "auth": {**shown["auth"], "admin_key": 7}}))
+        assert r.status_code == 400 and "adm-secret" not in r.text
+        # b leaves (a long stream keeps it draining); its id given to c meanwhile: refused
+        stream = sdk(gw.url).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=400,
+            stream=True, extra_headers={"authorization": "Bearer cli-secret"})
+        it = iter(stream)
+        next(it)
+        listed = httpx.get(gw.url + "/admin/backends", headers=adm, timeout=5).json()
+        pinned = next(x["id"] for x in listed["backends"] if x["in_flight"] > 0)
+        other = "a" if pinned == "b" else "b"
+        urls = {"a": a.url, "b": b.url}
+        shown["backends"] = [{"id": other, "url": urls[other]}]
+        assert post(yaml.safe_dump(shown)).status_code == 200
+        shown["backends"].append({"id": pinned, "url": c.url})
+        r = post(yaml.safe_dump(shown))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"backends[{pinned}].url"
+        assert "still leaving" in r.json()["error"]["message"]
+        for _ in it:
+            pass
+        text = httpx.get(gw.url + "/metrics", timeout=5).text
+        invalid = [ln for ln in text.splitlines()
+                   if ln.startswith("gateway_config_reloads_total{") and 'outcome="invalid"' in ln]
+        assert invalid and float(invalid[0].rsplit(" ", 1)[1]) >= 6, invalid
+    finally:
+        gw.stop()

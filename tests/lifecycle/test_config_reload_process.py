@@ -77,5 +77,14 @@ def test_restart_resumes_the_last_applied_config_and_sighup_reads_the_file(sims,
         assert history(gw.url)[0] == (3, "sighup")
         assert backend_ids(gw.url) == {"a", "c"}
         assert gw.proc.poll() is None  # still serving
+        gw.stop()
+        # ---- the file as version 3 read it, without --port: not the start kept, the file's
+        # port (the command line is part of what a restart resumes from) -------------------
+        path.write_text(yaml.safe_dump(cfg))
+        gw.proc.wait(10)
+        gw = ServeProcess(path, cfg["server"]["port"], log, tmp_path)
+        gw.wait_ready()
+        assert backend_ids(gw.url) == {"a", "c"}
+        assert history(gw.url)[0] == (4, "start")
     finally:
         gw.stop()

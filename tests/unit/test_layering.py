@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    (gateway.config_diff: what a live reload changes; gateway.config_history: the kept
     #    applied configs)
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
-     "gateway.config_diff", "gateway.config_history", "gateway.config_rollouts"),
+     "gateway.config_diff", "gateway.config_history", "gateway.reload_input",
+     "gateway.config_rollouts"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'

@@ -1,0 +1,135 @@
+"""What a live reload reads (issue 18), before :mod:`gateway.reloading` applies it: a new
+config from text (``POST /admin/config``, the file), checked the same way as at start, and
+the digest that says whether a restart may resume the last applied config.
+
+* :func:`read_config`: YAML or JSON text to a validated :class:`GatewayConfig`: an empty
+  text is refused (not "all defaults"); ``***`` where ``GET /admin/config`` showed a key is
+  that key (:func:`gateway.config_history.unredact`), a ``***`` with no running key at its
+  place is refused; the ``LLM_GATEWAY_*`` environment and the command line's
+  ``--host`` / ``--port`` apply over it as they do over the file at start; a static fleet
+  with no backend is refused as ``serve`` refuses it (:func:`gateway.config.require_backends`).
+  Raises :class:`InvalidConfig` (message, the first field named).
+* :func:`source_digest`: the config file's text, the ``LLM_GATEWAY_*`` environment and the
+  command line's server settings together: a restart resumes the last applied config only
+  while all three are as they were (:meth:`gateway.config_history.ConfigHistory.resume`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from gateway.config import (
+    ENV_PREFIX,
+    ConfigError,
+    GatewayConfig,
+    config_from_mapping,
+    parse_config_text,
+    require_backends,
+    with_server_overrides,
+)
+from gateway.config_history import ConfigHistory, Snapshot, digest, redacted_keys, unredact
+
+_FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*$")
+
+
+class InvalidConfig(Exception):
+    """A config text that is not a valid config: ``problem``, and ``param`` the first field
+    it names (None when none)."""
+
+    def __init__(self, problem: str, param: str | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.param = param
+
+
+def first_field(message: str) -> str | None:
+    """The first dotted field path of a :class:`ConfigError` message
+    (``gateway.config._format_errors``'s lines ``  path: problem``), or None."""
+    for line in message.splitlines()[1:]:
+        head = line.strip().split(":", 1)[0]
+        if _FIELD.match(head):
+            return head
+    return None
+
+
+def read_config(text: str, source: str, running: GatewayConfig,
+                server_overrides: Mapping[str, object]) -> GatewayConfig:
+    """The validated config of ``text`` (module docstring); ``running``: the config it
+    replaces (its keys stand for ``***``). Raises :class:`InvalidConfig`."""
+    if not text.strip():
+        raise InvalidConfig(f"{source} is empty: give the whole config (GET /admin/config "
+                            "shows the running one); an empty one is not 'all defaults'")
+    try:
+        data = parse_config_text(text, source)
+    except ConfigError as e:
+        raise InvalidConfig(str(e)) from None
+    data = unredact(data, running.model_dump(mode="json"))
+    left = redacted_keys(data)
+    if left:
+        raise InvalidConfig(
+            f"{left[0]} is '***', how /admin/config shows a key: give the key itself (a "
+            "'***' kept where the running config has a key stands for that key)", left[0])
+    try:
+        cfg = with_server_overrides(config_from_mapping(data, source), **server_overrides)
+        require_backends(cfg)
+    except ConfigError as e:
+        raise InvalidConfig(str(e), first_field(str(e)) or _named(str(e))) from None
+    return cfg
+
+
+def _named(message: str) -> str | None:
+    """A field named at the start of a one-line :class:`ConfigError` (``auth.admin_key_env:
+    ADMIN is not set``)."""
+    head = message.split(":", 1)[0].strip()
+    return head if _FIELD.match(head) and "." in head else None
+
+
+def source_digest(path: str | Path | None, server_overrides: Mapping[str, object],
+                  environ: Mapping[str, str] | None = None) -> str | None:
+    """The digest of what a start reads besides the state directory: the config file's text
+    (None: no file, or unreadable), the ``LLM_GATEWAY_*`` variables and the command line's
+    server settings."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    env = os.environ if environ is None else environ
+    return digest({"file": text, "cli": {k: str(v) for k, v in server_overrides.items()},
+                   "env": {k: v for k, v in env.items() if k.upper().startswith(ENV_PREFIX)}})
+
+
+def text_digest(path: str | Path | None) -> str | None:
+    """The digest of the config file's text alone (the file watch's), or None (no file, or
+    unreadable)."""
+    if path is None:
+        return None
+    try:
+        return digest(Path(path).read_text())
+    except OSError:
+        return None
+
+
+def resume_config(
+    cfg: GatewayConfig, path: str | Path | None, server_overrides: Mapping[str, object]
+) -> tuple[GatewayConfig, Snapshot | None]:
+    """The config a start uses: with ``reload.state_dir``, the last applied one kept there
+    when the file, the environment and the command line are what it was started from
+    (:func:`source_digest`, :meth:`ConfigHistory.resume`), with this start's ``server``
+    section (a process's own: it never changes live); else ``cfg`` (the file's). Returns
+    it and the snapshot resumed (None: the file's). Raises ``ConfigError`` when the kept
+    config is no longer valid (an upgrade changed the schema: move the state directory
+    away to start from the file) and ``OSError`` when the state directory cannot be
+    made."""
+    if cfg.reload.state_dir is None:
+        return cfg, None
+    history = ConfigHistory(cfg.reload.state_dir, cfg.reload.keep)
+    snap = history.resume(source_digest(path, server_overrides))
+    if snap is None:
+        return cfg, None
+    data = {**snap.config, "server": cfg.server.model_dump(mode="json")}
+    return config_from_mapping(data, f"config version {snap.version} kept in {history.dir}"), snap
