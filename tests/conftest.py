@@ -68,3 +68,16 @@ def redis_server() -> Iterator[Any]:
         yield srv
     finally:
         srv.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[Any]:
+    """Simulated vLLM servers of model versions for the rollout tests
+    (:class:`tests.support.rollout_traffic.Servers`), stopped after the test."""
+    from tests.support.rollout_traffic import Servers
+
+    s = Servers()
+    try:
+        yield s
+    finally:
+        s.stop()

@@ -6,25 +6,19 @@ everything), with no failed request."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
-from tests.support.rollout_traffic import FAST_STEPS, Servers, Traffic, config
+from tests.support.rollout_traffic import (
+    FAST_STEPS,
+    Servers,
+    Traffic,
+    config,
+)
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread
-
-
-@pytest.fixture
-def servers() -> Iterator[Servers]:
-    s = Servers()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 def _rollouts(gw: GatewayThread) -> list[dict[str, Any]]:

@@ -22,7 +22,6 @@ otherwise turn into a false regression.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -31,18 +30,15 @@ import pytest
 import yaml
 
 from tests.lifecycle.support import metric, metric_samples
-from tests.support.rollout_traffic import FAST_STEPS, MODEL, Servers, Traffic, config
+from tests.support.rollout_traffic import (
+    FAST_STEPS,
+    MODEL,
+    Servers,
+    Traffic,
+    config,
+)
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
-
-
-@pytest.fixture
-def servers() -> Iterator[Servers]:
-    s = Servers()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 def rollouts(url: str) -> list[dict[str, Any]]:

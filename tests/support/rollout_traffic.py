@@ -99,3 +99,4 @@ class Traffic:
         self._stop.set()
         for t in self._threads:
             t.join(30)
+
