@@ -51,6 +51,7 @@ from tests.support.continuation_check import (  # noqa: E402
 from tests.support.continuation_drill import (  # noqa: E402
     LAST_MISSED,
     StreamResult,
+    engine_freeze,
     engine_gate,
     kill_drill,
     make_requests,
@@ -112,7 +113,8 @@ def one_round(a: VllmServer, victim: VllmServer, args: argparse.Namespace, seed:
         results, killed, missed = asyncio.run(
             kill_drill(gw.url, requests, victim.kill, args.min_tokens, gate=engine_gate(
                 victim, lambda: gw.gateway.fleet.get("victim").in_flight),
-                upstream_open=lambda: gw.gateway.fleet.get("victim").in_flight))
+                upstream_open=lambda: gw.gateway.fleet.get("victim").in_flight,
+                freeze=engine_freeze(victim)))
         continued = continuation_counts(gw.gateway.metrics)
     finally:
         gw.stop()

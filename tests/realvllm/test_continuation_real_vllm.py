@@ -18,7 +18,9 @@ of 32, or the floor of 1/s); the default would cut 22 of them (``no_backend``).
 control: its answers must equal ``a``'s, or a difference would be the servers' numerics, not
 the continuation). Then the same 32 go through the gateway with the real ``openai`` SDK
 (``AsyncOpenAI``); once every stream has received at least ``MIN_TOKENS`` tokens and none
-has a ``finish_reason``, the victim's whole process group is SIGKILLed; every stream is read
+has a ``finish_reason`` (checked a second time with the victim's engine stopped, so that
+nothing can finish between the check and the kill: on a loaded machine the clients lag
+behind the server), the victim's whole process group is SIGKILLed; every stream is read
 to its end (raw bytes teed, ``tests/support/continuation_drill.py``). So that all start in
 the same step, the victim's engine core is stopped (SIGSTOP) while the requests arrive and
 continued once the gateway has sent all 32 (and 1 s more for its API server to queue
@@ -63,6 +65,7 @@ from tests.support.continuation_drill import (
     GATE,
     LAST_MISSED,
     StreamResult,
+    engine_freeze,
     engine_gate,
     kill_drill,
     make_requests,
@@ -117,7 +120,8 @@ def drill(real_vllm: dict[str, VllmServer], victim_vllm: VllmServer) -> Iterator
         results, killed, missed = asyncio.run(
             kill_drill(gw.url, requests, victim.kill, MIN_TOKENS, gate=engine_gate(
                 victim, lambda: gw.gateway.fleet.get("victim").in_flight),
-                upstream_open=lambda: gw.gateway.fleet.get("victim").in_flight))
+                upstream_open=lambda: gw.gateway.fleet.get("victim").in_flight,
+                freeze=engine_freeze(victim)))
         assert killed is not None, f"a stream finished before all had started: {LAST_MISSED}"
         if missed:
             print(f"\n{missed} batch(es) sent again: a stream finished before all had started")

@@ -228,6 +228,7 @@ async def run_streams(
     when: Callable[[list[StreamResult]], bool] | None = None,
     then: Callable[[], None] | None = None,
     gate: Gate | None = None,
+    freeze: Gate | None = None,
     timeout_s: float = 120.0,
 ) -> tuple[list[StreamResult], float | None]:
     """Send every request at once to ``base_url`` (``/v1`` appended) and read each stream
@@ -239,7 +240,15 @@ async def run_streams(
 
     ``gate``: held while the requests are sent (:class:`Gate`; e.g. the backend's engine
     stopped, then continued once every request is in its queue, so that all start
-    generating in the same step)."""
+    generating in the same step).
+
+    ``freeze``: when ``when`` first holds, ``freeze.hold()`` stops the backend's engine,
+    and ``when`` is asked again after ``freeze.grace_s`` (what the engine had produced has
+    reached the clients by then): ``then()`` is called only if it still holds, with the
+    engine still stopped, so nothing can finish between the check and ``then()`` (on a
+    loaded machine the clients and the gateway lag behind the backend, and a check of
+    them alone races its last tokens); otherwise ``freeze.release()`` lets the batch
+    finish, and ``then()`` is never called."""
     tap = TapTransport()
     results = [StreamResult(r) for r in requests]
     called: float | None = None
@@ -264,6 +273,14 @@ async def run_streams(
                 deadline = time.monotonic() + timeout_s
                 while time.monotonic() < deadline:
                     if when(results):
+                        if freeze is not None:
+                            freeze.hold()
+                            await asyncio.sleep(freeze.grace_s)
+                            if not when(results):
+                                freeze.release()
+                                LAST_MISSED[:] = [(r.request.key, r.tokens, r.finished)
+                                                  for r in results]
+                                break
                         then()
                         called = time.monotonic()
                         break
@@ -289,6 +306,7 @@ async def kill_drill(
     tries: int = 3,
     gate: Gate | None = None,
     upstream_open: Callable[[], int] | None = None,
+    freeze: Gate | None = None,
 ) -> tuple[list[StreamResult], float | None, int]:
     """:func:`run_streams` with ``kill`` called once every stream has ``min_tokens`` tokens
     and none has finished, and (``upstream_open``: the gateway's requests still open to the
@@ -298,7 +316,9 @@ async def kill_drill(
     started (the streams' starts are spread by the machine's load, and nothing was
     killed), the whole batch is sent again, at most ``tries`` times. ``gate``: as
     :func:`run_streams`'s. Returns the last results, the kill's monotonic time (None: never
-    killed) and the batches that missed it."""
+    killed) and the batches that missed it. ``freeze``: as :func:`run_streams`'s (the
+    server to be killed stopped while the condition is checked a last time:
+    :func:`engine_freeze`)."""
     missed = 0
     started = all_started_none_finished(min_tokens)
 
@@ -308,7 +328,7 @@ async def kill_drill(
 
     while True:
         results, killed = await run_streams(
-            base_url, requests, when=when, then=kill, gate=gate)
+            base_url, requests, when=when, then=kill, gate=gate, freeze=freeze)
         if killed is not None or missed + 1 >= tries:
             return results, killed, missed
         missed += 1
@@ -344,6 +364,19 @@ def engine_gate(server: VllmServer, in_flight: Callable[[], int]) -> Gate:
         server.signal_engine(signal.SIGCONT)
 
     return Gate(hold, release, lambda n: in_flight() - base[0] >= n)
+
+
+def engine_freeze(server: VllmServer, settle_s: float = 0.5) -> Gate:
+    """A :class:`Gate` for :func:`run_streams`'s ``freeze``: ``hold()`` stops ``server``'s
+    engine core (SIGSTOP; no token is generated after it), ``release()`` continues it;
+    ``grace_s`` = ``settle_s``, the time given to what it had produced to reach the
+    clients. ``server`` must run with ``fast=False``."""
+    def hold() -> None:
+        if server.signal_engine(signal.SIGSTOP) < 1:
+            raise RuntimeError(f"{server!r} has no engine-core process (fast=True?)")
+
+    return Gate(hold, lambda: server.signal_engine(signal.SIGCONT), lambda n: True,
+                grace_s=settle_s)
 
 
 def all_started_none_finished(min_tokens: int) -> Callable[[list[StreamResult]], bool]:
