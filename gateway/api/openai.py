@@ -47,7 +47,13 @@ from gateway.api.parsing import (
 )
 from gateway.core.outcomes import BackendAnswer
 from gateway.core.vocab import Cut
-from gateway.flow.context import NOTHING_GENERATED, Answer, Opened, RequestContext
+from gateway.flow.context import (
+    NOTHING_GENERATED,
+    Answer,
+    Opened,
+    RequestContext,
+    version_label,
+)
 from gateway.flow.continuing import StreamContinuer, first_request
 from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
@@ -96,14 +102,21 @@ def log_refusal(e: Refusal, endpoint: str, request_id: str, method: str = "POST"
 
 
 def answered(
-    metrics: GatewayMetrics, endpoint: str, model: str, status: int, started: float
+    metrics: GatewayMetrics,
+    endpoint: str,
+    model: str,
+    status: int,
+    started: float,
+    version: str = "",
 ) -> None:
-    """Record one client request answered without a stream: its ``status`` in
-    ``gateway_requests_total`` and its latency since ``started`` (``time.perf_counter()``
-    seconds at arrival) in both latency histograms, the answer being ready now (its first
-    byte and its end go out together). A 499 (the client hung up: no byte reached it) has a
-    duration but no time to first byte. ``model`` is "" when not known yet."""
-    metrics.count_request(endpoint, model, status)
+    """Record one client request answered without a stream: its ``status`` (and
+    ``version``: :func:`gateway.flow.context.version_label`, "" before the request has a
+    context) in ``gateway_requests_total`` and its latency since ``started``
+    (``time.perf_counter()`` seconds at arrival) in both latency histograms, the answer
+    being ready now (its first byte and its end go out together). A 499 (the client hung
+    up: no byte reached it) has a duration but no time to first byte. ``model`` is "" when
+    not known yet."""
+    metrics.count_request(endpoint, model, status, version)
     elapsed = time.perf_counter() - started
     metrics.observe_latency(endpoint, model, None if status == 499 else elapsed, elapsed)
 
@@ -245,7 +258,7 @@ async def model_response(
             got = await batching.acquire(ctx)
             if isinstance(got, Answer):
                 watch.stop()
-                answered(metrics, endpoint, model, got.status, started)
+                answered(metrics, endpoint, model, got.status, started, got.version)
                 return _render_answer(got, idh, rid, ctx.ratelimit)
             bound = got
         up = ctx.upstream
@@ -260,7 +273,7 @@ async def model_response(
     except Refusal as e:  # (admission's own carry the key's limits; later ones get them here)
         watch.stop()
         ctx.settle(NOTHING_GENERATED)  # no backend served it: the key pays no tokens
-        answered(metrics, endpoint, model, e.status, started)
+        answered(metrics, endpoint, model, e.status, started, version_label(None, ctx.version))
         if rollouts is not None and ctx.version is not None:
             rollouts.observe_failure(ctx, e.status)
         log_refusal(e, endpoint, rid)
@@ -269,7 +282,7 @@ async def model_response(
     except BackendAnswer as e:
         watch.stop()
         ctx.settle(NOTHING_GENERATED)  # a backend's 429/5xx generated nothing
-        answered(metrics, endpoint, model, e.status, started)
+        answered(metrics, endpoint, model, e.status, started, e.version)
         if rollouts is not None and ctx.version is not None:
             rollouts.observe_failure(ctx, e.status)
         return render_backend_answer(e, idh, rid, ctx.ratelimit)
@@ -279,9 +292,9 @@ async def model_response(
             raise
         if ctx.cut.absorb() == Cut.CLIENT_GONE:
             metrics.client_disconnects.labels(endpoint).inc()
-            answered(metrics, endpoint, model, 499, started)
+            answered(metrics, endpoint, model, 499, started, version_label(None, ctx.version))
             return Response(status_code=499)
-        answered(metrics, endpoint, model, 503, started)
+        answered(metrics, endpoint, model, 503, started, version_label(None, ctx.version))
         return shutting_down_response(rid, idh)
     if opened.framer is not None:  # the stream's end observes it (Pipeline.stream_done)
         resumer = None
@@ -291,7 +304,7 @@ async def model_response(
         return _relay(gw, ctx, opened, watch, resumer)
     watch.stop()
     answer = gw.pipeline.finish_body(ctx, opened)
-    answered(metrics, endpoint, model, answer.status, started)
+    answered(metrics, endpoint, model, answer.status, started, answer.version)
     if rollouts is not None and ctx.version is not None:  # TTFT: the whole answer's time
         ttft = time.perf_counter() - opened.sent_at if answer.status < 400 else None
         rollouts.observe(ctx, opened.backend, answer.status >= 500, ttft)

@@ -76,7 +76,7 @@ from gateway.api.parsing import (
 from gateway.core.outcomes import BackendAnswer
 from gateway.core.vocab import Cut
 from gateway.flow.candidates import recovery_s
-from gateway.flow.context import Answer, RequestContext
+from gateway.flow.context import Answer, RequestContext, version_label
 from gateway.flow.lease import RequestLease
 from gateway.flow.responses import hung, is_hung
 from gateway.flow.shaping import ratelimit_headers
@@ -243,9 +243,9 @@ async def by_id_response(
                 raise
             if cut.absorb() == Cut.CLIENT_GONE:
                 metrics.client_disconnects.labels(label).inc()
-                answered(metrics, label, model, 499, started)
+                answered(metrics, label, model, 499, started, version_label(None, ctx.version))
                 return Response(status_code=499)
-            answered(metrics, label, model, 503, started)
+            answered(metrics, label, model, 503, started, version_label(None, ctx.version))
             return shutting_down_response(rid, idh)
         finally:
             routing.answered_by(backend, cut)
@@ -262,14 +262,14 @@ async def by_id_response(
             return _relay(gw, ctx, opened, watch)
         watch.stop()
         answer = gw.pipeline.finish_body(ctx, opened)
-        answered(metrics, label, model, answer.status, started)
+        answered(metrics, label, model, answer.status, started, answer.version)
         return _render_answer(answer, idh, rid, ratelimit)
     watch.stop()
     if not_found is not None and failure is None:
-        answered(metrics, label, model, 404, started)
+        answered(metrics, label, model, 404, started, not_found.version)
         return _render_answer(not_found, idh, rid, ratelimit)
     if isinstance(failure, BackendAnswer):
-        answered(metrics, label, model, failure.status, started)
+        answered(metrics, label, model, failure.status, started, failure.version)
         return render_backend_answer(failure, idh, rid, ratelimit)
     assert failure is not None
     answered(metrics, label, model, failure.status, started)

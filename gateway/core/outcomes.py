@@ -73,7 +73,9 @@ class BackendAnswer(Exception):
     in the order received, repeated names kept (hop-by-hop ones already dropped,
     :func:`gateway.proxy.upstream.response_headers`). ``retry_after_s``: seconds the
     gateway adds as ``retry-after`` / ``retry-after-ms`` to a 429 that came without a
-    ``Retry-After`` of its own (None: nothing added)."""
+    ``Retry-After`` of its own (None: nothing added). ``version``: the label of the
+    answering backend's ``model_version`` in ``gateway_requests_total`` ("" for none:
+    :func:`gateway.flow.context.version_label`)."""
 
     def __init__(
         self,
@@ -81,9 +83,11 @@ class BackendAnswer(Exception):
         body: bytes,
         headers: list[tuple[bytes, bytes]],
         retry_after_s: float | None = None,
+        version: str = "",
     ) -> None:
         super().__init__(f"backend answered {status}")
         self.status = status
         self.body = body
         self.headers = headers
         self.retry_after_s = retry_after_s
+        self.version = version

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.fleet.backend import Backend
+from gateway.flow.context import version_label
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.inband import InBandError
 from gateway.traffic.breaker import windowed_p99
@@ -66,11 +67,12 @@ class Accounting:
         self, endpoint: str, model: str, backend: Backend, err: InBandError, request_id: str
     ) -> None:
         """A stream from ``backend`` that carried a request error (``err``): the request
-        is counted under ``err.status`` (not as a success), the attempt as
+        is counted under ``err.status`` (not as a success; version: ``backend``'s,
+        :func:`gateway.flow.context.version_label`), the attempt as
         ``in_band_error``, and it is logged with the request id and the backend's message
         (WARNING for a 5xx, else INFO)."""
         status = err.status
-        self.metrics.count_request(endpoint, model, status)
+        self.metrics.count_request(endpoint, model, status, version_label(backend))
         self.attempt(backend, "in_band_error")
         log.log(
             logging.WARNING if status >= 500 else logging.INFO,

@@ -94,8 +94,21 @@ class Opened:
 @dataclass(slots=True)
 class Answer:
     """A finished non-stream answer: status, body bytes, and the headers to send (the
-    backend's, hop-by-hop dropped, plus the gateway's own; no content-length)."""
+    backend's, hop-by-hop dropped, plus the gateway's own; no content-length).
+    ``version``: the :func:`version_label` of the backend that gave it."""
 
     status: int
     body: bytes
     headers: list[tuple[bytes, bytes]]
+    version: str = ""
+
+
+def version_label(backend: Backend | None, assigned: str | None = None) -> str:
+    """The ``version`` label of a request in ``gateway_requests_total``: the
+    ``model_version`` of ``backend``, the one whose answer (or own error answer) was
+    relayed to the client ("" when it has none); when no backend's answer was (None: a
+    refusal, the client gone before one), ``assigned``, the version a canary rollout gave
+    the request (``RequestContext.version``), else ""."""
+    if backend is not None:
+        return backend.config.model_version or ""
+    return assigned or ""

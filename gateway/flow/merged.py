@@ -115,6 +115,7 @@ class MergedRequests:
         embeddings = endpoint == merging.EMBEDDINGS
         answers: list[bytes] | None = None
         shared: list[tuple[bytes, bytes]] = []  # the backend's answer headers, for each
+        version = ""  # the answering backend's version label, for each
         outcome = "unmerged"
         # every member gone (their clients hung up): stop the upstream request too
         me = asyncio.current_task()
@@ -159,7 +160,7 @@ class MergedRequests:
             if answer.status == 200:
                 answers = merging.split_answer(endpoint, answer.body, parts)
                 outcome = "ok"
-                shared = answer.headers
+                shared, version = answer.headers, answer.version
         except BackendAnswer as e:
             # each member goes alone; if no backend takes it, it gets this answer as sent
             for w in live:
@@ -180,5 +181,6 @@ class MergedRequests:
                     if answers is not None:  # its share's usage, not admission's estimate
                         w.ctx.settle(extract_usage(answers[i]))
                     w.fut.set_result(
-                        UNMERGED if answers is None else Answer(200, answers[i], list(shared))
+                        UNMERGED if answers is None
+                        else Answer(200, answers[i], list(shared), version)
                     )

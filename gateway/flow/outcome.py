@@ -62,7 +62,8 @@ def give_up(
             # never a 429 without it: case BUG-05)
             pinned = ctx.pinned
             soon = wait_s(pinned, now) if pinned else availability_s(backends, ctx.model, now)
-            return BackendAnswer(answer.status, answer.body, answer.headers, soon)
+            return BackendAnswer(answer.status, answer.body, answer.headers, soon,
+                                 answer.version)
         return answer
     if f is None:
         return unavailable(backends, ctx.model, health, now)

@@ -33,7 +33,13 @@ from gateway.fleet.fleet import Fleet
 from gateway.flow.accounting import Accounting
 from gateway.flow.attempt import send_attempt
 from gateway.flow.candidates import candidates
-from gateway.flow.context import NOTHING_GENERATED, Answer, Opened, RequestContext
+from gateway.flow.context import (
+    NOTHING_GENERATED,
+    Answer,
+    Opened,
+    RequestContext,
+    version_label,
+)
 from gateway.flow.lease import Hold, Verdict
 from gateway.flow.outcome import give_up, kept_answer
 from gateway.proxy.relay import StreamOutcome
@@ -231,7 +237,7 @@ class Pipeline:
         if f.status in (429, 503):
             self._cool(backend, f.headers, f.status == 429)
         if f.kind in _RELAYED and f.status is not None:
-            new = BackendAnswer(f.status, f.body, f.headers)
+            new = BackendAnswer(f.status, f.body, f.headers, version=version_label(backend))
             ctx.answered = kept_answer(ctx.answered, new, self.wall())
         ctx.lease.end_attempt(Verdict.NEUTRAL if f.kind in _NEUTRAL_FAILURES else Verdict.FAILURE)
         self.accounting.attempt(backend, f.kind)
@@ -301,7 +307,8 @@ class Pipeline:
     def finish_body(self, ctx: RequestContext, opened: Opened) -> Answer:
         """The non-streaming answer for the client; ends the attempt on the lease. Counts
         the attempt, not the client request: the caller observes the request's status and
-        latency (a merged request's members are observed each, by their own callers)."""
+        latency (a merged request's members are observed each, by their own callers), with
+        the answer's ``version`` (``backend``'s label, :func:`version_label`)."""
         backend, resp, body = opened.backend, opened.resp, opened.data
         status = resp.status
         lease = ctx.lease
@@ -318,7 +325,7 @@ class Pipeline:
             ctx.settle(usage)  # the key is charged the usage, not the estimate
         elif status >= 400:  # the backend refused the request: nothing was generated
             ctx.settle(NOTHING_GENERATED)
-        return Answer(status, body, headers)
+        return Answer(status, body, headers, version_label(backend))
 
     def stream_done(
         self,
@@ -347,7 +354,11 @@ class Pipeline:
         A continued stream (issue 17, :mod:`gateway.flow.continuing`): ``opened`` is its
         last attempt, ``usage`` what the client was given (else the framer's), ``continued``
         (the backend's own TTFT is unknown: none is recorded), ``recorded`` (the last
-        attempt was already ended: a continuation that found no backend)."""
+        attempt was already ended: a continuation that found no backend).
+
+        The request is counted in ``gateway_requests_total`` under the ``model_version`` of
+        ``opened.backend`` (:func:`version_label`): for a continued stream, the backend of
+        its last attempt, the one that finished it."""
         backend = opened.backend
         if usage is None:
             usage = framer.usage()
@@ -362,7 +373,7 @@ class Pipeline:
         acc.request_latency(ctx.endpoint, ctx.model, ttft, ctx.started)
         if outcome == StreamOutcome.CLIENT_GONE:
             m.client_disconnects.labels(ctx.endpoint).inc()
-            m.count_request(ctx.endpoint, ctx.model, 499)
+            m.count_request(ctx.endpoint, ctx.model, 499, version_label(backend))
             if not recorded:
                 acc.attempt(backend, Cut.CLIENT_GONE)
                 lease.end_attempt(Verdict.NEUTRAL)
@@ -373,7 +384,7 @@ class Pipeline:
             acc.usage(ctx.model, usage)
             lease.end_attempt(Verdict.NEUTRAL)
         else:
-            m.count_request(ctx.endpoint, ctx.model, 200)
+            m.count_request(ctx.endpoint, ctx.model, 200, version_label(backend))
             acc.usage(ctx.model, usage)
             ctx.settle(usage)  # the key is charged the usage, not the estimate
             if recorded:  # its attempt was counted when it failed (stream_failed)

@@ -211,7 +211,8 @@ class Rollouts:
                 ttft_s: float | None = None, itl_s: float | None = None) -> None:
         """A finished request that was assigned a version (``ctx.version``): observed on
         the version of ``backend``, the one that served it (None: none did, the assigned
-        one), counted per version, and as a fallback when that is not the assigned one."""
+        one), and counted as a fallback when that is not the assigned one (the share per
+        version is ``gateway_requests_total``'s ``version`` label, counted at the edge)."""
         run = self.runs.get(ctx.model)
         if run is None or ctx.version is None:
             return
@@ -219,10 +220,8 @@ class Rollouts:
         side = run.side(served)
         if side is None or served is None:
             return
-        m = self.metrics
-        m.version_requests.labels(ctx.model, served).inc()
         if served != ctx.version:
-            m.rollout_fallbacks.labels(ctx.model, ctx.version).inc()
+            self.metrics.rollout_fallbacks.labels(ctx.model, ctx.version).inc()
             run.fallbacks[ctx.version] = run.fallbacks.get(ctx.version, 0) + 1
         run.rollout.observe(side, None if error else ttft_s, None if error else itl_s, error)
 
