@@ -23,7 +23,7 @@ def _assert_clean_after_disconnect(gw, backend_id: str) -> None:
     assert b.state.value == "warm"
     assert b.breaker.consecutive == 0  # a client leaving is not a backend failure
     assert g.metrics.client_disconnects.labels("/v1/chat/completions")._value.get() >= 1
-    assert g.metrics.requests.labels("/v1/chat/completions", "m1", "499")._value.get() >= 1
+    assert g.metrics.requests.labels("/v1/chat/completions", "m1", "499", "")._value.get() >= 1
 
 
 def test_BUG_01_stream_disconnect_closes_upstream(backends, gateway):
@@ -108,4 +108,5 @@ def test_BUG_02_non_stream_disconnect_cancels_upstream(backends, gateway):
         backend = gw.gateway.fleet.get(bid)
         assert backend.state.value == "warm"
         assert backend.breaker.consecutive == 0
-    assert gw.gateway.metrics.requests.labels("/v1/chat/completions", "m1", "499")._value.get() == 5
+    counted = gw.gateway.metrics.requests.labels("/v1/chat/completions", "m1", "499", "")
+    assert counted._value.get() == 5

@@ -90,6 +90,8 @@ def test_streaming_and_non_streaming_requests_in_both_histograms(backends, gatew
     fast_dur = series(m, f"{dur}_sum", "fast")
     assert fast_ttfb is not None and fast_dur is not None
     assert fast_dur >= SLOW_S and fast_ttfb < fast_dur - SLOW_S / 2
-    # the request counter has the same labels
+    # the request counter has the same labels, and the version of the backend that
+    # answered: "" for one without model_version
     assert m.get(("gateway_requests_total",
-                  (("endpoint", CHAT), ("model", "slow"), ("status", "200")))) == 1.0
+                  (("endpoint", CHAT), ("model", "slow"), ("status", "200"),
+                   ("version", "")))) == 1.0

@@ -306,6 +306,13 @@ def metric(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
+def metric_sum(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels`` (summed
+    over the others, e.g. ``gateway_requests_total`` by model and version); 0 when none."""
+    want = set(labels.items())
+    return sum(v for (n, lbl), v in samples.items() if n == name and want <= set(lbl))
+
+
 def out_intervals(hist: Iterable[dict[str, Any]], end: float) -> list[tuple[float, float]]:
     """Wall-clock intervals during which a backend was out of rotation (not ``warm``),
     from its transition history (``at`` unix seconds); an open one ends at ``end``."""

@@ -22,6 +22,7 @@ otherwise turn into a false regression.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -29,7 +30,7 @@ import openai
 import pytest
 import yaml
 
-from tests.lifecycle.support import metric, metric_samples
+from tests.lifecycle.support import metric, metric_samples, metric_sum
 from tests.support.rollout_traffic import (
     FAST_STEPS,
     MODEL,
@@ -39,6 +40,9 @@ from tests.support.rollout_traffic import (
 )
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread, gateway_config
+
+REQUESTS = "gateway_requests_total"
+CHAT = "/v1/chat/completions"
 
 
 def rollouts(url: str) -> list[dict[str, Any]]:
@@ -82,6 +86,7 @@ def test_good_canary_is_promoted_through_every_step(servers: Servers) -> None:
     servers.add("a", "v1")
     for name in ("b1", "b2", "b3"):
         servers.add(name, "v2")
+    servers.add("c", None, model="m0")  # a model whose backend has no model_version
     plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
             **FAST_STEPS}
     with GatewayThread(config(servers.backends, rollouts=[plan])) as gw:
@@ -106,9 +111,13 @@ def test_good_canary_is_promoted_through_every_step(servers: Servers) -> None:
         assert decisions(gw.url) == {("pass", "ok"): 1, ("promoted", "ok"): 1}
         s = metric_samples(gw.url)
         assert metric(s, "gateway_rollout_step", model=MODEL) == 2
-        served = {v: metric(s, "gateway_version_requests_total", model=MODEL, version=v)
-                  for v in ("v1", "v2")}
+        # the share of traffic per version, from gateway_requests_total: each answer
+        # counted under the version of the backend that gave it, as the clients saw it
+        seen = Counter(servers.version_of[fp] for fp in traffic.versions)
+        served = {v: metric_sum(s, REQUESTS, model=MODEL, version=v) for v in ("v1", "v2")}
         assert served["v1"] and served["v2"], served
+        assert served == {"v1": seen["v1"], "v2": seen["v2"]}, (served, seen)
+        assert metric_sum(s, REQUESTS, model=MODEL) == len(traffic.versions)  # none as ""
         # promoted: every request goes to the canary now
         before = len(traffic.versions)
         after = Traffic(gw.url, clients=2)
@@ -116,6 +125,15 @@ def test_good_canary_is_promoted_through_every_step(servers: Servers) -> None:
         after.stop()
         assert after.failures == []
         assert {servers.version_of[fp] for fp in after.versions} == {"v2"}, before
+        # a model without versions (nor rollout): its requests counted under version ""
+        plain = Traffic(gw.url, clients=1, model="m0")
+        assert wait_for(lambda: len(plain.versions) >= 4, 10)
+        plain.stop()
+        assert plain.failures == []
+        s = metric_samples(gw.url)
+        m0 = {lbl: v for (n, lbl), v in s.items() if n == REQUESTS and ("model", "m0") in lbl}
+        assert {dict(lbl)["version"] for lbl in m0} == {""}, m0
+        assert sum(m0.values()) == len(plain.versions), m0
 
 
 def _runs(versions: list[str]) -> list[str]:
@@ -248,8 +266,11 @@ def test_a_model_without_rollout_routes_as_before(servers: Servers) -> None:
                         == 2, 10)  # both versions of m2 serve it: versions ignored
         traffic.stop()
         assert traffic.failures == []
+        # no rollout, yet each answer counted under its backend's version
         s = metric_samples(gw.url)
-        assert metric(s, "gateway_version_requests_total", model="m2", version="old") is None
+        seen = Counter(servers.version_of[fp] for fp in traffic.versions)
+        assert {v: metric_sum(s, REQUESTS, model="m2", version=v) for v in ("old", "new", "")} \
+            == {"old": seen["old"], "new": seen["new"], "": 0}, seen
         assert rollout(gw.url)["served"] == {"baseline": 0, "canary": 0}
 
 
@@ -271,7 +292,26 @@ def test_a_version_without_a_routable_backend_falls_back_to_the_other(
         assert snap["status"] == "running" and snap["fallbacks"].get("v2", 0) > 0, snap
         s = metric_samples(gw.url)
         assert metric(s, "gateway_rollout_fallbacks_total", model=MODEL, version="v2")
-        assert metric(s, "gateway_version_requests_total", model=MODEL, version="v2") is None
+        # counted under the version that served them (v1), not the one assigned (v2)
+        assert metric_sum(s, REQUESTS, model=MODEL, version="v2") == 0
+        assert metric_sum(s, REQUESTS, model=MODEL, version="v1") == len(traffic.versions)
+        # refused before any backend answered: an invalid body (no messages) is refused
+        # before the rollout assigns a version: version ""; with no backend of the model
+        # left, refused after the assignment: the version assigned (v1 or v2)
+        r = httpx.post(gw.url + CHAT, json={"model": MODEL}, timeout=10)
+        assert r.status_code == 400, r.text
+        servers.threads[0].stop()  # the baseline's only backend too
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 2}
+        codes = [httpx.post(gw.url + CHAT, json=body, timeout=30).status_code
+                 for _ in range(6)]
+        assert set(codes) <= {429, 502, 503}, codes  # the gateway's own refusals
+        s = metric_samples(gw.url)
+        assert metric(s, REQUESTS, endpoint=CHAT, model=MODEL, status="400", version="") == 1
+        refused = {lbl: v for (n, lbl), v in s.items() if n == REQUESTS
+                   and ("model", MODEL) in lbl and dict(lbl)["status"] in ("429", "502", "503")}
+        assert sum(refused.values()) == len(codes), refused
+        assert {dict(lbl)["version"] for lbl in refused} <= {"v1", "v2"}, refused
 
 
 def test_the_batcher_places_by_version_and_admin_routes_need_the_admin_key(

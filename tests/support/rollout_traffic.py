@@ -34,14 +34,18 @@ class Servers:
         self.version_of: dict[str, str] = {}  # system_fingerprint -> version
         self.backends: list[dict[str, Any]] = []
 
-    def add(self, name: str, version: str, model: str = MODEL, **release: Any) -> str:
+    def add(self, name: str, version: str | None, model: str = MODEL, **release: Any) -> str:
+        """Start server ``name`` of ``model`` at ``version`` (None: a backend without
+        ``model_version``, known as version "")."""
         t = SimServerThread(SimConfig(model=model, engine_label=name, engine=ENGINE,
                                       release=ReleaseConfig(**release)))
         url = t.start()
         self.threads.append(t)
-        self.version_of[t.state.fingerprint] = version
-        self.backends.append({"id": name, "url": url, "models": [model],
-                              "model_version": version})
+        self.version_of[t.state.fingerprint] = version or ""
+        backend: dict[str, Any] = {"id": name, "url": url, "models": [model]}
+        if version is not None:
+            backend["model_version"] = version
+        self.backends.append(backend)
         return url
 
     def stop(self) -> None:

@@ -205,13 +205,15 @@ def test_demo_builtin_fleet_is_the_repository_demo_config() -> None:
 
 
 def counted(url: str) -> dict[tuple[str, str, str], float]:
-    """``gateway_requests_total`` as ``{(endpoint, model, status): count}`` (with the
-    ``gateway_request_duration_seconds`` count under ``(endpoint, model, "duration")``)."""
+    """``gateway_requests_total`` as ``{(endpoint, model, status): count}``, summed over
+    ``version`` (with the ``gateway_request_duration_seconds`` count under
+    ``(endpoint, model, "duration")``)."""
     out: dict[tuple[str, str, str], float] = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
         for s in fam.samples:
             if s.name == "gateway_requests_total":
-                out[(s.labels["endpoint"], s.labels["model"], s.labels["status"])] = s.value
+                key = (s.labels["endpoint"], s.labels["model"], s.labels["status"])
+                out[key] = out.get(key, 0.0) + s.value
             elif s.name == "gateway_request_duration_seconds_count":
                 out[(s.labels["endpoint"], s.labels["model"], "duration")] = s.value
     return out

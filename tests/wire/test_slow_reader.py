@@ -133,7 +133,7 @@ def test_client_that_stops_reading_is_not_a_client(backends, gateway, path, batc
         r = httpx.post(gw.url + path, json=BODIES[path], timeout=10)
         assert r.status_code == 200, r.text
         assert g.metrics.client_disconnects.labels(path)._value.get() == 1
-        assert g.metrics.requests.labels(path, "m1", "499")._value.get() == 1
+        assert g.metrics.requests.labels(path, "m1", "499", "")._value.get() == 1
         assert g.metrics.upstream_attempts.labels("a", "client_gone")._value.get() == 1
         assert b.breaker.consecutive == 0  # not the backend's fault
     finally:
@@ -194,4 +194,4 @@ def test_slow_steady_reader_is_a_client(backends, gateway, path):
     assert end in buf and b"error" not in buf
     g = gw.gateway
     assert g.metrics.client_disconnects.labels(path)._value.get() == 0
-    assert g.metrics.requests.labels(path, "m1", "200")._value.get() == 1
+    assert g.metrics.requests.labels(path, "m1", "200", "")._value.get() == 1

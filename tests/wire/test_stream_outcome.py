@@ -110,7 +110,7 @@ def attempts(g, outcome: str) -> float:
 
 
 def requests(g, path: str, status: int) -> float:
-    return g.metrics.requests.labels(path, "m1", str(status))._value.get()
+    return g.metrics.requests.labels(path, "m1", str(status), "")._value.get()
 
 
 def stream_errors(g) -> float:
