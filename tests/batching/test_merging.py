@@ -18,7 +18,7 @@ import openai
 from gateway.sim import SimServerThread
 from tests.batching.conftest import MODEL
 from tests.support.scripted import wait_for
-from tests.support.servers import GatewayThread
+from tests.support.servers import GatewayThread, gateway_config
 
 N = 8
 # fixed-wait batcher, 8 per batch, a wait long enough for 8 concurrent requests to gather
@@ -84,6 +84,21 @@ def test_embeddings_merged_and_split_exactly(sim, batching_gateway) -> None:
     series = f'{{endpoint="/v1/embeddings",model="{MODEL}"}} {N}.0'
     assert f"gateway_request_duration_seconds_count{series}" in merged_total
     assert f"gateway_time_to_first_byte_seconds_count{series}" in merged_total
+
+
+def test_merged_members_counted_under_the_answering_backends_version(sim) -> None:
+    """Each member of a merged request is counted in ``gateway_requests_total`` under the
+    ``model_version`` of the backend that answered the merged request (``v7``)."""
+    s = sim()
+    cfg = gateway_config([{"id": "a", "url": s.url, "max_num_seqs": 16,
+                           "model_version": "v7"}], **MERGING)
+    with GatewayThread(cfg) as gw:
+        client = sdk(gw.url)
+        concurrently(lambda i: client.embeddings.create(model=MODEL, input=[[5 + i] * 3]))
+        text = httpx.get(gw.url + "/metrics").text
+    assert 'gateway_merged_requests_total{endpoint="/v1/embeddings",outcome="ok"}' in text
+    label = f'endpoint="/v1/embeddings",model="{MODEL}",status="200"'
+    assert f'gateway_requests_total{{{label},version="v7"}} {N}.0' in text, text
 
 
 def test_text_embeddings_base64_split(sim, batching_gateway) -> None:

@@ -18,6 +18,7 @@ from tests.support.scripted import (
     default_script,
     models_obj,
 )
+from tests.support.servers import GatewayThread, gateway_config
 
 CHAT = "/v1/chat/completions"
 SLOW_S = 0.4  # the non-streaming answer's delay; the stream's end after its first event
@@ -95,3 +96,37 @@ def test_streaming_and_non_streaming_requests_in_both_histograms(backends, gatew
     assert m.get(("gateway_requests_total",
                   (("endpoint", CHAT), ("model", "slow"), ("status", "200"),
                    ("version", "")))) == 1.0
+
+
+def test_requests_counted_under_the_version_of_the_backend_that_answered(backends):
+    """``gateway_requests_total``'s ``version``: the ``model_version`` of the backend whose
+    answer the client got, a stream or not (``m1`` on ``a``, version ``v1``), and of the
+    backend whose own error answer was relayed (``m2`` on ``b``, ``v2``, answers 500: no
+    other backend takes it, the 500 goes to the client as sent); no rollout needed."""
+
+    async def failing(req: Received, conn: Conn) -> None:
+        await conn.send_json(500, {"error": {"message": "boom", "type": "InternalServerError",
+                                             "param": None, "code": 500}})
+
+    a = backends(models=("m1",))
+    b = backends(failing, models=("m2",))
+    cfg = gateway_config([
+        {"id": "a", "url": a.url, "models": ["m1"], "model_version": "v1"},
+        {"id": "b", "url": b.url, "models": ["m2"], "model_version": "v2"},
+    ])
+    with GatewayThread(cfg) as gw:
+        gw.wait_ready(routable=2)
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        client.chat.completions.create(model="m1", messages=msgs)  # type: ignore[arg-type]
+        list(client.chat.completions.create(model="m1", messages=msgs,  # type: ignore[arg-type]
+                                            stream=True))
+        r = httpx.post(gw.url + CHAT, json={"model": "m2", "messages": msgs}, timeout=10)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "boom", r.text
+        m = {k: v for k, v in samples(gw.url).items() if k[0] == "gateway_requests_total"}
+    assert m == {
+        ("gateway_requests_total",
+         (("endpoint", CHAT), ("model", "m1"), ("status", "200"), ("version", "v1"))): 2.0,
+        ("gateway_requests_total",
+         (("endpoint", CHAT), ("model", "m2"), ("status", "500"), ("version", "v2"))): 1.0,
+    }, m
