@@ -90,6 +90,7 @@ def create_app(
         gw.reloader.start()
         if gw.coord is not None:  # fleet mode: one config for the fleet (coord.config_sync)
             gw.reloader.join_fleet(gw.coord.share_config())
+        gw.reloader.restore_at_start("backends")  # a restart: kept baselines and holds
         if gw.coord is not None:
             await gw.coord.connect()  # fleet mode: the shared store before the loops
         await gw.controller.start()
@@ -116,10 +117,19 @@ def create_app(
             gw.controller.add_loop("config_watch", cfg.reload.watch_interval_s,
                                    gw.reloader.watch_round)
         _start_rollouts(gw)
+        gw.reloader.restore_at_start("rollouts")  # a restart: rollouts where they were
+        if cfg.reload.state_dir is not None:
+            reloader = gw.reloader
+
+            async def checkpoint() -> None:
+                reloader.checkpoint()
+
+            gw.controller.add_loop("config_checkpoint", cfg.reload.checkpoint_s, checkpoint)
         try:
             yield
         finally:
             gw.shutting_down = True
+            gw.reloader.checkpoint()  # the state a restart takes up
             await gw.controller.stop()
             if gw.coord is not None:
                 await gw.coord.stop()

@@ -1520,7 +1520,9 @@ class ReloadConfig(_Strict):
     ``state_dir`` when set (one JSON file each, mode 0600: they hold what the config
     holds, inline keys included), so that a restart starts from the last applied config
     when the config file is the one it started from (an edited file wins). Null: kept in
-    memory only, and a restart starts from the file.
+    memory only, and a restart starts from the file. Each snapshot also keeps the state
+    needed to return to it (calibration baselines, holds, rollouts:
+    :mod:`gateway.reload_state`), saved every ``checkpoint_s`` while it runs.
 
     Fleet mode (``coordination.redis_url``): a change reaches every replica and the last
     ``keep`` are kept in the shared store too (:mod:`gateway.coord.config_sync`); this
@@ -1530,6 +1532,11 @@ class ReloadConfig(_Strict):
     keep: int = Field(3, ge=1, le=100, description="applied configs kept")
     watch: bool = Field(False, description="re-read the config file when its content changes")
     watch_interval_s: float = Field(2.0, gt=0, description="seconds between file checks")
+    checkpoint_s: float = Field(
+        10.0, gt=0,
+        description="seconds between two saves of the running state (calibration baselines, "
+        "holds, rollouts) with the running snapshot, when changed (also at each change and "
+        "at stop): what a restart loses at most")
 
 
 class GatewayConfig(BaseSettings):

@@ -8,7 +8,9 @@ the state directory), when (Unix seconds), how (``start``, ``file``, ``sighup``,
 fleet's version), the config itself (``model_dump(mode="json")``), the digest of
 that config (sha256 of its canonical JSON), the digest of the config *file* the gateway
 was started from (the rule for a restart, :meth:`ConfigHistory.resume`), and what the
-change did (:meth:`gateway.config_diff.ReloadPlan.summary`).
+change did (:meth:`gateway.config_diff.ReloadPlan.summary`), and the state needed to return
+to it (calibration baselines, holds, rollouts: :mod:`gateway.reload_state`), refreshed while
+it runs (:meth:`ConfigHistory.keep_state`).
 
 On disk: ``<state_dir>/config-history/<version>.json``, written atomically (a temporary
 file, fsync, rename) with mode 0600 (a config may hold inline keys), the oldest deleted
@@ -25,7 +27,7 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,12 +127,26 @@ class Snapshot:
     file_digest: str | None
     config: dict[str, Any]
     summary: dict[str, Any]
+    state: dict[str, Any] = field(default_factory=dict)
 
     def view(self, with_config: bool = False) -> dict[str, Any]:
-        """JSON for the admin API: everything but the config, or with it redacted."""
-        out = {k: v for k, v in asdict(self).items() if k != "config"}
+        """JSON for the admin API: everything but the config and the state (of which a
+        count per part: calibration baselines, holds, rollouts by model with status and
+        step), or with both (the config redacted)."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("config", "state")}
+        st = self.state
+        rollouts = st.get("rollouts") or {}
+        out["state"] = {
+            "calibration_baselines": len(st.get("calibration") or {}),
+            "holds": {b: h.get("kind") for b, h in (st.get("holds") or {}).items()
+                      if isinstance(h, Mapping)},
+            "rollouts": {m: {"status": r.get("machine", {}).get("status"),
+                             "step": r.get("machine", {}).get("step")}
+                         for m, r in rollouts.items() if isinstance(r, Mapping)},
+        }
         if with_config:
             out["config"] = redact(self.config)
+            out["state"]["kept"] = st
         return out
 
 
@@ -178,10 +194,25 @@ class ConfigHistory:
             return None
         return last
 
+    def keep_state(self, version: int, state: dict[str, Any]) -> bool:
+        """Make ``state`` the kept state of snapshot ``version`` (rewritten on disk when it
+        changed). Returns whether anything changed. Raises ``OSError`` when it cannot be
+        written (the snapshot keeps its former state then)."""
+        old = self.get(version)
+        if old is None or old.state == state:
+            return False
+        snap = replace(old, state=state)
+        if self.dir is not None:
+            self._write(snap)
+        self.snapshots = [snap if s.version == version else s for s in self.snapshots]
+        return True
+
     def record(self, config: dict[str, Any], source: str, file_digest: str | None,
-               summary: dict[str, Any], now: float, version: int | None = None) -> Snapshot:
+               summary: dict[str, Any], now: float, version: int | None = None,
+               state: dict[str, Any] | None = None) -> Snapshot:
         """Keep ``config`` as the newest snapshot (``now``: Unix seconds); the oldest beyond
-        ``keep`` is dropped (and its file deleted). ``version``: the number to give it (fleet
+        ``keep`` is dropped (and its file deleted); ``state``: the state it starts from
+        (:mod:`gateway.reload_state`). ``version``: the number to give it (fleet
         mode: the fleet's, allocated by the shared store, :mod:`gateway.coord.config_sync`);
         default the last one's + 1. Kept snapshots numbered ``version`` or above (a history
         from before this replica joined the fleet's sequence) are dropped first, so the
@@ -189,7 +220,8 @@ class ConfigHistory:
         (nothing changes then)."""
         if version is None:
             version = max(self.last.version if self.last else 0, self._highest) + 1
-        snap = Snapshot(version, now, source, digest(config), file_digest, config, summary)
+        snap = Snapshot(version, now, source, digest(config), file_digest, config, summary,
+                        state or {})
         if self.dir is not None:
             self._write(snap)
         self._highest = max(self._highest, version)

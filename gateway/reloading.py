@@ -51,6 +51,7 @@ from gateway.config_history import ConfigHistory, Snapshot, digest
 from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, with_local
 from gateway.coord.link import CoordinationUnavailable
 from gateway.reload_input import InvalidConfig, read_config, source_digest, text_digest
+from gateway.reload_state import capture, restore
 from gateway.routing.policy import LoadThermalPolicy
 
 if TYPE_CHECKING:
@@ -144,11 +145,44 @@ class Reloader:
             return
         try:
             snap = self.history.record(data, "start", self.file_digest, {"changed": []},
-                                       self.wall())
+                                       self.wall(), state=last.state if last else None)
         except OSError as e:
             log.error("config history: cannot write to %s: %s", self.history.dir, e)
             return
         self._set_version(snap.version)
+
+    def restore_at_start(self, phase: str) -> None:
+        """A restart's return to the state kept with the last snapshot (the running config's
+        own, or the one before an edited file; :func:`gateway.reload_state.restore`):
+        ``phase`` ``backends`` (baselines and holds: before the first probe round; not in
+        fleet mode, whose shared store keeps them) or ``rollouts`` (once the config's
+        rollouts have been started). Never raises."""
+        last = self.history.last
+        if last is None or not last.state:
+            return
+        gw = self.gw
+        if phase == "backends":
+            if self.fleet is not None:
+                return
+            done = restore(gw.controller, None, last.state, at_start=True)
+        else:
+            done = restore(None, gw.rollouts, last.state, at_start=True)
+        if done:
+            log.info("config: restored from version %d's kept state: %s", last.version,
+                     ", ".join(done))
+
+    def checkpoint(self) -> None:
+        """Keep the running state with the running snapshot (written only when it changed;
+        the ``config_checkpoint`` loop, a config change, the gateway's stop). Never
+        raises: a state directory that cannot be written is logged."""
+        last = self.history.last
+        if last is None:
+            return
+        try:
+            self.history.keep_state(last.version, capture(self.gw.controller,
+                                                          self.gw.rollouts))
+        except OSError as e:
+            log.error("config history: cannot write to %s: %s", self.history.dir, e)
 
     def _set_version(self, version: int) -> None:
         self.gw.metrics.config_version.set(version)
@@ -224,9 +258,10 @@ class Reloader:
                     "that every replica applies it; nothing changed on any replica", plan
                 ) from None
             version = published.version
+        self.checkpoint()  # the state of the config left, for a rollback to it
         try:
             snap = self.history.record(data, source, from_file, plan.summary(), self.wall(),
-                                       version)
+                                       version, capture(gw.controller, gw.rollouts))
         except OSError as e:
             if self.fleet is not None:  # published: the sync round tries it again
                 self.fleet.seen = None
@@ -315,7 +350,16 @@ class Reloader:
         except ConfigError as e:
             self.gw.metrics.config_reloads.labels("rollback", "invalid").inc()
             raise ReloadRefused(str(e)) from None
-        return await self.apply(new, "rollback")
+        own = self.history.get(target.version)  # fleet mode: this replica's own copy
+        state = own.state if own is not None and own.state else target.state
+        result = await self.apply(new, "rollback")  # (may drop the oldest kept: target)
+        if state:
+            done = restore(self.gw.controller if self.fleet is None else None,
+                           self.gw.rollouts, state, at_start=False, returned=result.added)
+            if done:
+                log.info("config: rollback to version %d: restored %s", target.version,
+                         ", ".join(done))
+        return result
 
     async def kept(self) -> list[Snapshot]:
         """The kept configs, oldest first (fleet mode: the store's; :class:`ReloadUnpublished`

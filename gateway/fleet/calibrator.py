@@ -69,6 +69,14 @@ class Calibrator:
         answers, endpoint = await self.shared.offer_baseline(backend, baseline)
         backend.baseline_taken(answers, endpoint if answers is not None else None)
 
+    def restore_baseline(self, backend: Backend, answers: dict[str, object],
+                         endpoint: str | None) -> None:
+        """Give ``backend`` a kept baseline back (a config snapshot's:
+        :mod:`gateway.reload_state`): compared against it from the next calibration."""
+        backend.baseline_taken(answers, endpoint)
+        log.info("backend %s: calibration baseline restored from a config snapshot",
+                 backend.id)
+
     def unserved(self, backend: Backend, model: str, check: str, detail: str) -> None:
         """:func:`gateway.fleet.unserved.report_unserved` with this calibrator's parts."""
         report_unserved(self.metrics, self.endpoints, backend, model, check, detail)

@@ -36,9 +36,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.config_rollouts import RolloutConfig, version_problem
 from gateway.core.vocab import Prio
@@ -265,8 +265,68 @@ class Rollouts:
                     and run.origin == "config"):
                 self._config_rollbacks.append((run.config_version, rec.reason))
         run.handled = len(r.history)
+        self._export_step(run)
+
+    def _export_step(self, run: RolloutRun) -> None:
+        """``gateway_rollout_step{model}``: the step running, the number of steps once
+        promoted, -1 once rolled back."""
+        r = run.rollout
         step = {"running": r.step, "promoted": len(r.plan.steps), "rolled_back": -1}
-        m.rollout_step.labels(model).set(step[r.status])
+        self.metrics.rollout_step.labels(run.cfg.model).set(step[r.status])
+
+    # ---- kept with the config snapshots --------------------------------------------------
+    def state(self) -> dict[str, dict[str, Any]]:
+        """Every rollout's state by model (JSON-ready; kept with each config snapshot,
+        :mod:`gateway.reload_state`): its config, id, origin, the config version that
+        started it, when it started (Unix seconds), its fallbacks and the state machine's
+        :meth:`gateway.traffic.rollout.Rollout.state`."""
+        now = self.clock()
+        return {model: {"config": run.cfg.model_dump(mode="json"),
+                        "id": run.rollout.plan.rollout_id, "origin": run.origin,
+                        "config_version": run.config_version,
+                        "started_unix": run.started_unix, "fallbacks": dict(run.fallbacks),
+                        "machine": run.rollout.state(now)}
+                for model, run in self.runs.items()}
+
+    def restore(self, states: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """Take up the rollouts of ``states`` (:meth:`state`, from a kept snapshot) where
+        they belong: a model's rollout is restored when none is known here, or when the one
+        here is the same config entry that has not decided anything yet (the one
+        :meth:`sync` just started for it at a restart or a rollback); one whose versions
+        the fleet no longer serves, or that does not parse, is skipped (logged). Returns
+        the models restored."""
+        now = self.clock()
+        out: list[str] = []
+        for model, st in states.items():
+            have = self.runs.get(model)
+            try:
+                cfg = RolloutConfig.model_validate(st["config"])
+                if st["origin"] not in ("config", "admin"):
+                    raise ValueError(f"origin {st['origin']!r}")
+                if have is not None and (have.cfg != cfg or have.rollout.history
+                                         or have.rollout.prior):
+                    continue
+                if self.version_problem(cfg) is not None:
+                    log.warning("rollout of %s not restored: %s", model,
+                                self.version_problem(cfg))
+                    continue
+                run = RolloutRun(cfg, Rollout(plan_of(cfg, str(st["id"])), now,
+                                              random.Random()),
+                                 st["origin"], st.get("config_version"),
+                                 float(st["started_unix"]),
+                                 {str(k): int(v) for k, v in (st.get("fallbacks") or {}).items()})
+                run.rollout.resume(st["machine"], now)
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("rollout of %s not restored: its kept state is not one (%s)",
+                            model, e)
+                continue
+            self.runs[model] = run
+            self._export_step(run)
+            r = run.rollout
+            log.info("rollout %s of %s: restored (%s) at step %d, %s", r.plan.rollout_id,
+                     model, run.origin, r.step, r.status)
+            out.append(model)
+        return out
 
     # ---- the admin view -----------------------------------------------------------------
     def view(self) -> list[dict[str, object]]:

@@ -39,9 +39,9 @@ import hashlib
 import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.core.vocab import Prio
 from gateway.traffic.calibration_match import CalibrationMeasure, probe_matches
@@ -182,6 +182,7 @@ class Rollout:
         self._holding = False
         self._last_check: float | None = None
         self._reference: Side | None = None
+        self.prior: list[dict[str, object]] = []  # decisions before a resume (JSON)
         self._new_window()
 
     def _new_window(self) -> None:
@@ -372,5 +373,54 @@ class Rollout:
             "calibration": {"probes": self.probes, "failures": self.probe_failures,
                             "measure": p.calibration},
             "comparison": self.last_comparison.to_json() if self.last_comparison else None,
-            "history": [r.to_json() for r in self.history],
+            "history": [*(dict(r) for r in self.prior),
+                        *(r.to_json() for r in self.history)],
         }
+
+    def state(self, now: float) -> dict[str, Any]:
+        """What a resume needs (JSON-ready; kept with the config snapshots, issue 18): the
+        status, the step and its age (seconds), requests served per version, the share
+        before a rollback, the calibration probe counts and the decisions (their ``at``
+        made relative: seconds before ``now``, negative)."""
+        history: list[dict[str, Any]] = self.snapshot(now)["history"]  # type: ignore[assignment]
+        return {
+            "status": self.status, "step": self.step,
+            "step_age_s": now - self.step_started_at,
+            "served": dict(self.served), "share_before_rollback": self.share_before_rollback,
+            "probes": self.probes, "probe_failures": self.probe_failures,
+            "history": [{**r, "at": float(r["at"]) - now} for r in history],
+        }
+
+    def resume(self, state: Mapping[str, Any], now: float) -> None:
+        """Take up a rollout from :meth:`state` (a restart, a config rollback): an ended one
+        keeps its routing (all to the baseline, or all to the canary); a running one goes
+        on at its step, with the step's time so far counted (``step_age_s``) but a new
+        window of samples (the old samples are not kept: a step decides on what it sees
+        after the resume). Its decisions so far are shown before new ones. Raises
+        ``KeyError`` / ``ValueError`` / ``TypeError`` for a state that is not one."""
+        status = state["status"]
+        if status not in ("running", "promoted", "rolled_back"):
+            raise ValueError(f"rollout status {status!r}")
+        step = int(state["step"])
+        if not 0 <= step < len(self.plan.steps):
+            raise ValueError(f"rollout step {step} of {len(self.plan.steps)}")
+        served = state.get("served") or {}
+        history = state.get("history") or []
+        if not isinstance(served, Mapping) or not isinstance(history, list):
+            raise TypeError("rollout state: served must be an object, history a list")
+        sb = state.get("share_before_rollback")
+        prior = [{**r, "at": now + float(r["at"])} for r in history]
+        self.status = status
+        self.step = step
+        self.step_started_at = now - max(0.0, float(state.get("step_age_s") or 0.0))
+        self.served = {"baseline": int(served.get("baseline", 0)),
+                       "canary": int(served.get("canary", 0))}
+        self.share_before_rollback = None if sb is None else float(sb)
+        self.probes = int(state.get("probes") or 0)
+        self.probe_failures = int(state.get("probe_failures") or 0)
+        self.prior = prior
+        self.history = []
+        self._holding = False
+        self._last_check = None
+        self._reference = None
+        self._new_window()

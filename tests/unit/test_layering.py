@@ -49,8 +49,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    coord.affinity: response ids)
     ("gateway.flow.*", "gateway.coord.*"),
     # 4: the component container (Gateway) and build_gateway
-    #    (gateway.reloading: live reload, applied to the Gateway)
-    ("gateway.wiring", "gateway.reloading"),
+    #    (gateway.reloading: live reload, applied to the Gateway; gateway.reload_state: the
+    #    state kept with its snapshots)
+    ("gateway.wiring", "gateway.reloading", "gateway.reload_state"),
     # 5: the HTTP edge (gateway.api.forms: multipart bodies; gateway.api.responses: by-id)
     ("gateway.api.*",),
     # 6: the ASGI app and its lifespan

@@ -228,3 +228,40 @@ def test_the_window_keeps_a_bounded_uniform_sample() -> None:
     assert res.seen == 20_000 and len(res.values) == 200
     assert 7000 < sum(res.values) / 200 < 13_000  # uniform over 0..19 999: mean ~10 000
     assert max(res.values) > 15_000  # late values get in too
+
+
+def test_a_resumed_rollout_goes_on_at_its_step_with_its_decisions_and_state_round_trips() -> None:
+    """``state`` -> JSON -> ``resume`` (a restart, a config rollback): the step, its age,
+    the counts and the decisions carry over; the window starts empty, so the resumed step
+    decides on new samples; ended rollouts keep their routing."""
+    rng = random.Random(5)
+    r = Rollout(QUICK, 0.0, random.Random(6))
+    now = feed(r, rng, 0.0, 1200)  # 120 s: step 0 passed
+    while r.step < 2 and now < 2000:
+        now = feed(r, rng, now, 10)
+    assert r.status == "running" and r.step == 2
+    age = now - r.step_started_at
+    saved = json.loads(json.dumps(r.state(now)))
+    # the same plan in another process, 1000 s of clock later
+    later = 1000.0 + now
+    again = Rollout(QUICK, later, random.Random(7))
+    again.resume(saved, later)
+    assert (again.status, again.step, again.served) == ("running", 2, r.served)
+    assert again.step_started_at == pytest.approx(later - age)
+    assert [h["outcome"] for h in again.snapshot(later)["history"]] == ["pass", "pass"]
+    assert again.snapshot(later)["history"][0]["at"] == pytest.approx(  # type: ignore[index]
+        later - (now - r.history[0].at))
+    assert again.compare().decision == "insufficient"  # a new window
+    end = feed(again, rng, later, 3000)  # goes on from step 2 to the end
+    assert again.status == "promoted", again.snapshot(end)["history"]
+    assert [h["step"] for h in again.snapshot(end)["history"]] == [0, 1, 2, 3, 4]  # type: ignore[index]
+    # an ended rollout keeps its routing
+    back = Rollout(QUICK, 0.0, random.Random(8))
+    back.rollback(1.0, "operator")
+    resumed = Rollout(QUICK, 5.0, random.Random(9))
+    resumed.resume(json.loads(json.dumps(back.state(2.0))), 5.0)
+    assert resumed.status == "rolled_back"
+    assert resumed.assign(None, None, Prio.NORMAL, 6.0) == "baseline"
+    for bad in ({"status": "paused", "step": 0}, {"status": "running", "step": 9}, {}):
+        with pytest.raises((KeyError, ValueError)):
+            Rollout(QUICK, 0.0, random.Random(1)).resume(bad, 0.0)
