@@ -94,6 +94,8 @@ def test_good_canary_is_promoted_through_every_step(servers: Servers) -> None:
         assert snap["status"] == "promoted", snap["history"]
         assert [h["outcome"] for h in snap["history"]] == ["pass", "promoted"]
         assert traffic.failures == []
+        print(f"\ngood canary promoted through {len(snap['steps'])} steps: "
+              f"{len(traffic.versions)} requests, 0 failed")
         # each decision with its numbers and times
         cmp = snap["history"][0]["comparison"]
         assert {m["metric"] for m in cmp["metrics"]} == {"calibration", "ttft", "itl",
@@ -171,6 +173,9 @@ def test_slow_canary_from_a_config_change_rolls_back_and_returns_the_config(
         served = snap["served"]
         total = served["baseline"] + served["canary"]
         assert served["canary"] <= first * total + plan["min_step_requests"], served
+        print(f"\nslow canary (TTFT x1.5) rolled back at step 0 ({first:.0%}): it served "
+              f"{served['canary']} of {total} requests ({served['canary'] / total:.1%}); "
+              f"bound {first:.0%} x {total} + {plan['min_step_requests']}")
         assert snap["share_before_rollback"] is not None
         assert decisions(gw.url) == {("rolled_back", "ttft"): 1}
         assert metric(metric_samples(gw.url), "gateway_rollout_step", model=MODEL) == -1
@@ -206,6 +211,11 @@ def test_drifted_canary_rolls_back_on_calibration_though_fast(servers: Servers) 
         # the canary is as fast as the baseline by construction (no ttft / itl factor):
         # calibration's failure decides, whatever the latencies say
         assert snap["calibration"]["failures"] > 0.02 * snap["calibration"]["probes"]
+        served = snap["served"]
+        print(f"\ndrifted canary rolled back at step 0 on calibration "
+              f"({snap['calibration']['failures']}/{snap['calibration']['probes']} probes "
+              f"failed): it served {served['canary']} of "
+              f"{served['baseline'] + served['canary']} requests")
         assert traffic.failures == []
         assert decisions(gw.url) == {("rolled_back", "calibration"): 1}
         # an admin rollout returns no config
