@@ -40,6 +40,18 @@ def backend(url: str, bid: str) -> dict[str, Any]:
     return next(b for b in admin(url) if b["id"] == bid)
 
 
+def assert_held_out(url: str, held: Any) -> None:
+    """Six chat requests through the gateway at ``url``: none reaches the simulator
+    ``held``, and its backend ``b`` is not warm."""
+    served = held.chat_requests()
+    client = sdk(url)
+    for i in range(6):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4)
+    assert held.chat_requests() == served
+    assert backend(url, "b")["state"] != "warm"
+
+
 def test_a_restart_takes_up_the_kept_holds_rollouts_and_calibration_baselines(
     sims: Any, tmp_path: Any,
 ) -> None:
@@ -68,13 +80,7 @@ def test_a_restart_takes_up_the_kept_holds_rollouts_and_calibration_baselines(
         gw.wait_ready(timeout=20, routable=1)
         # the operator's drain holds: b is out and serves nothing
         assert backend(gw.url, "b")["hold"] == "admin_drain"
-        served_b = b.chat_requests()
-        client = sdk(gw.url)
-        for i in range(6):
-            client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4)
-        assert b.chat_requests() == served_b
-        assert backend(gw.url, "b")["state"] != "warm"
+        assert_held_out(gw.url, b)
         # the rollout rolled back before the restart stays rolled back, with its decision
         ro = next(x for x in httpx.get(gw.url + "/admin/rollouts", timeout=5).json()["data"]
                   if x["model"] == MODEL)
@@ -103,11 +109,5 @@ def test_a_rollback_brings_a_removed_backend_back_with_its_hold(sims: Any,
         assert rb.status_code == 200, rb.text
         assert ids(gw) == {"a", "b"}
         assert backend(gw.url, "b")["hold"] == "admin_drain"
-        served_b = b.chat_requests()
         time.sleep(1.0)  # a fresh backend would be probed warm by now
-        client = sdk(gw.url)
-        for i in range(6):
-            client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4)
-        assert b.chat_requests() == served_b
-        assert backend(gw.url, "b")["state"] != "warm"
+        assert_held_out(gw.url, b)
