@@ -92,7 +92,7 @@ def status_view(gw: Gateway) -> dict[str, Any]:
         serving = [b for b in backends if b.serves(model)]
         routable = sum(1 for b in serving if b.routable)
         ttft_now, _ = gw.accounting.model_p99_ttft(model, now_s, min_samples)
-        recent = rec.rollup.summary(model, now, now_s, min_samples)
+        recent = rec.recent.summary(model, now, now_s, min_samples)
         hour = rec.rollup.summary(model, now, HOUR_S, min_samples)
         verdict = model_verdict(
             ModelInputs(model, routable, ttft_now, recent.itl_p99_s, level or 0),

@@ -2,7 +2,10 @@
 minute and the recent incidents, read from the owners' own reports.
 
 :class:`StatusRecorder` adds nothing to the request path. Its ``status`` loop
-(``status.tick_s``) reads what the owners already keep:
+(``status.tick_s``) reads what the owners already keep into two
+:class:`~gateway.traffic.status_rollup.MinuteRollup`: the last hour per minute
+(``rollup``) and the "now" window (``status.now_s``) per tick (``recent``; P99 TTFT now is
+the accounting's own, exact window):
 
 * answered requests and those with a 5xx, per model: the deltas of
   ``gateway_requests_total`` (only models a backend of the fleet serves, so a client's
@@ -78,7 +81,9 @@ class StatusRecorder:
         self.clock = clock
         self.wall = wall
         self.rollouts = rollouts
-        self.rollup = MinuteRollup(HOUR_S, 60.0)
+        self.rollup = MinuteRollup(HOUR_S, 60.0)  # the last hour, per minute
+        # the "now" window (status.now_s), per tick: its ITL P99 and 5xx share
+        self.recent = MinuteRollup(max(cfg.now_s, cfg.tick_s), cfg.tick_s)
         self.incidents = IncidentLog(cfg.incidents)
         self._ttft_read: dict[str, float] = {}  # model -> time of the newest sample read
         self._requests: dict[tuple[str, bool], float] = {}  # (model, 5xx) -> total read
@@ -128,7 +133,8 @@ class StatusRecorder:
             new = {err: totals.get((model, err), 0.0) - self._requests.get((model, err), 0.0)
                    for err in (False, True)}
             errors = int(new[True])
-            self.rollup.add_requests(model, now, int(new[False]) + errors, errors)
+            for rollup in (self.rollup, self.recent):
+                rollup.add_requests(model, now, int(new[False]) + errors, errors)
         self._requests.update(totals)
 
     def _read_ttft(self, now: float, served: set[str]) -> None:
@@ -162,6 +168,7 @@ class StatusRecorder:
                     last_finite = bound
                 if in_bucket > 0:
                     self.rollup.add_itl(model, now, value, in_bucket)
+                    self.recent.add_itl(model, now, value, in_bucket)
         self._itl.update(cumulative)
 
     def _read_trips(self, wall: float) -> None:

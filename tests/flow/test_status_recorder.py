@@ -55,6 +55,8 @@ def test_requests_5xx_and_first_tokens_of_served_models_only() -> None:
     asyncio.run(rec.round())  # read again: only what is new counts
     s = rec.rollup.summary("m1", clock.t, 3600)
     assert (s.requests, s.server_errors) == (11, 1)
+    late = rec.recent.summary("m1", clock.t, 5)  # the "now" window, to the tick
+    assert (late.requests, late.server_errors) == (1, 0)
     assert s.ttft_samples == 25
     assert s.ttft_p99_s == pytest.approx(3.0, rel=0.05)
     assert rec.rollup.models() == ["m1"]  # not the model no backend serves
@@ -78,6 +80,8 @@ def test_itl_histogram_buckets_become_samples() -> None:
     rec.tick()
     fresh = rec.rollup.summary("m1", clock.t, 60)
     assert fresh.itl_samples == 40 and fresh.itl_p99_s == pytest.approx(0.05, rel=0.05)
+    # the "now" window (status.now_s, 300 s) per tick: both ticks in it
+    assert rec.recent.summary("m1", clock.t, 300).itl_samples == 91
 
 
 def test_incidents_from_trips_rollbacks_and_transitions() -> None:

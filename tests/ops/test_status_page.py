@@ -147,13 +147,21 @@ def test_status_page_says_degraded_performance_in_a_browser_then_recovers(
 
         # recovery: fast answers again, and the slow ones leave the "now" window
         assert httpx.patch(faults, json={"added_latency_s": 0.0}, timeout=5).is_success
-        assert wait_for(lambda: status(url)["status"] == "operational", NOW_S + 10), status(url)
+
+        def recovered() -> bool:  # judged on fast streams, not said for want of any
+            view = status(url)
+            perf = view["models"][0]["performance"]
+            return view["status"] == "operational" and perf["ttft_p99_now_s"] is not None
+
+        assert wait_for(recovered, NOW_S + 10), status(url)
+        # no new streams: the window holds what was judged (a slow machine's hiccup in a
+        # stream after this cannot make the browser's load flap)
+        traffic.close()
+        fresh = status(url)["models"][0]["performance"]
         page, dom = load(binary, url + "/status", tmp_path / "profile",
                          tmp_path / "status-recovered.png")
         assert page.overall.strip() == "operational", dom[-3000:]
         assert "degraded performance" not in dom
-        fresh = status(url)["models"][0]["performance"]
-        assert fresh["ttft_p99_now_s"] is not None  # judged on fast streams, not on none
         assert fresh["ttft_p99_now_s"] <= SLO_TTFT_S
         # the last hour remembers the slowdown
         assert fresh["ttft_p99_hour_s"] > SLO_TTFT_S
