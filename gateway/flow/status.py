@@ -174,14 +174,15 @@ class StatusRecorder:
     def _read_trips(self, wall: float) -> None:
         for labels, value in _totals(self.metrics.breaker_trips, "_total"):
             key = (labels.get("backend", ""), labels.get("reason", ""))
-            for _ in range(int(value - self._trips.get(key, 0.0))):
+            new = int(value - self._trips.get(key, 0.0))
+            for _ in range(min(new, self.cfg.incidents)):  # no more than are kept
                 self.incidents.record(wall, "breaker_trip", key[0], key[1] or "opened")
             self._trips[key] = value
 
     def _read_rollbacks(self, wall: float) -> None:
         total = sum(v for labels, v in _totals(self.metrics.config_reloads, "_total")
                     if labels.get("source") == "rollback" and labels.get("outcome") == "applied")
-        for _ in range(int(total - self._rollbacks)):
+        for _ in range(min(int(total - self._rollbacks), self.cfg.incidents)):
             self.incidents.record(wall, "config_rollback", "config",
                                   "config returned to a kept version")
         self._rollbacks = total
