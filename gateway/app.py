@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from gateway.api import admin, autoscale, config_admin, ops, rollouts, zones
+from gateway.api import admin, autoscale, config_admin, ops, rollouts, status, zones
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
 from gateway.api.errors import install_error_handlers
@@ -117,6 +117,8 @@ def create_app(
             gw.controller.add_loop("config_watch", cfg.reload.watch_interval_s,
                                    gw.reloader.watch_round)
         _start_rollouts(gw)
+        if gw.status is not None:  # the status page's per-minute hour and incidents
+            gw.controller.add_loop("status", cfg.status.tick_s, gw.status.round)
         gw.reloader.restore_at_start("rollouts")  # a restart: rollouts where they were
         if cfg.reload.state_dir is not None:
             reloader = gw.reloader
@@ -161,6 +163,7 @@ def create_app(
     config_admin.install_routes(app)
     rollouts.install_routes(app)
     zones.install_routes(app)
+    status.install_routes(app)
     return GatewayApp(app, set(openai_api.SERVED_ROUTES) | set(cfg.proxy.passthrough_paths))
 
 

@@ -484,6 +484,27 @@ class SLOConfig(_Strict):
     itl_s: float = Field(0.1, gt=0, description="inter-token latency")
 
 
+class StatusConfig(_Strict):
+    """The status page (``GET /status``, ``/status.json``; :mod:`gateway.api.status`).
+
+    A model is "degraded performance" while its P99 TTFT or ITL over the last ``now_s``
+    seconds is over ``slo`` (judged from ``min_samples`` streams or more), and its last
+    hour is kept per minute (:mod:`gateway.traffic.status_rollup`). ``tick_s``: how often
+    the recorder reads the request counters, the new first tokens and the incidents'
+    sources (an incident's time is exact for backend transitions, to the tick for the
+    others)."""
+
+    now_s: float = Field(
+        300.0, gt=0, description="the 'now' window of P99 TTFT / ITL, seconds (5 min)"
+    )
+    min_samples: int = Field(
+        20, ge=1, description="streams needed in a window to judge its P99 (20: P99 rests "
+        "on the largest)"
+    )
+    tick_s: float = Field(2.0, gt=0, description="recorder period, seconds")
+    incidents: int = Field(100, ge=1, description="incidents kept (the newest)")
+
+
 class BreakerSettings(_Strict):
     """Per-backend circuit breaker (see :mod:`gateway.traffic.breaker`)."""
 
@@ -1553,6 +1574,7 @@ class GatewayConfig(BaseSettings):
     health: HealthConfig = Field(default_factory=HealthConfig)
     lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
     slo: SLOConfig = Field(default_factory=SLOConfig)
+    status: StatusConfig = Field(default_factory=StatusConfig)
     breaker: BreakerSettings = Field(default_factory=BreakerSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

@@ -41,6 +41,7 @@ from gateway.flow.pipeline import Pipeline
 from gateway.flow.responses import ResponseRouting
 from gateway.flow.rollout_probes import RolloutProbes
 from gateway.flow.rollouts import Rollouts
+from gateway.flow.status import StatusRecorder
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.upstream import Transport, UpstreamPool
 from gateway.reloading import Reloader
@@ -89,6 +90,8 @@ class Gateway:
     # canary rollouts (gateway.flow.rollouts; started by the lifespan from cfg.rollouts)
     rollouts: Rollouts | None = None
     rollout_probes: RolloutProbes | None = None  # their calibration rounds
+    # the status page's memory: the last hour per model, incidents (GET /status)
+    status: StatusRecorder | None = None
 
     @property
     def header_keys(self) -> tuple[bytes, bytes, bytes]:
@@ -263,7 +266,11 @@ def build_gateway(
 
     fleet.on_change(membership_changed)
     rollouts = Rollouts(metrics, fleet, clock, controller.wall)
+    status = StatusRecorder(cfg.status, fleet, accounting, metrics, clock, controller.wall,
+                            rollouts)
+    controller.state.listen(status.on_transition)  # drains, unhealthy: the status page
     return Gateway(
+        status=status,
         rollouts=rollouts,
         rollout_probes=RolloutProbes(rollouts, fleet, controller.calibrator, clock),
         cfg=cfg,

@@ -1,0 +1,149 @@
+"""The status page: ``GET /status`` (HTML) and ``GET /status.json`` (the same facts).
+
+Per model: availability (backends that can serve it now; the share of requests answered
+without a 5xx over the "now" window and the last hour), performance against the SLO (P99
+TTFT and ITL now and over the last hour), and the verdict words of
+:mod:`gateway.traffic.status_verdict`; for the gateway: the worst model's words,
+admission's degraded-mode level, backends by state and thermal tier, cooldowns running and
+the next one scheduled, and the recent incidents (:mod:`gateway.flow.status`). Read from
+memory; no backend is asked.
+
+Backends are named by id only (no URL, no key). Everything said about a backend is built
+in one place, :func:`backend_details`, so that a later restriction (issue 20: less detail
+for clients off the loopback) changes one function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+
+from gateway.api.status_page import render_html
+from gateway.core.vocab import BackendState
+from gateway.fleet.backend import Backend
+from gateway.flow.status import HOUR_S
+from gateway.traffic.status_verdict import ModelInputs, model_verdict, overall
+
+if TYPE_CHECKING:
+    from gateway.wiring import Gateway
+
+
+def _gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway  # starlette's State holds untyped attributes
+    return gw
+
+
+def _r(v: float | None, digits: int = 4) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def _tier(gw: Gateway, b: Backend, now: float) -> str:
+    """``b``'s thermal tier (``unknown`` without GPU telemetry)."""
+    if b.thermal is None:
+        return "unknown"
+    return gw.controller.gpu.view.status(b.id, now).tier.value
+
+
+def backend_details(gw: Gateway, backends: list[Backend], now: float) -> list[dict[str, Any]]:
+    """What the status page says of each backend: id, state, thermal tier, models, the
+    maintenance running there. The one place backend details are rendered (module
+    docstring): never a URL or a key."""
+    return [
+        {"id": b.id, "state": b.state.value, "tier": _tier(gw, b, now),
+         "models": list(b.models), "maintenance": b.maintenance}
+        for b in backends
+    ]
+
+
+def _cooldowns(gw: Gateway, now: float) -> dict[str, Any]:
+    """Backends resting now (``cooldown``) and the next medium cycle (the one that drains
+    and rests a backend: ``lifecycle.medium``) due by time, in seconds from now."""
+    backends = gw.fleet.backends
+    running = [b.id for b in backends if b.state is BackendState.COOLDOWN]
+    due = [(b.cycles.next_medium, b.id) for b in backends if math.isfinite(b.cycles.next_medium)]
+    nxt = None
+    if due:
+        at, bid = min(due)
+        nxt = {"backend": bid, "cycle": "medium", "in_s": round(max(0.0, at - now), 1)}
+    return {"running": running, "next": nxt}
+
+
+def status_view(gw: Gateway) -> dict[str, Any]:
+    """``/status.json``: ``status`` (the words), ``generated_at`` (Unix seconds), ``slo``,
+    ``windows_s`` (``now``, ``hour``), ``degraded_mode_level`` (None: degraded mode off),
+    ``models`` (each: ``model``, ``status``, ``reasons``, ``availability``,
+    ``performance``), ``backends`` (:func:`backend_details`), ``backend_states`` and
+    ``backend_tiers`` (counts), ``cooldowns``, ``incidents`` (newest first). Seconds
+    throughout; shares 0-1 (None: no requests in the window)."""
+    cfg = gw.cfg
+    rec = gw.status
+    assert rec is not None
+    now, wall = gw.controller.clock(), gw.controller.wall()
+    now_s, min_samples = cfg.status.now_s, cfg.status.min_samples
+    level = gw.gate.degraded.level if gw.gate.degraded is not None else None
+    backends = gw.fleet.backends
+    models = sorted(rec.served_models() | set(rec.rollup.models()))
+    entries: list[dict[str, Any]] = []
+    for model in models:
+        serving = [b for b in backends if b.serves(model)]
+        routable = sum(1 for b in serving if b.routable)
+        ttft_now, _ = gw.accounting.model_p99_ttft(model, now_s, min_samples)
+        recent = rec.recent.summary(model, now, now_s, min_samples)
+        hour = rec.rollup.summary(model, now, HOUR_S, min_samples)
+        verdict = model_verdict(
+            ModelInputs(model, routable, ttft_now, recent.itl_p99_s, level or 0),
+            cfg.slo.ttft_s, cfg.slo.itl_s)
+        entries.append({
+            "model": model,
+            "status": verdict.words,
+            "reasons": list(verdict.reasons),
+            "availability": {
+                "routable_backends": routable,
+                "backends": len(serving),
+                "answered_share_now": _r(recent.answered_share),
+                "answered_share_hour": _r(hour.answered_share),
+                "requests_now": recent.requests,
+                "requests_hour": hour.requests,
+            },
+            "performance": {
+                "ttft_p99_now_s": _r(ttft_now),
+                "ttft_p99_hour_s": _r(hour.ttft_p99_s),
+                "itl_p99_now_s": _r(recent.itl_p99_s),
+                "itl_p99_hour_s": _r(hour.itl_p99_s),
+                "streams_hour": hour.ttft_samples,
+            },
+        })
+    return {
+        "status": overall(e["status"] for e in entries),
+        "generated_at": round(wall, 3),
+        "slo": {"ttft_s": cfg.slo.ttft_s, "itl_s": cfg.slo.itl_s},
+        "windows_s": {"now": now_s, "hour": HOUR_S},
+        "degraded_mode_level": level,
+        "models": entries,
+        "backends": backend_details(gw, backends, now),
+        "backend_states": dict(Counter(b.state.value for b in backends)),
+        "backend_tiers": dict(Counter(_tier(gw, b, now) for b in backends)),
+        "cooldowns": _cooldowns(gw, now),
+        "incidents": [i.to_json() for i in rec.incidents.recent(50)],
+    }
+
+
+async def status_json(request: Request) -> Response:
+    """``GET /status.json``: :func:`status_view`."""
+    return JSONResponse(status_view(_gateway(request)))
+
+
+async def status_html(request: Request) -> Response:
+    """``GET /status``: :func:`status_view` as a page readable on a phone."""
+    return HTMLResponse(render_html(status_view(_gateway(request))))
+
+
+def install_routes(app: FastAPI) -> None:
+    """Register ``/status`` and ``/status.json`` on ``app``."""
+    app.add_api_route("/status", status_html, methods=["GET", "HEAD"], include_in_schema=False)
+    app.add_api_route("/status.json", status_json, methods=["GET", "HEAD"],
+                      include_in_schema=False)
