@@ -277,7 +277,7 @@ class Rollout:
         return combine([
             compare_calibration(self.probes, self.probe_failures, th),
             compare_latency("ttft", base.ttft.values, can.ttft.values, th),
-            compare_latency("itl", base.itl.values, can.itl.values, th),
+            compare_latency("itl", base.itl.values, can.itl.values, th, base.requests),
             compare_errors(base.errors, base.requests, can.errors, can.requests, th),
         ])
 

@@ -246,14 +246,28 @@ def two_proportion_greater(
 
 
 def compare_latency(
-    metric: str, baseline: Sequence[float], canary: Sequence[float], th: Thresholds
+    metric: str, baseline: Sequence[float], canary: Sequence[float], th: Thresholds,
+    baseline_requests: int | None = None,
 ) -> MetricResult:
     """Canary vs baseline latencies (seconds) of one metric (``ttft`` or ``itl``): fail
     when the Mann-Whitney test is significant at ``th.alpha_each`` and the P50 ratio is at
     least ``1 + p50_tolerance`` or the P99 ratio at least ``1 + p99_tolerance``;
-    insufficient below ``th.min_samples`` on either side."""
+    insufficient below ``th.min_samples`` on either side.
+
+    ``baseline_requests`` (for a metric only some requests have: ITL needs a stream of two
+    tokens or more): when the baseline served at least ``th.min_requests`` requests yet gave
+    fewer than ``th.min_samples`` samples, the model's traffic does not make this metric
+    (non-streaming clients, embeddings): it passes as not measured instead of holding every
+    step until ``max_step_s`` and rolling a good canary back for want of samples that will
+    never come."""
     nb, nc = len(baseline), len(canary)
     numbers: dict[str, Number] = {"baseline_n": nb, "canary_n": nc}
+    if (baseline_requests is not None and baseline_requests >= th.min_requests
+            and nb < th.min_samples):
+        return MetricResult(metric, "pass",
+                            f"{metric}: not measured: {baseline_requests} baseline requests "
+                            f"gave {nb} samples, {th.min_samples} needed (the traffic has "
+                            f"too few requests with a {metric})", numbers)
     if nb < th.min_samples or nc < th.min_samples:
         return MetricResult(metric, "insufficient",
                             f"{metric}: {nc} canary / {nb} baseline samples, "

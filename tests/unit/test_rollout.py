@@ -265,3 +265,22 @@ def test_a_resumed_rollout_goes_on_at_its_step_with_its_decisions_and_state_roun
     for bad in ({"status": "paused", "step": 0}, {"status": "running", "step": 9}, {}):
         with pytest.raises((KeyError, ValueError)):
             Rollout(QUICK, 0.0, random.Random(1)).resume(bad, 0.0)
+
+
+def test_a_good_canary_of_a_model_without_streams_is_promoted_though_it_has_no_itl() -> None:
+    """Non-streaming clients give no ITL: the metric is not measured (its reason says so)
+    rather than holding every step until ``max_step_s`` and rolling the canary back."""
+    plan = RolloutPlan("m", "v1", "v2", min_step_s=30.0, min_step_requests=100,
+                       max_step_s=3000.0)
+    rng = random.Random(3)
+    r = Rollout(plan, 0.0, random.Random(4))
+    now = 0.0
+    while r.status == "running" and now < 20000:
+        now += 0.1
+        v = r.assign(None, None, Prio.NORMAL, now)
+        r.observe(v, math.exp(rng.gauss(math.log(0.25), 0.5)), None, False)
+        if v == "canary":
+            r.record_probe(True)
+    assert r.status == "promoted", [h.reason for h in r.history]
+    itl = r.history[0].comparison.metric("itl")  # type: ignore[union-attr]
+    assert itl.decision == "pass" and "not measured" in itl.reason

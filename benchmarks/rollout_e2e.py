@@ -1,0 +1,105 @@
+"""Canary rollouts end to end (issue 18's must-hold, with the DEFAULT steps 1, 5, 25, 50,
+100 %): a gateway under uvicorn in front of simulated vLLM servers (one baseline ``v1``
+backend, three canary ``v2`` backends), clients on the real ``openai`` SDK (ten threads,
+chat completions, every other one streamed, a third in sticky sessions), a rollout started
+with ``POST /admin/rollouts``, the traffic run until it ends. Three canaries:
+
+* **good** (the same build): promoted through every step, 0 failed requests;
+* **slow** (``ttft_factor`` 1.5): rolled back at its first step;
+* **drifted** (``drift`` 0.5, as fast as the baseline): rolled back on calibration.
+
+For each: the outcome and the steps it went through, requests and failures, the canary's
+share of the requests before the end, and for a rollback the bound the issue sets (the
+first step's share of the requests plus the step's minimum sample). The steps are short
+(``min_step_s`` 0.5 s, ``min_step_requests`` 40, at least 40 requests per side and 20
+samples per metric (the least the config allows), half the requests streamed: 40 canary
+requests give 20 ITL samples) so
+that a run takes minutes, not hours; the decisions are the same code as with the defaults'.
+The first step still needs 40 canary requests at 1 % of the traffic: about 4000 requests.
+
+Run: ``python benchmarks/rollout_e2e.py`` (about 5 minutes on 2 cores). Writes
+``benchmarks/results/rollout_e2e.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.support.rollout_traffic import MODEL, Servers, Traffic, config
+from tests.support.servers import GatewayThread
+
+RESULTS = Path(__file__).resolve().parent / "results" / "rollout_e2e.json"
+STEPS = [0.01, 0.05, 0.25, 0.5, 1.0]
+PLAN: dict[str, Any] = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": STEPS,
+                        "min_step_s": 0.5, "min_step_requests": 40, "recheck_s": 0.2,
+                        "max_step_s": 900, "min_requests": 40, "min_samples": 20,
+                        "calibration": {"interval_s": 0.1, "min_probes": 10}}
+CANARIES: dict[str, dict[str, Any]] = {"good": {}, "slow (TTFT x1.5)": {"ttft_factor": 1.5},
+                                       "drifted (50 %)": {"drift": 0.5}}
+
+
+def run(name: str, release: dict[str, Any], timeout_s: float = 1200) -> dict[str, Any]:
+    """One rollout to its end; its figures."""
+    servers = Servers()
+    try:
+        servers.add("a", "v1")
+        for b in ("b1", "b2", "b3"):
+            servers.add(b, "v2", **release)
+        with GatewayThread(config(servers.backends)) as gw:
+            r = httpx.post(gw.url + "/admin/rollouts", json=PLAN, timeout=10)
+            r.raise_for_status()
+            t0 = time.monotonic()
+            traffic = Traffic(gw.url, clients=10)
+            snap: dict[str, Any] = {}
+            try:
+                while time.monotonic() - t0 < timeout_s:
+                    snap = next(x for x in httpx.get(gw.url + "/admin/rollouts",
+                                                     timeout=10).json()["data"]
+                                if x["model"] == MODEL)
+                    if snap["status"] != "running":
+                        break
+                    time.sleep(0.2)
+            finally:
+                traffic.stop()
+            took = time.monotonic() - t0
+    finally:
+        servers.stop()
+    served = snap["served"]
+    total = served["baseline"] + served["canary"]
+    out = {"canary": name, "status": snap["status"], "seconds": round(took, 1),
+           "decisions": [(h["step"], h["outcome"], h["reason"][:80]) for h in snap["history"]],
+           "requests": len(traffic.versions) + len(traffic.failures),
+           "failed": len(traffic.failures), "failures": traffic.failures[:3],
+           "canary_served": served["canary"], "assigned": total,
+           "canary_share": round(served["canary"] / total, 4) if total else None}
+    if snap["status"] == "rolled_back":
+        out["bound"] = round(STEPS[0] * total + PLAN["min_step_requests"], 1)
+        out["within_bound"] = served["canary"] <= out["bound"]
+    return out
+
+
+def main() -> None:
+    rows = [run(name, release) for name, release in CANARIES.items()]
+    for r in rows:
+        steps = " -> ".join(f"{s}:{o}" for s, o, _ in r["decisions"])
+        bound = (f", bound {r['bound']} ({'within' if r['within_bound'] else 'OVER'})"
+                 if "bound" in r else "")
+        print(f"{r['canary']:18} {r['status']:12} {r['seconds']:6.1f} s  {r['requests']} "
+              f"requests, {r['failed']} failed; canary served {r['canary_served']} of "
+              f"{r['assigned']} ({(r['canary_share'] or 0) * 100:.1f} %){bound}\n"
+              f"{'':18} steps: {steps}\n{'':18} last: {r['decisions'][-1][2]}")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(rows, indent=2))
+    print(f"written: {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
