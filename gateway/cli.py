@@ -10,7 +10,7 @@ subparsers only when that subcommand is chosen (:class:`_Subcommand`), so
 from __future__ import annotations
 
 import argparse
-import logging
+import atexit
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +28,7 @@ from gateway.config import (
 )
 from gateway.core.listening import CannotListen
 from gateway.core.wording import plural
+from gateway.logs import setup_logging
 
 CONFIG_ENV = "LLM_GATEWAY_CONFIG"
 """Environment variable naming the config file when ``--config`` is not given."""
@@ -67,14 +68,16 @@ def no_config_error() -> ConfigError:
     )
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # httpx logs every control-plane request (probes, scrapes) at INFO: too chatty.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def observe(cfg: GatewayConfig) -> None:
+    """This process's log lines (``server.log_level``, ``server.log_format``:
+    :func:`gateway.logs.setup_logging`) and spans (``server.otel``:
+    :func:`gateway.tracing.configure`); ``serve``, ``demo`` and each ``--workers``
+    process call it once."""
+    from gateway import tracing
+
+    setup_logging(cfg.server.log_level, cfg.server.log_format)
+    if tracing.configure(cfg.server.otel):
+        atexit.register(tracing.shutdown)  # the spans still batched are exported
 
 
 def _load(
@@ -104,11 +107,12 @@ def _load(
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    setup_logging(cfg.server.log_level)
     if args.workers > 1:  # N processes on one port, each a replica (gateway/workers.py)
         from gateway.workers import serve_workers
 
-        return serve_workers(cfg, args.workers, setup_logging)
+        setup_logging(cfg.server.log_level, cfg.server.log_format)
+        return serve_workers(cfg, args.workers, observe)
+    observe(cfg)
     from gateway.app import create_app
     from gateway.reload_input import resume_config
     from gateway.serving import run, serve
@@ -148,7 +152,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import BUILTIN_FLEET, run_demo
 
     cfg = _load(args, builtin=BUILTIN_FLEET)
-    setup_logging(cfg.server.log_level)
+    observe(cfg)
     return run_demo(cfg, fast_cycles=getattr(args, "fast_cycles", False))
 
 

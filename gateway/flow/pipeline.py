@@ -42,10 +42,12 @@ from gateway.flow.context import (
 )
 from gateway.flow.lease import Hold, Verdict
 from gateway.flow.outcome import give_up, kept_answer
+from gateway.logs import BACKEND
 from gateway.proxy.relay import StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
 from gateway.proxy.upstream import Transport, UpstreamFailure, response_headers
 from gateway.routing.policies import Policy
+from gateway.tracing import end_attempt
 from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
 from gateway.traffic.retry_after import backend_retry_after
 
@@ -194,6 +196,10 @@ class Pipeline:
         if backend is None:
             raise NoCandidate
         tried.append(backend.id)
+        BACKEND.set(backend.id)  # on the request's log lines from here (gateway.logs)
+        trace = ctx.trace
+        span = None if trace is None else trace.attempt(
+            backend.id, len(tried), ctx.upstream.headers)
         lease = ctx.lease
         # an attempt left: a hung backend's watchdog may cut this one to re-send it (one
         # without would only turn a wait into a 503)
@@ -204,11 +210,15 @@ class Pipeline:
                 self.transport, backend, ctx, self.cfg.proxy, self.id_header
             )
         except UpstreamFailure as f:
+            if span is not None:
+                end_attempt(span, f.kind, f.status)
             if f.status is not None:  # it answered, with an error: alive
                 backend.heard(self.clock())
             self._failed(backend, f, ctx)
             raise
         except asyncio.CancelledError:
+            if span is not None:
+                end_attempt(span, ctx.cut.reason or "cancelled")
             lease.end_attempt(Verdict.NEUTRAL)
             if ctx.cut.reason not in (Cut.DRAIN_DEADLINE, Cut.BACKEND_HUNG):
                 raise
@@ -225,6 +235,8 @@ class Pipeline:
             raise UpstreamFailure(
                 backend, FailureKind.DRAINED, "backend left before answering"
             ) from None
+        if span is not None:
+            end_attempt(span, "opened", opened.resp.status)
         backend.answer_started(ctx.cut, self.clock())
         lease.hold(Hold.RESPONSE, opened.resp.close)
         return opened
@@ -360,6 +372,8 @@ class Pipeline:
         ``opened.backend`` (:func:`version_label`): for a continued stream, the backend of
         its last attempt, the one that finished it."""
         backend = opened.backend
+        if ctx.trace is not None:  # the relay span's outcome (gateway.tracing)
+            ctx.trace.outcome = outcome
         if usage is None:
             usage = framer.usage()
         acc = self.accounting
