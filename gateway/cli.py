@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +29,7 @@ from gateway.config import (
 )
 from gateway.core.listening import CannotListen
 from gateway.core.wording import plural
-from gateway.logs import setup_logging
+from gateway.logs import say, setup_logging
 
 CONFIG_ENV = "LLM_GATEWAY_CONFIG"
 """Environment variable naming the config file when ``--config`` is not given."""
@@ -93,13 +94,20 @@ def _load(
         if builtin is None:
             raise no_config_error()
         path, note = builtin, " (built-in demo fleet: no --config, no ./config/gateway.yaml)"
-    print(f"config: {path.resolve()}{note}", file=out or sys.stderr, flush=True)
+    line = f"config: {path.resolve()}{note}"
     server: dict[str, object] = {}
     if getattr(args, "host", None):
         server["host"] = args.host
     if getattr(args, "port", None) is not None:
         server["port"] = args.port
-    cfg = with_server_overrides(load_config(path), **server)
+    try:
+        cfg = with_server_overrides(load_config(path), **server)
+    except ConfigError:
+        say(line, out=out)
+        raise
+    if cfg.server.log_format == "json" and out is None:  # a JSON line like every other
+        setup_logging(cfg.server.log_level, "json")
+    say(line, out=out)
     require_backends(cfg)
     args.server_overrides = server  # a live reload applies them again (gateway.reloading)
     return cfg
@@ -121,10 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = args.server_overrides
     cfg, resumed = resume_config(cfg, path, server)
     if resumed is not None:
-        print(f"config: resuming version {resumed.version} ({resumed.source}), the last "
-              f"applied, kept in {cfg.reload.state_dir} (the config file, the "
-              f"{ENV_PREFIX}* environment and the command line are unchanged since)",
-              file=sys.stderr, flush=True)
+        say(f"config: resuming version {resumed.version} ({resumed.source}), the last "
+            f"applied, kept in {cfg.reload.state_dir} (the config file, the "
+            f"{ENV_PREFIX}* environment and the command line are unchanged since)")
     app = create_app(cfg, config_path=path, server_overrides=server)
     run(lambda: serve(app, cfg), cfg)
     return 0
@@ -308,16 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ConfigError as e:
-        print(f"llm-gateway: {e}", file=sys.stderr)
+        say(f"llm-gateway: {e}", logging.CRITICAL)
         return 2
     except CannotListen as e:
-        print(f"llm-gateway: {e}", file=sys.stderr)
+        say(f"llm-gateway: {e}", logging.CRITICAL)
         return 3
     except OSError as e:  # e.g. a port already in use
-        print(
+        say(
             f"llm-gateway: {e.strerror or e}"
             + (f" ({e.filename})" if getattr(e, "filename", None) else ""),
-            file=sys.stderr,
+            logging.CRITICAL,
         )
         return 3
     except KeyboardInterrupt:

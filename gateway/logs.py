@@ -39,6 +39,7 @@ _ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
 _SKIP_EXTRAS = ("color_message",)
 
 LogFormat = Literal["text", "json"]
+_json_lines = False  # setup_logging chose json: say() logs instead of printing
 
 
 class RequestFields(logging.Filter):
@@ -82,7 +83,9 @@ def setup_logging(level: str, fmt: LogFormat = "text", stream: TextIO | None = N
     handler, as before; ``json``: the root's handlers replaced by one writing JSON lines
     to ``stream``, default stderr). httpx's per-request INFO lines (probes, scrapes) are
     silenced either way."""
+    global _json_lines
     out = stream or sys.stderr
+    _json_lines = fmt == "json"
     if fmt == "json":
         handler = logging.StreamHandler(out)
         handler.setFormatter(json_formatter())
@@ -92,6 +95,17 @@ def setup_logging(level: str, fmt: LogFormat = "text", stream: TextIO | None = N
         logging.basicConfig(level=level.upper(), format=TEXT_FORMAT, stream=out)
     # httpx logs every control-plane request (probes, scrapes) at INFO: too chatty.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def say(text: str, level: int = logging.INFO, out: TextIO | None = None) -> None:
+    """One line for the operator (the CLI's ``config: ...``, a fatal error): printed on
+    ``out`` (default stderr) as it is, or, once :func:`setup_logging` chose ``json`` and
+    ``out`` is stderr, a JSON line of logger ``gateway.cli`` at ``level``, so that every
+    line of a JSON-logging process parses."""
+    if _json_lines and out in (None, sys.stderr):
+        logging.getLogger("gateway.cli").log(level, text)
+    else:
+        print(text, file=out or sys.stderr, flush=True)
 
 
 def uvicorn_log_config(fmt: LogFormat) -> dict[str, Any] | None:

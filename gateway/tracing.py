@@ -39,6 +39,7 @@ log = logging.getLogger("gateway.tracing")
 TRACER: Tracer | None = None
 """The gateway's tracer while tracing is on; None (the default) when off."""
 _PROVIDER: TracerProvider | None = None
+_PROPAGATOR: Any = None  # W3C Trace Context (TraceContextTextMapPropagator), once installed
 _T = TypeVar("_T")
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 
@@ -88,7 +89,13 @@ def install(provider: TracerProvider | None) -> None:
     """Use ``provider``'s tracer for the gateway's spans (None: tracing off). Process-wide,
     not OpenTelemetry's global provider (which can be set once only): tests install
     an SDK provider with an in-memory exporter."""
-    global TRACER, _PROVIDER
+    global TRACER, _PROVIDER, _PROPAGATOR
+    if provider is not None:
+        from opentelemetry.trace.propagation.tracecontext import (
+            TraceContextTextMapPropagator,
+        )
+
+        _PROPAGATOR = TraceContextTextMapPropagator()
     _PROVIDER = provider
     TRACER = provider.get_tracer("llm-gateway") if provider is not None else None
 
@@ -112,13 +119,10 @@ class RequestTrace:
     def __init__(self, tracer: Tracer, method: str, path: str,
                  headers: Iterable[tuple[bytes, bytes]]) -> None:
         from opentelemetry.trace import SpanKind, set_span_in_context
-        from opentelemetry.trace.propagation.tracecontext import (
-            TraceContextTextMapPropagator,
-        )
 
         carrier = {k.decode("latin-1"): v.decode("latin-1")
                    for k, v in headers if k in _TRACE_HEADERS}
-        parent = TraceContextTextMapPropagator().extract(carrier) if carrier else None
+        parent = _PROPAGATOR.extract(carrier) if carrier else None
         self.tracer = tracer
         self.span: Span = tracer.start_span(
             f"{method} {path}", context=parent, kind=SpanKind.SERVER,
@@ -149,16 +153,13 @@ class RequestTrace:
         its ``traceparent`` (and ``tracestate``) into ``headers``, the upstream request's
         (W3C Trace Context; vLLM continues the trace from it)."""
         from opentelemetry.trace import SpanKind, set_span_in_context
-        from opentelemetry.trace.propagation.tracecontext import (
-            TraceContextTextMapPropagator,
-        )
 
         self.backend = backend
         span = self.tracer.start_span(
             "attempt", context=self.context, kind=SpanKind.CLIENT,
             attributes={"gateway.backend": backend, "gateway.attempt": number},
         )
-        TraceContextTextMapPropagator().inject(headers, set_span_in_context(span))
+        _PROPAGATOR.inject(headers, set_span_in_context(span))
         return span
 
     def relay(self, stream: bool) -> Span:

@@ -139,7 +139,7 @@ def test_spans_are_exported_over_otlp_http_when_an_endpoint_is_configured(backen
     posts: list[tuple[str, str, bytes]] = []
 
     class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["content-length"]))
             posts.append((self.path, self.headers["content-type"], body))
             self.send_response(200)
