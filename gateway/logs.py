@@ -97,6 +97,11 @@ def setup_logging(level: str, fmt: LogFormat = "text", stream: TextIO | None = N
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def current_format() -> LogFormat:
+    """The format :func:`setup_logging` last chose (``text`` before any call)."""
+    return "json" if _json_lines else "text"
+
+
 def say(text: str, level: int = logging.INFO, out: TextIO | None = None) -> None:
     """One line for the operator (the CLI's ``config: ...``, a fatal error): printed on
     ``out`` (default stderr) as it is, or, once :func:`setup_logging` chose ``json`` and

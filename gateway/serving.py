@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from gateway.config import GatewayConfig
 from gateway.core.listening import CannotListen, host_port
@@ -39,8 +40,7 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
     write timeout toward clients (``server.client_write_timeout_s``), uvicorn's log lines
     in ``server.log_format`` (:func:`gateway.logs.uvicorn_log_config`)."""
     s = cfg.server
-    logging_config = uvicorn_log_config(s.log_format)
-    extra: dict[str, Any] = {} if logging_config is None else {"log_config": logging_config}
+    routed = uvicorn_log_config(s.log_format)
     return uvicorn.Config(
         app,
         host=s.host,
@@ -52,7 +52,7 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=math.ceil(s.keep_alive_s),
         http=write_timeout_protocol(s.client_write_timeout_s),
-        **extra,
+        log_config=LOGGING_CONFIG if routed is None else routed,
     )
 
 
