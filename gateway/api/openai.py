@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from gateway import tracing
+from gateway import logs, tracing
 from gateway.api import models
 from gateway.api.errors import (
     SERVER_ERROR,
@@ -60,7 +60,6 @@ from gateway.flow.lease import RequestLease
 from gateway.flow.merging import EMBEDDINGS, engine_requests, merge_key, part_of, route_key
 from gateway.flow.responses import RESPONSES
 from gateway.flow.shaping import cap_max_tokens, key_limits_for, ratelimit_headers
-from gateway.logs import REQUEST_ID
 from gateway.proxy.inband import stream_kind
 from gateway.proxy.relay import ClientWatch, CutHandle, RelayResponse, StreamOutcome
 from gateway.proxy.sse import EventFramer
@@ -162,7 +161,8 @@ async def model_response(
         elif k == priority_key:
             prio_value = v
     rid = sane_request_id(rid_value)
-    REQUEST_ID.set(rid)  # on every log line of this request (gateway.logs)
+    if logs.FIELDS_ON:  # on every log line of this request (JSON lines)
+        logs.bind_request(rid)
     if trace is not None:
         trace.span.set_attribute("gateway.request_id", rid)
     if gw.shutting_down:

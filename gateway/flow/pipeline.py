@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from gateway import logs
 from gateway.config import GatewayConfig
 from gateway.core.outcomes import BackendAnswer, Refusal
 from gateway.core.vocab import Cut, FailureKind
@@ -42,7 +43,6 @@ from gateway.flow.context import (
 )
 from gateway.flow.lease import Hold, Verdict
 from gateway.flow.outcome import give_up, kept_answer
-from gateway.logs import BACKEND
 from gateway.proxy.relay import StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
 from gateway.proxy.upstream import Transport, UpstreamFailure, response_headers
@@ -196,7 +196,8 @@ class Pipeline:
         if backend is None:
             raise NoCandidate
         tried.append(backend.id)
-        BACKEND.set(backend.id)  # on the request's log lines from here (gateway.logs)
+        if logs.FIELDS_ON:  # on the request's log lines from here (JSON lines)
+            logs.BACKEND.set(backend.id)
         trace = ctx.trace
         span = None if trace is None else trace.attempt(
             backend.id, len(tried), ctx.upstream.headers)
