@@ -100,6 +100,13 @@ class OtelConfig(_Strict):
         True, description="false: no spans even when an endpoint or the environment is set"
     )
 
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"an http:// or https:// URL (OTLP/HTTP), not {v!r}")
+        return v
+
 
 class ServerConfig(_Strict):
     """The gateway's own HTTP server."""

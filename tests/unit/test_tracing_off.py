@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway import tracing
-from gateway.config import OtelConfig
+from gateway.config import ConfigError, OtelConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def test_without_the_sdk_the_gateway_imports_and_serves_no_spans() -> None:
         "sys.modules['opentelemetry.exporter'] = None\n"
         "import gateway.app, gateway.cli\n"
         "from gateway import tracing\n"
-        "from gateway.config import OtelConfig\n"
+        "from gateway.config import ConfigError, OtelConfig, load_config\n"
         "print(tracing.configure(OtelConfig(endpoint='http://127.0.0.1:4318')), "
         "tracing.TRACER)\n"
     )
@@ -58,6 +58,11 @@ def test_without_the_sdk_a_configured_endpoint_warns_and_stays_off(
     assert "opentelemetry.sdk.trace" in caplog.text
 
 
-def test_the_config_field_is_checked() -> None:
-    with pytest.raises(ValueError, match="sample_ratio"):
-        OtelConfig(sample_ratio=1.5)
+@pytest.mark.parametrize(("server", "field"), [
+    ({"otel": {"sample_ratio": 1.5}}, "server.otel.sample_ratio"),
+    ({"otel": {"endpoint": "collector:4318"}}, "server.otel.endpoint"),
+    ({"log_format": "xml"}, "server.log_format"),
+])
+def test_bad_fields_are_named(server: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, backends=[{"id": "a", "url": "http://127.0.0.1:1"}], server=server)
