@@ -10,6 +10,7 @@ subparsers only when that subcommand is chosen (:class:`_Subcommand`), so
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
@@ -28,6 +29,7 @@ from gateway.config import (
 )
 from gateway.core.listening import CannotListen
 from gateway.core.wording import plural
+from gateway.logs import say, setup_logging
 
 CONFIG_ENV = "LLM_GATEWAY_CONFIG"
 """Environment variable naming the config file when ``--config`` is not given."""
@@ -67,14 +69,16 @@ def no_config_error() -> ConfigError:
     )
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # httpx logs every control-plane request (probes, scrapes) at INFO: too chatty.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def observe(cfg: GatewayConfig) -> None:
+    """This process's log lines (``server.log_level``, ``server.log_format``:
+    :func:`gateway.logs.setup_logging`) and spans (``server.otel``:
+    :func:`gateway.tracing.configure`); ``serve``, ``demo`` and each ``--workers``
+    process call it once."""
+    from gateway import tracing
+
+    setup_logging(cfg.server.log_level, cfg.server.log_format)
+    if tracing.configure(cfg.server.otel):
+        atexit.register(tracing.shutdown)  # the spans still batched are exported
 
 
 def _load(
@@ -90,13 +94,20 @@ def _load(
         if builtin is None:
             raise no_config_error()
         path, note = builtin, " (built-in demo fleet: no --config, no ./config/gateway.yaml)"
-    print(f"config: {path.resolve()}{note}", file=out or sys.stderr, flush=True)
+    line = f"config: {path.resolve()}{note}"
     server: dict[str, object] = {}
     if getattr(args, "host", None):
         server["host"] = args.host
     if getattr(args, "port", None) is not None:
         server["port"] = args.port
-    cfg = with_server_overrides(load_config(path), **server)
+    try:
+        cfg = with_server_overrides(load_config(path), **server)
+    except ConfigError:
+        say(line, out=out)
+        raise
+    if cfg.server.log_format == "json" and out is None:  # a JSON line like every other
+        setup_logging(cfg.server.log_level, "json")
+    say(line, out=out)
     require_backends(cfg)
     args.server_overrides = server  # a live reload applies them again (gateway.reloading)
     return cfg
@@ -104,11 +115,12 @@ def _load(
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    setup_logging(cfg.server.log_level)
     if args.workers > 1:  # N processes on one port, each a replica (gateway/workers.py)
         from gateway.workers import serve_workers
 
-        return serve_workers(cfg, args.workers, setup_logging)
+        setup_logging(cfg.server.log_level, cfg.server.log_format)
+        return serve_workers(cfg, args.workers, observe)
+    observe(cfg)
     from gateway.app import create_app
     from gateway.reload_input import resume_config
     from gateway.serving import run, serve
@@ -117,10 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = args.server_overrides
     cfg, resumed = resume_config(cfg, path, server)
     if resumed is not None:
-        print(f"config: resuming version {resumed.version} ({resumed.source}), the last "
-              f"applied, kept in {cfg.reload.state_dir} (the config file, the "
-              f"{ENV_PREFIX}* environment and the command line are unchanged since)",
-              file=sys.stderr, flush=True)
+        say(f"config: resuming version {resumed.version} ({resumed.source}), the last "
+            f"applied, kept in {cfg.reload.state_dir} (the config file, the "
+            f"{ENV_PREFIX}* environment and the command line are unchanged since)")
     app = create_app(cfg, config_path=path, server_overrides=server)
     run(lambda: serve(app, cfg), cfg)
     return 0
@@ -148,7 +159,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import BUILTIN_FLEET, run_demo
 
     cfg = _load(args, builtin=BUILTIN_FLEET)
-    setup_logging(cfg.server.log_level)
+    observe(cfg)
     return run_demo(cfg, fast_cycles=getattr(args, "fast_cycles", False))
 
 
@@ -304,16 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ConfigError as e:
-        print(f"llm-gateway: {e}", file=sys.stderr)
+        say(f"llm-gateway: {e}", logging.CRITICAL)
         return 2
     except CannotListen as e:
-        print(f"llm-gateway: {e}", file=sys.stderr)
+        say(f"llm-gateway: {e}", logging.CRITICAL)
         return 3
     except OSError as e:  # e.g. a port already in use
-        print(
+        say(
             f"llm-gateway: {e.strerror or e}"
             + (f" ({e.filename})" if getattr(e, "filename", None) else ""),
-            file=sys.stderr,
+            logging.CRITICAL,
         )
         return 3
     except KeyboardInterrupt:

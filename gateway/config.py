@@ -73,6 +73,41 @@ class Priority(StrEnum):
     LOW = "low"
 
 
+class OtelConfig(_Strict):
+    """OpenTelemetry spans (``server.otel``; needs the ``otel`` extra:
+    ``pip install 'llm-gateway[otel]'``). Spans are exported over OTLP/HTTP when
+    ``endpoint`` is set, or else when the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) environment variable is; with neither, or
+    without the SDK installed, the gateway makes no spans (:mod:`gateway.tracing`)."""
+
+    endpoint: str | None = Field(
+        None,
+        description="the OTLP/HTTP collector's base URL, e.g. http://otel-collector:4318 "
+        "(spans go to its /v1/traces, as the OTLP exporter spec builds the signal URL from "
+        "OTEL_EXPORTER_OTLP_ENDPOINT); None: the OTEL_EXPORTER_OTLP_* environment",
+    )
+    service_name: str = Field(
+        "llm-gateway", min_length=1, description="the spans' service.name resource attribute"
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="share of new traces recorded (TraceIdRatioBased); a request with an "
+        "incoming traceparent follows its caller's sampled flag (ParentBased)",
+    )
+    enabled: bool = Field(
+        True, description="false: no spans even when an endpoint or the environment is set"
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"an http:// or https:// URL (OTLP/HTTP), not {v!r}")
+        return v
+
+
 class ServerConfig(_Strict):
     """The gateway's own HTTP server."""
 
@@ -88,6 +123,16 @@ class ServerConfig(_Strict):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = Field(False, description="uvicorn's per-request access log line.")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="text: 'time LEVEL logger: message' lines (uvicorn's own format for its "
+        "loggers); json: one JSON object per line (time in RFC 3339 UTC, level, logger, "
+        "message, extra fields; request_id and backend on every line logged while serving a "
+        "request), uvicorn's lines included (gateway/logs.py)",
+    )
+    otel: OtelConfig = Field(
+        default_factory=OtelConfig, description="OpenTelemetry spans (gateway/tracing.py)"
+    )
     graceful_shutdown_s: float = Field(
         30.0, ge=0, description="On SIGTERM, seconds in-flight requests get to finish."
     )

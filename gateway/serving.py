@@ -21,12 +21,14 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from gateway.config import GatewayConfig
 from gateway.core.listening import CannotListen, host_port
 from gateway.core.vocab import Cut
 from gateway.core.wording import plural
 from gateway.embedded import EmbeddedServer
+from gateway.logs import uvicorn_log_config
 from gateway.proxy.client_writes import write_timeout_protocol
 from gateway.wiring import Gateway
 
@@ -35,8 +37,10 @@ log = logging.getLogger("gateway.serving")
 
 def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
     """uvicorn settings for the gateway: no server header, no access log unless asked, a
-    write timeout toward clients (``server.client_write_timeout_s``)."""
+    write timeout toward clients (``server.client_write_timeout_s``), uvicorn's log lines
+    in ``server.log_format`` (:func:`gateway.logs.uvicorn_log_config`)."""
     s = cfg.server
+    routed = uvicorn_log_config(s.log_format)
     return uvicorn.Config(
         app,
         host=s.host,
@@ -48,6 +52,7 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=math.ceil(s.keep_alive_s),
         http=write_timeout_protocol(s.client_write_timeout_s),
+        log_config=LOGGING_CONFIG if routed is None else routed,
     )
 
 

@@ -104,13 +104,13 @@ def worker_main(
     sock: socket.socket,
     index: int,
     parent: int,
-    setup_logging: Callable[[str], None],
+    observe: Callable[[GatewayConfig], None],
 ) -> None:
     """A worker's body (in the spawned process): the one-process gateway on the inherited
     ``sock``, shut down gracefully on SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent)
-    setup_logging(cfg.server.log_level)
+    observe(cfg)  # logs and spans (gateway.cli.observe)
     from gateway.app import create_app
     from gateway.serving import run, serve
 
@@ -140,7 +140,7 @@ class Supervisor:
     cfg: GatewayConfig
     sock: socket.socket
     workers: int
-    setup_logging: Callable[[str], None]
+    observe: Callable[[GatewayConfig], None]
     clock: Callable[[], float] = time.monotonic
     slots: list[_Slot] = field(default_factory=list)
     signals_seen: int = 0
@@ -154,7 +154,7 @@ class Supervisor:
         cfg = worker_config(self.cfg, slot.index, slot.generation)
         proc = self._ctx.Process(
             target=worker_main,
-            args=(cfg, self.sock, slot.index, os.getpid(), self.setup_logging),
+            args=(cfg, self.sock, slot.index, os.getpid(), self.observe),
             name=f"llm-gateway-worker-{slot.index}",
             daemon=False,
         )
@@ -256,7 +256,7 @@ class Supervisor:
 
 
 def serve_workers(
-    cfg: GatewayConfig, workers: int, setup_logging: Callable[[str], None]
+    cfg: GatewayConfig, workers: int, observe: Callable[[GatewayConfig], None]
 ) -> int:
     """``llm-gateway serve --workers N`` (N > 1): bind, then run the :class:`Supervisor`.
     Raises :class:`ConfigError` without fleet mode and
@@ -269,6 +269,6 @@ def serve_workers(
     sock = listen_socket(cfg.server.host, cfg.server.port)
     sock.listen(2048)  # connections wait in this queue while the workers start
     try:
-        return Supervisor(cfg, sock, workers, setup_logging).run()
+        return Supervisor(cfg, sock, workers, observe).run()
     finally:
         sock.close()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from gateway import logs, tracing
 from gateway.api import models
 from gateway.api.errors import (
     SERVER_ERROR,
@@ -122,11 +123,16 @@ def answered(
 
 
 async def model_response(
-    gw: Gateway, scope: Scope, receive: Receive, lease: RequestLease
+    gw: Gateway,
+    scope: Scope,
+    receive: Receive,
+    lease: RequestLease,
+    trace: tracing.RequestTrace | None = None,
 ) -> Response:
     """Run one model request (stream or not) through the flow; the answer to send.
 
-    ``lease`` owns what the request holds (:func:`serve` gives it back). Works on the raw
+    ``lease`` owns what the request holds (:func:`serve` gives it back); ``trace``: its
+    spans when tracing is on (:mod:`gateway.tracing`). Works on the raw
     ASGI ``scope``/``receive`` (no framework request object), because it is the data path:
     see :class:`gateway.app.GatewayApp`. Every typed outcome of the flow (a refusal, a
     backend's own error, a merged share, an opened answer) is rendered here.
@@ -155,6 +161,10 @@ async def model_response(
         elif k == priority_key:
             prio_value = v
     rid = sane_request_id(rid_value)
+    if logs.FIELDS_ON:  # on every log line of this request (JSON lines)
+        logs.bind_request(rid)
+    if trace is not None:
+        trace.span.set_attribute("gateway.request_id", rid)
     if gw.shutting_down:
         answered(metrics, endpoint, "", 503, started)
         return shutting_down_response(rid, idh)
@@ -189,6 +199,8 @@ async def model_response(
         answered(metrics, endpoint, "", 503, started)
         return shutting_down_response(rid, idh)
     stream = payload.get("stream") is True
+    if trace is not None:
+        trace.span.set_attribute("gen_ai.request.model", model)
     cut = CutHandle()
     watch = ClientWatch(receive, cut)
     gate = gw.gate
@@ -215,6 +227,7 @@ async def model_response(
         started=started,
         priority=prio,
         pinned=pinned,
+        trace=trace,
     )
     if seqs > 1:
         if endpoint == EMBEDDINGS:
@@ -238,7 +251,10 @@ async def model_response(
                 0 if endpoint in GENERATES_NOTHING else seqs,
             )
             client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
-            charge = await gate.admit(model, client, key, prio, est, prompt, rid, lease)
+            admitting = gate.admit(model, client, key, prio, est, prompt, rid, lease)
+            charge = await (
+                admitting if trace is None else trace.timed("admission", admitting)
+            )
             if charge is not None:  # settled with the answer's usage (ctx.settle)
                 ctx.charge = charge
                 ctx.ratelimit = list(ratelimit_headers(charge.verdict).items())
@@ -255,7 +271,8 @@ async def model_response(
                     ctx.merge_key, ctx.merge_part = mkey, part_of(endpoint, payload)
             # wait in the batcher's bucket; it binds a backend with room, or answers (a
             # merged request's share)
-            got = await batching.acquire(ctx)
+            acquiring = batching.acquire(ctx)
+            got = await (acquiring if trace is None else trace.timed("queue", acquiring))
             if isinstance(got, Answer):
                 watch.stop()
                 answered(metrics, endpoint, model, got.status, started, got.version)
@@ -419,9 +436,11 @@ async def serve(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> None
     lease is closed before a non-stream answer goes out, at a stream's end, and on every
     other exit (an error, the client gone, cancellation) when this returns."""
     started = time.perf_counter()
+    trace = None if tracing.TRACER is None else tracing.start_request(
+        scope["method"], scope["path"], scope["headers"])
     async with gw.new_lease() as lease:
         try:
-            response = await model_response(gw, scope, receive, lease)
+            response = await model_response(gw, scope, receive, lease, trace)
         except Exception as e:
             log.exception("unexpected error on %s", scope["path"])
             response = error_response(
@@ -433,7 +452,23 @@ async def serve(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> None
             answered(gw.metrics, scope["path"], "", 500, started)
         if not isinstance(response, RelayResponse):
             lease.close()  # counts final before the client sees its answer
+        if trace is None:
+            await response(scope, receive, send)
+        else:
+            await _traced(trace, response, scope, receive, send)
+
+
+async def _traced(trace: tracing.RequestTrace, response: Response, scope: Scope,
+                  receive: Receive, send: Send) -> None:
+    """Send ``response`` under ``trace``: a relay span when a backend's answer is relayed
+    (a stream: until its end), then the request span ended with the status."""
+    relay = trace.relay(isinstance(response, RelayResponse)) if trace.backend else None
+    try:
         await response(scope, receive, send)
+    finally:
+        if relay is not None:
+            trace.end_relay(relay)
+        trace.end(response.status_code)
 
 
 class _Served(Response):

@@ -21,6 +21,7 @@ from gateway.proxy.upstream import UpstreamRequest, UpstreamResponse
 if TYPE_CHECKING:
     from gateway.flow.key_limits import Charge
     from gateway.flow.merging import Part
+    from gateway.tracing import RequestTrace
 
 
 NOTHING_GENERATED = (0, 0)
@@ -67,6 +68,8 @@ class RequestContext:
     # the model_version a canary rollout assigned it (gateway.flow.rollouts): only backends
     # of that version are its candidates, its retries' and continuations' too; None: any
     version: str | None = None
+    # its spans when tracing is on (gateway.tracing); None: off
+    trace: RequestTrace | None = None
 
     def settle(self, usage: tuple[int, int] | None) -> None:
         """The answer reported ``usage`` (prompt, completion tokens; None: not reported):

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from gateway import logs
 from gateway.config import GatewayConfig
 from gateway.core.outcomes import BackendAnswer, Refusal
 from gateway.core.vocab import Cut, FailureKind
@@ -46,6 +47,7 @@ from gateway.proxy.relay import StreamOutcome
 from gateway.proxy.sse import EventFramer, extract_usage
 from gateway.proxy.upstream import Transport, UpstreamFailure, response_headers
 from gateway.routing.policies import Policy
+from gateway.tracing import end_attempt
 from gateway.traffic.retry import RetryBudget, RetryPolicy, should_retry
 from gateway.traffic.retry_after import backend_retry_after
 
@@ -194,6 +196,11 @@ class Pipeline:
         if backend is None:
             raise NoCandidate
         tried.append(backend.id)
+        if logs.FIELDS_ON:  # on the request's log lines from here (JSON lines)
+            logs.BACKEND.set(backend.id)
+        trace = ctx.trace
+        span = None if trace is None else trace.attempt(
+            backend.id, len(tried), ctx.upstream.headers)
         lease = ctx.lease
         # an attempt left: a hung backend's watchdog may cut this one to re-send it (one
         # without would only turn a wait into a 503)
@@ -204,11 +211,15 @@ class Pipeline:
                 self.transport, backend, ctx, self.cfg.proxy, self.id_header
             )
         except UpstreamFailure as f:
+            if span is not None:
+                end_attempt(span, f.kind, f.status)
             if f.status is not None:  # it answered, with an error: alive
                 backend.heard(self.clock())
             self._failed(backend, f, ctx)
             raise
         except asyncio.CancelledError:
+            if span is not None:
+                end_attempt(span, ctx.cut.reason or "cancelled")
             lease.end_attempt(Verdict.NEUTRAL)
             if ctx.cut.reason not in (Cut.DRAIN_DEADLINE, Cut.BACKEND_HUNG):
                 raise
@@ -225,6 +236,8 @@ class Pipeline:
             raise UpstreamFailure(
                 backend, FailureKind.DRAINED, "backend left before answering"
             ) from None
+        if span is not None:
+            end_attempt(span, "opened", opened.resp.status)
         backend.answer_started(ctx.cut, self.clock())
         lease.hold(Hold.RESPONSE, opened.resp.close)
         return opened
@@ -360,6 +373,8 @@ class Pipeline:
         ``opened.backend`` (:func:`version_label`): for a continued stream, the backend of
         its last attempt, the one that finished it."""
         backend = opened.backend
+        if ctx.trace is not None:  # the relay span's outcome (gateway.tracing)
+            ctx.trace.outcome = outcome
         if usage is None:
             usage = framer.usage()
         acc = self.accounting

@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import LOGGING_CONFIG
 
 from gateway.core.listening import CannotListen, host_port
 from gateway.embedded import EmbeddedServer
+from gateway.logs import current_format, uvicorn_log_config
 from gateway.sim.config import SimConfig
 from gateway.sim.server import create_sim_app
 from gateway.sim.state import SimState
@@ -53,6 +55,9 @@ def _url(host: str, sock: socket.socket) -> str:
 
 
 def _uvicorn_config(app: FastAPI, log_level: str) -> uvicorn.Config:
+    # in a process logging JSON (the demo with server.log_format: json), uvicorn's lines
+    # stay JSON: its default config would give its loggers text handlers again
+    routed = uvicorn_log_config(current_format())
     return uvicorn.Config(
         app,
         log_level=log_level,
@@ -60,6 +65,7 @@ def _uvicorn_config(app: FastAPI, log_level: str) -> uvicorn.Config:
         lifespan="on",
         timeout_graceful_shutdown=2,
         timeout_keep_alive=30,
+        log_config=LOGGING_CONFIG if routed is None else routed,
     )
 
 

@@ -29,9 +29,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    (gateway.embedded: the uvicorn server the gateway, the simulator and tests embed)
     #    (gateway.config_diff: what a live reload changes; gateway.config_history: the kept
     #    applied configs)
+    #    (gateway.logs: log lines and the request's log fields; gateway.tracing: the
+    #    optional OpenTelemetry spans, no-op without the SDK)
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
      "gateway.config_diff", "gateway.config_history", "gateway.reload_input",
-     "gateway.config_rollouts"),
+     "gateway.config_rollouts", "gateway.logs", "gateway.tracing"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
