@@ -48,6 +48,7 @@ from gateway.config import (
 )
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
+from gateway.config_rollouts import version_problem
 from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, with_local
 from gateway.coord.link import CoordinationUnavailable
 from gateway.reload_input import InvalidConfig, read_config, source_digest, text_digest
@@ -235,6 +236,17 @@ class Reloader:
         if plan.empty:
             log.info("config (%s): no change", source)
             return ReloadResult(plan, None)
+        if plan.touches("backends") and gw.rollouts is not None:
+            for run in gw.rollouts.runs.values():  # a running rollout keeps both versions
+                stopped = run.origin == "config" and run.cfg not in new.rollouts
+                problem = run.running and not stopped and version_problem(run.cfg, (
+                    b.model_version for b in new.backends
+                    if b.models is None or run.cfg.model in b.models))
+                if problem:
+                    raise ReloadRefused(
+                        f"the rollout of {run.cfg.model} is running and this config would "
+                        f"leave it without a version: {problem}; abort it first (POST "
+                        f"/admin/rollouts/{run.cfg.model}/abort)", plan, "backends")
         for i in plan.added:  # an id still leaving the fleet comes back only as it was
             url = gw.controller.membership.leaving_at(i)
             new_url = next(b.base_url for b in new.backends if b.id == i)

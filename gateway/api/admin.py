@@ -60,6 +60,7 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         "role": b.config.role.value,
         "state": b.state.value,
         "models": list(b.models),
+        "model_version": b.config.model_version,
         "in_flight": b.in_flight,
         "requests_served": b.requests_served,
         "load": load,

@@ -12,7 +12,11 @@
   409 (``rollout_running``) when one runs for the model. Not written to the config: a
   rollout started here is not in the config history, and its rollback returns no config;
 * ``POST /admin/rollouts/{model}/abort``: the operator's rollback (every request of the
-  model to the baseline from now on; ``{"reason": "..."}`` optional); 404 when none runs.
+  model to the baseline from now on; ``{"reason": "..."}`` optional); 409 when it has
+  ended, 404 when there is none.
+* ``DELETE /admin/rollouts/{model}``: forget an ended rollout (its last routing: all to the
+  baseline, or all to the canary), the model routed as without a rollout again; 409 while
+  it runs, 404 when there is none.
 """
 
 from __future__ import annotations
@@ -97,10 +101,36 @@ async def abort_rollout(model: str, request: Request) -> JSONResponse:
     reason = data.get("reason") if isinstance(data, dict) else None
     text = "operator: aborted" + (f": {reason}" if isinstance(reason, str) and reason else "")
     if rollouts.abort(model, text) is None:
-        raise Refusal(404, f"No rollout of {model!r} is running.", param="model",
-                      code="rollout_not_found")
+        _not_running(rollouts, model)
     view = next(v for v in rollouts.view() if v["model"] == model)
     return JSONResponse(view)
+
+
+def _not_running(rollouts: Rollouts, model: str) -> None:
+    """Raise the refusal for a model whose rollout is not running: 409 ``rollout_ended``
+    when it ended (saying how to clear it), 404 ``rollout_not_found`` when there is none."""
+    run = rollouts.runs.get(model)
+    if run is not None:
+        raise Refusal(409, f"The rollout of {model!r} has already ended "
+                      f"({run.rollout.status}); DELETE /admin/rollouts/{model} clears it.",
+                      param="model", code="rollout_ended")
+    raise Refusal(404, f"No rollout of {model!r} is running.", param="model",
+                  code="rollout_not_found")
+
+
+async def clear_rollout(model: str, request: Request) -> JSONResponse:
+    gw = _gateway(request)
+    rollouts = _rollouts(gw)
+    try:
+        run = rollouts.clear(model)
+    except ValueError as e:
+        raise Refusal(409, f"{e} (POST /admin/rollouts/{model}/abort).", param="model",
+                      code="rollout_running") from None
+    if run is None:
+        raise Refusal(404, f"No rollout of {model!r} to clear.", param="model",
+                      code="rollout_not_found")
+    return JSONResponse({"model": model, "cleared": run.rollout.plan.rollout_id,
+                         "status": run.rollout.status})
 
 
 def install_routes(app: FastAPI) -> None:
@@ -110,4 +140,6 @@ def install_routes(app: FastAPI) -> None:
     app.add_api_route("/admin/rollouts", start_rollout, methods=["POST"],
                       include_in_schema=False)
     app.add_api_route("/admin/rollouts/{model:path}/abort", abort_rollout, methods=["POST"],
+                      include_in_schema=False)
+    app.add_api_route("/admin/rollouts/{model:path}", clear_rollout, methods=["DELETE"],
                       include_in_schema=False)

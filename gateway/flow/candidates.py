@@ -15,7 +15,7 @@ from gateway.fleet.backend import Backend
 
 def candidates(
     backends: Iterable[Backend], model: str, tried: Sequence[str], now: float,
-    version: str | None = None,
+    version: str | None = None, fallback: str | None = None,
 ) -> list[Backend]:
     """Backends that may take a request for ``model`` at monotonic ``now`` and whose ids
     are not in ``tried``: warm, serving it, not cooling after a 429, breaker not open (or a
@@ -25,15 +25,20 @@ def candidates(
 
     ``version``: the ``model_version`` a canary rollout assigned the request
     (:mod:`gateway.flow.rollouts`; None: versions ignored, as without a rollout): only
-    backends of that version, unless none of them qualifies; then the others (the request
-    is served by the other version rather than refused, and counted as a fallback when it
-    ends)."""
+    backends of that version, unless none of them qualifies; then those of ``fallback``
+    (the rollout's other version), and only when neither has one, any other (the request
+    is served by another version rather than refused, and counted as a fallback when it
+    ends: availability first; a third version of the model is the last resort, never a
+    stand-in for the canary)."""
     if version is not None:
         backends = list(backends)
-        same = _candidates(
-            (b for b in backends if b.config.model_version == version), model, tried, now)
-        if same:
-            return same
+        for v in (version, fallback):
+            if v is None:
+                continue
+            same = _candidates(
+                (b for b in backends if b.config.model_version == v), model, tried, now)
+            if same:
+                return same
     return _candidates(backends, model, tried, now)
 
 

@@ -68,6 +68,8 @@ class RequestContext:
     # the model_version a canary rollout assigned it (gateway.flow.rollouts): only backends
     # of that version are its candidates, its retries' and continuations' too; None: any
     version: str | None = None
+    # the rollout's other version: where it goes when none of ``version`` can take it
+    fallback_version: str | None = None
     # its spans when tracing is on (gateway.tracing); None: off
     trace: RequestTrace | None = None
 

@@ -115,7 +115,8 @@ async def detokenize(
     them (vLLM's ``POST /detokenize``: ``{"model", "tokens"}`` in, ``{"prompt": text}``
     out; the simulator serves it too), within ``health.timeout_s`` seconds; None when no
     such backend is routable or it gave no such answer (any error, status or timeout)."""
-    backends = candidates(p.fleet, ctx.model, ctx.tried, p.clock(), ctx.version)
+    backends = candidates(p.fleet, ctx.model, ctx.tried, p.clock(), ctx.version,
+                          ctx.fallback_version)
     if not backends:
         return None
     b = backends[0]

@@ -191,7 +191,8 @@ class Pipeline:
             backend = ctx.pinned if ctx.pinned.id not in tried else None
         else:
             backend = self.router.pick(
-                candidates(self.fleet, ctx.model, tried, now, ctx.version), ctx.session_key
+                candidates(self.fleet, ctx.model, tried, now, ctx.version,
+                           ctx.fallback_version), ctx.session_key
             )
         if backend is None:
             raise NoCandidate

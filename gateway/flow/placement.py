@@ -109,7 +109,8 @@ class Placement:
         as far as its members' prompts fit. Returns how many requests it placed."""
         w: Waiter = unit[0].handle
         ctx = w.ctx
-        cands = candidates(self.fleet, ctx.model, (), self.now, ctx.version)
+        cands = candidates(self.fleet, ctx.model, (), self.now, ctx.version,
+                           ctx.fallback_version)
         if ctx.pinned is not None:  # only its own backend (gateway.flow.responses)
             cands = [c for c in cands if c is ctx.pinned]
         if not cands:  # nothing can take the model at all: the pipeline answers 429/503

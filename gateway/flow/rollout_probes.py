@@ -11,8 +11,11 @@ measure). The baseline *version*'s answers of this round are the reference, not 
 backend's first answers: a canary of another version is compared with what the version
 known to be good answers now. A prompt the canary did not answer counts as a failed probe;
 a round where either side cannot answer at all (no routable backend of the version, a
-transport error) is skipped and logged. The probes go straight to the backends, outside
-admission, like every calibration.
+transport error) is skipped and logged. A measure that does not fit the answers (``cosine``
+on a model that answers text, a text measure on embedding vectors) rolls the rollout back
+at its first round, with that reason (:meth:`gateway.flow.rollouts.Rollouts.misfit`):
+calibration is a must, and it would never be measured. The probes go straight to the
+backends, outside admission, like every calibration.
 """
 
 from __future__ import annotations
@@ -91,9 +94,17 @@ class RolloutProbes:
                 continue
             if answer is None or not _scorable(answer):
                 run.rollout.record_probe(False)
-            elif not run.rollout.observe_calibration(want, answer):  # type: ignore[arg-type]
-                log.info("rollout of %s: calibration probe failed on %s: %r vs %r", model,
-                         can.id, str(answer)[:80], str(want)[:80])
+            else:
+                try:
+                    matched = run.rollout.observe_calibration(want, answer)  # type: ignore[arg-type]
+                except TypeError as e:  # the measure does not fit the model's answers
+                    self.rollouts.misfit(model, f"calibration cannot be measured: {e} "
+                                                f"(calibration.measure "
+                                                f"{run.cfg.calibration.measure!r})")
+                    return scored
+                if not matched:
+                    log.info("rollout of %s: calibration probe failed on %s: %r vs %r",
+                             model, can.id, str(answer)[:80], str(want)[:80])
             scored += 1
         return scored
 

@@ -176,6 +176,32 @@ class Rollouts:
         self._handle(run)
         return run
 
+    def misfit(self, model: str, reason: str) -> None:
+        """Roll ``model``'s running rollout back because its calibration cannot be measured
+        (``reason``: why; :mod:`gateway.flow.rollout_probes`): counted with reason
+        ``calibration``."""
+        run = self.runs.get(model)
+        if run is None or not run.running:
+            return
+        run.rollout.rollback(self.clock(), reason, metric="calibration")
+        self._handle(run)
+
+    def clear(self, model: str) -> RolloutRun | None:
+        """Forget ``model``'s ended rollout (its last routing: every request to the baseline
+        after a rollback, to the canary after a promotion): the model is routed as without
+        a rollout again. Returns it; None when there is none. Raises ``ValueError`` while it
+        runs (abort it first)."""
+        run = self.runs.get(model)
+        if run is None:
+            return None
+        if run.running:
+            raise ValueError(f"the rollout of {model} is running: abort it first")
+        del self.runs[model]
+        self.metrics.rollout_step.remove(model)
+        log.info("rollout %s of %s: cleared (%s): the model is routed as without a rollout",
+                 run.rollout.plan.rollout_id, model, run.rollout.status)
+        return run
+
     def sync(self, configs: Sequence[RolloutConfig], config_version: int | None) -> None:
         """The config's ``rollouts:`` (at start and at each reload that changes them): a
         rollout of the config whose entry is gone or changed is stopped (rolled back, reason
@@ -189,6 +215,11 @@ class Rollouts:
         for model, c in wanted.items():
             have = self.runs.get(model)
             if have is not None and have.cfg == c:
+                if not have.running:
+                    log.info("rollout of %s: the config's entry is the rollout that ended "
+                             "(%s): not started again; change the entry, or clear it "
+                             "(DELETE /admin/rollouts/%s) and apply the config again",
+                             model, have.rollout.status, model)
                 continue
             if have is not None and have.running:  # started by the admin API: left alone
                 log.warning("rollout of %s: the config's entry not started: one started by "
@@ -204,6 +235,7 @@ class Rollouts:
             return
         side = run.rollout.assign(ctx.session_key, client_key, ctx.priority, self.clock())
         ctx.version = run.cfg.canary if side == "canary" else run.cfg.baseline
+        ctx.fallback_version = run.cfg.baseline if side == "canary" else run.cfg.canary
         if len(run.rollout.history) > run.handled:
             self._handle(run)
 
@@ -217,6 +249,11 @@ class Rollouts:
         if run is None or ctx.version is None:
             return
         served = backend.config.model_version if backend is not None else ctx.version
+        for bid in ctx.tried:  # attempts that failed before (a retry hides no canary error)
+            failed = self.fleet.get(bid) if backend is None or bid != backend.id else None
+            was = run.side(failed.config.model_version) if failed is not None else None
+            if was is not None:
+                run.rollout.observe(was, None, None, True)
         side = run.side(served)
         if side is None or served is None:
             return
@@ -290,9 +327,10 @@ class Rollouts:
 
     def restore(self, states: Mapping[str, Mapping[str, Any]]) -> list[str]:
         """Take up the rollouts of ``states`` (:meth:`state`, from a kept snapshot) where
-        they belong: a model's rollout is restored when none is known here, or when the one
-        here is the same config entry that has not decided anything yet (the one
-        :meth:`sync` just started for it at a restart or a rollback); one whose versions
+        they belong: a model's rollout is restored when none runs here (none known, or the
+        one known has ended), or when the one running is the same config entry that has not
+        decided anything yet (the one :meth:`sync` just started for it at a restart or a
+        rollback); one whose versions
         the fleet no longer serves, or that does not parse, is skipped (logged). Returns
         the models restored."""
         now = self.clock()
@@ -303,8 +341,8 @@ class Rollouts:
                 cfg = RolloutConfig.model_validate(st["config"])
                 if st["origin"] not in ("config", "admin"):
                     raise ValueError(f"origin {st['origin']!r}")
-                if have is not None and (have.cfg != cfg or have.rollout.history
-                                         or have.rollout.prior):
+                if have is not None and have.running and (
+                        have.cfg != cfg or have.rollout.history or have.rollout.prior):
                     continue
                 if self.version_problem(cfg) is not None:
                     log.warning("rollout of %s not restored: %s", model,

@@ -17,6 +17,11 @@ the canary's answers to fixed prompts do not depend on its share):
   was not a regression. ``"hold"`` keeps the step (and its growing window) until the
   comparison decides, for models whose traffic is too thin for any bound on time.
 
+Calibration is also checked on its own at every :meth:`tick`, due or not: once the canary
+has answered the minimum of probes and more than 2 % of them failed, the rollout is rolled
+back at once (wrong answers are not a regression to weigh against a sample size: a
+drifted canary would otherwise keep its share until ``min_step_requests``).
+
 At the last step (share 1.0) the baseline serves nothing; its side of the comparison is
 the previous step's baseline window (kept as the reference when a step passes).
 
@@ -47,6 +52,7 @@ from gateway.core.vocab import Prio
 from gateway.traffic.calibration_match import CalibrationMeasure, probe_matches
 from gateway.traffic.rollout_stats import (
     Comparison,
+    MetricResult,
     Thresholds,
     combine,
     compare_calibration,
@@ -287,6 +293,11 @@ class Rollout:
         if self.status != "running":
             return None
         p = self.plan
+        cal = compare_calibration(self.probes, self.probe_failures, p.thresholds)
+        if cal.decision == "fail":  # wrong answers: not one request more than the rule needs
+            cmp = combine([cal])
+            self.last_comparison = cmp
+            return self._roll_back(now, cmp.reason, cmp)
         elapsed = now - self.step_started_at
         due = (elapsed >= p.min_step_s
                and self._window["canary"].requests >= p.min_step_requests)
@@ -315,11 +326,15 @@ class Rollout:
         self._holding = True
         return self._record(now, "hold", f"holding past {p.max_step_s:g} s: {short}", cmp)
 
-    def rollback(self, now: float, reason: str) -> StepRecord | None:
-        """An operator's rollback (None when the rollout has already ended)."""
+    def rollback(self, now: float, reason: str, metric: str | None = None
+                 ) -> StepRecord | None:
+        """An operator's rollback, or (``metric``) one for a metric that cannot be
+        measured, recorded as that metric's failure (None when the rollout has already
+        ended)."""
         if self.status != "running":
             return None
-        return self._roll_back(now, reason, None)
+        cmp = combine([MetricResult(metric, "fail", reason)]) if metric else None
+        return self._roll_back(now, reason, cmp)
 
     def _record(self, now: float, outcome: StepOutcome, reason: str,
                 cmp: Comparison | None) -> StepRecord:

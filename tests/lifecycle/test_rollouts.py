@@ -255,6 +255,65 @@ def test_admin_api_errors_and_abort(servers: Servers) -> None:
                                          max_tokens=2).system_fingerprint
                for _ in range(10)}
         assert {servers.version_of[fp or ""] for fp in fps} == {"v1"}
+        # ended: a second abort says so; DELETE clears it and both versions serve again
+        again = httpx.post(url + "/m1/abort")
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["code"] == "rollout_ended"
+        assert "DELETE" in again.json()["error"]["message"]
+        cleared = httpx.delete(url + "/m1")
+        assert cleared.status_code == 200 and cleared.json()["status"] == "rolled_back"
+        assert httpx.delete(url + "/m1").status_code == 404
+        assert rollouts(gw.url) == []
+        fps = {c.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                 "content": f"y{i}"}],
+                                         max_tokens=2).system_fingerprint
+               for i in range(20)}
+        assert {servers.version_of[fp or ""] for fp in fps} == {"v1", "v2"}
+        assert {b["id"]: b["model_version"] for b in httpx.get(
+            gw.url + "/admin/backends").json()["backends"]} == {"a": "v1", "b": "v2"}
+        # a running rollout keeps both versions: a reload taking one away is refused
+        r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2"})
+        assert r.status_code == 201, r.text
+        text = _config_text(gw, backends=[dict(servers.backends[0])])
+        refused = httpx.post(gw.url + "/admin/config", content=text, timeout=10)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "backends"
+        assert "abort it first" in refused.json()["error"]["message"]
+        assert httpx.delete(url + "/m1").status_code == 409  # running: abort first
+
+
+def test_a_canarys_errors_count_though_retries_hide_them_from_clients(
+    servers: Servers,
+) -> None:
+    """The canary answers 30 % of its requests with a 500; the gateway retries them on the
+    baseline, so no client sees an error, yet each failed attempt is a canary error and the
+    rollout is rolled back for it at its first step."""
+    servers.add("a", "v1")
+    servers.add("b", "v2", faults={"error_rate": 0.3})
+    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
+            **FAST_STEPS, "calibration": {"measure": "off"}}
+    with GatewayThread(config(servers.backends, rollouts=[plan])) as gw:
+        snap, traffic = run_until_decided(gw)
+        assert traffic.failures == []
+        assert snap["status"] == "rolled_back", snap["history"]
+        assert snap["history"][-1]["step"] == 0, snap["history"]
+        assert decisions(gw.url) == {("rolled_back", "errors"): 1}
+
+
+def test_a_calibration_measure_that_cannot_fit_the_answers_rolls_back_at_once(
+    servers: Servers,
+) -> None:
+    servers.add("a", "v1")
+    servers.add("b", "v2")
+    with GatewayThread(config(servers.backends)) as gw:
+        body = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
+                "calibration": {"measure": "cosine", "interval_s": 0.1}}
+        r = httpx.post(gw.url + "/admin/rollouts", json=body, timeout=10)
+        assert r.status_code == 201, r.text
+        assert wait_for(lambda: rollout(gw.url)["status"] == "rolled_back", 20)
+        reason = rollout(gw.url)["history"][-1]["reason"]
+        assert "calibration cannot be measured" in reason and "cosine" in reason, reason
+        assert decisions(gw.url) == {("rolled_back", "calibration"): 1}
 
 
 def test_invalid_rollout_config_names_the_field(servers: Servers) -> None:
@@ -289,6 +348,7 @@ def test_a_version_without_a_routable_backend_falls_back_to_the_other(
 ) -> None:
     servers.add("a", "v1")
     servers.add("b", "v2")
+    servers.add("c", "v3")  # a third version of the model: never the canary's stand-in
     plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
             "min_step_s": 600, "calibration": {"measure": "off"}}
     with GatewayThread(config(servers.backends, rollouts=[plan])) as gw:
@@ -311,6 +371,7 @@ def test_a_version_without_a_routable_backend_falls_back_to_the_other(
         r = httpx.post(gw.url + CHAT, json={"model": MODEL}, timeout=10)
         assert r.status_code == 400, r.text
         servers.threads[0].stop()  # the baseline's only backend too
+        servers.threads[2].stop()  # and the third version's (the last resort)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                 "max_tokens": 2}
         codes = [httpx.post(gw.url + CHAT, json=body, timeout=30).status_code

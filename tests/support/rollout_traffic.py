@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 
+from gateway.config import FaultConfig
 from gateway.sim import EngineParams, ReleaseConfig, SimConfig, SimServerThread
 from tests.support.servers import gateway_config
 
@@ -34,11 +35,14 @@ class Servers:
         self.version_of: dict[str, str] = {}  # system_fingerprint -> version
         self.backends: list[dict[str, Any]] = []
 
-    def add(self, name: str, version: str | None, model: str = MODEL, **release: Any) -> str:
+    def add(self, name: str, version: str | None, model: str = MODEL,
+            faults: dict[str, Any] | None = None, **release: Any) -> str:
         """Start server ``name`` of ``model`` at ``version`` (None: a backend without
-        ``model_version``, known as version "")."""
+        ``model_version``, known as version ""); ``faults``: its ``FaultConfig`` fields,
+        ``release``: its ``ReleaseConfig`` fields."""
         t = SimServerThread(SimConfig(model=model, engine_label=name, engine=ENGINE,
-                                      release=ReleaseConfig(**release)))
+                                      release=ReleaseConfig(**release),
+                                      faults=FaultConfig(**(faults or {}))))
         url = t.start()
         self.threads.append(t)
         self.version_of[t.state.fingerprint] = version or ""

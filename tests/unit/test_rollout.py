@@ -284,3 +284,18 @@ def test_a_good_canary_of_a_model_without_streams_is_promoted_though_it_has_no_i
     assert r.status == "promoted", [h.reason for h in r.history]
     itl = r.history[0].comparison.metric("itl")  # type: ignore[union-attr]
     assert itl.decision == "pass" and "not measured" in itl.reason
+
+
+def test_failing_calibration_rolls_back_as_soon_as_the_probes_say_so_not_when_due() -> None:
+    """Wrong answers end the rollout at the first tick after the minimum of probes, long
+    before the step is due (``min_step_s`` 600 s): the canary serves no more than that."""
+    r = Rollout(RolloutPlan("m", "v1", "v2", min_step_s=600.0, min_step_requests=100),
+                0.0, random.Random(1))
+    need = r.plan.thresholds.min_calibration_probes
+    for i in range(need - 1):
+        r.record_probe(i % 2 == 0)
+    assert r.tick(1.0) is None and r.status == "running"  # not enough probes yet
+    r.record_probe(False)
+    rec = r.tick(2.0)
+    assert rec is not None and rec.outcome == "rolled_back" and rec.step == 0
+    assert rec.reason.startswith("calibration failed"), rec.reason
