@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    applied configs)
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
      "gateway.config_diff", "gateway.config_history", "gateway.reload_input",
-     "gateway.config_rollouts"),
+     "gateway.config_rollouts", "gateway.signals"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
