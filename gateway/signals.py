@@ -60,10 +60,13 @@ class CostSource(Protocol):
 
 class CostCollector(Collector):
     """``gateway_backend_cost_total{backend}`` (currency units accrued since the backend
-    joined the fleet: :func:`gateway.core.cost.accrued_cost`) and
+    joined the fleet, ``joined_at``, or since it was first collected without one:
+    :func:`gateway.core.cost.accrued_cost` over each interval between two scrapes at that
+    interval's price, so a live price change applies from then on) and
     ``gateway_cost_per_million_tokens{model}`` (the cost of the model's backends over the
     last :data:`gateway.core.cost.COST_WINDOW_S` seconds, a backend serving several models
-    split evenly between them, over the model's generated tokens in that window, x 1e6),
+    split evenly between them, at its current price, over the model's generated tokens in
+    that window, x 1e6),
     computed at scrape time. Backends without ``gpu_hour_price`` are left out; a model
     without priced backends or without tokens in the window has no sample."""
 
@@ -76,7 +79,8 @@ class CostCollector(Collector):
         self._fleet = fleet
         self._tokens = tokens
         self._clock = clock
-        self._seen: dict[str, float] = {}  # backends without joined_at: first collected
+        # backend id -> (cost accrued, monotonic s it was accrued to)
+        self._accrued: dict[str, tuple[float, float]] = {}
 
     def collect(self) -> Iterator[Metric]:
         total = CounterMetricFamily(
@@ -93,22 +97,23 @@ class CostCollector(Collector):
         )
         now = self._clock()
         window_cost: dict[str, float] = {}
-        seen = {}
+        accrued: dict[str, tuple[float, float]] = {}
         for b in self._fleet:
             price = b.config.gpu_hour_price
             if price is None:
                 continue
-            since = b.joined_at
-            if since is None:
-                since = self._seen.get(b.id, now)
-            seen[b.id] = since
-            total.add_metric([b.id], accrued_cost(price, b.config.gpus, now - since))
+            since = b.joined_at if b.joined_at is not None else now
+            cost, last = self._accrued.get(b.id, (0.0, since))
+            # accrued at the price of each interval: a live price change never lowers it
+            cost += accrued_cost(price, b.config.gpus, now - last)
+            accrued[b.id] = (cost, max(now, last))
+            total.add_metric([b.id], cost)
             models = b.models
             if models:
                 share = accrued_cost(price, b.config.gpus, min(COST_WINDOW_S, now - since))
                 for m in models:
                     window_cost[m] = window_cost.get(m, 0.0) + share / len(models)
-        self._seen = seen
+        self._accrued = accrued  # a backend that left (or lost its price) starts afresh
         for model in sorted(window_cost):
             value = cost_per_million(window_cost[model], self._tokens.total(model, now))
             if value is not None:

@@ -5,6 +5,7 @@ error type of an answer, cost and the tokens window, and the exposition without
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from gateway.core.outcomes import (
 from gateway.core.samples import LoadSample, prefix_cache_hit_ratio
 from gateway.core.vocab import ErrorType
 from gateway.fleet.telemetry import parse_dcgm, scan_vllm
-from gateway.signals import exposition
+from gateway.signals import CostCollector, exposition
 
 # ../shared/real-vllm beside the checkout (a real vLLM server's /metrics, scripts/vllm-cpu)
 REAL_VLLM = Path(__file__).resolve().parents[3] / "shared" / "real-vllm" / "metrics_sample.txt"
@@ -138,3 +139,43 @@ def test_exposition_has_no_created_series() -> None:
     text = exposition(r).decode()
     assert "c_total 1.0" in text and "h_count 1.0" in text
     assert "_created" not in text
+
+
+@dataclass
+class _Priced:
+    gpu_hour_price: float | None
+    gpus: int = 1
+
+
+@dataclass
+class _Backend:
+    id: str
+    config: _Priced
+    models: tuple[str, ...] = ("m",)
+    joined_at: float | None = 0.0
+
+
+def _collect(c: CostCollector) -> dict[tuple[str, str], float]:
+    return {(s.name, next(iter(s.labels.values()))): s.value
+            for fam in c.collect() for s in fam.samples}
+
+
+def test_cost_accrues_at_each_interval_s_price_and_per_million_tokens() -> None:
+    now = [0.0]
+    a = _Backend("a", _Priced(3.6, gpus=2))  # 2 GPUs at 3.6/h: 0.002 a second
+    b = _Backend("b", _Priced(3.6), models=("m", "n"))  # split between two models
+    free = _Backend("free", _Priced(None))
+    tokens = TokenWindow()
+    c = CostCollector([a, b, free], tokens, clock=lambda: now[0])
+    now[0] = 100.0
+    tokens.add("m", 1000, now=100.0)
+    got = _collect(c)
+    assert got[("gateway_backend_cost_total", "a")] == pytest.approx(0.2)
+    assert got[("gateway_backend_cost_total", "b")] == pytest.approx(0.1)
+    assert ("gateway_backend_cost_total", "free") not in got
+    # m: a's 0.2 + half of b's 0.1 over 1000 tokens, per million
+    assert got[("gateway_cost_per_million_tokens", "m")] == pytest.approx(250.0)
+    assert ("gateway_cost_per_million_tokens", "n") not in got  # no tokens
+    a.config = _Priced(0.0, gpus=2)  # a live price change: from now on
+    now[0] = 200.0
+    assert _collect(c)[("gateway_backend_cost_total", "a")] == pytest.approx(0.2)
