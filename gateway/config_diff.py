@@ -9,7 +9,8 @@ differs and "restart the gateway to change it", and the running config stays as 
   slow start before it takes its share); an id that is gone is **removed** (drained: no new
   requests, in-flight ones finish, then it leaves the fleet); an id kept with other
   settings is **changed** in place when only :data:`LIVE_BACKEND_FIELDS` differ (its
-  ``role``, ``max_num_seqs``, its key, its ``model_version``). Another field of a kept id
+  ``role``, ``max_num_seqs``, its key, its ``model_version``, its ``gpu_hour_price`` and
+  ``gpus``: the cost series read them at each scrape). Another field of a kept id
   (its ``url``, ``models``, GPU telemetry, placement) is refused: give the backend a new id
   (one added, the other removed and drained) or restart.
 * ``auth``: client keys (added, removed, rotated, new priorities and limits) and the admin
@@ -39,7 +40,7 @@ LIVE_SECTIONS = frozenset({"auth", "backends", "admission", "routing.weights", "
 above)."""
 
 LIVE_BACKEND_FIELDS = frozenset({"role", "max_num_seqs", "api_key", "api_key_env",
-                                 "model_version"})
+                                 "model_version", "gpu_hour_price", "gpus"})
 """A kept backend's fields that change in place."""
 
 RESTART = "restart the gateway to change it"

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    optional OpenTelemetry spans, no-op without the SDK)
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
      "gateway.config_diff", "gateway.config_history", "gateway.reload_input",
-     "gateway.config_rollouts", "gateway.logs", "gateway.tracing"),
+     "gateway.config_rollouts", "gateway.logs", "gateway.tracing", "gateway.signals"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
