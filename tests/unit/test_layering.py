@@ -29,9 +29,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    (gateway.embedded: the uvicorn server the gateway, the simulator and tests embed)
     #    (gateway.config_diff: what a live reload changes; gateway.config_history: the kept
     #    applied configs)
+    #    (gateway.ops.*: the dashboard and alert rules built from the config's thresholds)
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
      "gateway.config_diff", "gateway.config_history", "gateway.reload_input",
-     "gateway.config_rollouts"),
+     "gateway.config_rollouts", "gateway.ops.*"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
@@ -92,6 +93,9 @@ PURE = (
     "gateway.proxy.transcript",
     "gateway.proxy.continuation",
     "gateway.proxy.stitch",
+    "gateway.ops.dashboard",
+    "gateway.ops.alerts",
+    "gateway.ops.limits",
 )
 """No I/O: these take time and data as arguments."""
 IO_LIBRARIES = (
