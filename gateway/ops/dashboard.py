@@ -65,14 +65,15 @@ class Row:
 
 
 def _quantiles(metric: str, by: str, qs: tuple[float, ...], selector: str = MODEL,
-               under_load: bool = True) -> tuple[Target, ...]:
-    """``histogram_quantile`` targets of ``metric``'s buckets by ``by`` at each of ``qs``."""
+               under_load: bool = True, legend: str = "") -> tuple[Target, ...]:
+    """``histogram_quantile`` targets of ``metric``'s buckets by ``by`` at each of ``qs``
+    (legends ``<legend><by value> P<q>``)."""
     sel = f"{{{selector}}}" if selector else ""
     return tuple(
         Target(
             f"histogram_quantile({q}, sum by ({by}, le) "
             f"(rate({metric}_bucket{sel}[{RATE}])))",
-            "{{" + by + "}}" + f" P{round(q * 100)}",
+            legend + "{{" + by + "}}" + f" P{round(q * 100)}",
             under_load,
         )
         for q in qs
@@ -244,17 +245,20 @@ def admission() -> Row:
               (Target("sum by (bucket) (gateway_queue_depth)", "batcher {{bucket}}"),
                Target("sum(max by (backend) (gateway_backend_waiting))",
                       "vLLM waiting")), stacked=False),
-        Panel("Admission queue wait P50 / P99 by priority", "Time requests waited for a slot.",
-              _quantiles("gateway_admission_queue_wait_seconds", "priority", (0.5, 0.99),
-                         selector=""), "s"),
+        Panel("Queue wait P99", "Time requests waited for a slot: in the admission "
+              "scheduler's queue by priority, or, with the batcher on (its buckets are the "
+              "queue then), in the batcher by bucket.",
+              _quantiles("gateway_admission_queue_wait_seconds", "priority", (0.99,),
+                         selector="", under_load=False, legend="admission ")
+              + _quantiles("gateway_batch_wait_seconds", "bucket", (0.99,), selector="",
+                           legend="batcher "),
+              "s"),
         Panel("Rejections/s by layer", "Requests refused by admission (entry: per-key "
               "limits; scheduler; resource; power; degraded).",
               (Target("sum by (layer) (rate(gateway_admission_rejections_total"
                       f"[{RATE}]))", "{{layer}}"),), "reqps", stacked=True),
         Panel("Batch size P50 / P99", "Requests per batch the batcher dispatched.",
               _quantiles("gateway_batch_size", "bucket", (0.5, 0.99), selector="")),
-        Panel("Batch wait P99", "Time a request waited in its batcher bucket.",
-              _quantiles("gateway_batch_wait_seconds", "bucket", (0.99,), selector=""), "s"),
         Panel("Degraded mode level", "0: off; higher levels cap max_tokens and shed.",
               (Target("max(gateway_degraded_mode)", "level"),)),
     ))
