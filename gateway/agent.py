@@ -15,6 +15,9 @@ name                              NVML source                                 un
 ``DCGM_FI_DEV_XID_ERRORS``        last Xid code from NVML's Xid events (0)     code
 ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``  ``nvmlDeviceGetTotalEccErrors`` (volatile,  count
                                   uncorrected)
+``DCGM_FI_DEV_GPU_UTIL``          ``nvmlDeviceGetUtilizationRates`` (``.gpu``) %
+``DCGM_FI_DEV_FB_USED``           ``nvmlDeviceGetMemoryInfo`` (``.used``)      MiB (NVML B)
+``DCGM_FI_DEV_FB_FREE``           ``nvmlDeviceGetMemoryInfo`` (``.free``)      MiB (NVML B)
 ================================  ==========================================  ==========
 
 A field a GPU does not support (ECC on consumer GPUs, for instance) is left out for that GPU.
@@ -51,7 +54,11 @@ _HELP = {
     "DCGM_FI_DEV_SM_CLOCK": "SM clock frequency (in MHz).",
     "DCGM_FI_DEV_XID_ERRORS": "Value of the last XID error encountered.",
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": "Total number of double-bit volatile ECC errors.",
+    "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %).",
+    "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB).",
+    "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
 }
+_MIB = 1024 * 1024
 _LABELS = ["gpu", "UUID", "device", "modelName", "Hostname"]
 
 
@@ -140,6 +147,15 @@ class NvmlReader:
         except pynvml.NVMLError:  # not supported on this GPU, or a transient failure
             return None
 
+    @staticmethod
+    def _memory(h: Any) -> tuple[float | None, float | None]:
+        """``(used, free)`` framebuffer bytes of GPU ``h`` (None, None: unavailable)."""
+        try:
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        except pynvml.NVMLError:
+            return None, None
+        return float(mem.used), float(mem.free)
+
     def read(self) -> list[dict[str, float | None]]:
         """One reading per GPU, in index order: DCGM name -> value (None: unavailable)."""
         with self._lock:
@@ -149,6 +165,8 @@ class NvmlReader:
                 f = self._field
                 power_mw = f(partial(pynvml.nvmlDeviceGetPowerUsage, h))
                 limit_mw = f(partial(pynvml.nvmlDeviceGetPowerManagementLimit, h))
+                util = f(partial(lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu, h))
+                used_b, free_b = self._memory(h)
                 out.append(
                     {
                         "DCGM_FI_DEV_GPU_TEMP": f(
@@ -172,6 +190,9 @@ class NvmlReader:
                                 pynvml.NVML_VOLATILE_ECC,
                             )
                         ),
+                        "DCGM_FI_DEV_GPU_UTIL": util,
+                        "DCGM_FI_DEV_FB_USED": None if used_b is None else used_b / _MIB,
+                        "DCGM_FI_DEV_FB_FREE": None if free_b is None else free_b / _MIB,
                     }
                 )
             return out

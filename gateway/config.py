@@ -1097,6 +1097,18 @@ class BackendConfig(_Strict):
         "build); clients keep asking for the model name, and a rollout moves a model's "
         "traffic from one version to another; null: unversioned",
     )
+    gpu_hour_price: float | None = Field(
+        None,
+        ge=0,
+        description="what one of its GPUs costs per hour, in the operator's currency units "
+        "(e.g. 2.5 for a GPU rented at 2.50 USD an hour); with gpus it gives "
+        "gateway_backend_cost_total and gateway_cost_per_million_tokens; null: no cost "
+        "is exported for it",
+    )
+    gpus: int = Field(
+        1, ge=1, description="GPUs it runs on (tensor x pipeline parallel): what it costs "
+        "is gpu_hour_price x gpus per hour",
+    )
 
     @field_validator("url")
     @classmethod
@@ -1154,6 +1166,10 @@ class BackendTemplate(_Strict):
     capacity_type: Literal["on-demand", "spot"] = Field(
         "on-demand", description="unless the node's labels say otherwise"
     )
+    gpu_hour_price: float | None = Field(
+        None, ge=0, description="per GPU-hour, as backends[].gpu_hour_price"
+    )
+    gpus: int = Field(1, ge=1, description="as backends[].gpus")
 
 
 def parse_nameserver(entry: str) -> tuple[str, int]:

@@ -16,13 +16,22 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-from gateway.core.samples import LoadSample
+from gateway.core.cost import TokenWindow
+from gateway.core.samples import GpuReading, LoadSample
 from gateway.core.vocab import BackendState, ThermalTier
+from gateway.signals import ITL_BUCKETS, TTFT_BUCKETS, CostCollector, CostSource, build_labels
 
 # Latency buckets (seconds) spanning sub-millisecond proxy overhead to long generations.
 LATENCY_BUCKETS = (
@@ -62,7 +71,8 @@ class BackendGauges(Protocol):
     """What :class:`FleetCollector` reads of one backend (``gateway.fleet.backend.Backend``
     has it): the models it serves, lifecycle state, requests open on it, the last scraped
     load, when the last good scrape was (monotonic s, None: never), the hung watchdog's
-    silence (s) and the breaker (None: none yet)."""
+    silence (s), the breaker (None: none yet) and the prefix-cache hit ratio between its
+    last scrapes (0-1, None: unknown)."""
 
     @property
     def id(self) -> str: ...
@@ -80,6 +90,8 @@ class BackendGauges(Protocol):
     def liveness(self) -> _Silence: ...
     @property
     def breaker(self) -> _Breaker | None: ...
+    @property
+    def prefix_cache_hit_ratio(self) -> float | None: ...
 
 
 class ThermalReading(Protocol):
@@ -160,7 +172,20 @@ class FleetCollector(Collector):
         )
         kv = GaugeMetricFamily(
             "gateway_backend_kv_cache_usage",
-            "Last scraped KV-cache usage (0-1)",
+            "DEPRECATED (removed in the next release): gateway_backend_kv_cache_usage_ratio",
+            labels=["backend"],
+        )
+        kv_ratio = GaugeMetricFamily(
+            "gateway_backend_kv_cache_usage_ratio",
+            "Last scraped KV-cache usage (0-1, vllm:kv_cache_usage_perc)",
+            labels=["backend"],
+        )
+        prefix = GaugeMetricFamily(
+            "gateway_backend_prefix_cache_hit_ratio",
+            "Prefix-cache hits over queries (tokens, 0-1) between the backend's last two "
+            "scrapes that saw queries (vllm:prefix_cache_hits_total / "
+            "vllm:prefix_cache_queries_total; vllm:gpu_prefix_cache_hit_rate when the "
+            "server has only that)",
             labels=["backend"],
         )
         breaker = GaugeMetricFamily(
@@ -198,6 +223,9 @@ class FleetCollector(Collector):
                 waiting.add_metric([b.id], b.load.waiting)
                 running.add_metric([b.id], b.load.running)
                 kv.add_metric([b.id], b.load.kv_cache_usage)
+                kv_ratio.add_metric([b.id], b.load.kv_cache_usage)
+            if b.prefix_cache_hit_ratio is not None:
+                prefix.add_metric([b.id], b.prefix_cache_hit_ratio)
             if b.last_scrape_ok_at is not None:
                 age.add_metric([b.id], now - b.last_scrape_ok_at)
             silence.add_metric([b.id], b.liveness.silence_s)
@@ -217,7 +245,8 @@ class FleetCollector(Collector):
             for s, n in by_state.items():
                 per_model.add_metric([model, s.value], n)
         yield from (
-            state, per_model, in_flight, waiting, running, kv, age, silence, breaker, ratio
+            state, per_model, in_flight, waiting, running, kv, kv_ratio, prefix, age, silence,
+            breaker, ratio,
         )
 
 
@@ -306,9 +335,17 @@ class ZoneScoreCollector(Collector):
             "spot.half_life_s); a spot backend's share of traffic is scaled by it",
             labels=["zone"],
         )
+        ratio = GaugeMetricFamily(
+            "gateway_spot_zone_score_ratio",
+            "Spot health score of the zone (0-1; gateway_spot_zone_score's new name, that "
+            "one is DEPRECATED and removed in the next release)",
+            labels=["zone"],
+        )
         for zone, score in sorted(self._scores().items()):
             g.add_metric([zone], score)
+            ratio.add_metric([zone], score)
         yield g
+        yield ratio
 
 
 def _remove_series(metric: MetricWrapperBase, label: str, value: str) -> None:
@@ -580,6 +617,12 @@ class GatewayMetrics:
         )
         self.calibration_score = Gauge(
             "gateway_calibration_score",
+            "DEPRECATED (removed in the next release): gateway_calibration_score_ratio",
+            ["backend"],
+            registry=r,
+        )
+        self.calibration_score_ratio = Gauge(
+            "gateway_calibration_score_ratio",
             "Last calibration similarity to the baseline (0-1)",
             ["backend"],
             registry=r,
@@ -844,6 +887,72 @@ class GatewayMetrics:
             ["zone", "instance_type"],
             registry=r,
         )
+        # ---- operator signals (issue 19) ----------------------------------------------------
+        self.stream_ttft = Histogram(
+            "gateway_ttft_seconds",
+            "A stream's time to first token as the client sees it: request received -> its "
+            "first events (vLLM sends its first chunk with the first token) written to the "
+            "client, by model and the backend that produced them (non-streams are not in "
+            "it: see gateway_time_to_first_byte_seconds)",
+            ["model", "backend"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "gateway_itl_seconds",
+            "Inter-token latency as the gateway sees it: seconds between two consecutive "
+            "content events (data events other than [DONE]) of one stream written to the "
+            "client (0 for events written together), by model and backend (after a "
+            "continuation, the backend that sent the later event); n events give n-1 "
+            "observations",
+            ["model", "backend"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "gateway_request_errors",
+            "Client requests that ended in an error, by model ('' when refused before the "
+            "model was known) and error_type (gateway.core.vocab.ErrorType): timeout, "
+            "upstream_5xx, connect, cut, in_band_error, rate_limited, admission_refused, "
+            "client_disconnect; a 4xx about the request itself is not counted",
+            ["model", "error_type"],
+            registry=r,
+        )
+        self.gpu_utilization = Gauge(
+            "gateway_gpu_utilization_ratio",
+            "Share of time a kernel ran on the GPU (0-1; DCGM_FI_DEV_GPU_UTIL / 100 or "
+            "NVML's utilization through llm-gateway agent), last GPU telemetry scrape",
+            ["backend", "gpu"],
+            registry=r,
+        )
+        self.gpu_fb_used = Gauge(
+            "gateway_gpu_framebuffer_used_bytes",
+            "GPU framebuffer memory used, bytes (DCGM_FI_DEV_FB_USED MiB x 2^20)",
+            ["backend", "gpu"],
+            registry=r,
+        )
+        self.gpu_fb_total = Gauge(
+            "gateway_gpu_framebuffer_total_bytes",
+            "GPU framebuffer memory in all, bytes (DCGM_FI_DEV_FB_USED + FB_FREE "
+            "(+ FB_RESERVED), or DCGM_FI_DEV_FB_TOTAL)",
+            ["backend", "gpu"],
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "gateway_build_info",
+            "1, labelled with the gateway's version, the Python version and the platform",
+            ["version", "python", "platform"],
+            registry=r,
+        )
+        self.build_info.labels(**build_labels()).set(1)
+        ProcessCollector(registry=r)  # process_* (Linux /proc)
+        PlatformCollector(registry=r)  # python_info
+        # completion tokens per model over the cost window (gateway_cost_per_million_tokens)
+        self.generated = TokenWindow()
+        # (model, backend) -> (TTFT child, ITL child's observe)
+        self._stream_children: dict[tuple[str, str], tuple[Any, Callable[[float], None]]] = {}
+        self._error_children: dict[tuple[str, str], Any] = {}
+        self._token_children: dict[str, tuple[Any, Any]] = {}
         # warm pool hit ratio = hits / requests, computed at scrape time
         self.warm_pool_requests = 0
         self.warm_pool_hits = 0
@@ -859,10 +968,13 @@ class GatewayMetrics:
         for metric in vars(self).values():
             if isinstance(metric, MetricWrapperBase) and "backend" in metric._labelnames:
                 _remove_series(metric, "backend", backend_id)
+        for key in [k for k in self._stream_children if k[1] == backend_id]:
+            del self._stream_children[key]
 
     def forget_model(self, model: str) -> None:
         """Drop the autoscaling and cold-start series of ``model`` (no backend serves it
-        any more, and the autoscaler no longer decides for it)."""
+        any more, and the autoscaler no longer decides for it) and its token window."""
+        self.generated.forget(model)
         for metric in (
             self.autoscale_desired,
             self.replicas_by_state,
@@ -875,6 +987,68 @@ class GatewayMetrics:
     def attach_fleet(self, fleet: Iterable[BackendGauges]) -> None:
         """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
         self.registry.register(FleetCollector(fleet, self))
+
+    def attach_cost(
+        self, fleet: Iterable[CostSource], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """Export ``gateway_backend_cost_total`` and ``gateway_cost_per_million_tokens`` of
+        ``fleet``'s priced backends (:class:`gateway.signals.CostCollector`; ``clock``:
+        the monotonic seconds its ``joined_at`` and :attr:`generated` are in)."""
+        self.registry.register(CostCollector(fleet, self.generated, clock))
+
+    def stream_children(self, model: str, backend: str) -> tuple[Any, Callable[[float], None]]:
+        """The ``gateway_ttft_seconds`` child and the ``gateway_itl_seconds`` child's
+        ``observe`` of (``model``, ``backend``), cached: the relay calls the latter once per
+        content event, a dict lookup and one observe."""
+        key = (model, backend)
+        children = self._stream_children.get(key)
+        if children is None:
+            children = self._stream_children[key] = (
+                self.stream_ttft.labels(model, backend),
+                self.itl.labels(model, backend).observe,
+            )
+        return children
+
+    def count_error(self, model: str, error_type: str) -> None:
+        """Count one client request that ended in an error of ``error_type``
+        (:class:`gateway.core.vocab.ErrorType`) in ``gateway_request_errors_total``."""
+        key = (model, error_type)
+        child = self._error_children.get(key)
+        if child is None:
+            child = self._error_children[key] = self.request_errors.labels(model, error_type)
+        child.inc()
+
+    def count_tokens(self, model: str, prompt: int, completion: int, now: float) -> None:
+        """Count an answer's ``prompt`` and ``completion`` tokens in
+        ``gateway_tokens_total{model,kind}`` (cached children) and the completion tokens
+        in :attr:`generated` at ``now`` (monotonic seconds)."""
+        children = self._token_children.get(model)
+        if children is None:
+            children = self._token_children[model] = (
+                self.tokens.labels(model, "prompt"),
+                self.tokens.labels(model, "completion"),
+            )
+        children[0].inc(prompt)
+        children[1].inc(completion)
+        if completion:
+            self.generated.add(model, completion, now)
+
+    def observe_gpus(self, backend: str, readings: Iterable[GpuReading]) -> None:
+        """Set the per-GPU utilization and framebuffer gauges of ``backend`` from one GPU
+        telemetry scrape's ``readings`` (a value a GPU did not report is left out)."""
+        for g in readings:
+            for gauge, value in (
+                (self.gpu_utilization, g.util_ratio),
+                (self.gpu_fb_used, g.fb_used_bytes),
+                (self.gpu_fb_total, g.fb_total_bytes),
+            ):
+                if value is not None:
+                    gauge.labels(backend, g.gpu).set(value)
+
+    def forget_gpus(self, backend: str) -> None:
+        """Drop ``backend``'s per-GPU gauges (its GPU telemetry failed: no stale value)."""
+        for gauge in (self.gpu_utilization, self.gpu_fb_used, self.gpu_fb_total):
+            _remove_series(gauge, "backend", backend)
 
     def attach_thermal(
         self, view: Callable[[], ThermalReadings], clock: Callable[[], float]

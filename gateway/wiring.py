@@ -135,6 +135,7 @@ def build_gateway(
     fleet = Fleet.from_config(cfg, clock)
     metrics = GatewayMetrics()
     metrics.attach_fleet(fleet)
+    metrics.attach_cost(fleet, clock)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
     coord = Coordination(cfg, metrics) if cfg.coordination.enabled else None
     if coord is not None:

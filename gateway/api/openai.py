@@ -45,8 +45,8 @@ from gateway.api.parsing import (
     read_body_counted,
     sane_request_id,
 )
-from gateway.core.outcomes import BackendAnswer
-from gateway.core.vocab import Cut
+from gateway.core.outcomes import BackendAnswer, refusal_error_type, status_error_type
+from gateway.core.vocab import Cut, ErrorType
 from gateway.flow.context import (
     NOTHING_GENERATED,
     Answer,
@@ -108,6 +108,7 @@ def answered(
     status: int,
     started: float,
     version: str = "",
+    error: ErrorType | None = None,
 ) -> None:
     """Record one client request answered without a stream: its ``status`` (and
     ``version``: :func:`gateway.flow.context.version_label`, "" before the request has a
@@ -115,8 +116,13 @@ def answered(
     (``time.perf_counter()`` seconds at arrival) in both latency histograms, the answer
     being ready now (its first byte and its end go out together). A 499 (the client hung
     up: no byte reached it) has a duration but no time to first byte. ``model`` is "" when
-    not known yet."""
+    not known yet. An error is counted in ``gateway_request_errors_total`` as ``error``,
+    or when None as its status says (:func:`gateway.core.outcomes.status_error_type`)."""
     metrics.count_request(endpoint, model, status, version)
+    if error is None:
+        error = status_error_type(status)
+    if error is not None:
+        metrics.count_error(model, error)
     elapsed = time.perf_counter() - started
     metrics.observe_latency(endpoint, model, None if status == 499 else elapsed, elapsed)
 
@@ -156,7 +162,7 @@ async def model_response(
             prio_value = v
     rid = sane_request_id(rid_value)
     if gw.shutting_down:
-        answered(metrics, endpoint, "", 503, started)
+        answered(metrics, endpoint, "", 503, started, error=ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)
     payload: dict[str, Any] | None = None
     try:
@@ -178,7 +184,8 @@ async def model_response(
             await gw.responses.recall(previous)  # fleet mode: learned by another replica?
         pinned = gw.responses.follow_up(previous) if isinstance(previous, str) else None
     except Refusal as e:  # counted under the body's model when a backend serves it
-        answered(metrics, endpoint, model_label(gw, payload), e.status, started)
+        answered(metrics, endpoint, model_label(gw, payload), e.status, started,
+                 error=refusal_error_type(e))
         log_refusal(e, endpoint, rid)
         return render(e, rid, idh)
     except ClientGone:
@@ -186,7 +193,7 @@ async def model_response(
         answered(metrics, endpoint, "", 499, started)
         return Response(status_code=499)
     except UploadCut:
-        answered(metrics, endpoint, "", 503, started)
+        answered(metrics, endpoint, "", 503, started, error=ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)
     stream = payload.get("stream") is True
     cut = CutHandle()
@@ -273,7 +280,8 @@ async def model_response(
     except Refusal as e:  # (admission's own carry the key's limits; later ones get them here)
         watch.stop()
         ctx.settle(NOTHING_GENERATED)  # no backend served it: the key pays no tokens
-        answered(metrics, endpoint, model, e.status, started, version_label(None, ctx.version))
+        answered(metrics, endpoint, model, e.status, started, version_label(None, ctx.version),
+                 refusal_error_type(e))
         if rollouts is not None and ctx.version is not None:
             rollouts.observe_failure(ctx, e.status)
         log_refusal(e, endpoint, rid)
@@ -294,7 +302,8 @@ async def model_response(
             metrics.client_disconnects.labels(endpoint).inc()
             answered(metrics, endpoint, model, 499, started, version_label(None, ctx.version))
             return Response(status_code=499)
-        answered(metrics, endpoint, model, 503, started, version_label(None, ctx.version))
+        answered(metrics, endpoint, model, 503, started, version_label(None, ctx.version),
+                 ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)
     if opened.framer is not None:  # the stream's end observes it (Pipeline.stream_done)
         resumer = None
@@ -373,6 +382,7 @@ def _relay(
         kind=stream_kind(ctx.endpoint),
         heard=opened.backend.heard,
         resumer=resumer,
+        itl=gw.metrics.stream_children(ctx.model, opened.backend.id)[1],
     )
 
 

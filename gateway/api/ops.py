@@ -15,8 +15,10 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
+
+from gateway.signals import exposition
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -99,10 +101,9 @@ async def ready_fleet(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """Prometheus text exposition of the gateway's own registry."""
-    return Response(
-        generate_latest(_gateway(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+    """Prometheus text exposition of the gateway's own registry, without ``_created``
+    series (:func:`gateway.signals.exposition`)."""
+    return Response(exposition(_gateway(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def install_routes(app: FastAPI) -> None:

@@ -13,6 +13,8 @@ written out in one place.
 
 from __future__ import annotations
 
+from gateway.core.vocab import Cut, ErrorType
+
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 
@@ -26,6 +28,8 @@ class Refusal(Exception):
     ``retry-after-ms``; None: no such header). ``retryable=False`` adds
     ``x-should-retry: false`` (openai-python and other Stainless SDKs then do not retry).
     ``headers``: more headers for the answer (``x-ratelimit-*``), name and value.
+    ``error_type``: its ``gateway_request_errors_total`` label when the status alone does
+    not say it (admission's refusals); None: :func:`refusal_error_type` derives it.
     """
 
     def __init__(
@@ -39,8 +43,10 @@ class Refusal(Exception):
         *,
         retryable: bool = True,
         headers: list[tuple[str, str]] | None = None,
+        error_type: ErrorType | None = None,
     ) -> None:
         super().__init__(message)
+        self.error_type = error_type
         self.status = status
         self.message = message
         self.type = type_
@@ -64,6 +70,7 @@ def shutting_down() -> Refusal:
         SERVER_ERROR,
         "gateway_shutting_down",
         retry_after_s=1.0,
+        error_type=ErrorType.ADMISSION_REFUSED,
     )
 
 
@@ -91,3 +98,57 @@ class BackendAnswer(Exception):
         self.headers = headers
         self.retry_after_s = retry_after_s
         self.version = version
+
+
+def status_error_type(status: int) -> ErrorType | None:
+    """The error type of an answer known only by its HTTP ``status``: 499 (the client
+    hung up) ``client_disconnect``, 429 ``rate_limited``, 504 ``timeout``, another 5xx
+    ``upstream_5xx`` (a backend's own answer, relayed); None for the rest (a success, or a
+    4xx: the request's own fault, not an error of the service)."""
+    if status == 499:
+        return ErrorType.CLIENT_DISCONNECT
+    if status == 429:
+        return ErrorType.RATE_LIMITED
+    if status == 504:
+        return ErrorType.TIMEOUT
+    if 500 <= status <= 599:
+        return ErrorType.UPSTREAM_5XX
+    return None
+
+
+def refusal_error_type(refusal: Refusal) -> ErrorType | None:
+    """The error type of the gateway's own answer ``refusal``: its ``error_type`` when set
+    (admission's), else ``timeout`` for ``upstream_timeout``, ``rate_limited`` for a 429,
+    ``connect`` for another 5xx (no backend could be reached or none was available: the
+    gateway answers itself only when no backend answered), None for a 4xx (the request's
+    fault)."""
+    if refusal.error_type is not None:
+        return refusal.error_type
+    if refusal.code == "upstream_timeout" or refusal.status == 504:
+        return ErrorType.TIMEOUT
+    if refusal.status == 429:
+        return ErrorType.RATE_LIMITED
+    if refusal.status >= 500:
+        return ErrorType.CONNECT
+    return None
+
+
+_STREAM_TIMEOUTS = frozenset({"upstream_idle_timeout"})
+
+
+def stream_error_type(outcome: str) -> ErrorType | None:
+    """The error type of a relayed stream that ended with ``outcome``
+    (:class:`gateway.proxy.relay.StreamOutcome`): None for ``ok``; ``client_disconnect``
+    (the client hung up), ``in_band_error``, ``timeout`` (``upstream_idle_timeout``), and
+    ``cut`` for every other end after the first event (``upstream_disconnected``,
+    ``upstream_incomplete``, a drain deadline, a hung backend, the gateway's shutdown)."""
+    if outcome == "ok":
+        return None
+    if outcome == Cut.CLIENT_GONE:
+        return ErrorType.CLIENT_DISCONNECT
+    if outcome == "in_band_error":
+        return ErrorType.IN_BAND_ERROR
+    if outcome in _STREAM_TIMEOUTS:
+        return ErrorType.TIMEOUT
+    return ErrorType.CUT
+

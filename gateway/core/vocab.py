@@ -81,3 +81,18 @@ class Cut(StrEnum):
     DRAIN_DEADLINE = "drain_deadline"  # its backend's drain deadline passed
     BACKEND_HUNG = "backend_hung"  # its backend stopped answering even a 1-token probe
     SHUTDOWN = "gateway_shutdown"  # the gateway's own grace period ended
+
+
+class ErrorType(StrEnum):
+    """The ``error_type`` label of ``gateway_request_errors_total``: why a client request
+    ended in an error the client saw (one per request, counted where it ended)."""
+
+    TIMEOUT = "timeout"  # no answer in time (504), or a stream idle past proxy.idle_timeout_s
+    UPSTREAM_5XX = "upstream_5xx"  # a backend's own 5xx answer, relayed
+    CONNECT = "connect"  # no backend reachable: connection failed, none available (502/503)
+    CUT = "cut"  # a stream broken after its first event (disconnected, incomplete, cut)
+    IN_BAND_ERROR = "in_band_error"  # a 200 stream that carried the backend's error event
+    RATE_LIMITED = "rate_limited"  # a 429: the client key's limits or the backends'
+    ADMISSION_REFUSED = "admission_refused"  # refused by admission (load, power, degraded)
+    CLIENT_DISCONNECT = "client_disconnect"  # the client hung up before the answer ended
+

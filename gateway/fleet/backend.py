@@ -29,7 +29,7 @@ from gateway.config import (
     BackendConfig,
     BackendRole,
 )
-from gateway.core.samples import LoadSample
+from gateway.core.samples import LoadSample, prefix_cache_hit_ratio
 from gateway.core.vocab import BackendState
 from gateway.fleet.cycles import CycleClock, never_due
 from gateway.fleet.gpu_health import GpuHealth
@@ -100,6 +100,7 @@ class Backend:
     suspected: bool = False
     # The control-plane record (ControlRecord; monotonic seconds): FleetState's alone.
     first_seen: float | None = None  # when the gateway first knew it (cold start timer)
+    joined_at: float | None = None  # monotonic: when it joined the fleet (cost accrues since)
     warm_since: float | None = None  # start of the slow-start ramp
     drain_deadline: float | None = None
     drained: bool = False  # a manual drain finished: no in-flight left, out of rotation
@@ -115,6 +116,9 @@ class Backend:
     calibration_score: float | None = None
     needs_calibration: bool = False  # drifted: must pass calibration before warm again
     probe_ttft_s: float | None = None  # last application probe's time to first token
+    # prefix-cache hits / queries between its last two scrapes with queries (0-1; None:
+    # unknown), gateway.core.samples.prefix_cache_hit_ratio
+    prefix_cache_hit_ratio: float | None = None
     cooling_until: float = 0.0  # monotonic; a 429/503 Retry-After keeps requests away
     busy_since: float = 0.0  # monotonic: when in-flight last went from 0 to 1
     last_answer_at: float = 0.0  # monotonic: the last answer (or first event) it gave
@@ -250,7 +254,12 @@ class Backend:
 
     def scraped(self, load: LoadSample, now: float) -> None:
         """A ``/metrics`` scrape answered at monotonic ``now`` with ``load``: the latest
-        sample, and one observation of the service model."""
+        sample, one observation of the service model, and the prefix-cache hit ratio since
+        the previous scrape (:func:`gateway.core.samples.prefix_cache_hit_ratio`; an
+        interval without queries leaves the last one standing)."""
+        ratio = prefix_cache_hit_ratio(self.load, load)
+        if ratio is not None:
+            self.prefix_cache_hit_ratio = ratio
         self.load = load
         self.last_scrape_ok_at = now
         self.service.observe(

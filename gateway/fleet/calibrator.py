@@ -159,6 +159,7 @@ class Calibrator:
         result = compare(baseline, answers)
         backend.calibrated(result.similarity)
         self.metrics.calibration_score.labels(backend.id).set(result.similarity)
+        self.metrics.calibration_score_ratio.labels(backend.id).set(result.similarity)
         log.info(
             "backend %s: calibration exact-match %.2f similarity %.3f",
             backend.id,

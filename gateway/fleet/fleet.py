@@ -96,6 +96,7 @@ class Fleet:
                 else None
             ),
             first_seen=now,
+            joined_at=now,
         )
 
     # ---- membership (gateway.fleet.membership is the only caller) ---------------------------

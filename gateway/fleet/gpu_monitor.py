@@ -166,8 +166,10 @@ class GpuMonitor:
 
     async def scrape_one(self, backend: Backend) -> None:
         """Scrape ``backend``'s GPU telemetry once: its trackers observe the sample; a new
-        Xid burst or ECC DBE is a GPU fault (:meth:`gpu_fault`). A failure is counted
-        (``gateway_gpu_scrape_errors_total``) and kept as the backend's GPU error."""
+        Xid burst or ECC DBE is a GPU fault (:meth:`gpu_fault`); each GPU's utilization and
+        framebuffer memory are exported (:meth:`GatewayMetrics.observe_gpus`). A failure is
+        counted (``gateway_gpu_scrape_errors_total``), kept as the backend's GPU error, and
+        drops those per-GPU gauges (no stale value)."""
         url = str(backend.config.gpu_metrics_url)
         tracker, health = backend.thermal, backend.gpu_health
         assert tracker is not None and health is not None, "not a monitored backend"
@@ -182,9 +184,11 @@ class GpuMonitor:
         except (httpx.HTTPError, ValueError) as e:
             backend.gpu_scrape_result(f"{type(e).__name__}: {e}".rstrip(": "))
             self.metrics.gpu_scrape_errors.labels(backend.id).inc()
+            self.metrics.forget_gpus(backend.id)
             return
         backend.gpu_scrape_result(None)
         tracker.observe(sample)
+        self.metrics.observe_gpus(backend.id, sample.readings)
         xids, ecc = health.total_xids, health.total_ecc
         reason = health.observe(sample)
         if health.total_xids > xids:

@@ -33,6 +33,9 @@ _WAITING_BARE = "vllm:num_requests_waiting "
 _RUNNING = "vllm:num_requests_running"
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _SUCCESS = "vllm:request_success_total"
+_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+_PREFIX_RATE = "vllm:gpu_prefix_cache_hit_rate"  # before vLLM v1: a 0-1 gauge
 
 
 def _value(line: str) -> float | None:
@@ -67,10 +70,37 @@ def parse_vllm_gauges(
     (:mod:`gateway.traffic.capacity`): ``finished``, ``vllm:request_success_total`` summed
     over its finish reasons and engines (None when absent). One pass over the lines; None
     when none of the load gauges is present."""
+    scan = scan_vllm(text)
+    return None if scan is None else scan[:4]
+
+
+def _ends_name(line: str, name: str) -> bool:
+    """Whether the metric name of ``line`` (which starts with ``name``) is ``name``."""
+    return line[len(name) : len(name) + 1] in ("{", " ")
+
+
+def _add(total: float | None, v: float | None) -> float | None:
+    if v is None or v < 0:
+        return total
+    return v if total is None else total + v
+
+
+PrefixCounters = tuple[float | None, float | None, float | None]
+
+
+def scan_vllm(text: str) -> tuple[float, float, float, float | None, PrefixCounters] | None:
+    """:func:`parse_vllm_gauges`' four values plus the prefix cache's
+    ``(hits, queries, hit_rate)``: vLLM v1's ``vllm:prefix_cache_hits_total`` and
+    ``vllm:prefix_cache_queries_total`` (tokens, summed over engines) and the older 0-1
+    gauge ``vllm:gpu_prefix_cache_hit_rate`` (the highest engine's); each None when
+    absent. One pass over the lines; None when none of the load gauges is present."""
     waiting = running = 0.0
     kv = 0.0
     found = False
     finished: float | None = None
+    hits: float | None = None
+    queries: float | None = None
+    rate: float | None = None
     for line in text.split("\n"):
         if not line.startswith("vllm:"):
             continue
@@ -93,13 +123,24 @@ def parse_vllm_gauges(
             v = _value(line)
             if v is not None and v >= 0:
                 finished = v if finished is None else finished + v
+        elif line.startswith("vllm:prefix_cache_"):
+            if line.startswith(_PREFIX_HITS) and _ends_name(line, _PREFIX_HITS):
+                hits = _add(hits, _value(line))
+            elif line.startswith(_PREFIX_QUERIES) and _ends_name(line, _PREFIX_QUERIES):
+                queries = _add(queries, _value(line))
+        elif line.startswith(_PREFIX_RATE) and _ends_name(line, _PREFIX_RATE):
+            v = _value(line)
+            if v is not None and v >= 0:
+                rate = v if rate is None else max(rate, v)
     if not found:
         return None
 
     def sane(x: float) -> float:
         return x if x > 0.0 else 0.0  # (NaN > 0 is False)
 
-    return sane(waiting), sane(running), min(1.0, sane(kv)), finished
+    return (
+        sane(waiting), sane(running), min(1.0, sane(kv)), finished, (hits, queries, rate)
+    )
 
 
 async def scrape_load(
@@ -141,10 +182,10 @@ async def scrape_load(
     )
     if r.status_code != 200:
         raise ValueError(f"/metrics answered {r.status_code}")
-    parsed = parse_vllm_gauges(r.text)
+    parsed = scan_vllm(r.text)
     if parsed is None:
         raise ValueError("/metrics has no vllm: load gauges")
-    waiting, running, kv, finished = parsed
+    waiting, running, kv, finished, (hits, queries, rate) = parsed
     in_flight, pooled_extra = stamp if stamp is not None else backend.scrape_peak
     return LoadSample(
         waiting,
@@ -155,6 +196,9 @@ async def scrape_load(
         process_start(r.text),
         pooled_extra,
         finished,
+        hits,
+        queries,
+        rate,
     )
 
 
@@ -185,6 +229,14 @@ DCGM_ENFORCED_LIMIT = "DCGM_FI_DEV_ENFORCED_POWER_LIMIT"
 DCGM_SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
 DCGM_XID = "DCGM_FI_DEV_XID_ERRORS"
 DCGM_ECC_DBE = "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"
+# utilization in percent (0-100), framebuffer memory in MiB (dcgm-exporter's default
+# counters: GPU_UTIL, FB_USED, FB_FREE; FB_RESERVED in newer ones; FB_TOTAL when configured)
+DCGM_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+DCGM_FB_USED = "DCGM_FI_DEV_FB_USED"
+DCGM_FB_FREE = "DCGM_FI_DEV_FB_FREE"
+DCGM_FB_RESERVED = "DCGM_FI_DEV_FB_RESERVED"
+DCGM_FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"
+MIB = 1024 * 1024
 _DCGM_FIELDS = {
     DCGM_TEMP: "temp_c",
     DCGM_POWER: "power_w",
@@ -193,7 +245,26 @@ _DCGM_FIELDS = {
     DCGM_SM_CLOCK: "sm_clock_mhz",
     DCGM_XID: "xid",
     DCGM_ECC_DBE: "ecc_dbe",
+    DCGM_UTIL: "util_pct",
+    DCGM_FB_USED: "fb_used_mib",
+    DCGM_FB_FREE: "fb_free_mib",
+    DCGM_FB_RESERVED: "fb_reserved_mib",
+    DCGM_FB_TOTAL: "fb_total_mib",
 }
+
+
+def framebuffer_bytes(fields: dict[str, float]) -> tuple[float | None, float | None]:
+    """``(used, total)`` framebuffer bytes from one GPU's DCGM fields in MiB: ``used`` is
+    ``DCGM_FI_DEV_FB_USED``; ``total`` is ``DCGM_FI_DEV_FB_TOTAL`` when exported, else
+    used + free (+ reserved, which dcgm-exporter 3.3+ reports apart); None when unknown."""
+    used = fields.get("fb_used_mib")
+    total = fields.get("fb_total_mib")
+    if total is None and used is not None and "fb_free_mib" in fields:
+        total = used + fields["fb_free_mib"] + fields.get("fb_reserved_mib", 0.0)
+    return (
+        None if used is None else used * MIB,
+        None if total is None else total * MIB,
+    )
 
 
 def _label(line: str, name: str) -> str | None:
@@ -240,6 +311,7 @@ def parse_dcgm(text: str, gpu_indices: Sequence[int] | None = None) -> list[GpuR
     out: list[GpuReading] = []
     for gpu in sorted(per_gpu, key=_gpu_order):
         f = per_gpu[gpu]
+        used, total = framebuffer_bytes(f)
         out.append(
             GpuReading(
                 temp_c=f.get("temp_c"),
@@ -248,6 +320,12 @@ def parse_dcgm(text: str, gpu_indices: Sequence[int] | None = None) -> list[GpuR
                 sm_clock_mhz=f.get("sm_clock_mhz"),
                 xid=int(f.get("xid", 0.0)),
                 ecc_dbe=f.get("ecc_dbe"),
+                gpu=gpu,
+                util_ratio=(
+                    None if "util_pct" not in f else min(1.0, max(0.0, f["util_pct"] / 100))
+                ),
+                fb_used_bytes=used,
+                fb_total_bytes=total,
             )
         )
     if not any(g.temp_c is not None for g in out):

@@ -104,8 +104,7 @@ class Accounting:
         if plausible_usage(usage) is None:
             log.warning("model %s: usage (%d, %d) not counted: out of range", model, *usage)
             return
-        self.metrics.tokens.labels(model, "prompt").inc(prompt)
-        self.metrics.tokens.labels(model, "completion").inc(completion)
+        self.metrics.count_tokens(model, prompt, completion, self.clock())
 
     def stream_started(self, ttft_s: float, model: str | None = None) -> None:
         """A stream of ``model`` (a model some backend serves) had its first token reach

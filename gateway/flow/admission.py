@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from gateway.config import ClientKey, GatewayConfig
 from gateway.core.outcomes import Refusal, shutting_down
-from gateway.core.vocab import BackendState, Prio
+from gateway.core.vocab import BackendState, ErrorType, Prio
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
 from gateway.flow.key_limits import Charge, KeyLimits
@@ -215,6 +215,8 @@ class AdmissionGate:
             retry_after_s=retry_s,
             retryable=retryable,
             headers=list(ratelimit_headers(verdict).items()) if verdict is not None else None,
+            # the key's own limits are a rate limit; every other layer refused on load
+            error_type=ErrorType.RATE_LIMITED if layer == "entry" else ErrorType.ADMISSION_REFUSED,
         )
 
     # ---- the gate ---------------------------------------------------------------------------

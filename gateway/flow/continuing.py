@@ -157,6 +157,7 @@ class StreamContinuer:
         self.ctx = ctx
         self.request = request
         self.current = opened
+        self.first = opened  # the attempt whose events the client got first (its TTFT)
         self.transcript = StreamTranscript(ctx.endpoint)
         self.used = 0  # continuations sent
         self.recorded = False  # the current attempt's end is already recorded
@@ -208,7 +209,8 @@ class StreamContinuer:
                 ctx.request_id,
             )
             return Resumed(
-                opened.resp, opened.data, opened.framer, self.stitcher, opened.backend.heard
+                opened.resp, opened.data, opened.framer, self.stitcher, opened.backend.heard,
+                p.accounting.metrics.stream_children(ctx.model, opened.backend.id)[1],
             )
         m.labels(code, why).inc()
         log.info("stream not continued (%s): %s failed (%s) after %d events [request %s]",
@@ -249,4 +251,5 @@ class StreamContinuer:
         self.pipeline.stream_done(
             self.ctx, self.current, outcome, framer, first_sent_at,
             usage=usage, continued=self.used > 0, recorded=self.recorded,
+            first_backend=self.first.backend,
         )

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from gateway.config import GatewayConfig
-from gateway.core.outcomes import BackendAnswer, Refusal
+from gateway.core.outcomes import BackendAnswer, Refusal, stream_error_type
 from gateway.core.vocab import Cut, FailureKind
 from gateway.fleet.backend import Backend
 from gateway.fleet.feedback import FleetFeedback
@@ -338,6 +338,7 @@ class Pipeline:
         usage: tuple[int, int] | None = None,
         continued: bool = False,
         recorded: bool = False,
+        first_backend: Backend | None = None,
     ) -> None:
         """A relayed stream ended with ``outcome`` (``ok``, ``in_band_error``, a
         :class:`Cut` reason or the error code the client saw; ``first_sent_at``:
@@ -358,7 +359,11 @@ class Pipeline:
 
         The request is counted in ``gateway_requests_total`` under the ``model_version`` of
         ``opened.backend`` (:func:`version_label`): for a continued stream, the backend of
-        its last attempt, the one that finished it."""
+        its last attempt, the one that finished it. Its TTFT goes in
+        ``gateway_ttft_seconds`` under the backend whose events the client got first
+        (``first_backend``, a continued stream's first attempt; default ``opened``'s), and
+        an end other than ``ok`` in ``gateway_request_errors_total``
+        (:func:`gateway.core.outcomes.stream_error_type`)."""
         backend = opened.backend
         if usage is None:
             usage = framer.usage()
@@ -370,7 +375,12 @@ class Pipeline:
         ttft = None if first_sent_at is None else first_sent_at - ctx.started
         if ttft is not None:
             acc.stream_started(ttft, ctx.model)
+            first = first_backend if first_backend is not None else backend
+            m.stream_children(ctx.model, first.id)[0].observe(ttft)
         acc.request_latency(ctx.endpoint, ctx.model, ttft, ctx.started)
+        error = stream_error_type(outcome)
+        if error is not None and (outcome != StreamOutcome.IN_BAND_ERROR or framer.error):
+            m.count_error(ctx.model, error)
         if outcome == StreamOutcome.CLIENT_GONE:
             m.client_disconnects.labels(ctx.endpoint).inc()
             m.count_request(ctx.endpoint, ctx.model, 499, version_label(backend))

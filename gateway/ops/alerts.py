@@ -75,7 +75,7 @@ def alerts(lim: Limits) -> list[Alert]:
     temp = "max by (backend) (gateway_gpu_temperature_celsius)"
     power = ("max by (domain) (gateway_power_domain_watts) / max by (domain) "
              "(gateway_power_domain_budget_watts)")
-    calib = "min by (backend) (gateway_calibration_score)"
+    calib = "min by (backend) (gateway_calibration_score_ratio)"
     fallback = "max by (instance) (gateway_coordination_fallback)"
     return [
         Alert("GatewayTTFTP99OverSLO", ttft, f"{ttft} > {_num(lim.ttft_s)}", "5m", "page",

@@ -155,7 +155,7 @@ def fleet(lim: Limits) -> Row:
                       "trips: {{reason}}", under_load=False))),
         Panel("Calibration score", "Last calibration similarity to the backend's baseline "
               "(0-1), against calibration.threshold (below it: drift, unhealthy).",
-              (Target("min by (backend) (gateway_calibration_score)", "{{backend}}",
+              (Target("min by (backend) (gateway_calibration_score_ratio)", "{{backend}}",
                       under_load=False),), "percentunit",
               ((lim.calibration_threshold, "red"),)),
         Panel("Requests in flight by backend", "Requests the gateway replicas have open on "
@@ -229,7 +229,7 @@ def cache() -> Row:
                       f"gateway_backend_prefix_cache_hit_ratio[{RATE}]))",
                       "{{backend}} window")), "percentunit"),
         Panel("KV-cache use by backend", "Last scraped KV-cache usage (0-1).",
-              (Target("max by (backend) (gateway_backend_kv_cache_usage)", "{{backend}}"),),
+              (Target("max by (backend) (gateway_backend_kv_cache_usage_ratio)", "{{backend}}"),),
               "percentunit"),
         Panel("Warm-pool hit ratio", "Requests served by backends warm and past slow start "
               "over all requests, per gateway replica.",

@@ -163,14 +163,16 @@ class StreamOutcome:
 class Resumed:
     """A continuation's accepted start on another backend (issue 17): its response, the
     complete events already read (``first``, raw: the relay stitches them), its framer,
-    the :class:`Stitcher` that rewrites its events for the client, and ``heard`` (told of
-    each chunk's arrival, ``time.monotonic()`` seconds) for its backend."""
+    the :class:`Stitcher` that rewrites its events for the client, ``heard`` (told of
+    each chunk's arrival, ``time.monotonic()`` seconds) for its backend and ``itl`` (the
+    ITL observer of its backend: :class:`RelayResponse`'s)."""
 
     resp: UpstreamResponse
     first: bytes
     framer: EventFramer
     stitcher: Stitcher
     heard: Callable[[float], None] | None = None
+    itl: Callable[[float], None] | None = None  # its backend's ITL observer, if any
 
 
 class Resumer(Protocol):
@@ -215,6 +217,12 @@ class RelayResponse(Response):
     backends sent them; the client gets them without vLLM's token ids when the gateway
     asked for them and the client did not (``resumer.hide_ids``,
     :func:`gateway.proxy.continuation.hide_token_ids`).
+
+    ``itl`` (optional) observes the inter-token latency the client sees (seconds,
+    ``time.perf_counter()``): for each content event written (a data event other than
+    ``[DONE]``, as the framer counts them), the time since the previous one was written,
+    0 for events written in the same block; a stream of n content events gives n - 1
+    observations (a continuation's :class:`Resumed` brings its backend's observer).
     """
 
     def __init__(
@@ -230,6 +238,7 @@ class RelayResponse(Response):
         kind: StreamKind = StreamKind.DONE,
         heard: Callable[[float], None] | None = None,
         resumer: Resumer | None = None,
+        itl: Callable[[float], None] | None = None,
     ) -> None:
         self.resp = resp
         self.raw_headers = headers
@@ -242,6 +251,8 @@ class RelayResponse(Response):
         self.kind = kind
         self.heard = heard  # told each chunk's arrival (monotonic s): the backend is alive
         self.resumer = resumer
+        self.itl = itl
+        self._last_event_at = 0.0  # perf_counter s: the last content event written
         self.status_code = 200
         self.background = None
         self.raw_headers = headers
@@ -280,6 +291,7 @@ class RelayResponse(Response):
             first = hide_token_ids(self.first) if hide else self.first
             await send({"type": "http.response.body", "body": first, "more_body": True})
             first_sent_at = time.perf_counter()
+            self._events_sent(framer.events - framer.saw_done, first_sent_at, first=True)
             if transcript is not None:
                 transcript.feed(self.first)
             stitcher: Stitcher | None = None
@@ -304,11 +316,14 @@ class RelayResponse(Response):
                     await send({"type": "http.response.body", "body": body, "more_body": False})
                     return
                 self.resp, framer, stitcher, heard = got.resp, got.framer, got.stitcher, got.heard
+                if got.itl is not None:
+                    self.itl = got.itl
                 self.cut.divert = self._close_upstream  # a drain of the new one diverts too
                 out = stitcher.feed(got.first)
                 if out:
                     body = hide_token_ids(out) if hide else out
                     await send({"type": "http.response.body", "body": body, "more_body": True})
+                    self._events_sent(framer.events - framer.saw_done, time.perf_counter())
                     if transcript is not None:
                         transcript.feed(out)
             ends_with_done = self.kind is StreamKind.DONE
@@ -346,6 +361,19 @@ class RelayResponse(Response):
         finally:
             self.cut.divert = None
             finish(outcome)
+
+    def _events_sent(self, events: int, now: float, first: bool = False) -> None:
+        """``events`` content events were just written to the client at ``now``
+        (``time.perf_counter()`` s): observe the ITL of each (see the class docstring);
+        ``first``: the stream's first block (its first event has no predecessor)."""
+        itl = self.itl
+        if itl is None or events <= 0:
+            return
+        if not first:
+            itl(now - self._last_event_at)
+        for _ in range(events - 1):
+            itl(0.0)
+        self._last_event_at = now
 
     def _close_upstream(self) -> None:
         """Divert a cut (:attr:`CutHandle.divert`): close the current upstream response, so
@@ -390,6 +418,7 @@ class RelayResponse(Response):
             async with asyncio.timeout(idle) as timer:
                 while True:
                     chunk = await content.readany()
+                    events = framer.events - framer.saw_done
                     out = framer.feed(chunk) if chunk else framer.finish()
                     if out and stitcher is not None:
                         out = stitcher.feed(out)
@@ -397,6 +426,9 @@ class RelayResponse(Response):
                         timer.reschedule(None)
                         body = hide_token_ids(out) if hide else out
                         await send({"type": "http.response.body", "body": body, "more_body": True})
+                        if self.itl is not None:
+                            events = framer.events - framer.saw_done - events
+                            self._events_sent(events, time.perf_counter())
                         if transcript is not None:
                             transcript.feed(out)
                     if not chunk:

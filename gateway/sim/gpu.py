@@ -14,7 +14,12 @@ dcgm-exporter ``etc/default-counters.csv``):
   (W), ``DCGM_FI_DEV_POWER_MGMT_LIMIT`` (W), ``DCGM_FI_DEV_SM_CLOCK`` (MHz) - gauges;
 * ``DCGM_FI_DEV_XID_ERRORS`` - gauge, the code of the last Xid error (0: none), as DCGM;
 * ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL`` - counter of volatile double-bit ECC errors;
-* ``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` - counter, mJ since start.
+* ``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` - counter, mJ since start;
+* ``DCGM_FI_DEV_GPU_UTIL`` - gauge, % of the last tick's interval the engine was busy
+  (DCGM: the share of time a kernel ran);
+* ``DCGM_FI_DEV_FB_USED`` / ``DCGM_FI_DEV_FB_FREE`` - gauges, MiB: vLLM allocates
+  ``gpu_memory_utilization`` (:data:`VLLM_MEMORY_SHARE`, its default 0.9) of the card at
+  start (weights, activations, KV cache) and holds it, so used memory does not move with load.
 
 :class:`GpuTicker` runs ``tick`` on the asyncio loop every ``tick_s`` (the server's lifespan
 starts and stops it). Everything but the ticker is pure: time comes in as arguments.
@@ -35,6 +40,9 @@ from gateway.sim.faults import FaultConfig
 from gateway.sim.thermal import GPU_SPECS, Cooling, GpuThermal, step_time_factor, utilisation
 
 log = logging.getLogger(__name__)
+
+VLLM_MEMORY_SHARE = 0.9
+"""vLLM's ``--gpu-memory-utilization`` default: the share of a GPU's memory it takes."""
 
 
 class SimGpus:
@@ -60,6 +68,7 @@ class SimGpus:
         self._tokens = stats.generation_tokens_total
         self._xid_seen = 0
         self._ecc_seen = 0
+        self.busy = 0.0  # share of the last tick's interval the engine was busy (0-1)
 
     def apply_faults(self, faults: FaultConfig) -> None:
         """Bring the GPUs in line with ``faults``: cooling failure on/off, and any Xid or
@@ -84,6 +93,7 @@ class SimGpus:
         stats = self.engine.stats()
         if dt >= self.cfg.tick_s / 2:  # shorter intervals would make the busy share noisy
             busy = min(1.0, max(0.0, (stats.busy_time_s - self._busy) / dt))
+            self.busy = busy
             # Mean batch over the interval: tokens generated per engine step.
             steps = stats.steps_total - self._steps
             batch = (stats.generation_tokens_total - self._tokens) / steps if steps else 0.0
@@ -110,6 +120,9 @@ _HELP: tuple[tuple[str, str, str], ...] = (
     ),
     ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered."),
     ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "Total number of double-bit volatile ECC errors."),
+    ("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %)."),
+    ("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB)."),
+    ("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB)."),
 )
 
 
@@ -123,6 +136,11 @@ def render_dcgm(gpus: SimGpus) -> str:
         "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": lambda g: f"{round(g.energy_j * 1000)}",
         "DCGM_FI_DEV_XID_ERRORS": lambda g: f"{g.last_xid}",
         "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": lambda g: f"{g.ecc_dbe}",
+        "DCGM_FI_DEV_GPU_UTIL": lambda g: f"{round(gpus.busy * 100)}",
+        "DCGM_FI_DEV_FB_USED": lambda g: f"{round(g.spec.memory_mib * VLLM_MEMORY_SHARE)}",
+        "DCGM_FI_DEV_FB_FREE": lambda g: (
+            f"{round(g.spec.memory_mib) - round(g.spec.memory_mib * VLLM_MEMORY_SHARE)}"
+        ),
     }
     lines: list[str] = []
     host = gpus.cfg.hostname

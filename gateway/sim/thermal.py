@@ -75,6 +75,8 @@ class GpuSpec:
     throttle_clock: float = 0.6
     c_th_j_per_k: float = 800.0
     clock_bound_share: float = 0.6
+    # framebuffer memory as nvidia-smi / DCGM report it (MiB; an 80 GB card shows 81559)
+    memory_mib: float = 81559.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.idle_w < self.tdp_w:

@@ -53,6 +53,7 @@ def test_a_backend_counts_for_each_model_it_serves() -> None:
         last_scrape_ok_at: None = None
         liveness: Liveness = field(default_factory=Liveness)
         breaker: None = None
+        prefix_cache_hit_ratio: None = None
 
     m = GatewayMetrics()
     m.attach_fleet([B("a", ("m1", "lora"), BackendState.WARM),

@@ -24,6 +24,10 @@ class FakeGpu:
     limit_mw: int = 700_000
     sm_mhz: int = 1980
     ecc_dbe: int | None = 0  # None: ECC not supported
+    util_pct: int = 40  # nvmlUtilization_t.gpu
+    fb_used_b: int = 70_000 * 1024 * 1024  # nvmlMemory_t.used / .free (bytes)
+    fb_free_b: int = 11_559 * 1024 * 1024
+    memory_supported: bool = True
 
 
 @dataclass
@@ -58,6 +62,12 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
             raise _not_supported()
         return fake.gpus[h].ecc_dbe  # type: ignore[return-value]
 
+    def memory(h: int) -> Any:
+        g = fake.gpus[h]
+        if not g.memory_supported:
+            raise _not_supported()
+        return SimpleNamespace(total=g.fb_used_b + g.fb_free_b, used=g.fb_used_b, free=g.fb_free_b)
+
     def wait(event_set: Any, timeout_ms: int) -> Any:
         if not fake.events:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
@@ -77,6 +87,10 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
         "nvmlDeviceGetPowerManagementLimit": lambda h: fake.gpus[h].limit_mw,
         "nvmlDeviceGetClockInfo": lambda h, clock: fake.gpus[h].sm_mhz,
         "nvmlDeviceGetTotalEccErrors": ecc,
+        "nvmlDeviceGetUtilizationRates": lambda h: SimpleNamespace(
+            gpu=fake.gpus[h].util_pct, memory=10
+        ),
+        "nvmlDeviceGetMemoryInfo": memory,
         "nvmlEventSetCreate": lambda: "event-set",
         "nvmlDeviceRegisterEvents": lambda h, types, event_set: None,
         "nvmlEventSetWait_v2": wait,
@@ -115,6 +129,19 @@ def test_agent_reads_at_each_scrape_and_keeps_the_last_xid(agent: str, nvml: Fak
     assert gpus[0].temp_c == 88.0 and gpus[1].ecc_dbe == 1.0
     assert [g.xid for g in gpus] == [0, 79]  # the last code, as dcgm-exporter's gauge
     assert [g.xid for g in parse_dcgm(httpx.get(agent, timeout=5).text)] == [0, 79]
+
+
+def test_agent_serves_utilization_and_framebuffer_memory(agent: str, nvml: FakeNvml) -> None:
+    nvml.gpus[1].util_pct = 97
+    nvml.gpus[1].memory_supported = False
+    text = httpx.get(agent, timeout=5).text
+    fb_free = [ln for ln in text.splitlines() if ln.startswith("DCGM_FI_DEV_FB_FREE{")]
+    assert len(fb_free) == 1 and 'gpu="0"' in fb_free[0]  # GPU 1: not supported, left out
+    gpus = parse_dcgm(text)
+    assert [g.util_ratio for g in gpus] == [0.4, 0.97]  # percent -> 0-1
+    assert gpus[0].fb_used_bytes == 70_000 * 1024 * 1024  # bytes -> MiB -> bytes
+    assert gpus[0].fb_total_bytes == 81_559 * 1024 * 1024
+    assert gpus[1].fb_used_bytes is None and gpus[1].fb_total_bytes is None
 
 
 def test_unsupported_fields_are_left_out(agent: str, nvml: FakeNvml) -> None:

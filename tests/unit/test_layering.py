@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    (gateway.ops.*: the dashboard and alert rules built from the config's thresholds)
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
      "gateway.config_diff", "gateway.config_history", "gateway.reload_input",
-     "gateway.config_rollouts", "gateway.ops.*"),
+     "gateway.config_rollouts", "gateway.signals", "gateway.ops.*"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
