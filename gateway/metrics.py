@@ -69,13 +69,15 @@ class _Breaker(Protocol):
 
 class BackendGauges(Protocol):
     """What :class:`FleetCollector` reads of one backend (``gateway.fleet.backend.Backend``
-    has it): lifecycle state, requests open on it, the last scraped load, when the last good
-    scrape was (monotonic s, None: never), the hung watchdog's silence (s), the breaker
-    (None: none yet) and the prefix-cache hit ratio between its last scrapes (0-1, None:
-    unknown)."""
+    has it): the models it serves, lifecycle state, requests open on it, the last scraped
+    load, when the last good scrape was (monotonic s, None: never), the hung watchdog's
+    silence (s), the breaker (None: none yet) and the prefix-cache hit ratio between its
+    last scrapes (0-1, None: unknown)."""
 
     @property
     def id(self) -> str: ...
+    @property
+    def models(self) -> tuple[str, ...]: ...
     @property
     def state(self) -> BackendState: ...
     @property
@@ -202,10 +204,20 @@ class FleetCollector(Collector):
             "(the hung watchdog; 0 when it owes nothing)",
             labels=["backend"],
         )
+        per_model = GaugeMetricFamily(
+            "gateway_model_backends",
+            "Backends serving the model, by lifecycle state (every state, 0 included, so "
+            "that 'no warm backend for a model' is the sample state=warm == 0)",
+            labels=["model", "state"],
+        )
+        counts: dict[str, dict[BackendState, int]] = {}
         now = self._clock()
         for b in self._fleet:
             for s in BackendState:
                 state.add_metric([b.id, s.value], 1.0 if b.state is s else 0.0)
+            for model in b.models:
+                by_state = counts.setdefault(model, dict.fromkeys(BackendState, 0))
+                by_state[b.state] += 1
             in_flight.add_metric([b.id], b.in_flight)
             if b.load is not None:
                 waiting.add_metric([b.id], b.load.waiting)
@@ -229,9 +241,12 @@ class FleetCollector(Collector):
         ratio.add_metric(
             [], m.warm_pool_hits / m.warm_pool_requests if m.warm_pool_requests else 1.0
         )
+        for model, by_state in sorted(counts.items()):
+            for s, n in by_state.items():
+                per_model.add_metric([model, s.value], n)
         yield from (
-            state, in_flight, waiting, running, kv, kv_ratio, prefix, age, silence, breaker,
-            ratio,
+            state, per_model, in_flight, waiting, running, kv, kv_ratio, prefix, age, silence,
+            breaker, ratio,
         )
 
 

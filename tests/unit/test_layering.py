@@ -31,9 +31,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     #    applied configs)
     #    (gateway.logs: log lines and the request's log fields; gateway.tracing: the
     #    optional OpenTelemetry spans, no-op without the SDK)
+    #    (gateway.ops.*: the dashboard and alert rules built from the config's thresholds)
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
      "gateway.config_diff", "gateway.config_history", "gateway.reload_input",
-     "gateway.config_rollouts", "gateway.logs", "gateway.tracing", "gateway.signals"),
+     "gateway.config_rollouts", "gateway.logs", "gateway.tracing", "gateway.signals",
+     "gateway.ops.*"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
     #    the Responses API's response-id table (gateway.routing.response_owners),
     #    rendezvous hashing of sessions (gateway.routing.rendezvous), the replicas'
@@ -94,6 +96,9 @@ PURE = (
     "gateway.proxy.transcript",
     "gateway.proxy.continuation",
     "gateway.proxy.stitch",
+    "gateway.ops.dashboard",
+    "gateway.ops.alerts",
+    "gateway.ops.limits",
 )
 """No I/O: these take time and data as arguments."""
 IO_LIBRARIES = (

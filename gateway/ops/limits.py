@@ -1,0 +1,52 @@
+"""The thresholds the dashboard draws and the alert rules fire on, read from a config.
+
+Prometheus rules cannot read the gateway's config, so the generator bakes these numbers in:
+``python -m gateway.ops --config FILE`` writes rules for that fleet's own SLO; the committed
+``deploy/prometheus/alerts.yaml`` uses the schema's defaults (``Limits.defaults()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import CalibrationConfig, GatewayConfig, SLOConfig, ThermalConfig
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What "too slow", "too hot" and "drifted" mean for a fleet.
+
+    ``ttft_s`` / ``itl_s``: the SLO (``slo.ttft_s`` 2 s, ``slo.itl_s`` 0.1 s by default),
+    compared with P99s. ``warm_c`` / ``hot_c``: the thermal tiers' lower bounds, °C
+    (``thermal.warm_c`` 75, ``thermal.hot_c`` 85). ``calibration_threshold``: the
+    similarity (0-1) below which a backend's calibration is a drift
+    (``calibration.threshold`` 0.95)."""
+
+    ttft_s: float
+    itl_s: float
+    warm_c: float
+    hot_c: float
+    calibration_threshold: float
+
+    @classmethod
+    def of(
+        cls, slo: SLOConfig, thermal: ThermalConfig, calibration: CalibrationConfig
+    ) -> Limits:
+        """The limits of these config sections."""
+        return cls(
+            ttft_s=slo.ttft_s,
+            itl_s=slo.itl_s,
+            warm_c=thermal.warm_c,
+            hot_c=thermal.hot_c,
+            calibration_threshold=calibration.threshold,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: GatewayConfig) -> Limits:
+        """The limits of a loaded gateway config."""
+        return cls.of(cfg.slo, cfg.thermal, cfg.calibration)
+
+    @classmethod
+    def defaults(cls) -> Limits:
+        """The config schema's defaults (what the committed files are built with)."""
+        return cls.of(SLOConfig(), ThermalConfig(), CalibrationConfig())
