@@ -8,10 +8,14 @@ the digest that says whether a restart may resume the last applied config.
   place is refused; the ``LLM_GATEWAY_*`` environment and the command line's
   ``--host`` / ``--port`` apply over it as they do over the file at start; a static fleet
   with no backend is refused as ``serve`` refuses it (:func:`gateway.config.require_backends`).
-  Raises :class:`InvalidConfig` (message, the first field named).
+  Raises :class:`InvalidConfig` (message, the first field named). :func:`read_view` also
+  takes ``GET /admin/config``'s body posted back (``{"version": N, "config": {...}}``).
 * :func:`source_digest`: the config file's text, the ``LLM_GATEWAY_*`` environment and the
   command line's server settings together: a restart resumes the last applied config only
   while all three are as they were (:meth:`gateway.config_history.ConfigHistory.resume`).
+* :func:`resume_config`: the config a start uses and the one line that says whether it
+  resumed a kept version or why not; a kept config that no longer validates never stops a
+  start (a warning, then the file's config).
 """
 
 from __future__ import annotations

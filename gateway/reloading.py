@@ -176,16 +176,21 @@ class Reloader:
         if last is None or not last.state:
             return
         gw = self.gw
-        if phase == "backends":
-            if self.fleet is not None:
-                return
-            done = restore(gw.controller, None, last.state, at_start=True)
-        else:
-            done = restore(None, gw.rollouts, last.state, at_start=True)
+        kept = (f"kept with version {self._state_of}, carried to version {last.version} "
+                "(this start)" if self._state_of is not None
+                else f"kept with version {last.version}")
+        try:
+            if phase == "backends":
+                if self.fleet is not None:
+                    return
+                done = restore(gw.controller, None, last.state, at_start=True)
+            else:
+                done = restore(None, gw.rollouts, last.state, at_start=True)
+        except Exception as e:  # a damaged kept state never stops a start
+            log.warning("config: the state %s not restored (%s): %s: %s", kept, phase,
+                        type(e).__name__, e)
+            return
         if done:
-            kept = (f"kept with version {self._state_of}, carried to version {last.version} "
-                    "(this start)" if self._state_of is not None
-                    else f"kept with version {last.version}")
             log.info("config: restored the state %s: %s", kept, ", ".join(done))
 
     def checkpoint(self) -> None:
