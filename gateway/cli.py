@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.config import (
-    ENV_PREFIX,
     ConfigError,
     GatewayConfig,
     check_secrets,
@@ -127,11 +126,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     path = find_config(args.config)
     server = args.server_overrides
-    cfg, resumed = resume_config(cfg, path, server)
-    if resumed is not None:
-        say(f"config: resuming version {resumed.version} ({resumed.source}), the last "
-            f"applied, kept in {cfg.reload.state_dir} (the config file, the "
-            f"{ENV_PREFIX}* environment and the command line are unchanged since)")
+    start = resume_config(cfg, path, server)  # a kept config that is no longer valid: said
+    cfg = start.config
+    if start.says is not None:
+        say(start.says, start.level)
     app = create_app(cfg, config_path=path, server_overrides=server)
     run(lambda: serve(app, cfg), cfg)
     return 0

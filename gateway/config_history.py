@@ -150,6 +150,15 @@ class Snapshot:
         return out
 
 
+def _checked(snap: Snapshot) -> Snapshot:
+    """``snap`` as read from a file, when its parts have their types (a hand-edited file may
+    not: ``TypeError`` then, and the file is skipped)."""
+    if (not isinstance(snap.version, int) or not isinstance(snap.config, dict)
+            or not isinstance(snap.state, dict) or not isinstance(snap.summary, dict)):
+        raise TypeError("version, config, summary or state of the wrong type")
+    return snap
+
+
 class ConfigHistory:
     """The last ``keep`` snapshots, oldest first, mirrored in ``state_dir`` when given
     (created if missing). Raises ``OSError`` when the directory cannot be created or a
@@ -171,7 +180,7 @@ class ConfigHistory:
             if p.stem.isdigit():  # a damaged file's number is not given again
                 self._highest = max(self._highest, int(p.stem))
             try:
-                out.append(Snapshot(**json.loads(p.read_text())))
+                out.append(_checked(Snapshot(**json.loads(p.read_text()))))
             except (OSError, ValueError, TypeError) as e:
                 log.warning("config history: %s skipped: %s", p, e)
         return sorted(out, key=lambda s: s.version)

@@ -51,7 +51,13 @@ from gateway.config_history import ConfigHistory, Snapshot, digest
 from gateway.config_rollouts import version_problem
 from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, with_local
 from gateway.coord.link import CoordinationUnavailable
-from gateway.reload_input import InvalidConfig, read_config, source_digest, text_digest
+from gateway.reload_input import (
+    InvalidConfig,
+    read_config,
+    read_view,
+    source_digest,
+    text_digest,
+)
 from gateway.reload_state import capture, restore
 from gateway.routing.policy import LoadThermalPolicy
 
@@ -90,6 +96,11 @@ class ReloadRefused(Exception):
         self.problem = problem
         self.plan = plan
         self.param = param
+
+
+class ReloadConflict(ReloadRefused):
+    """``GET /admin/config``'s view posted back with a ``version`` that is not the running
+    one: the change was made on an outdated view (``POST /admin/config``'s 409)."""
 
 
 class ReloadUnpublished(ReloadRefused):
@@ -135,10 +146,12 @@ class Reloader:
         self._settling: str | None = None  # a changed text waiting one round to settle
         self.fleet: FleetConfig | None = None  # fleet mode: join_fleet
         self._unpublished: str | None = None  # the file digest the store did not take
+        self._state_of: int | None = None  # the version whose kept state a start carried
 
     def start(self) -> None:
         """Record the running config as a ``start`` snapshot unless the last one kept is
-        that config already (a restart resumed from it, or the same file)."""
+        that config already (a restart resumed from it, or the same file); a new one carries
+        the last one's kept state (:meth:`restore_at_start` names that version)."""
         data = self.gw.cfg.model_dump(mode="json")
         last = self.history.last
         if last is not None and last.digest == digest(data):
@@ -150,6 +163,8 @@ class Reloader:
         except OSError as e:
             log.error("config history: cannot write to %s: %s", self.history.dir, e)
             return
+        if last is not None and last.state:
+            self._state_of = last.version
         self._set_version(snap.version)
 
     def restore_at_start(self, phase: str) -> None:
@@ -162,15 +177,22 @@ class Reloader:
         if last is None or not last.state:
             return
         gw = self.gw
-        if phase == "backends":
-            if self.fleet is not None:
-                return
-            done = restore(gw.controller, None, last.state, at_start=True)
-        else:
-            done = restore(None, gw.rollouts, last.state, at_start=True)
+        kept = (f"kept with version {self._state_of}, carried to version {last.version} "
+                "(this start)" if self._state_of is not None
+                else f"kept with version {last.version}")
+        try:
+            if phase == "backends":
+                if self.fleet is not None:
+                    return
+                done = restore(gw.controller, None, last.state, at_start=True)
+            else:
+                done = restore(None, gw.rollouts, last.state, at_start=True)
+        except Exception as e:  # a damaged kept state never stops a start
+            log.warning("config: the state %s not restored (%s): %s: %s", kept, phase,
+                        type(e).__name__, e)
+            return
         if done:
-            log.info("config: restored from version %d's kept state: %s", last.version,
-                     ", ".join(done))
+            log.info("config: restored the state %s: %s", kept, ", ".join(done))
 
     def checkpoint(self) -> None:
         """Keep the running state with the running snapshot (written only when it changed;
@@ -207,14 +229,22 @@ class Reloader:
             self.fleet.ran(self.version, {b.id: str(b.url) for b in self.gw.cfg.backends},
                            refused, file_differs)
 
-    async def apply(self, new: GatewayConfig, source: str,
-                    from_file: str | None = None, version: int | None = None) -> ReloadResult:
+    async def apply(self, new: GatewayConfig, source: str, from_file: str | None = None,
+                    version: int | None = None, seen: int | None = None) -> ReloadResult:
         """Apply ``new`` (validated) as the module docstring says (``from_file``: the digest
         of the config file it was read from, which a restart then resumes from;
-        ``version``: the fleet's version of a config from the store, ``source`` ``fleet``).
-        Raises :class:`ReloadRefused` when it cannot (nothing changed then), and
+        ``version``: the fleet's version of a config from the store, ``source`` ``fleet``;
+        ``seen``: the running version the change was made on, if known). Raises
+        :class:`ReloadConflict` when ``seen`` is not the running version,
+        :class:`ReloadRefused` when it cannot (nothing changed then), and
         :class:`ReloadUnpublished` in fleet mode when the shared store does not take it."""
         async with self._lock:
+            if seen is not None and seen != self.version:
+                self.gw.metrics.config_reloads.labels(source, "refused").inc()
+                raise ReloadConflict(
+                    f"version {seen} was the running config's when this view was read; it "
+                    f"is {self.version} now: GET /admin/config again and make the change "
+                    "on it", param="version")
             try:
                 result = await self._apply(new, source, from_file or self.file_digest,
                                            version)
@@ -316,9 +346,16 @@ class Reloader:
             raise ReloadRefused(e.problem, param=e.param) from None
 
     async def apply_text(self, text: str, source: str) -> ReloadResult:
-        """A config given as YAML or JSON text (``POST /admin/config``). Raises
-        :class:`ReloadRefused` for text that is not a valid config."""
-        return await self.apply(self._read(text, "the new config", source), source)
+        """A config given as YAML or JSON text (``POST /admin/config``), or ``GET
+        /admin/config``'s view of one posted back (:func:`gateway.reload_input.read_view`).
+        Raises :class:`ReloadRefused` for text that is not a valid config,
+        :class:`ReloadConflict` for a view of a version that is no longer running."""
+        try:
+            new, seen = read_view(text, "the new config", self.gw.cfg, self.server_overrides)
+        except InvalidConfig as e:
+            self.gw.metrics.config_reloads.labels(source, "invalid").inc()
+            raise ReloadRefused(e.problem, param=e.param) from None
+        return await self.apply(new, source, seen=seen)
 
     async def reload_file(self, source: str = "sighup") -> ReloadResult:
         """The config file again (``SIGHUP``, the watch). Raises :class:`ReloadRefused`

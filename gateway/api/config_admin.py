@@ -3,12 +3,15 @@
 
 * ``GET /admin/config``: the running config (inline keys shown as ``***``) and its version;
 * ``POST /admin/config``: a new config as the body, YAML or JSON (any content type: JSON is
-  YAML), applied live (:mod:`gateway.reloading`): 200 with what changed (``applied``,
-  ``version``, ``changed``, ``backends_added`` / ``_removed`` / ``_changed``); 400 in
-  OpenAI's error shape when it is not applied (``code``: ``invalid_config``, a body that is
-  not a valid config, ``param`` the first field named; ``config_refused``, fields that
-  cannot change while the gateway runs, each named in the message), the running config
-  untouched;
+  YAML), or ``GET /admin/config``'s body posted back (edited): ``{"version": N, "config":
+  {...}}`` is read as its ``config`` (:func:`gateway.reload_input.read_view`); applied live
+  (:mod:`gateway.reloading`): 200 with what changed (``applied``, ``version``, ``changed``,
+  ``backends_added`` / ``_removed`` / ``_changed``); 400 in OpenAI's error shape when it is
+  not applied (``code``: ``invalid_config``, a body that is not a valid config, ``param``
+  the first field named; ``config_refused``, fields that cannot change while the gateway
+  runs, each named in the message); 409 ``config_conflict`` (``param`` ``version``) when
+  the posted view's ``version`` is not the running one (the change was made on an outdated
+  view: read it again); the running config untouched;
 * ``GET /admin/config/history``: the kept configs, newest first (version, when, how, digest,
   what changed; ``?config=true`` adds each config, redacted);
 * ``POST /admin/config/rollback``: ``{"version": N}`` (or no body: the one before the
@@ -33,7 +36,7 @@ from starlette.responses import JSONResponse
 from gateway.api.admin import _gateway, _store_down
 from gateway.api.errors import Refusal
 from gateway.config_history import redact
-from gateway.reloading import Reloader, ReloadRefused, ReloadUnpublished
+from gateway.reloading import ReloadConflict, Reloader, ReloadRefused, ReloadUnpublished
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -51,6 +54,9 @@ def _reloader(gw: Gateway) -> Reloader:
 def _refused(gw: Gateway, e: ReloadRefused) -> Refusal:
     if isinstance(e, ReloadUnpublished):
         return _store_down(gw, e.problem)
+    if isinstance(e, ReloadConflict):
+        return Refusal(409, f"Config not applied (the running config is unchanged): "
+                       f"{e.problem}", code="config_conflict", param=e.param)
     code = "config_refused" if e.plan is not None and e.plan.refused else "invalid_config"
     return Refusal(400, f"Config not applied (the running config is unchanged): {e.problem}",
                    code=code, param=e.param)

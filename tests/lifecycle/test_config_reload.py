@@ -196,6 +196,41 @@ def test_client_keys_rotate_live_and_history_keeps_the_last_three(sims, tmp_path
         gw.stop()
 
 
+def test_the_view_of_get_admin_config_posted_back_edited_is_applied(sims):
+    """``GET /admin/config``'s body (``{"version": N, "config": {...}}``, keys shown as
+    ``***``) posted back whole with one live field edited, as JSON or YAML, is applied; a
+    view of a version that no longer runs is refused (409 ``config_conflict``)."""
+    a = sims("A")
+    gw = GatewayThread(gateway_config(
+        [{"id": "a", "url": a.url}], auth={"client_keys": [{"name": "team", "key": "k1"}]}))
+    gw.start()
+    try:
+        view = httpx.get(gw.url + "/admin/config", timeout=5).json()
+        assert view["config"]["auth"]["client_keys"][0]["key"] == "***"
+        view["config"]["auth"]["client_keys"][0]["rpm"] = 100
+        r = httpx.post(gw.url + "/admin/config", json=view, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["applied"] and r.json()["version"] == view["version"] + 1, r.text
+        assert gw.gateway.cfg.auth.client_keys[0].rpm == 100
+        assert gw.gateway.cfg.auth.client_keys[0].key == "k1"  # '***' kept the key
+        stale = view
+        view = httpx.get(gw.url + "/admin/config", timeout=5).json()
+        view["config"]["auth"]["client_keys"][0]["rpm"] = 200
+        r = post_config(gw, yaml.safe_dump(view))  # the same view as YAML
+        assert r.status_code == 200 and r.json()["applied"], r.text
+        assert gw.gateway.cfg.auth.client_keys[0].rpm == 200
+        stale["config"]["auth"]["client_keys"][0]["rpm"] = 300
+        r = httpx.post(gw.url + "/admin/config", json=stale, timeout=10)
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["code"] == "config_conflict"
+        assert r.json()["error"]["param"] == "version"
+        assert gw.gateway.cfg.auth.client_keys[0].rpm == 200
+        r = httpx.post(gw.url + "/admin/config", json={**view, "version": "x"}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
+    finally:
+        gw.stop()
+
+
 def test_admission_limits_and_routing_weights_apply_to_the_next_request(sims):
     """``admission.max_in_flight`` 1 with no queue: a second request while one streams is
     refused (429); after a reload to 4, the same second request is served while the first

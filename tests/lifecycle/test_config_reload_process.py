@@ -12,6 +12,7 @@ line set).
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -86,5 +87,82 @@ def test_restart_resumes_the_last_applied_config_and_sighup_reads_the_file(sims,
         gw.wait_ready()
         assert backend_ids(gw.url) == {"a", "c"}
         assert history(gw.url)[0] == (4, "start")
+    finally:
+        gw.stop()
+
+
+def kept_holds(url: str) -> tuple[int, dict[str, Any]]:
+    """The running version and the holds kept with it."""
+    data = httpx.get(url + "/admin/config/history?config=true", timeout=5).json()["data"][0]
+    return data["version"], data["state"]["holds"]
+
+
+def post_view_back(url: str, max_num_seqs: int) -> httpx.Response:
+    """``GET /admin/config``'s body, backend a's ``max_num_seqs`` changed (a live field),
+    posted back whole."""
+    view = httpx.get(url + "/admin/config", timeout=5).json()
+    view["config"]["backends"][0]["max_num_seqs"] = max_num_seqs
+    return httpx.post(url + "/admin/config", json=view, timeout=10)
+
+
+def test_a_start_says_whether_it_resumed_and_a_kept_config_no_longer_valid_is_skipped(
+        sims, tmp_path):
+    a, b = sims("A"), sims("B")
+    port = free_port()
+    state = tmp_path / "state"
+    cfg: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": port, "graceful_shutdown_s": 1},
+        "health": {"interval_s": 0.2, "timeout_s": 1.0},
+        "lifecycle": {"warmup_batch_shapes": [], "short": {"every_s": 0},
+                      "medium": {"every_s": 0, "every_requests": 0}, "long": {"every_s": 0}},
+        "calibration": {"enabled": False},
+        "reload": {"state_dir": str(state), "checkpoint_s": 0.2},
+        "backends": [{"id": "a", "url": a.url}, {"id": "b", "url": b.url}],
+    }
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "gateway.log"
+    gw = ServeProcess(path, port, log, tmp_path)
+    try:
+        gw.wait_ready()
+        assert "config: starting from the config file: no config version kept" in log.read_text()
+        assert httpx.post(gw.url + "/admin/backends/b/drain", json={"deadline_s": 1},
+                          timeout=5).status_code == 202
+        r = post_view_back(gw.url, 7)
+        assert r.status_code == 200 and r.json()["version"] == 2, r.text
+        assert wait_for(lambda: kept_holds(gw.url) == (2, {"b": "admin_drain"}), 10)
+        gw.stop()
+        # ---- the file edited (a comment): the start says it does not resume version 2, why,
+        # and that the state it takes up was kept with version 2 ---------------------------
+        path.write_text("# edited\n" + path.read_text())
+        gw = ServeProcess(path, port, log, tmp_path)
+        gw.wait_ready()
+        assert history(gw.url)[0] == (3, "start")
+        text = log.read_text()
+        assert ("config: starting from the config file, not resuming version 2 (admin): the "
+                "config file, the LLM_GATEWAY_* environment or the command line changed "
+                "since version 2 was applied") in text
+        assert wait_for(lambda: "restored the state kept with version 2, carried to version 3"
+                        in log.read_text(), 10), log.read_text()[-2000:]
+        assert "version 3's kept state" not in log.read_text()
+        r = post_view_back(gw.url, 9)
+        assert r.status_code == 200 and r.json()["version"] == 4, r.text
+        gw.stop()
+        # ---- version 4's kept config no longer valid (a field an upgrade removed): the start
+        # goes on from the file and says why it did not resume ------------------------------
+        snap_file = state / "config-history" / "00000004.json"
+        snap = json.loads(snap_file.read_text())
+        snap["config"]["lifecycle"]["old_renamed_field"] = 1
+        snap_file.write_text(json.dumps(snap))
+        gw = ServeProcess(path, port, log, tmp_path)
+        gw.wait_ready()
+        assert backend_ids(gw.url) == {"a", "b"}
+        assert history(gw.url)[0] == (5, "start")
+        running = httpx.get(gw.url + "/admin/config", timeout=5).json()["config"]
+        assert running["backends"][0]["max_num_seqs"] != 9  # the file's, not version 4's
+        line = next(x for x in log.read_text().splitlines() if "not resuming version 4" in x)
+        assert "warning" in line and str(snap_file) in line
+        assert "lifecycle.old_renamed_field" in line
+        assert gw.proc.poll() is None
     finally:
         gw.stop()

@@ -76,6 +76,20 @@ def test_history_keeps_the_last_three_on_disk_and_resumes_only_an_unchanged_file
     assert [s.version for s in ConfigHistory(tmp_path).snapshots] == [3, 4, 5]  # skipped
 
 
+def test_a_hand_edited_snapshot_of_the_wrong_shape_is_skipped_not_fatal(tmp_path) -> None:
+    h = ConfigHistory(tmp_path, keep=3)
+    h.record({"n": 1}, "start", "f1", {"changed": []}, now=1000.0)
+    h.record({"n": 2}, "admin", "f1", {"changed": ["n"]}, now=1001.0)
+    path = tmp_path / "config-history" / "00000002.json"
+    snap = json.loads(path.read_text())
+    path.write_text(json.dumps({**snap, "version": "2"}))  # a string: sorting would raise
+    assert [s.version for s in ConfigHistory(tmp_path).snapshots] == [1]
+    path.write_text(json.dumps({**snap, "config": ["not", "a", "mapping"]}))
+    again = ConfigHistory(tmp_path)
+    assert [s.version for s in again.snapshots] == [1]
+    assert again.record({"n": 3}, "start", "f1", {}, now=1002.0).version == 3  # not reused
+
+
 def test_redact_hides_inline_secrets_and_url_passwords() -> None:
     data = {"auth": {"admin_key": "x", "client_keys": [{"name": "t", "key": "k",
                                                          "key_env": None}]},
