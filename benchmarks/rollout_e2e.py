@@ -1,6 +1,6 @@
 """Canary rollouts end to end (issue 18's must-hold, with the DEFAULT steps 1, 5, 25, 50,
-100 %): a gateway under uvicorn in front of simulated vLLM servers (one baseline ``v1``
-backend, three canary ``v2`` backends), clients on the real ``openai`` SDK (ten threads,
+100 %): a gateway under uvicorn in front of simulated vLLM servers (three baseline ``v1``
+backends, one canary ``v2`` backend), clients on the real ``openai`` SDK (six threads,
 chat completions, every other one streamed, a third in sticky sessions), a rollout started
 with ``POST /admin/rollouts``, the traffic run until it ends. Three canaries:
 
@@ -61,14 +61,14 @@ def run(name: str, release: dict[str, Any], timeout_s: float = 1200) -> dict[str
     """One rollout to its end; its figures."""
     servers = Servers()
     try:
-        servers.add("a", "v1")
-        for b in ("b1", "b2", "b3"):
-            servers.add(b, "v2", **release)
+        for a in ("a1", "a2", "a3"):
+            servers.add(a, "v1")
+        servers.add("b", "v2", **release)
         with GatewayThread(config(servers.backends)) as gw:
             r = httpx.post(gw.url + "/admin/rollouts", json=PLAN, timeout=10)
             r.raise_for_status()
             t0 = time.monotonic()
-            traffic = Traffic(gw.url, clients=10)
+            traffic = Traffic(gw.url, clients=6)
             snap: dict[str, Any] = {}
             try:
                 while time.monotonic() - t0 < timeout_s:

@@ -333,7 +333,7 @@ async def model_response(
     answered(metrics, endpoint, model, answer.status, started, answer.version)
     if rollouts is not None and ctx.version is not None:  # TTFT: the whole answer's time
         ttft = time.perf_counter() - opened.sent_at if answer.status < 400 else None
-        rollouts.observe(ctx, opened.backend, answer.status >= 500, ttft)
+        rollouts.observe(ctx, opened.backend, answer.status >= 500, ttft, load=opened.load)
     return _render_answer(answer, idh, rid, ctx.ratelimit)
 
 
@@ -436,7 +436,7 @@ def _observed(
             if framer is framer0 and gaps > 0:
                 itl = (ended - first_sent_at) / gaps
         backend = opened.backend if framer is framer0 else None
-        rollouts.observe(ctx, backend, error, ttft, itl)
+        rollouts.observe(ctx, backend, error, ttft, itl, load=opened.load)
 
     return done
 

@@ -240,7 +240,8 @@ class Rollouts:
             self._handle(run)
 
     def observe(self, ctx: RequestContext, backend: Backend | None, error: bool,
-                ttft_s: float | None = None, itl_s: float | None = None) -> None:
+                ttft_s: float | None = None, itl_s: float | None = None,
+                load: int = 0) -> None:
         """A finished request that was assigned a version (``ctx.version``): observed on
         the version of ``backend``, the one that served it (None: none did, the assigned
         one), and counted as a fallback when that is not the assigned one (the share per
@@ -260,7 +261,8 @@ class Rollouts:
         if served != ctx.version:
             self.metrics.rollout_fallbacks.labels(ctx.model, ctx.version).inc()
             run.fallbacks[ctx.version] = run.fallbacks.get(ctx.version, 0) + 1
-        run.rollout.observe(side, None if error else ttft_s, None if error else itl_s, error)
+        run.rollout.observe(side, None if error else ttft_s, None if error else itl_s, error,
+                            load)
 
     def observe_failure(self, ctx: RequestContext, status: int) -> None:
         """A request with a version that ended without a backend's answer to relay as

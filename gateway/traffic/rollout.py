@@ -57,8 +57,8 @@ from gateway.traffic.rollout_stats import (
     combine,
     compare_calibration,
     compare_errors,
-    compare_latency,
 )
+from gateway.traffic.rollout_strata import compare_latency_matched, load_stratum
 from gateway.traffic.rollout_window import Side
 
 Version = Literal["baseline", "canary"]
@@ -241,19 +241,22 @@ class Rollout:
         return "canary" if self._rng.random() < share else "baseline"
 
     def observe(self, version: Version, ttft_s: float | None, itl_s: float | None,
-                error: bool) -> None:
+                error: bool, load: int = 0) -> None:
         """One finished request of ``version``: its TTFT and mean ITL in seconds (None when
-        it has none: an error before the first token, a one-token answer) and whether it
-        failed. Ignored once the rollout has ended."""
+        it has none: an error before the first token, a one-token answer), whether it
+        failed, and its backend's requests in flight when it was sent (``load``; 0:
+        unknown), whose stratum its latencies are compared in
+        (:mod:`gateway.traffic.rollout_strata`). Ignored once the rollout has ended."""
         if self.status != "running":
             return
         side = self._window[version]
         side.requests += 1
         side.errors += int(error)
+        stratum = load_stratum(load)
         if ttft_s is not None and math.isfinite(ttft_s):
-            side.ttft.add(ttft_s)
+            side.ttft.add(ttft_s, stratum)
         if itl_s is not None and math.isfinite(itl_s):
-            side.itl.add(itl_s)
+            side.itl.add(itl_s, stratum)
 
     def observe_calibration(self, reference: str | Sequence[float],
                             answer: str | Sequence[float]) -> bool:
@@ -282,8 +285,8 @@ class Rollout:
         can = self._window["canary"]
         return combine([
             compare_calibration(self.probes, self.probe_failures, th),
-            compare_latency("ttft", base.ttft.values, can.ttft.values, th),
-            compare_latency("itl", base.itl.values, can.itl.values, th, base.requests),
+            compare_latency_matched("ttft", base.ttft.pairs, can.ttft.pairs, th),
+            compare_latency_matched("itl", base.itl.pairs, can.itl.pairs, th, base.requests),
             compare_errors(base.errors, base.requests, can.errors, can.requests, th),
         ])
 

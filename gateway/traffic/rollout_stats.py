@@ -196,12 +196,10 @@ def _normal_sf(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
-def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """One-sided Mann-Whitney U test that ``x`` is stochastically greater than ``y``:
-    ``(U of x, p-value)``. Normal approximation with the tie correction of the variance
-    and a 0.5 continuity correction, exactly ``scipy.stats.mannwhitneyu(x, y,
-    alternative="greater", method="asymptotic")`` (Mann & Whitney 1947; the tie term:
-    Lehmann, *Nonparametrics*, 1975). All values tied: p = 1. Needs both sides non-empty."""
+def u_statistic(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """The Mann-Whitney U of ``x`` over ``y`` and its variance under the null hypothesis,
+    tie-corrected (Lehmann, *Nonparametrics*, 1975): ``(U, Var U)``; its mean is
+    ``len(x) len(y) / 2``. Needs both sides non-empty (``ValueError``)."""
     n1, n2 = len(x), len(y)
     if n1 == 0 or n2 == 0:
         raise ValueError("Mann-Whitney U needs values on both sides")
@@ -221,9 +219,19 @@ def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float,
         i = j + 1
     u = rank_x - n1 * (n1 + 1) / 2.0
     var = n1 * n2 / 12.0 * ((n + 1) - tie_term / (n * (n - 1)))
+    return u, var
+
+
+def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """One-sided Mann-Whitney U test that ``x`` is stochastically greater than ``y``:
+    ``(U of x, p-value)``. Normal approximation with the tie correction of the variance
+    and a 0.5 continuity correction, exactly ``scipy.stats.mannwhitneyu(x, y,
+    alternative="greater", method="asymptotic")`` (Mann & Whitney 1947; the tie term:
+    Lehmann, *Nonparametrics*, 1975). All values tied: p = 1. Needs both sides non-empty."""
+    u, var = u_statistic(x, y)
     if var <= 0.0:
         return u, 1.0
-    z = (u - n1 * n2 / 2.0 - 0.5) / math.sqrt(var)
+    z = (u - len(x) * len(y) / 2.0 - 0.5) / math.sqrt(var)
     return u, _normal_sf(z)
 
 

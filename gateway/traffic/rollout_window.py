@@ -15,17 +15,25 @@ class Reservoir:
         self.size = size
         self.seen = 0
         self.values: list[float] = []
+        self.strata: list[int] = []  # each value's stratum (gateway.traffic.rollout_strata)
         self._rng = rng
 
-    def add(self, value: float) -> None:
-        """Offer one value (kept with probability ``size / seen``)."""
+    def add(self, value: float, stratum: int = 0) -> None:
+        """Offer one value with its stratum (kept with probability ``size / seen``)."""
         self.seen += 1
         if len(self.values) < self.size:
             self.values.append(value)
+            self.strata.append(stratum)
             return
         j = self._rng.randrange(self.seen)
         if j < self.size:
             self.values[j] = value
+            self.strata[j] = stratum
+
+    @property
+    def pairs(self) -> tuple[list[float], list[int]]:
+        """(values, strata), parallel."""
+        return self.values, self.strata
 
 
 class Side:

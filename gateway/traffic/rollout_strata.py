@@ -1,0 +1,167 @@
+"""Canary vs baseline latencies compared at matched load (issue 18; pure).
+
+A request's TTFT and ITL depend on how loaded its backend was as much as on the build: a
+server with ten requests in flight queues and batches a new one, an idle one answers at
+once. A rollout's versions carry different loads per server (a 1 % step on three canary
+servers beside one busy baseline server; a 50 % step on one canary server beside two
+baseline ones), so a plain comparison of the two samples measures the load as much as the
+build: it hid a TTFT x1.5 canary whose idle servers were faster than the loaded baseline,
+and rolled back a good one carrying twice the baseline's per-server load
+(``benchmarks/rollout_e2e.py``, a new user's trial).
+
+So each latency sample carries its **stratum**: the serving backend's requests in flight
+when the attempt was sent (this one included), in powers of two (:func:`load_stratum`: 1,
+2, 3-4, 5-8, ...; 0 when unknown). The comparison uses only the strata both versions have
+samples in:
+
+* **the test**: van Elteren's stratified Wilcoxon-Mann-Whitney test (van Elteren 1960; the
+  standard test for a shift within strata, e.g. Lehmann, *Nonparametrics*, ch. 3): per
+  stratum ``s`` the Mann-Whitney U of canary over baseline with its mean ``n_c n_b / 2`` and
+  tie-corrected variance, combined with weights ``w_s = 1 / (n_s + 1)`` into ``Z = sum w_s
+  (U_s - E_s) / sqrt(sum w_s^2 Var_s)``; one-sided p from the normal tail. With one stratum it
+  is exactly the plain test (:func:`gateway.traffic.rollout_stats.mann_whitney_greater`,
+  continuity correction included);
+* **the effect gate** (P50 / P99 ratios): on the canary's matched samples against a
+  baseline sample re-weighted to the canary's mix of strata (for each stratum, as many
+  quantiles of the baseline's values there as the canary has samples: ``(k + 0.5) / n_c``).
+
+Samples in a stratum only one version has are not compared (counted in the numbers): when
+too few remain on either side (``min_samples``) the metric is insufficient: the versions
+never ran at a comparable load, and no verdict is better than a wrong one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+from gateway.traffic.rollout_stats import (
+    MetricResult,
+    Number,
+    Thresholds,
+    compare_latency,
+    percentile,
+    u_statistic,
+)
+
+Pairs = tuple[Sequence[float], Sequence[int]]
+
+
+def load_stratum(in_flight: int) -> int:
+    """The stratum of a sample taken at ``in_flight`` requests on its backend (this one
+    included): 0 when unknown (<= 0), else ``ceil(log2(in_flight)) + 1`` (1 -> 1, 2 -> 2,
+    3-4 -> 3, 5-8 -> 4, ...)."""
+    if in_flight <= 0:
+        return 0
+    return math.ceil(math.log2(in_flight)) + 1
+
+
+def by_stratum(values: Sequence[float], strata: Sequence[int]) -> dict[int, list[float]]:
+    """``values`` grouped by their stratum (parallel sequences)."""
+    out: dict[int, list[float]] = defaultdict(list)
+    for v, s in zip(values, strata, strict=True):
+        out[s].append(v)
+    return out
+
+
+def matched(baseline: Pairs, canary: Pairs) -> list[tuple[int, list[float], list[float]]]:
+    """The strata both sides have samples in: ``(stratum, baseline values, canary
+    values)``, by stratum."""
+    b, c = by_stratum(*baseline), by_stratum(*canary)
+    return [(s, b[s], c[s]) for s in sorted(set(b) & set(c))]
+
+
+def van_elteren_greater(groups: Sequence[tuple[int, Sequence[float], Sequence[float]]]
+                        ) -> tuple[float, float]:
+    """One-sided van Elteren test that the canary is stochastically greater (slower) than
+    the baseline within strata (module docstring): ``(Z, p-value)``. One stratum: the plain
+    Mann-Whitney test's own numbers (continuity-corrected). No variance: ``(0, 1)``. Needs
+    every group non-empty on both sides."""
+    if len(groups) == 1:
+        _, b, c = groups[0]
+        u, var = u_statistic(c, b)
+        if var <= 0.0:
+            return 0.0, 1.0
+        z = (u - len(c) * len(b) / 2.0 - 0.5) / math.sqrt(var)
+        return z, _normal_sf(z)
+    num = 0.0
+    den = 0.0
+    for _, b, c in groups:
+        u, var = u_statistic(c, b)
+        w = 1.0 / (len(b) + len(c) + 1)
+        num += w * (u - len(c) * len(b) / 2.0)
+        den += w * w * var
+    if den <= 0.0:
+        return 0.0, 1.0
+    z = num / math.sqrt(den)
+    return z, _normal_sf(z)
+
+
+def reweighted_baseline(groups: Sequence[tuple[int, Sequence[float], Sequence[float]]]
+                        ) -> list[float]:
+    """A baseline sample with the canary's mix of strata: per stratum, as many of the
+    baseline's quantiles there as the canary has samples (module docstring)."""
+    out: list[float] = []
+    for _, b, c in groups:
+        s, n = sorted(b), len(c)
+        for k in range(n):
+            pos = (len(s) - 1) * (k + 0.5) / n
+            lo = math.floor(pos)
+            hi = min(lo + 1, len(s) - 1)
+            out.append(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+    return out
+
+
+def compare_latency_matched(metric: str, baseline: Pairs, canary: Pairs, th: Thresholds,
+                            baseline_requests: int | None = None) -> MetricResult:
+    """:func:`gateway.traffic.rollout_stats.compare_latency` at matched load (module
+    docstring): ``baseline`` / ``canary`` are (values in seconds, strata). When every sample
+    of both is in one stratum it is the plain comparison; else only the strata both have
+    are compared (van Elteren's test, the effect gate on the re-weighted baseline), and too
+    few samples there is ``insufficient``, naming the load mismatch."""
+    b_vals, b_str = baseline
+    c_vals, c_str = canary
+    if len(set(b_str) | set(c_str)) <= 1:
+        return compare_latency(metric, b_vals, c_vals, th, baseline_requests)
+    plain = compare_latency(metric, b_vals, c_vals, th, baseline_requests)
+    if plain.decision == "pass" and "not measured" in plain.reason:
+        return plain
+    groups = matched(baseline, canary)
+    nb = sum(len(b) for _, b, _ in groups)
+    nc = sum(len(c) for _, _, c in groups)
+    numbers: dict[str, Number] = {
+        "baseline_n": len(b_vals), "canary_n": len(c_vals), "matched_baseline_n": nb,
+        "matched_canary_n": nc, "strata": len(groups)}
+    if nb < th.min_samples or nc < th.min_samples:
+        return MetricResult(
+            metric, "insufficient",
+            f"{metric}: {nc} canary / {nb} baseline samples at a load both versions ran at "
+            f"({th.min_samples} needed on each side; of {len(c_vals)} / {len(b_vals)}: the "
+            f"canary's servers and the baseline's carry different loads per server)", numbers)
+    canary_all = [v for _, _, c in groups for v in c]
+    base_w = reweighted_baseline(groups)
+    b50, b99 = percentile(base_w, 50), percentile(base_w, 99)
+    c50, c99 = percentile(canary_all, 50), percentile(canary_all, 99)
+    r50 = c50 / b50 if b50 > 0 else math.inf
+    r99 = c99 / b99 if b99 > 0 else math.inf
+    z, p = van_elteren_greater(groups)
+    numbers.update({"baseline_p50_s": b50, "canary_p50_s": c50, "p50_ratio": r50,
+                    "baseline_p99_s": b99, "canary_p99_s": c99, "p99_ratio": r99,
+                    "z": z, "p_value": p, "alpha": th.alpha_each})
+    significant = p < th.alpha_each
+    big = r50 >= 1.0 + th.p50_tolerance or r99 >= 1.0 + th.p99_tolerance
+    if significant and big:
+        return MetricResult(metric, "fail",
+                            f"{metric} regression at matched load: P50 x{r50:.3g}, P99 "
+                            f"x{r99:.3g}, van Elteren p={p:.3g} < {th.alpha_each:.3g}",
+                            numbers)
+    why = "not significant" if not significant else "below the tolerances"
+    return MetricResult(metric, "pass",
+                        f"{metric} at matched load: P50 x{r50:.3g}, P99 x{r99:.3g}, "
+                        f"p={p:.3g} ({why})", numbers)
+
+
+def _normal_sf(z: float) -> float:
+    """P(Z > z) for a standard normal Z."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
