@@ -280,24 +280,35 @@ def compare_latency(
         return MetricResult(metric, "insufficient",
                             f"{metric}: {nc} canary / {nb} baseline samples, "
                             f"{th.min_samples} needed on each side", numbers)
+    u, p = mann_whitney_greater(canary, baseline)
+    numbers["u"] = u
+    return latency_verdict(metric, baseline, canary, p, th, numbers, "Mann-Whitney")
+
+
+def latency_verdict(metric: str, baseline: Sequence[float], canary: Sequence[float],
+                    p: float, th: Thresholds, numbers: dict[str, Number], test: str,
+                    qualifier: str = "") -> MetricResult:
+    """The latency rule once the test's one-sided ``p`` is known: fail when significant at
+    ``th.alpha_each`` and the canary's P50 / P99 over the ``baseline`` sample's reach the
+    tolerances, else pass (``numbers`` gets the percentiles, ratios and p; ``test`` and
+    ``qualifier`` name them in the reason)."""
     b50, b99 = percentile(baseline, 50), percentile(baseline, 99)
     c50, c99 = percentile(canary, 50), percentile(canary, 99)
     r50 = c50 / b50 if b50 > 0 else math.inf
     r99 = c99 / b99 if b99 > 0 else math.inf
-    u, p = mann_whitney_greater(canary, baseline)
     numbers.update({"baseline_p50_s": b50, "canary_p50_s": c50, "p50_ratio": r50,
                     "baseline_p99_s": b99, "canary_p99_s": c99, "p99_ratio": r99,
-                    "u": u, "p_value": p, "alpha": th.alpha_each})
+                    "p_value": p, "alpha": th.alpha_each})
     significant = p < th.alpha_each
     big = r50 >= 1.0 + th.p50_tolerance or r99 >= 1.0 + th.p99_tolerance
     if significant and big:
         return MetricResult(metric, "fail",
-                            f"{metric} regression: P50 x{r50:.3g}, P99 x{r99:.3g}, "
-                            f"Mann-Whitney p={p:.3g} < {th.alpha_each:.3g}", numbers)
+                            f"{metric} regression{qualifier}: P50 x{r50:.3g}, P99 "
+                            f"x{r99:.3g}, {test} p={p:.3g} < {th.alpha_each:.3g}", numbers)
     why = "not significant" if not significant else "below the tolerances"
     return MetricResult(metric, "pass",
-                        f"{metric}: P50 x{r50:.3g}, P99 x{r99:.3g}, p={p:.3g} ({why})",
-                        numbers)
+                        f"{metric}{qualifier}: P50 x{r50:.3g}, P99 x{r99:.3g}, p={p:.3g} "
+                        f"({why})", numbers)
 
 
 def _log_comb(n: int, k: int) -> float:

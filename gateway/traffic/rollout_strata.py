@@ -41,7 +41,7 @@ from gateway.traffic.rollout_stats import (
     Number,
     Thresholds,
     compare_latency,
-    percentile,
+    latency_verdict,
     u_statistic,
 )
 
@@ -140,26 +140,10 @@ def compare_latency_matched(metric: str, baseline: Pairs, canary: Pairs, th: Thr
             f"({th.min_samples} needed on each side; of {len(c_vals)} / {len(b_vals)}: the "
             f"canary's servers and the baseline's carry different loads per server)", numbers)
     canary_all = [v for _, _, c in groups for v in c]
-    base_w = reweighted_baseline(groups)
-    b50, b99 = percentile(base_w, 50), percentile(base_w, 99)
-    c50, c99 = percentile(canary_all, 50), percentile(canary_all, 99)
-    r50 = c50 / b50 if b50 > 0 else math.inf
-    r99 = c99 / b99 if b99 > 0 else math.inf
     z, p = van_elteren_greater(groups)
-    numbers.update({"baseline_p50_s": b50, "canary_p50_s": c50, "p50_ratio": r50,
-                    "baseline_p99_s": b99, "canary_p99_s": c99, "p99_ratio": r99,
-                    "z": z, "p_value": p, "alpha": th.alpha_each})
-    significant = p < th.alpha_each
-    big = r50 >= 1.0 + th.p50_tolerance or r99 >= 1.0 + th.p99_tolerance
-    if significant and big:
-        return MetricResult(metric, "fail",
-                            f"{metric} regression at matched load: P50 x{r50:.3g}, P99 "
-                            f"x{r99:.3g}, van Elteren p={p:.3g} < {th.alpha_each:.3g}",
-                            numbers)
-    why = "not significant" if not significant else "below the tolerances"
-    return MetricResult(metric, "pass",
-                        f"{metric} at matched load: P50 x{r50:.3g}, P99 x{r99:.3g}, "
-                        f"p={p:.3g} ({why})", numbers)
+    numbers["z"] = z
+    return latency_verdict(metric, reweighted_baseline(groups), canary_all, p, th, numbers,
+                           "van Elteren", " at matched load")
 
 
 def _normal_sf(z: float) -> float:
