@@ -91,7 +91,7 @@ def run(name: str, release: dict[str, Any], timeout_s: float = 1200) -> dict[str
            "failed": len(traffic.failures), "failures": traffic.failures[:3],
            "canary_served": served["canary"], "assigned": total,
            "canary_share": round(served["canary"] / total, 4) if total else None}
-    if snap["status"] == "rolled_back":
+    if snap["status"] == "rolled_back" and snap["history"][-1]["step"] == 0:
         out["bound"] = round(STEPS[0] * total + PLAN["min_step_requests"], 1)
         out["within_bound"] = served["canary"] <= out["bound"]
     return out
