@@ -191,7 +191,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _normal_sf(z: float) -> float:
+def normal_sf(z: float) -> float:
     """P(Z > z) for a standard normal Z."""
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
@@ -232,7 +232,7 @@ def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float,
     if var <= 0.0:
         return u, 1.0
     z = (u - len(x) * len(y) / 2.0 - 0.5) / math.sqrt(var)
-    return u, _normal_sf(z)
+    return u, normal_sf(z)
 
 
 def two_proportion_greater(
@@ -250,7 +250,16 @@ def two_proportion_greater(
     if se == 0.0:
         return 0.0, 1.0
     z = (pa - pb) / se
-    return z, _normal_sf(z)
+    return z, normal_sf(z)
+
+
+def not_measured(baseline_requests: int | None, baseline_samples: int,
+                 th: Thresholds) -> bool:
+    """Whether a metric only some requests have (``baseline_requests`` given) is not made
+    by the traffic: the baseline served ``th.min_requests`` requests or more yet gave fewer
+    than ``th.min_samples`` samples (:func:`compare_latency`)."""
+    return (baseline_requests is not None and baseline_requests >= th.min_requests
+            and baseline_samples < th.min_samples)
 
 
 def compare_latency(
@@ -270,8 +279,7 @@ def compare_latency(
     never come."""
     nb, nc = len(baseline), len(canary)
     numbers: dict[str, Number] = {"baseline_n": nb, "canary_n": nc}
-    if (baseline_requests is not None and baseline_requests >= th.min_requests
-            and nb < th.min_samples):
+    if not_measured(baseline_requests, nb, th):
         return MetricResult(metric, "pass",
                             f"{metric}: not measured: {baseline_requests} baseline requests "
                             f"gave {nb} samples, {th.min_samples} needed (the traffic has "

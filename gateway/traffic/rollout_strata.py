@@ -42,6 +42,8 @@ from gateway.traffic.rollout_stats import (
     Thresholds,
     compare_latency,
     latency_verdict,
+    normal_sf,
+    not_measured,
     u_statistic,
 )
 
@@ -84,7 +86,7 @@ def van_elteren_greater(groups: Sequence[tuple[int, Sequence[float], Sequence[fl
         if var <= 0.0:
             return 0.0, 1.0
         z = (u - len(c) * len(b) / 2.0 - 0.5) / math.sqrt(var)
-        return z, _normal_sf(z)
+        return z, normal_sf(z)
     num = 0.0
     den = 0.0
     for _, b, c in groups:
@@ -95,7 +97,7 @@ def van_elteren_greater(groups: Sequence[tuple[int, Sequence[float], Sequence[fl
     if den <= 0.0:
         return 0.0, 1.0
     z = num / math.sqrt(den)
-    return z, _normal_sf(z)
+    return z, normal_sf(z)
 
 
 def reweighted_baseline(groups: Sequence[tuple[int, Sequence[float], Sequence[float]]]
@@ -122,11 +124,9 @@ def compare_latency_matched(metric: str, baseline: Pairs, canary: Pairs, th: Thr
     few samples there is ``insufficient``, naming the load mismatch."""
     b_vals, b_str = baseline
     c_vals, c_str = canary
-    if len(set(b_str) | set(c_str)) <= 1:
+    if (not_measured(baseline_requests, len(b_vals), th)
+            or len(set(b_str) | set(c_str)) <= 1):
         return compare_latency(metric, b_vals, c_vals, th, baseline_requests)
-    plain = compare_latency(metric, b_vals, c_vals, th, baseline_requests)
-    if plain.decision == "pass" and "not measured" in plain.reason:
-        return plain
     groups = matched(baseline, canary)
     nb = sum(len(b) for _, b, _ in groups)
     nc = sum(len(c) for _, _, c in groups)
@@ -145,7 +145,3 @@ def compare_latency_matched(metric: str, baseline: Pairs, canary: Pairs, th: Thr
     return latency_verdict(metric, reweighted_baseline(groups), canary_all, p, th, numbers,
                            "van Elteren", " at matched load")
 
-
-def _normal_sf(z: float) -> float:
-    """P(Z > z) for a standard normal Z."""
-    return 0.5 * math.erfc(z / math.sqrt(2.0))
