@@ -31,6 +31,7 @@ from tests.lifecycle.support import (
     sdk_kwargs,
     wait_state,
 )
+from tests.support.processes import end_process
 from tests.support.scripted import (
     Conn,
     Received,
@@ -83,13 +84,7 @@ class SimProcess:
 
     def stop(self) -> None:
         self.thaw()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        end_process(self.proc, 10)
         self._log.close()
 
 

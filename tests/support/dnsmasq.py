@@ -27,6 +27,8 @@ from typing import IO
 
 import pytest
 
+from tests.support.processes import end_process
+
 
 def require_dnsmasq() -> str:
     """The ``dnsmasq`` binary; skips the test without one (fails under CI)."""
@@ -136,13 +138,8 @@ class DnsServer:
 
     def stop(self) -> None:
         """Stop the server (queries then time out: a resolver outage)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            end_process(self.proc, 5)
         self.proc = None
 
     def close(self) -> None:

@@ -16,6 +16,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.support.processes import end_process
+
 
 def prometheus_binary() -> str:
     """The ``prometheus`` binary; a missing one fails the test under CI (env ``CI`` set),
@@ -95,11 +97,5 @@ class Prometheus:
         return [{**r, "group": g["name"]} for g in data["groups"] for r in g["rules"]]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        end_process(self.proc, 10)
         self.log.close()
