@@ -37,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.traffic.rollout import RolloutPlan
 from gateway.traffic.rollout_sim import Outcome, Release, Traffic, simulate
+from gateway.traffic.rollout_stats import Thresholds
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout.json"
+RESULTS_E2E_PROFILE = RESULTS.with_name("rollout_e2e_profile.json")
 
 SCENARIOS: dict[str, Release] = {
     "good canary": Release(),
@@ -73,6 +75,7 @@ def summarize(name: str, outcomes: list[Outcome], plan: RolloutPlan) -> dict[str
                                                 default=None),
         "promotion_median_s": statistics.median(promo) if promo else None,
         "reasons": dict(Counter(o.reason.split(":")[0].split(" ")[0] for o in back)),
+        "looks_mean": statistics.mean(o.looks for o in outcomes) if outcomes else None,
         "first_step_rollbacks": sum(1 for o in back if o.step == 0),
         "first_step_within_bound": sum(
             1 for o in back if o.step == 0 and o.canary_requests
@@ -90,19 +93,34 @@ def main() -> None:
     ap.add_argument("--rps", type=float, default=20.0, help="requests per second")
     ap.add_argument("--step-s", type=float, default=60.0, help="min_step_s (seconds)")
     ap.add_argument("--step-requests", type=int, default=100, help="min_step_requests")
+    ap.add_argument("--stream-share", type=float, default=1.0,
+                    help="share of requests streamed (only those have an ITL sample)")
+    ap.add_argument("--profile", choices=("default", "e2e"), default="default",
+                    help="e2e: rollout_e2e.py's short steps (min_step_s 0.5, 40 requests, "
+                    "min_samples 20, min_requests 40, recheck_s 0.2) at 60 requests/s, half "
+                    "streamed: a step is looked at every 0.2 s until its ITL sample is in")
+    ap.add_argument("--scenarios", default="",
+                    help="comma-separated scenario names (default: all)")
     args = ap.parse_args()
-    plan = RolloutPlan(model="m", baseline="v1", canary="v2", min_step_s=args.step_s,
-                       min_step_requests=args.step_requests)
-    traffic = Traffic(rate_rps=args.rps)
+    if args.profile == "e2e":
+        plan = RolloutPlan(model="m", baseline="v1", canary="v2", min_step_s=0.5,
+                           min_step_requests=40, recheck_s=0.2, max_step_s=900,
+                           thresholds=Thresholds(min_samples=20, min_requests=40))
+        traffic = Traffic(rate_rps=60.0, stream_share=0.5, probe_interval_s=0.1)
+    else:
+        plan = RolloutPlan(model="m", baseline="v1", canary="v2", min_step_s=args.step_s,
+                           min_step_requests=args.step_requests)
+        traffic = Traffic(rate_rps=args.rps, stream_share=args.stream_share)
+    wanted = [w for w in args.scenarios.split(",") if w]
     started = time.perf_counter()
     rows = [summarize(name, [simulate(plan, release, traffic, seed)
                              for seed in range(args.runs)], plan)
-            for name, release in SCENARIOS.items()]
+            for name, release in SCENARIOS.items() if not wanted or name in wanted]
     header = (f"{'scenario':24} {'rolled back':>11} {'promoted':>8} {'detect P50 s':>12} "
               f"{'worst s':>8} {'at steps':>16} {'max canary share':>16}")
     print(f"plan: steps {list(plan.steps)}, min_step_s {plan.min_step_s:g}, "
-          f"min_step_requests {plan.min_step_requests}; {args.rps:g} requests/s; "
-          f"{args.runs} seeds each")
+          f"min_step_requests {plan.min_step_requests}; {traffic.rate_rps:g} requests/s, "
+          f"{traffic.stream_share:.0%} streamed; {args.runs} seeds each")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -111,21 +129,25 @@ def main() -> None:
               f"{_fmt(r['detect_median_s'], '.0f'):>12} {_fmt(r['detect_max_s'], '.0f'):>8} "
               f"{json.dumps(r['rollback_steps']):>16} "
               f"{_fmt(share * 100 if share is not None else None, '.2f') + ' %':>16}")
-    first = sum(r["first_step_rollbacks"] for r in rows[1:])
-    within = sum(r["first_step_within_bound"] for r in rows[1:])
+    bad = [r for r in rows if r["scenario"] != "good canary"]
+    first = sum(r["first_step_rollbacks"] for r in bad)
+    within = sum(r["first_step_within_bound"] for r in bad)
     print(f"\nrollbacks at the first step within the bound (canary requests <= "
           f"{plan.steps[0]:g} x requests + {plan.min_step_requests}): {within} of {first}")
-    good = rows[0]
-    print(f"\nfalse rollbacks of a good canary: {good['rolled_back']} of {good['runs']} "
-          f"(promoted in {_fmt(good['promotion_median_s'], '.0f')} s, median)")
+    for good in (r for r in rows if r["scenario"] == "good canary"):
+        print(f"\nfalse rollbacks of a good canary: {good['rolled_back']} of {good['runs']} "
+              f"(promoted in {_fmt(good['promotion_median_s'], '.0f')} s, median; "
+              f"{good['looks_mean']:.1f} comparisons a rollout, 1 acted on a step)")
     print(f"({time.perf_counter() - started:.1f} s)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    out = RESULTS_E2E_PROFILE if args.profile == "e2e" else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "plan": {"steps": list(plan.steps), "min_step_s": plan.min_step_s,
                  "min_step_requests": plan.min_step_requests},
-        "traffic": {"rate_rps": args.rps}, "runs": args.runs,
+        "traffic": {"rate_rps": traffic.rate_rps, "stream_share": traffic.stream_share},
+        "profile": args.profile, "runs": args.runs,
         "scenarios": rows}, indent=2) + "\n")
-    print(f"written: {RESULTS}")
+    print(f"written: {out}")
 
 
 if __name__ == "__main__":

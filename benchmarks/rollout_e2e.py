@@ -34,6 +34,8 @@ Run: ``python benchmarks/rollout_e2e.py`` (about 5 minutes on 2 cores). Writes
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 import sys
 import time
@@ -57,24 +59,46 @@ CANARIES: dict[str, dict[str, Any]] = {"good": {}, "slow (TTFT x1.5)": {"ttft_fa
                                        "drifted (50 %)": {"drift": 0.5}}
 
 
-def run(name: str, release: dict[str, Any], timeout_s: float = 1200) -> dict[str, Any]:
-    """One rollout to its end; its figures."""
+def _decision(h: dict[str, Any]) -> dict[str, Any]:
+    """One decision of the history with its latency numbers: per metric the sample sizes,
+    P50 / P99 ratios and p-value (the diagnostics of a false rollback)."""
+    out: dict[str, Any] = {"step": h["step"], "outcome": h["outcome"], "reason": h["reason"]}
+    for m in (h.get("comparison") or {}).get("metrics", []):
+        out[m["metric"]] = {k: m.get(k) for k in (
+            "decision", "canary_n", "baseline_n", "matched_canary_n", "matched_baseline_n",
+            "p50_ratio", "p99_ratio", "p_value", "canary_rate", "baseline_rate") if
+            m.get(k) is not None}
+    return out
+
+
+def run(name: str, release: dict[str, Any], plan: dict[str, Any],
+        timeout_s: float = 1200) -> dict[str, Any]:
+    """One rollout of ``plan`` to its end; its figures, every decision's numbers and the
+    comparisons seen while a step was due (``looks``: each distinct one, polled every
+    0.2 s, the same period as ``recheck_s``)."""
     servers = Servers()
     try:
         for a in ("a1", "a2", "a3"):
             servers.add(a, "v1")
         servers.add("b", "v2", **release)
         with GatewayThread(config(servers.backends)) as gw:
-            r = httpx.post(gw.url + "/admin/rollouts", json=PLAN, timeout=10)
+            r = httpx.post(gw.url + "/admin/rollouts", json=plan, timeout=10)
             r.raise_for_status()
             t0 = time.monotonic()
             traffic = Traffic(gw.url, clients=6)
             snap: dict[str, Any] = {}
+            looks: list[dict[str, Any]] = []
             try:
                 while time.monotonic() - t0 < timeout_s:
                     snap = next(x for x in httpx.get(gw.url + "/admin/rollouts",
                                                      timeout=10).json()["data"]
                                 if x["model"] == MODEL)
+                    cmp = snap.get("comparison")
+                    look = {"step": snap["step"], **_decision(
+                        {"step": snap["step"], "outcome": "look",
+                         "reason": (cmp or {}).get("reason", ""), "comparison": cmp})}
+                    if cmp and (not looks or looks[-1] != look):
+                        looks.append(look)
                     if snap["status"] != "running":
                         break
                     time.sleep(0.2)
@@ -87,18 +111,32 @@ def run(name: str, release: dict[str, Any], timeout_s: float = 1200) -> dict[str
     total = served["baseline"] + served["canary"]
     out = {"canary": name, "status": snap["status"], "seconds": round(took, 1),
            "decisions": [(h["step"], h["outcome"], h["reason"][:80]) for h in snap["history"]],
+           "numbers": [_decision(h) for h in snap["history"]], "looks": looks,
            "requests": len(traffic.versions) + len(traffic.failures),
            "failed": len(traffic.failures), "failures": traffic.failures[:3],
            "canary_served": served["canary"], "assigned": total,
            "canary_share": round(served["canary"] / total, 4) if total else None}
     if snap["status"] == "rolled_back" and snap["history"][-1]["step"] == 0:
-        out["bound"] = round(STEPS[0] * total + PLAN["min_step_requests"], 1)
+        out["bound"] = round(STEPS[0] * total + plan["min_step_requests"], 1)
         out["within_bound"] = served["canary"] <= out["bound"]
     return out
 
 
 def main() -> None:
-    rows = [run(name, release) for name, release in CANARIES.items()]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(c.split(" ")[0] for c in CANARIES),
+                    help="comma-separated canaries to run (good, slow, drifted)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each canary")
+    ap.add_argument("--probe-interval-s", type=float, default=None,
+                    help="calibration.interval_s (default: the plan's 0.1 s)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON written")
+    args = ap.parse_args()
+    plan = copy.deepcopy(PLAN)
+    if args.probe_interval_s is not None:
+        plan["calibration"]["interval_s"] = args.probe_interval_s
+    wanted = args.cases.split(",")
+    rows = [run(name, release, plan) for name, release in CANARIES.items()
+            if name.split(" ")[0] in wanted for _ in range(args.repeat)]
     for r in rows:
         steps = " -> ".join(f"{s}:{o}" for s, o, _ in r["decisions"])
         bound = (f", bound {r['bound']} ({'within' if r['within_bound'] else 'OVER'})"
@@ -107,9 +145,13 @@ def main() -> None:
               f"requests, {r['failed']} failed; canary served {r['canary_served']} of "
               f"{r['assigned']} ({(r['canary_share'] or 0) * 100:.1f} %){bound}\n"
               f"{'':18} steps: {steps}\n{'':18} last: {r['decisions'][-1][2]}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(rows, indent=2))
-    print(f"written: {RESULTS}")
+        for d in r["numbers"]:
+            print(f"{'':18} step {d['step']} {d['outcome']}: " + "; ".join(
+                f"{k} P50 x{v['p50_ratio']:.3f} P99 x{v['p99_ratio']:.3f} p={v['p_value']:.3g}"
+                for k, v in d.items() if isinstance(v, dict) and "p50_ratio" in v))
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps({"plan": plan, "runs": rows}, indent=2))
+    print(f"written: {args.out}")
 
 
 if __name__ == "__main__":

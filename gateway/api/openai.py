@@ -414,12 +414,15 @@ def _observed(
     to the first events sent (seconds), ITL the mean time between the events after them
     (``[DONE]`` not counted; none for a continued stream, whose events came from two
     backends), an error unless it ended ``ok``, the client gone (not observed), or with an
-    in-band 4xx (the request's fault: counted, without latencies)."""
+    in-band 4xx (the request's fault: counted, without latencies). The TTFT is compared at
+    the backend's requests in flight at the send, the ITL at the larger of that and those
+    in flight when the stream ended (what its decode met)."""
     framer0 = opened.framer
     first_events = opened.data.count(b"\n\n")
 
     def done(outcome: str, framer: EventFramer, first_sent_at: float | None) -> None:
         ended = time.perf_counter()  # the last event was relayed
+        ended_load = opened.backend.in_flight  # what its decode met (Rollout.observe)
         on_done(outcome, framer, first_sent_at)
         if outcome == StreamOutcome.CLIENT_GONE:
             return
@@ -436,7 +439,8 @@ def _observed(
             if framer is framer0 and gaps > 0:
                 itl = (ended - first_sent_at) / gaps
         backend = opened.backend if framer is framer0 else None
-        rollouts.observe(ctx, backend, error, ttft, itl, load=opened.load)
+        rollouts.observe(ctx, backend, error, ttft, itl, load=opened.load,
+                         itl_load=max(opened.load, ended_load))
 
     return done
 

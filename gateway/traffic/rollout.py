@@ -10,12 +10,25 @@ the canary's answers to fixed prompts do not depend on its share):
 
 * ``pass``: the next step, with a fresh window (the last step passed: ``promoted``);
 * ``fail``: ``rolled_back``, with the failing metric's reason;
-* ``insufficient``: checked again every ``recheck_s`` until ``max_step_s``; then, by
+* ``insufficient`` (some metric still lacks its sample): checked again every
+  ``recheck_s`` until ``max_step_s``; then, by
   default (``on_insufficient="rollback"``), ``rolled_back`` with reason
   ``insufficient ...``: a canary that cannot be verified does not keep its traffic
   indefinitely, the baseline is the version known to be good, and the reason says that it
   was not a regression. ``"hold"`` keeps the step (and its growing window) until the
   comparison decides, for models whose traffic is too thin for any bound on time.
+
+**A step is decided once.** Its comparison counts at the first look, once the step is due,
+in which every metric has its sample (none ``insufficient``): pass or fail, and that is the
+step's verdict. A metric that fails while another still waits for samples (ITL, which only
+streams give, or a load stratum not yet matched) is shown in ``/admin/rollouts`` but not
+acted on: re-testing a growing sample every ``recheck_s`` and acting on the first
+significant look is optional stopping ("peeking"), whose false-positive rate exceeds the
+nominal alpha with every look (Armitage, McPherson & Rowe 1969; Johari et al. 2017,
+"Peeking at A/B tests"). Deciding at one fixed point keeps a good canary's chance of failing
+a step at ``thresholds.alpha`` at most. Past ``max_step_s`` a failing metric is acted on
+whatever the others lack (the step is over). With ``on_insufficient="hold"`` the looks go
+on past ``max_step_s`` on a growing window: the price of a verdict at any time.
 
 Calibration is also checked on its own at every :meth:`tick`, due or not: once the canary
 has answered the minimum of probes and more than 2 % of them failed, the rollout is rolled
@@ -183,6 +196,7 @@ class Rollout:
         self.share_before_rollback: float | None = None
         self.probes = 0
         self.probe_failures = 0
+        self.looks = 0  # comparisons made by tick, every step (diagnostics)
         self._rng = rng
         self._salt = f"{plan.model}\x00{plan.rollout_id}"
         self._holding = False
@@ -241,12 +255,17 @@ class Rollout:
         return "canary" if self._rng.random() < share else "baseline"
 
     def observe(self, version: Version, ttft_s: float | None, itl_s: float | None,
-                error: bool, load: int = 0) -> None:
+                error: bool, load: int = 0, itl_load: int | None = None) -> None:
         """One finished request of ``version``: its TTFT and mean ITL in seconds (None when
         it has none: an error before the first token, a one-token answer), whether it
         failed, and its backend's requests in flight when it was sent (``load``; 0:
-        unknown), whose stratum its latencies are compared in
-        (:mod:`gateway.traffic.rollout_strata`). Ignored once the rollout has ended."""
+        unknown), whose stratum its TTFT is compared in
+        (:mod:`gateway.traffic.rollout_strata`); its ITL's stratum is ``itl_load`` (the
+        load its decode met: the larger of ``load`` and the requests in flight when the
+        stream ended; None: ``load``), since a prefill admitted while it decoded stalls
+        every step of it (vLLM without chunked prefill; :mod:`gateway.sim.engine`), and a
+        one-server canary pool meets every one of its arrivals where a larger baseline pool
+        spreads them. Ignored once the rollout has ended."""
         if self.status != "running":
             return
         side = self._window[version]
@@ -256,7 +275,7 @@ class Rollout:
         if ttft_s is not None and math.isfinite(ttft_s):
             side.ttft.add(ttft_s, stratum)
         if itl_s is not None and math.isfinite(itl_s):
-            side.itl.add(itl_s, stratum)
+            side.itl.add(itl_s, stratum if itl_load is None else load_stratum(itl_load))
 
     def observe_calibration(self, reference: str | Sequence[float],
                             answer: str | Sequence[float]) -> bool:
@@ -277,8 +296,9 @@ class Rollout:
 
     def compare(self) -> Comparison:
         """The current window's comparison (the reference baseline window when this one's
-        baseline served fewer than ``min_requests``: the last step)."""
-        th = self.plan.thresholds
+        baseline served fewer than ``min_requests``: the last step), each test at
+        ``alpha / steps`` of the plan's thresholds (:meth:`Thresholds.per_step`)."""
+        th = self.plan.thresholds.per_step(len(self.plan.steps))
         base = self._window["baseline"]
         if base.requests < th.min_requests and self._reference is not None:
             base = self._reference
@@ -310,9 +330,11 @@ class Rollout:
         if self._last_check is not None and now - self._last_check < p.recheck_s:
             return None
         self._last_check = now
+        self.looks += 1
         cmp = self.compare()
         self.last_comparison = cmp
-        if cmp.decision == "fail":
+        complete = all(m.decision != "insufficient" for m in cmp.metrics)
+        if cmp.decision == "fail" and (complete or timed_out):  # decided once (docstring)
             return self._roll_back(now, cmp.reason, cmp)
         if cmp.decision == "pass" and due:
             return self._advance(now, cmp)
@@ -376,7 +398,8 @@ class Rollout:
         """``/admin/rollouts``' view of this rollout (JSON-ready): model, versions, status,
         step and share, the step's age (seconds), requests served per version, the canary's
         share served (and before a rollback), calibration probes, the last comparison with
-        its numbers and the decision history with times."""
+        its numbers, the comparisons made so far (``looks``: a step acts on one) and the
+        decision history with times."""
         p = self.plan
         return {
             "model": p.model, "baseline": p.baseline, "canary": p.canary,
@@ -391,6 +414,7 @@ class Rollout:
             "calibration": {"probes": self.probes, "failures": self.probe_failures,
                             "measure": p.calibration},
             "comparison": self.last_comparison.to_json() if self.last_comparison else None,
+            "looks": self.looks,
             "history": [*(dict(r) for r in self.prior),
                         *(r.to_json() for r in self.history)],
         }

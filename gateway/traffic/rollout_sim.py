@@ -39,7 +39,9 @@ class Traffic:
     """The synthetic traffic: ``rate_rps`` (requests per second), the baseline's TTFT and
     ITL medians (seconds) and lognormal sigmas, its error rate (fraction), the share of
     requests with a session key and the number of sessions, the calibration probe period
-    (seconds)."""
+    (seconds), the share of requests streamed (only those have an ITL sample: below 1, a
+    step waits for its ITL sample after its TTFT one is complete, and is looked at every
+    ``recheck_s`` meanwhile)."""
 
     rate_rps: float = 20.0
     ttft_median_s: float = 0.25
@@ -50,6 +52,7 @@ class Traffic:
     session_share: float = 0.5
     sessions: int = 2000
     probe_interval_s: float = 5.0
+    stream_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ class Outcome:
     """How a simulated rollout ended: ``status`` (``running`` when ``max_s`` ran out),
     the step index it ended at, ``decided_after_s`` (seconds from the start to the rollback
     or promotion; None when still running), the reason, the requests the canary served and
-    all requests (counts), and the canary's share of them."""
+    all requests (counts), the canary's share of them, and the comparisons made (looks,
+    counted over every step)."""
 
     status: Status
     step: int
@@ -66,6 +70,7 @@ class Outcome:
     canary_requests: int
     total_requests: int
     canary_share: float
+    looks: int = 0
 
 
 def simulate(plan: RolloutPlan, release: Release, traffic: Traffic, seed: int,
@@ -92,11 +97,13 @@ def simulate(plan: RolloutPlan, release: Release, traffic: Traffic, seed: int,
         version = rollout.assign(session, None, Prio.NORMAL, t)
         canary = version == "canary"
         ttft = math.exp(rng.gauss(mu_ttft, traffic.ttft_sigma))
-        itl = math.exp(rng.gauss(mu_itl, traffic.itl_sigma))
+        itl: float | None = math.exp(rng.gauss(mu_itl, traffic.itl_sigma))
+        if traffic.stream_share < 1.0 and rng.random() >= traffic.stream_share:
+            itl = None
         err_rate = traffic.baseline_error_rate
         if canary:
             ttft *= release.ttft_factor
-            itl *= release.itl_factor
+            itl = None if itl is None else itl * release.itl_factor
             err_rate += release.extra_error_rate
         error = rng.random() < err_rate
         rollout.observe(version, None if error else ttft, None if error else itl, error)
@@ -105,4 +112,4 @@ def simulate(plan: RolloutPlan, release: Release, traffic: Traffic, seed: int,
     served = rollout.served
     total = served["baseline"] + served["canary"]
     return Outcome(rollout.status, rollout.step, decided, reason, served["canary"], total,
-                   served["canary"] / total if total else 0.0)
+                   served["canary"] / total if total else 0.0, rollout.looks)

@@ -299,3 +299,57 @@ def test_failing_calibration_rolls_back_as_soon_as_the_probes_say_so_not_when_du
     rec = r.tick(2.0)
     assert rec is not None and rec.outcome == "rolled_back" and rec.step == 0
     assert rec.reason.startswith("calibration failed"), rec.reason
+
+
+E2E_LIKE = RolloutPlan("m", "v1", "v2", steps=(0.05, 0.25, 1.0), min_step_s=0.5,
+                       min_step_requests=40, recheck_s=0.2, max_step_s=900,
+                       thresholds=Thresholds(min_samples=20, min_requests=40))
+"""benchmarks/rollout_e2e.py's short steps (three of its shares, to keep the test short):
+40 canary requests give about 20 ITL samples (half the requests streamed), so a step is
+looked at every 0.2 s until they are in."""
+
+
+def test_a_step_is_decided_once_every_metric_has_its_sample() -> None:
+    """No peeking: a metric failing while another still lacks its sample is shown, not
+    acted on, however many looks; the step decides at its first complete comparison."""
+    th = Thresholds(min_samples=20, min_requests=40, min_calibration_probes=0)
+    plan = RolloutPlan("m", "v1", "v2", min_step_s=0.0, min_step_requests=40,
+                       recheck_s=0.05, thresholds=th)
+    r = Rollout(plan, 0.0, random.Random(1))
+    rng = random.Random(2)
+
+    def ttft(f: float = 1.0) -> float:
+        return f * math.exp(rng.gauss(math.log(0.25), 0.5))
+
+    for _ in range(400):
+        r.observe("baseline", ttft(), ttft() / 8, False)
+    for _ in range(40):  # twice as slow; no stream yet: no ITL sample
+        r.observe("canary", ttft(2.0), None, False)
+    for k in range(20):
+        assert r.tick(1.0 + 0.1 * k) is None
+    assert r.looks == 20 and r.status == "running"
+    assert r.last_comparison is not None and r.last_comparison.decision == "fail"
+    assert r.last_comparison.metric("itl").decision == "insufficient"
+    for _ in range(20):
+        r.observe("canary", ttft(2.0), ttft() / 8, False)
+    rec = r.tick(5.0)
+    assert rec is not None and r.status == "rolled_back"
+    assert rec.reason.startswith("ttft regression")
+
+
+def test_a_good_canary_looked_at_repeatedly_is_promoted() -> None:
+    """benchmarks/rollout.py --profile e2e in small: every step looked at many times while
+    its ITL sample fills (measured over 400 seeds: see Thresholds' docstring)."""
+    traffic = Traffic(rate_rps=60.0, stream_share=0.5, probe_interval_s=0.1)
+    outcomes = [simulate(E2E_LIKE, Release(), traffic, seed=s) for s in range(10)]
+    assert sum(o.looks for o in outcomes) > 2 * 3 * len(outcomes)  # repeated looks
+    rolled = [(o.step, o.reason) for o in outcomes if o.status != "promoted"]
+    assert not rolled, rolled
+
+
+def test_itl_is_compared_at_the_load_its_decode_met() -> None:
+    r = Rollout(QUICK, 0.0, random.Random(1))
+    r.observe("canary", 0.2, 0.01, False, load=1, itl_load=4)  # arrivals stalled its decode
+    r.observe("canary", 0.2, 0.01, False, load=2)
+    side = r._window["canary"]
+    assert side.ttft.strata == [1, 2] and side.itl.strata == [3, 2]

@@ -196,3 +196,14 @@ def test_calibration_measures() -> None:
 def test_bad_thresholds_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"Thresholds.{field}"):
         Thresholds(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_significant_slowdown_within_the_noise_of_a_step_does_not_fail() -> None:
+    """P50 x1.07 on a step's sample (benchmarks/rollout_e2e.py rolled a good canary back on
+    that): significant, but under the 10 % median tolerance."""
+    rng = random.Random(7)
+    base, canary = lognormal(rng, 4000), lognormal(rng, 400, factor=1.07)
+    r = compare_latency("ttft", base, canary, TH)
+    assert isinstance(r.numbers["p_value"], float) and r.numbers["p_value"] < TH.alpha_each
+    assert r.numbers["p50_ratio"] is not None and 1.05 <= r.numbers["p50_ratio"] < 1.10
+    assert r.decision == "pass" and "below the tolerances" in r.reason
