@@ -28,8 +28,33 @@ rolled back once at step 0 on TTFT (P50 x1.07, P99 x1.09, p = 0.003) in a run wh
 work loaded the machine, and at step 2 on ITL in another: the false rollbacks this
 benchmark exists to count, not yet explained (issue 18 stays open on them).
 
-Run: ``python benchmarks/rollout_e2e.py`` (about 5 minutes on 2 cores). Writes
-``benchmarks/results/rollout_e2e.json``.
+**Why, and what changed.** The step-0 rollback's numbers (P50 x1.07, p = 0.003 against a
+per-test 0.0033) were a small effect inside a step's sampling noise (40 canary values of
+one build reach P50 x1.05 in 31 % of draws), tested at a level spent per step, on a
+comparison re-made every 0.2 s while the ITL sample filled (~20 looks at step 0) and acted
+on at the first failing look. Now a step is decided once, at its first complete comparison,
+at ``alpha / steps`` (1 % for the whole rollout), with a 10 % P50 / 20 % P99 tolerance
+(docs/architecture.md, "Canary rollouts: the statistics"; in seeded simulation of this plan
+13 of 400 good canaries were rolled back before, 2 of 400 after). Two load confounds of
+this fleet were removed too: the calibration rounds (one canary server answers as many
+probes as the three baseline servers together; at a round every 0.1 s, ~40 % of its time
+against ~13 %) now count in the backend's requests in flight, so its requests are compared
+in the right load stratum; and a stream's ITL is compared at the load its decode met (the
+larger of the load at send and at its end): each request arriving at a backend is prefilled
+in one step that stalls every stream decoding there, and the one canary server meets all
+of the canary's arrivals where the baseline's router spreads them over three.
+With the host at a load average of 12-17 (other sessions' work on 2 cores) a run before
+the change (probes every 2 s) rolled the good canary back at step 0 on TTFT P50 x1.34 at
+matched load (p = 0.002, now above the 0.00067 per test), and another (probes every 0.1 s)
+made no decision in 25 minutes: the canary's server was marked hung by the gateway's
+watchdog and its probe rounds timed out. Such a host measures the harness (one Python
+process for the gateway, the servers and the clients) as much as the build.
+
+Run: ``python benchmarks/rollout_e2e.py`` (about 5 minutes on 2 idle cores; ``--cases
+good --repeat 3`` for the good canary alone, three times; ``--probe-interval-s`` for the
+calibration rounds' period). Writes ``benchmarks/results/rollout_e2e.json``: each run's
+decisions with their per-metric numbers (sample sizes, P50 / P99 ratios, p-values) and
+every distinct comparison seen while it ran (``looks``).
 """
 
 from __future__ import annotations

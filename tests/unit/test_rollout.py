@@ -70,8 +70,8 @@ def test_good_canary_is_promoted_through_every_step() -> None:
 def test_no_false_rollbacks_of_a_good_canary_over_20_rollouts() -> None:
     outcomes = [simulate(QUICK, Release(), TRAFFIC, seed=s) for s in range(20)]
     rolled = [o.reason for o in outcomes if o.status != "promoted"]
-    # measured: 0 of these 20 (3 of 100 over seeds 0-99; the tests' bound: alpha 0.01 a
-    # step x 5 steps = 5 %); the z-test without its exact fallback rolled back 4 of 20
+    # measured: 0 of these 20 (the tests' bound: alpha 0.01 a rollout, each step decided
+    # once at alpha / 5); the z-test without its exact fallback rolled back 4 of 20
     assert len(rolled) <= 1, rolled
 
 
@@ -339,7 +339,7 @@ def test_a_step_is_decided_once_every_metric_has_its_sample() -> None:
 
 def test_a_good_canary_looked_at_repeatedly_is_promoted() -> None:
     """benchmarks/rollout.py --profile e2e in small: every step looked at many times while
-    its ITL sample fills (measured over 400 seeds: see Thresholds' docstring)."""
+    its ITL sample fills (400 seeds: docs/architecture.md, "Canary rollouts: the statistics")."""
     traffic = Traffic(rate_rps=60.0, stream_share=0.5, probe_interval_s=0.1)
     outcomes = [simulate(E2E_LIKE, Release(), traffic, seed=s) for s in range(10)]
     assert sum(o.looks for o in outcomes) > 2 * 3 * len(outcomes)  # repeated looks
