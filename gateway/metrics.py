@@ -486,6 +486,15 @@ class GatewayMetrics:
             ["model", "kind"],
             registry=r,
         )
+        self.backend_tokens = Counter(
+            "gateway_backend_generated_tokens",
+            "Completion tokens the backend generated for this replica's clients (its "
+            "answers' usage). Over the backends with a price (those with "
+            "gateway_backend_cost_total), summed over replicas, the denominator of the cost "
+            "per million tokens (README, Metrics)",
+            ["model", "backend"],
+            registry=r,
+        )
         self.backend_config_errors = Counter(
             "gateway_backend_config_errors",
             "Backend rejected the gateway's own credentials "
@@ -947,8 +956,10 @@ class GatewayMetrics:
         self.build_info.labels(**build_labels()).set(1)
         ProcessCollector(registry=r)  # process_* (Linux /proc)
         PlatformCollector(registry=r)  # python_info
-        # completion tokens per model over the cost window (gateway_cost_per_million_tokens)
+        # completion tokens of priced backends per model over the cost window
+        # (gateway_cost_per_million_tokens, one process's view)
         self.generated = TokenWindow()
+        self._backend_token_children: dict[tuple[str, str], Any] = {}
         # (model, backend) -> (TTFT child, ITL child's observe)
         self._stream_children: dict[tuple[str, str], tuple[Any, Callable[[float], None]]] = {}
         self._error_children: dict[tuple[str, str], Any] = {}
@@ -970,6 +981,8 @@ class GatewayMetrics:
                 _remove_series(metric, "backend", backend_id)
         for key in [k for k in self._stream_children if k[1] == backend_id]:
             del self._stream_children[key]
+        for key in [k for k in self._backend_token_children if k[1] == backend_id]:
+            del self._backend_token_children[key]
 
     def forget_model(self, model: str) -> None:
         """Drop the autoscaling and cold-start series of ``model`` (no backend serves it
@@ -989,12 +1002,17 @@ class GatewayMetrics:
         self.registry.register(FleetCollector(fleet, self))
 
     def attach_cost(
-        self, fleet: Iterable[CostSource], clock: Callable[[], float] = time.monotonic
+        self,
+        fleet: Iterable[CostSource],
+        clock: Callable[[], float] = time.monotonic,
+        replica_gauge: bool = True,
     ) -> None:
-        """Export ``gateway_backend_cost_total`` and ``gateway_cost_per_million_tokens`` of
-        ``fleet``'s priced backends (:class:`gateway.signals.CostCollector`; ``clock``:
+        """Export ``gateway_backend_cost_total``, ``gateway_model_cost_total`` and (with
+        ``replica_gauge``: one process, not fleet mode) ``gateway_cost_per_million_tokens``
+        of ``fleet``'s priced backends (:class:`gateway.signals.CostCollector`; ``clock``:
         the monotonic seconds its ``joined_at`` and :attr:`generated` are in)."""
-        self.registry.register(CostCollector(fleet, self.generated, clock))
+        self.registry.register(
+            CostCollector(fleet, self.generated, clock, per_million=replica_gauge))
 
     def stream_children(self, model: str, backend: str) -> tuple[Any, Callable[[float], None]]:
         """The ``gateway_ttft_seconds`` child and the ``gateway_itl_seconds`` child's
@@ -1018,10 +1036,20 @@ class GatewayMetrics:
             child = self._error_children[key] = self.request_errors.labels(model, error_type)
         child.inc()
 
-    def count_tokens(self, model: str, prompt: int, completion: int, now: float) -> None:
+    def count_tokens(
+        self,
+        model: str,
+        prompt: int,
+        completion: int,
+        now: float,
+        backend: str | None = None,
+        priced: bool = False,
+    ) -> None:
         """Count an answer's ``prompt`` and ``completion`` tokens in
-        ``gateway_tokens_total{model,kind}`` (cached children) and the completion tokens
-        in :attr:`generated` at ``now`` (monotonic seconds)."""
+        ``gateway_tokens_total{model,kind}`` (cached children), the completion tokens in
+        ``gateway_backend_generated_tokens_total{model,backend}`` (the backend that
+        generated them, when known) and, when that backend is ``priced``
+        (``gpu_hour_price`` set), in :attr:`generated` at ``now`` (monotonic seconds)."""
         children = self._token_children.get(model)
         if children is None:
             children = self._token_children[model] = (
@@ -1030,7 +1058,13 @@ class GatewayMetrics:
             )
         children[0].inc(prompt)
         children[1].inc(completion)
-        if completion:
+        if backend is not None:
+            key = (model, backend)
+            child = self._backend_token_children.get(key)
+            if child is None:
+                child = self._backend_token_children[key] = self.backend_tokens.labels(*key)
+            child.inc(completion)
+        if completion and priced:
             self.generated.add(model, completion, now)
 
     def observe_gpus(self, backend: str, readings: Iterable[GpuReading]) -> None:

@@ -138,7 +138,8 @@ def build_gateway(
     fleet = Fleet.from_config(cfg, clock)
     metrics = GatewayMetrics()
     metrics.attach_fleet(fleet)
-    metrics.attach_cost(fleet, clock)
+    # fleet mode: a replica cannot know the fleet's tokens: the ratio is the dashboard's
+    metrics.attach_cost(fleet, clock, replica_gauge=not cfg.coordination.enabled)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
     coord = Coordination(cfg, metrics) if cfg.coordination.enabled else None
     if coord is not None:
