@@ -12,6 +12,7 @@ Units follow Prometheus conventions: seconds, ``_total`` counters, 0-1 ratios.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
@@ -137,17 +138,24 @@ class ThermalReadings(Protocol):
 
 
 class FleetCollector(Collector):
-    """Per-backend gauges read from the live fleet at scrape time."""
+    """Per-backend gauges read from the live fleet at scrape time. The values scraped from
+    a backend's ``/metrics`` (waiting, running, KV-cache use, prefix-cache hit ratio) are
+    exported only while its last good scrape is at most ``stale_after_s`` old
+    (``telemetry.stale_after_s``, the router's own rule): a dead backend's last values
+    leave the exposition instead of standing forever, and
+    ``gateway_backend_scrape_age_seconds`` says how old they are."""
 
     def __init__(
         self,
         fleet: Iterable[BackendGauges],
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,
+        stale_after_s: float = math.inf,
     ) -> None:
         self._fleet = fleet
         self._metrics = metrics
         self._clock = clock
+        self._stale_after_s = stale_after_s
 
     def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
@@ -219,15 +227,17 @@ class FleetCollector(Collector):
                 by_state = counts.setdefault(model, dict.fromkeys(BackendState, 0))
                 by_state[b.state] += 1
             in_flight.add_metric([b.id], b.in_flight)
-            if b.load is not None:
+            scraped_at = b.last_scrape_ok_at
+            fresh = scraped_at is not None and now - scraped_at <= self._stale_after_s
+            if b.load is not None and fresh:
                 waiting.add_metric([b.id], b.load.waiting)
                 running.add_metric([b.id], b.load.running)
                 kv.add_metric([b.id], b.load.kv_cache_usage)
                 kv_ratio.add_metric([b.id], b.load.kv_cache_usage)
-            if b.prefix_cache_hit_ratio is not None:
+            if b.prefix_cache_hit_ratio is not None and fresh:
                 prefix.add_metric([b.id], b.prefix_cache_hit_ratio)
-            if b.last_scrape_ok_at is not None:
-                age.add_metric([b.id], now - b.last_scrape_ok_at)
+            if scraped_at is not None:
+                age.add_metric([b.id], now - scraped_at)
             silence.add_metric([b.id], b.liveness.silence_s)
             if b.breaker is not None:
                 current = b.breaker.current().value
@@ -997,9 +1007,12 @@ class GatewayMetrics:
         ):
             _remove_series(metric, "model", model)
 
-    def attach_fleet(self, fleet: Iterable[BackendGauges]) -> None:
-        """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
-        self.registry.register(FleetCollector(fleet, self))
+    def attach_fleet(
+        self, fleet: Iterable[BackendGauges], stale_after_s: float = math.inf
+    ) -> None:
+        """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio; scraped
+        values older than ``stale_after_s`` seconds are left out (:class:`FleetCollector`)."""
+        self.registry.register(FleetCollector(fleet, self, stale_after_s=stale_after_s))
 
     def attach_cost(
         self,

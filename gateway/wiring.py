@@ -137,7 +137,7 @@ def build_gateway(
     clock = time.monotonic
     fleet = Fleet.from_config(cfg, clock)
     metrics = GatewayMetrics()
-    metrics.attach_fleet(fleet)
+    metrics.attach_fleet(fleet, cfg.telemetry.stale_after_s)  # a dead backend's go stale
     # fleet mode: a replica cannot know the fleet's tokens: the ratio is the dashboard's
     metrics.attach_cost(fleet, clock, replica_gauge=not cfg.coordination.enabled)
     controller = FleetController(cfg, fleet, metrics, clock=clock)

@@ -61,10 +61,13 @@ def backend_details(gw: Gateway, backends: list[Backend], now: float) -> list[di
 
 def _cooldowns(gw: Gateway, now: float) -> dict[str, Any]:
     """Backends resting now (``cooldown``) and the next medium cycle (the one that drains
-    and rests a backend: ``lifecycle.medium``) due by time, in seconds from now."""
+    and rests a backend: ``lifecycle.medium``) due by time, in seconds from now, among the
+    backends a cycle can start on: warm ones (``fleet/maintenance.py`` starts cycles only
+    there; a dead, draining or resting backend has none scheduled)."""
     backends = gw.fleet.backends
     running = [b.id for b in backends if b.state is BackendState.COOLDOWN]
-    due = [(b.cycles.next_medium, b.id) for b in backends if math.isfinite(b.cycles.next_medium)]
+    due = [(b.cycles.next_medium, b.id) for b in backends
+           if b.state is BackendState.WARM and math.isfinite(b.cycles.next_medium)]
     nxt = None
     if due:
         at, bid = min(due)
