@@ -47,6 +47,7 @@ from urllib.parse import parse_qs, quote, unquote
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from gateway import logs
 from gateway.api.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
@@ -57,6 +58,7 @@ from gateway.api.errors import (
 )
 from gateway.api.forms import TRUE_WORDS
 from gateway.api.openai import (
+    HungUp,
     Receive,
     Scope,
     Send,
@@ -161,6 +163,8 @@ async def by_id_response(
         elif k == priority_key:
             prio_value = v
     rid = sane_request_id(rid_value)
+    if logs.FIELDS_ON:  # on every log line of this call (JSON lines)
+        logs.bind_request(rid)
     method: str = scope["method"]
     label = route
     if gw.shutting_down:
@@ -197,7 +201,7 @@ async def by_id_response(
     except ClientGone:
         metrics.client_disconnects.labels(label).inc()
         answered(metrics, label, "", 499, started)
-        return Response(status_code=499)
+        return HungUp()
     except UploadCut:
         answered(metrics, label, "", 503, started)
         return shutting_down_response(rid, idh)
@@ -244,7 +248,7 @@ async def by_id_response(
             if cut.absorb() == Cut.CLIENT_GONE:
                 metrics.client_disconnects.labels(label).inc()
                 answered(metrics, label, model, 499, started, version_label(None, ctx.version))
-                return Response(status_code=499)
+                return HungUp()
             answered(metrics, label, model, 503, started, version_label(None, ctx.version))
             return shutting_down_response(rid, idh)
         finally:
