@@ -132,3 +132,24 @@ def test_every_line_is_json_with_the_request_id_and_backend_on_request_lines(bac
     assert gone["method"] == "POST" and gone["backend"] in ("a", "b"), gone
     # lines outside any request carry neither
     assert all("request_id" not in r for r in records if r["logger"] == "uvicorn.error")
+
+
+@pytest.mark.parametrize("text, names", [
+    ("server:\n  log_format: json\n  port: eighty\nbackends: []\n", "server.port"),
+    ("server:\n  log_format: json\nbackends: [\n  {id: a\n", "invalid YAML"),
+], ids=["validation", "yaml"])
+def test_a_config_error_at_start_is_a_json_line_too(tmp_path, text: str, names: str):
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_GATEWAY_")}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())",
+         "serve", "-c", str(path)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert done.returncode == 2, done.stderr  # a config error's status, as before
+    records = [json.loads(line) for line in done.stderr.splitlines()]  # each line JSON
+    assert records and all({"time", "level", "logger", "message"} <= r.keys()
+                           for r in records), records
+    (error,) = [r for r in records if r["level"] == "CRITICAL"]
+    assert names in error["message"], error
