@@ -27,6 +27,7 @@ from gateway.flow.rollout_probes import PROBE_TICK_S
 from gateway.flow.rollouts import TICK_S as ROLLOUT_TICK_S
 from gateway.proxy.upstream import Transport
 from gateway.reloading import Reloader, ReloadRefused
+from gateway.signals import gateway_version
 from gateway.wiring import Gateway, build_gateway
 
 log = logging.getLogger("gateway.app")
@@ -142,6 +143,7 @@ def create_app(
     try:  # FastAPI >= 0.16x wraps every request in OpenTelemetry hooks unless told not to
         app = FastAPI(
             title="llm-gateway",
+            version=gateway_version(),  # not FastAPI's default "0.1.0"
             lifespan=lifespan,
             docs_url=None,
             redoc_url=None,
@@ -150,7 +152,8 @@ def create_app(
         )
     except TypeError:  # an older FastAPI without the argument
         app = FastAPI(
-            title="llm-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+            title="llm-gateway", version=gateway_version(), lifespan=lifespan, docs_url=None,
+            redoc_url=None, openapi_url=None,
         )
     install_error_handlers(app)
     openai_api.install_routes(app, cfg.proxy.passthrough_paths)

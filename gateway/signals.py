@@ -156,16 +156,22 @@ class CostCollector(Collector):
             yield per_m
 
 
-def build_labels() -> dict[str, str]:
-    """``gateway_build_info``'s labels: the installed ``llm-gateway`` distribution's
-    version ("unknown" when not installed as a distribution), the Python version and the
-    platform (``sys.platform``-``machine``)."""
+def gateway_version() -> str:
+    """The installed ``llm-gateway`` distribution's version
+    (``importlib.metadata.version``: ``pyproject.toml``'s as installed, never a string in
+    the code), "unknown" when it is not installed as a distribution. What
+    ``gateway_build_info``, the spans' ``service.version`` and the app report."""
     try:
-        version = metadata.version("llm-gateway")
+        return metadata.version("llm-gateway")
     except metadata.PackageNotFoundError:
-        version = "unknown"
+        return "unknown"
+
+
+def build_labels() -> dict[str, str]:
+    """``gateway_build_info``'s labels: :func:`gateway_version`, the Python version and the
+    platform (``sys.platform``-``machine``)."""
     return {
-        "version": version,
+        "version": gateway_version(),
         "python": platform.python_version(),
         "platform": f"{sys.platform}-{platform.machine()}",
     }
