@@ -143,8 +143,8 @@ class CostCollector(Collector):
                     window_cost[m] = window_cost.get(m, 0.0) + share / len(models)
         # a backend that left (or lost its price) starts afresh; so does a model it dropped
         self._accrued, self._by_model = accrued, split
-        for (model, bid), value in sorted(split.items()):
-            by_model.add_metric([model, bid], value)
+        for (model, bid), share in sorted(split.items()):
+            by_model.add_metric([model, bid], share)
         if self._per_million:
             for model in sorted(window_cost):
                 value = cost_per_million(window_cost[model], self._tokens.total(model, now))

@@ -120,9 +120,9 @@ class HungUp(Response):
         if access_log.isEnabledFor(logging.INFO):
             access_log.info(
                 '%s - "%s %s HTTP/%s" %d',
-                get_client_addr(scope),
+                get_client_addr(scope),  # type: ignore[arg-type]  # an HTTP scope
                 scope["method"],
-                get_path_with_query_string(scope),
+                get_path_with_query_string(scope),  # type: ignore[arg-type]
                 scope.get("http_version", "1.1"),
                 self.status_code,
             )
