@@ -297,8 +297,8 @@ def cost() -> Row:
         Panel("Unpriced output tokens/s by model", "Completion tokens per second generated "
               "by backends without a gpu_hour_price: not in the cost per million tokens.",
               (Target("sum by (model) (rate(gateway_backend_generated_tokens_total"
-                      f"{{{MODEL}}}[{RATE}]) unless on (backend) {PRICED})", "{{model}}",
-                      under_load=False),)),
+                      f"{{{MODEL}}}[{RATE}]) unless on (backend) {PRICED})",
+                      "{{model}}"),)),
     ))
 
 

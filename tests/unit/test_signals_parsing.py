@@ -22,6 +22,7 @@ from gateway.core.outcomes import (
 from gateway.core.samples import LoadSample, prefix_cache_hit_ratio
 from gateway.core.vocab import ErrorType
 from gateway.fleet.telemetry import parse_dcgm, scan_vllm
+from gateway.metrics import GatewayMetrics
 from gateway.signals import CostCollector, exposition
 
 # ../shared/real-vllm beside the checkout (a real vLLM server's /metrics, scripts/vllm-cpu)
@@ -179,3 +180,27 @@ def test_cost_accrues_at_each_interval_s_price_and_per_million_tokens() -> None:
     a.config = _Priced(0.0, gpus=2)  # a live price change: from now on
     now[0] = 200.0
     assert _collect(c)[("gateway_backend_cost_total", "a")] == pytest.approx(0.2)
+
+
+def test_model_cost_splits_a_backend_between_its_models_and_fleet_mode_has_no_ratio() -> None:
+    now = [0.0]
+    b = _Backend("b", _Priced(3.6), models=("m", "n"))  # 0.001 a second, half each
+    c = CostCollector([b], TokenWindow(), clock=lambda: now[0], per_million=False)
+    now[0] = 100.0
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in c.collect() for s in fam.samples}
+    for model in ("m", "n"):
+        assert samples[("gateway_model_cost_total",
+                        (("backend", "b"), ("model", model)))] == pytest.approx(0.05)
+    assert not any(name == "gateway_cost_per_million_tokens" for name, _ in samples)
+
+
+def test_only_priced_backends_tokens_count_toward_the_per_million_window() -> None:
+    m = GatewayMetrics()
+    m.count_tokens("m", 10, 100, now=1.0, backend="priced", priced=True)
+    m.count_tokens("m", 10, 300, now=1.0, backend="free", priced=False)
+    assert m.generated.total("m", now=2.0) == 100  # the unpriced 300 do not dilute it
+    got = {s.labels["backend"]: s.value for fam in m.registry.collect()
+           if fam.name == "gateway_backend_generated_tokens" for s in fam.samples
+           if s.name.endswith("_total")}
+    assert got == {"priced": 100, "free": 300}
