@@ -226,6 +226,7 @@ class FleetCollector(Collector):
             for model in b.models:
                 by_state = counts.setdefault(model, dict.fromkeys(BackendState, 0))
                 by_state[b.state] += 1
+                self._metrics.backend_token_child(model, b.id)  # at 0 before its first
             in_flight.add_metric([b.id], b.in_flight)
             scraped_at = b.last_scrape_ok_at
             fresh = scraped_at is not None and now - scraped_at <= self._stale_after_s
@@ -1072,13 +1073,20 @@ class GatewayMetrics:
         children[0].inc(prompt)
         children[1].inc(completion)
         if backend is not None:
-            key = (model, backend)
-            child = self._backend_token_children.get(key)
-            if child is None:
-                child = self._backend_token_children[key] = self.backend_tokens.labels(*key)
-            child.inc(completion)
+            self.backend_token_child(model, backend).inc(completion)
         if completion and priced:
             self.generated.add(model, completion, now)
+
+    def backend_token_child(self, model: str, backend: str) -> Any:
+        """The ``gateway_backend_generated_tokens_total{model,backend}`` child, cached. The
+        fleet's collector asks for each backend's models at every scrape, so the series
+        is exported at 0 before the backend's first tokens: Prometheus's ``rate`` does
+        not count a series' first sample, which would otherwise hold its first answers."""
+        key = (model, backend)
+        child = self._backend_token_children.get(key)
+        if child is None:
+            child = self._backend_token_children[key] = self.backend_tokens.labels(*key)
+        return child
 
     def observe_gpus(self, backend: str, readings: Iterable[GpuReading]) -> None:
         """Set the per-GPU utilization and framebuffer gauges of ``backend`` from one GPU

@@ -21,6 +21,7 @@ import openai
 import pytest
 import yaml
 
+from gateway.cli import declared_log_format
 from tests.support.gateway_process import ServeProcess
 from tests.support.scripted import (
     Conn,
@@ -134,13 +135,9 @@ def test_every_line_is_json_with_the_request_id_and_backend_on_request_lines(bac
     assert all("request_id" not in r for r in records if r["logger"] == "uvicorn.error")
 
 
-@pytest.mark.parametrize("text, names", [
-    ("server:\n  log_format: json\n  port: eighty\nbackends: []\n", "server.port"),
-    ("server:\n  log_format: json\nbackends: [\n  {id: a\n", "invalid YAML"),
-], ids=["validation", "yaml"])
-def test_a_config_error_at_start_is_a_json_line_too(tmp_path, text: str, names: str):
+def test_a_config_error_at_start_is_a_json_line_too(tmp_path):
     path = tmp_path / "gateway.yaml"
-    path.write_text(text)
+    path.write_text("server:\n  log_format: json\n  port: eighty\nbackends: []\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_GATEWAY_")}
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
@@ -152,4 +149,19 @@ def test_a_config_error_at_start_is_a_json_line_too(tmp_path, text: str, names: 
     assert records and all({"time", "level", "logger", "message"} <= r.keys()
                            for r in records), records
     (error,) = [r for r in records if r["level"] == "CRITICAL"]
-    assert names in error["message"], error
+    assert "server.port" in error["message"], error  # the field, named
+
+
+@pytest.mark.parametrize("text, declared", [
+    ("server:\n  log_format: json\nbackends: [\n  {id: a\n", "json"),  # broken after it
+    ("server: {port: 1, log_format: json}\nx: [", "json"),
+    ("backends:\n  - id: a\n    log_format: json\n", None),  # not server's
+    (": : :\nserver:\n  log_format: json\n", None),  # broken before it: unknown
+    ("server:\n  port: 80\n", None),
+], ids=["after", "flow", "elsewhere", "before", "absent"])
+def test_the_log_format_a_broken_config_asked_for(tmp_path, text: str, declared: str | None):
+    """Invalid YAML is said in JSON when the file asked for JSON before the error."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    assert declared_log_format(path, environ={}) == declared
+    assert declared_log_format(path, {"LLM_GATEWAY_SERVER__LOG_FORMAT": "json"}) == "json"
