@@ -338,8 +338,9 @@ def test_keys_survive_a_round_trip_and_bad_reloads_are_refused_and_counted(sims)
         assert r.status_code == 400 and "adm-secret" not in r.text
         # b leaves (a long stream keeps it draining); its id given to c meanwhile: refused
         stream = sdk(gw.url).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=400,
-            stream=True, extra_headers={"authorization": "Bearer cli-secret"})
+            model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=3500,
+            stream=True, extra_headers={"authorization": "Bearer cli-secret"},
+            extra_body={"ignore_eos": True})
         it = iter(stream)
         next(it)
         listed = httpx.get(gw.url + "/admin/backends", headers=adm, timeout=5).json()
@@ -353,8 +354,7 @@ def test_keys_survive_a_round_trip_and_bad_reloads_are_refused_and_counted(sims)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == f"backends[{pinned}].url"
         assert "still leaving" in r.json()["error"]["message"]
-        for _ in it:
-            pass
+        stream.close()  # 3500 tokens at 10 ms: open through every step above on a slow machine
         text = httpx.get(gw.url + "/metrics", timeout=5).text
         invalid = [ln for ln in text.splitlines()
                    if ln.startswith("gateway_config_reloads_total{") and 'outcome="invalid"' in ln]
