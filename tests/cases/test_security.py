@@ -217,6 +217,34 @@ def test_secrets_from_files_and_env_never_show(
     _grep("\n".join(r.getMessage() for r in caplog.records), "the logs")
 
 
+def test_a_rotated_key_file_is_read_again_on_reload(
+        keyed_gw: GatewayThread, secret_files: dict[str, str]) -> None:
+    """The admin key's file rewritten (a rotated secret), the config unchanged: a reload
+    (here ``POST /admin/config`` of the running view) takes the new key up."""
+    url, path = keyed_gw.url, Path(secret_files["admin"])
+
+    def reload(key: str) -> int:
+        view = httpx.get(url + "/admin/config", timeout=10,
+                         headers={"authorization": f"Bearer {key}"}).json()
+        return httpx.post(url + "/admin/config", json=view, timeout=10,
+                          headers={"authorization": f"Bearer {key}"}).status_code
+
+    def status(key: str) -> int:
+        return httpx.get(url + "/admin/backends", timeout=10,
+                         headers={"authorization": f"Bearer {key}"}).status_code
+
+    rotated = ADMIN + "-rotated"
+    try:
+        path.write_text(rotated + "\n")
+        assert status(ADMIN) == 200  # read at start and at reloads only
+        assert reload(ADMIN) == 200
+        assert (status(ADMIN), status(rotated)) == (401, 200)
+    finally:
+        path.write_text(ADMIN + "\n")
+        reload(rotated)
+    assert status(ADMIN) == 200
+
+
 def test_the_status_page_shows_backend_ids_to_loopback_and_admin_key_holders_only(
         keyed_gw: GatewayThread, remote_addr: str) -> None:
     local = httpx.get(keyed_gw.url + "/status.json", timeout=10).json()
