@@ -255,6 +255,21 @@ class Reloader:
             self.gw.metrics.config_reloads.labels(source, outcome).inc()
             return result
 
+    def _reread_secrets(self, new: GatewayConfig) -> None:
+        """Every reload reads the secrets from files and the environment again, whether or
+        not the config changed (issue 20: a rotated Kubernetes or Docker secret is taken
+        up by SIGHUP, ``reload.watch`` or ``POST /admin/config``): the client and admin
+        keys and each backend's key. Raises :class:`ReloadRefused` naming the field when
+        one cannot be read (nothing changed then)."""
+        gw = self.gw
+        try:
+            check_secrets(new, discovery_credentials=False)
+        except ConfigError as e:
+            raise ReloadRefused(str(e), plan_reload(gw.cfg, new)) from None
+        gw.reconfigure_auth(new)
+        for b in gw.controller.fleet.backends:
+            b.refresh_key()
+
     async def _apply(self, new: GatewayConfig, source: str, from_file: str | None,
                      version: int | None) -> ReloadResult:
         gw = self.gw
@@ -264,7 +279,9 @@ class Reloader:
                 "these fields cannot change while the gateway runs: "
                 + "; ".join(str(r) for r in plan.refused), plan, plan.refused[0].path)
         if plan.empty:
-            log.info("config (%s): no change", source)
+            self._reread_secrets(new)
+            log.info("config (%s): no change (secrets from files and the environment read "
+                     "again)", source)
             return ReloadResult(plan, None)
         if plan.touches("backends") and gw.rollouts is not None:
             for run in gw.rollouts.runs.values():  # a running rollout keeps both versions
@@ -328,6 +345,7 @@ class Reloader:
         if plan.touches("rollouts") and gw.rollouts is not None:
             gw.rollouts.sync(new.rollouts, snap.version)  # started / stopped
         gw.cfg = new
+        self._reread_secrets(new)
         self._set_version(snap.version)
         self._ran()
         log.info("config (%s): version %d applied: %d field(s) changed; backends added %s, "
