@@ -53,6 +53,8 @@ from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, 
 from gateway.coord.link import CoordinationUnavailable
 from gateway.reload_input import (
     InvalidConfig,
+    first_field,
+    named_field,
     read_config,
     read_view,
     source_digest,
@@ -287,8 +289,8 @@ class Reloader:
                     "the new server another id", plan, f"backends[{i}].url")
         try:
             check_secrets(new, discovery_credentials=False)
-        except ConfigError as e:
-            raise ReloadRefused(str(e), plan) from None
+        except ConfigError as e:  # an unset key_env: the field that names it
+            raise ReloadRefused(str(e), plan, named_field(str(e))) from None
         data = new.model_dump(mode="json")
         if self.fleet is not None and version is None:  # fleet mode: the store first
             try:
@@ -308,7 +310,7 @@ class Reloader:
             if self.fleet is not None:  # published: the sync round tries it again
                 self.fleet.seen = None
             raise ReloadRefused(f"the config history cannot be written to "
-                                f"{self.history.dir}: {e}", plan) from None
+                                f"{self.history.dir}: {e}", plan, "reload.state_dir") from None
         added: list[str] = []
         leaving: list[str] = []
         if plan.touches("backends"):
@@ -382,7 +384,8 @@ class Reloader:
         snaps = await self.kept()
         if version is None:
             if len(snaps) < 2:
-                raise ReloadRefused("no earlier config is kept to roll back to")
+                raise ReloadRefused("no earlier config is kept to roll back to",
+                                    param="version")
             target = snaps[-2]
         else:
             found = next((s for s in snaps if s.version == version), None)
@@ -398,7 +401,7 @@ class Reloader:
             new = config_from_mapping(config, f"config version {target.version}")
         except ConfigError as e:
             self.gw.metrics.config_reloads.labels("rollback", "invalid").inc()
-            raise ReloadRefused(str(e)) from None
+            raise ReloadRefused(str(e), param=first_field(str(e))) from None
         own = self.history.get(target.version)  # fleet mode: this replica's own copy
         state = own.state if own is not None and own.state else target.state
         result = await self.apply(new, "rollback")  # (may drop the oldest kept: target)
