@@ -38,7 +38,8 @@ from starlette.responses import JSONResponse
 from gateway.api.admin import _gateway, _store_down
 from gateway.api.errors import Refusal
 from gateway.config_history import redact
-from gateway.reloading import ReloadConflict, Reloader, ReloadRefused, ReloadUnpublished
+from gateway.reload_errors import ReloadConflict, ReloadRefused, ReloadUnpublished
+from gateway.reloading import Reloader
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway

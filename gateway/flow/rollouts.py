@@ -38,7 +38,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 from gateway.config_rollouts import RolloutConfig, version_problem
@@ -371,29 +370,20 @@ class Rollouts:
 
     # ---- the admin view -----------------------------------------------------------------
     def view(self) -> list[dict[str, object]]:
-        """``GET /admin/rollouts``: each rollout's snapshot, where it came from and its
-        fallbacks. Times on the wall clock (the state machine's monotonic ones are its own,
-        for its decisions): ``started_at`` and each decision's ``at`` in ISO 8601 UTC,
-        ``started_unix`` and ``at_unix`` in Unix seconds."""
+        """``GET /admin/rollouts``: each rollout's snapshot (times in Unix seconds), where it
+        came from and its fallbacks."""
         now, wall = self.clock(), self.wall()
         out: list[dict[str, object]] = []
         for run in self.runs.values():
             snap = run.rollout.snapshot(now)
             for rec in snap["history"]:  # type: ignore[attr-defined]
                 rec["at_unix"] = round(wall - (now - rec["at"]), 3)
-                rec["at"] = _iso(rec["at_unix"])
             snap.update({"id": run.rollout.plan.rollout_id, "origin": run.origin,
                          "config_version": run.config_version,
-                         "started_at": _iso(run.started_unix),
                          "started_unix": run.started_unix, "fallbacks": dict(run.fallbacks),
                          "config": run.cfg.model_dump(mode="json")})
             out.append(snap)
         return out
-
-
-def _iso(unix_s: float) -> str:
-    """Unix seconds as ISO 8601 UTC (``2026-12-03T06:30:00.123+00:00``)."""
-    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="milliseconds")
 
 
 def _serves(b: Backend, model: str) -> bool:
