@@ -27,7 +27,9 @@ from gateway.flow.responses import RESPONSES
 from gateway.flow.rollout_probes import PROBE_TICK_S
 from gateway.flow.rollouts import TICK_S as ROLLOUT_TICK_S
 from gateway.proxy.upstream import Transport
-from gateway.reloading import Reloader, ReloadRefused
+from gateway.reload_errors import ReloadRefused
+from gateway.reload_fleet import FleetReload
+from gateway.reloading import Reloader
 from gateway.wiring import Gateway, build_gateway
 
 log = logging.getLogger("gateway.app")
@@ -101,7 +103,7 @@ def create_app(
                                server_overrides=server_overrides)
         gw.reloader.start()
         if gw.coord is not None:  # fleet mode: one config for the fleet (coord.config_sync)
-            gw.reloader.join_fleet(gw.coord.share_config())
+            gw.reloader.join_fleet(FleetReload(gw.reloader, gw.coord.share_config()))
         gw.reloader.restore_at_start("backends")  # a restart: kept baselines and holds
         if gw.coord is not None:
             await gw.coord.connect()  # fleet mode: the shared store before the loops

@@ -38,7 +38,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from gateway.config_rollouts import RolloutConfig, check_versions, key_problem
+from gateway.config_rollouts import ModelVersion, RolloutConfig, check_versions, key_problem
 
 ENV_PREFIX = "LLM_GATEWAY_"
 
@@ -1239,11 +1239,13 @@ class BackendConfig(_Strict):
     )
     pod: str | None = Field(None, description="its pod's name (restart_hook.delete_pod)")
     namespace: str | None = Field(None, description="its pod's namespace (delete_pod)")
-    model_version: str | None = Field(
+    model_version: ModelVersion | None = Field(
         None,
         description="the version of the model(s) it serves (a release: weights, engine "
         "build); clients keep asking for the model name, and a rollout moves a model's "
-        "traffic from one version to another; null: unversioned",
+        "traffic from one version to another; null: unversioned. A Kubernetes label value "
+        "(it is a metric label): at most 63 characters, letters, digits, '-', '_', '.', "
+        "beginning and ending with a letter or digit (config_rollouts.MODEL_VERSION_PATTERN)",
     )
     gpu_hour_price: float | None = Field(
         None,
@@ -1745,17 +1747,18 @@ class GatewayConfig(BaseSettings):
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:
         seen: set[str] = set()
-        for b in self.backends:
+        for i, b in enumerate(self.backends):
             if b.id in seen:
-                raise ValueError(f"backend id {b.id!r} appears twice")
+                raise ValueError(f"backends.{i}.id: backend id {b.id!r} appears twice")
             seen.add(b.id)
         domains = [d.name for d in self.power_domains]
         if len(domains) != len(set(domains)):
             raise ValueError("power_domains: names must be unique")
-        for b in self.backends:
+        for i, b in enumerate(self.backends):
             if b.power_domain is not None and b.power_domain not in domains:
                 raise ValueError(
-                    f"backend {b.id!r}: power_domain {b.power_domain!r} is not in power_domains"
+                    f"backends.{i}.power_domain: backend {b.id!r}: power_domain "
+                    f"{b.power_domain!r} is not in power_domains"
                 )
         tpd = self.discovery.template.power_domain
         if self.discovery.dynamic and tpd is not None and tpd not in domains:
@@ -1792,11 +1795,21 @@ _SECRET_FIELDS = frozenset({"key", "admin_key", "api_key"})
 _URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 
 
+_NAMED_PROBLEM = re.compile(r"^Value error, ([A-Za-z_]\w*(?:\.[\w\[\]-]+)*): (.*)$", re.DOTALL)
+"""A whole-config check's ``ValueError`` (:class:`GatewayConfig`'s model validator) whose
+message begins with the field at fault, a section and its dotted path (``rollouts.0.canary:
+...``, ``power_domains: ...``): :func:`_format_errors` reports it at that field."""
+
+
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"]
+        named = _NAMED_PROBLEM.match(msg) if not loc else None
+        if named is not None and named.group(1).split(".")[0] in GatewayConfig.model_fields:
+            loc, msg = named.group(1), named.group(2)
+        loc = loc or "(top level)"
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling)"
         value = e.get("input")
