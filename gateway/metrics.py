@@ -677,6 +677,14 @@ class GatewayMetrics:
             ["layer", "priority"],
             registry=r,
         )
+        self.priority_capped = Counter(
+            "gateway_priority_capped",
+            "Requests whose x-priority asked for more than their key was granted "
+            "(auth.client_keys[].max_priority, auth.anonymous_max_priority), served at the "
+            "bound; by key name ('anonymous' without a key), asked and granted priority",
+            ["key", "asked", "granted"],
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "gateway_admission_queue_wait_seconds",
             "Time requests waited for a slot",

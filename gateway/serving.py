@@ -133,7 +133,7 @@ def run(main: Callable[[], Coroutine[Any, Any, None]], cfg: GatewayConfig) -> No
 
 async def _reload_file(gw: Gateway) -> None:
     """``SIGHUP``'s reload of the config file, logged (applied or why not)."""
-    from gateway.reloading import ReloadRefused
+    from gateway.reload_errors import ReloadRefused
 
     assert gw.reloader is not None
     try:

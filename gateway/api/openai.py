@@ -238,7 +238,7 @@ async def model_response(
     cut = CutHandle()
     watch = ClientWatch(receive, cut)
     gate = gw.gate
-    prio = gate.priority(prio_value, key)
+    prio = gate.priority(prio_value, key, gw.cfg.auth.anonymous_max_priority)
     if gw.forecasts is not None:
         gw.forecasts.arrive(model, prio)
     seqs = engine_requests(endpoint, payload)  # prompts x n (embeddings: inputs)
@@ -250,7 +250,7 @@ async def model_response(
         upstream=UpstreamRequest(
             scope["method"],
             endpoint + ("?" + query.decode("latin-1") if query else ""),
-            forward_headers(scope["headers"], idh, rid, stream),
+            forward_headers(scope["headers"], idh, rid, stream, private=(priority_key,)),
             body,
             stream,
         ),

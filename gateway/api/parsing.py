@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, Refusal
 from gateway.config import ClientKey
+from gateway.core.keys import key_digest
 from gateway.flow.candidates import recovery_s
 
 if TYPE_CHECKING:
@@ -236,7 +237,9 @@ def check_client_key(gw: Gateway, authorization: bytes | None) -> ClientKey | No
         return None
     auth = authorization.decode("latin-1") if authorization else ""
     scheme, _, token = auth.partition(" ")
-    key = gw.client_keys.get(token.strip()) if scheme.lower() == "bearer" else None
+    # by the token's digest, not the token: no timing side channel (gateway.core.keys)
+    presented = key_digest(token.strip().encode("latin-1"))
+    key = gw.client_keys.get(presented) if scheme.lower() == "bearer" else None
     if key is None:
         raise Refusal(
             401,

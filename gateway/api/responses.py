@@ -176,7 +176,8 @@ async def by_id_response(
         key = check_client_key(gw, authorization)
         # the entry layer (the key's requests per minute): a call by id costs no token
         client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
-        verdict = gw.gate.check_entry(client, key, gw.gate.priority(prio_value, key), rid)
+        prio = gw.gate.priority(prio_value, key, gw.cfg.auth.anonymous_max_priority)
+        verdict = gw.gate.check_entry(client, key, prio, rid)
         if verdict is not None:
             ratelimit = list(ratelimit_headers(verdict).items())
         body = await read_body_counted(gw, receive, declared)
@@ -220,7 +221,8 @@ async def by_id_response(
             model=model,
             stream=stream,
             upstream=UpstreamRequest(
-                method, path, forward_headers(scope["headers"], idh, rid, stream), body, stream
+                method, path, forward_headers(scope["headers"], idh, rid, stream,
+                                            private=(priority_key,)), body, stream
             ),
             request_id=rid,
             cut=cut,

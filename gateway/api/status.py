@@ -8,9 +8,13 @@ admission's degraded-mode level, backends by state and thermal tier, cooldowns r
 the next one scheduled, and the recent incidents (:mod:`gateway.flow.status`). Read from
 memory; no backend is asked.
 
-Backends are named by id only (no URL, no key). Everything said about a backend is built
-in one place, :func:`backend_details`, so that a later restriction (issue 20: less detail
-for clients off the loopback) changes one function.
+Backends are named by id only (no URL, no key), and only to clients that may see details
+(issue 20, :func:`gateway.api.access.sees_details`: a direct loopback client, the admin
+key's holder, or everyone with ``status.public_details``). Others get the same page
+without them: no backend list, no backend ids in the cooldowns, incidents by kind and time
+only (a discovered backend's id embeds its address; an incident's reason can quote an
+error's URL). Everything said about a backend is built in :func:`backend_details` and
+:func:`_cooldowns`, and hidden in :func:`public_view`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from gateway.api.access import sees_details
 from gateway.api.status_page import render_html
 from gateway.core.vocab import BackendState
 from gateway.fleet.backend import Backend
@@ -72,11 +77,12 @@ def _cooldowns(gw: Gateway, now: float) -> dict[str, Any]:
     if due:
         at, bid = min(due)
         nxt = {"backend": bid, "cycle": "medium", "in_s": round(max(0.0, at - now), 1)}
-    return {"running": running, "next": nxt}
+    return {"running": running, "running_count": len(running), "next": nxt}
 
 
 def status_view(gw: Gateway) -> dict[str, Any]:
     """``/status.json``: ``status`` (the words), ``generated_at`` (Unix seconds), ``slo``,
+    ``details`` (True: backend details included; :func:`public_view` makes them False),
     ``windows_s`` (``now``, ``hour``), ``degraded_mode_level`` (None: degraded mode off),
     ``models`` (each: ``model``, ``status``, ``reasons``, ``availability``,
     ``performance``), ``backends`` (:func:`backend_details`), ``backend_states`` and
@@ -122,6 +128,7 @@ def status_view(gw: Gateway) -> dict[str, Any]:
         })
     return {
         "status": overall(e["status"] for e in entries),
+        "details": True,
         "generated_at": round(wall, 3),
         "slo": {"ttft_s": cfg.slo.ttft_s, "itl_s": cfg.slo.itl_s},
         "windows_s": {"now": now_s, "hour": HOUR_S},
@@ -135,14 +142,49 @@ def status_view(gw: Gateway) -> dict[str, Any]:
     }
 
 
+BACKEND_INCIDENTS = frozenset({"breaker_trip", "drain", "unhealthy"})
+"""Incident kinds whose subject is a backend id."""
+
+
+def public_view(view: dict[str, Any]) -> dict[str, Any]:
+    """``view`` (:func:`status_view`) without backend details, for a client that may not
+    see them (module docstring): ``backends`` empty, ``cooldowns.running`` empty and
+    ``next.backend`` None (``running_count`` stays), backend incidents without subject,
+    every incident without detail; ``details``: False. A new dict."""
+    cd = view["cooldowns"]
+    nxt = cd["next"]
+    return {
+        **view,
+        "details": False,
+        "backends": [],
+        "cooldowns": {**cd, "running": [],
+                      "next": None if nxt is None else {**nxt, "backend": None}},
+        "incidents": [
+            {**i, "subject": None if i["kind"] in BACKEND_INCIDENTS else i["subject"],
+             "detail": None}
+            for i in view["incidents"]
+        ],
+    }
+
+
+def _view_for(request: Request) -> dict[str, Any]:
+    gw = _gateway(request)
+    view = status_view(gw)
+    if sees_details(gw.admin_key, gw.cfg.status.public_details, request.scope):
+        return view
+    return public_view(view)
+
+
 async def status_json(request: Request) -> Response:
-    """``GET /status.json``: :func:`status_view`."""
-    return JSONResponse(status_view(_gateway(request)))
+    """``GET /status.json``: :func:`status_view` (:func:`public_view` for a client that
+    may not see backend details)."""
+    return JSONResponse(_view_for(request))
 
 
 async def status_html(request: Request) -> Response:
-    """``GET /status``: :func:`status_view` as a page readable on a phone."""
-    return HTMLResponse(render_html(status_view(_gateway(request))))
+    """``GET /status``: the same view as ``/status.json``, as a page readable on a
+    phone."""
+    return HTMLResponse(render_html(_view_for(request)))
 
 
 def install_routes(app: FastAPI) -> None:

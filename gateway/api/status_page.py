@@ -91,10 +91,15 @@ def _fleet(view: dict[str, Any]) -> str:
     counts = ", ".join(f"{n} {escape(s)}" for s, n in sorted(view["backend_states"].items()))
     tiers = ", ".join(f"{n} {escape(s)}" for s, n in sorted(view["backend_tiers"].items()))
     cd = view["cooldowns"]
-    running = ", ".join(escape(b) for b in cd["running"]) or "none"
+    running = (", ".join(escape(b) for b in cd["running"]) or
+               (f'{cd["running_count"]} backend(s)' if cd.get("running_count") else "none"))
     nxt = cd["next"]
     scheduled = ("none scheduled" if nxt is None else
-                 f'{escape(nxt["backend"])} in {nxt["in_s"]:g} s ({escape(nxt["cycle"])} cycle)')
+                 f'{escape(nxt["backend"] or "a backend")} in {nxt["in_s"]:g} s '
+                 f'({escape(nxt["cycle"])} cycle)')
+    hidden = ("" if view.get("details", True) else
+              '<tr><td colspan="5">Backend details are shown to loopback clients and the '
+              "admin key's holders (status.public_details).</td></tr>")
     return (
         '<section id="fleet"><h2>Fleet</h2><dl>'
         f'<dt>Degraded mode</dt><dd>{"off" if level is None else f"level {level}"}</dd>'
@@ -103,15 +108,17 @@ def _fleet(view: dict[str, Any]) -> str:
         f"<dt>Cooldowns running</dt><dd>{running}</dd>"
         f"<dt>Next cooldown</dt><dd>{scheduled}</dd></dl>"
         '<div class="table"><table><thead><tr><th>Backend</th><th>State</th><th>Tier</th>'
-        f"<th>Models</th><th>Maintenance</th></tr></thead><tbody>{rows}</tbody></table></div>"
+        f"<th>Models</th><th>Maintenance</th></tr></thead><tbody>{rows}{hidden}</tbody>"
+        "</table></div>"
         "</section>"
     )
 
 
 def _incidents(view: dict[str, Any]) -> str:
     items = "".join(
-        f'<li>{_time(i["at"])}: {escape(i["kind"].replace("_", " "))}, '
-        f'{escape(i["subject"])}: {escape(i["detail"])}</li>'
+        f'<li>{_time(i["at"])}: {escape(i["kind"].replace("_", " "))}'
+        + (f', {escape(i["subject"])}' if i["subject"] is not None else "")
+        + (f': {escape(i["detail"])}' if i["detail"] is not None else "") + "</li>"
         for i in view["incidents"]
     )
     return ('<section id="incidents"><h2>Recent incidents</h2>'

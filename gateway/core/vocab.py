@@ -57,6 +57,11 @@ class Prio(IntEnum):
         """``high``, ``normal`` or ``low`` (metric label, messages)."""
         return self.name.lower()
 
+    def within(self, bound: Prio) -> Prio:
+        """This priority, or ``bound`` when this one is more urgent (issue 20: a client's
+        ``x-priority`` is served at most at the priority it was granted)."""
+        return self if self >= bound else bound
+
 
 class FailureKind(StrEnum):
     """Why one upstream attempt failed (the ``outcome`` label of

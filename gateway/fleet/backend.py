@@ -150,6 +150,11 @@ class Backend:
         self.api_key = key
         self.service.configured = config.max_num_seqs
 
+    def refresh_key(self) -> None:
+        """Read its key again (``api_key_file`` / ``api_key_env``: a rotated secret, on a
+        reload whose config did not change it). Raises ``ConfigError`` (nothing changed)."""
+        self.api_key = self.config.resolved_api_key()
+
     @property
     def id(self) -> str:
         return self.config.id
