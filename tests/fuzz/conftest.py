@@ -50,6 +50,7 @@ def sim_rig() -> Iterator[SimRig]:
         [{"id": s.name, "url": s.url} for s in sims],
         admission={"max_in_flight": 1, "max_queue_wait_s": 10.0},
         auth={"client_keys": [{"name": "fuzz", "key": KEY}]},
+        server={"body_idle_timeout_s": 2.0},  # a body that never comes: 408 soon
 
 
     )

@@ -76,11 +76,9 @@ def check_answer(status: int, headers: dict[str, str], body: bytes,
     assert status != 500 or relayed_5xx, f"500 from the gateway: {body[:400]!r}"
     if status >= 500 and not relayed_5xx:
         raise AssertionError(f"{status} for a client's input: {body[:400]!r}")
-    ctype = headers.get("content-type", "")
-    if status >= 400 and ctype.startswith("application/json") and not (
-            relayed is not None and relayed(status, body)):
+    if status >= 400 and not (relayed is not None and relayed(status, body)):
         why = openai_error(body)
-        assert why is None, f"{status}: {why}"
+        assert why is None, f"{status} {headers.get('content-type')}: {why}"
 
 
 def check_raw(raw: bytes, relayed_5xx: bool = False, relayed: Relayed | None = None) -> int:
