@@ -16,12 +16,12 @@ from tests.support.servers import GatewayThread, gateway_config
 # (derandomize: the examples are a function of the test alone, the same on every run) and a
 # bounded count. Each test asks for its share of ``max_examples`` (tests/fuzz/budget.py), so
 # the profile scales them all: ``ci`` (default: a few hundred cases in all, about 20 s on two
-# cores) and ``long`` (20 times as many, for benchmarks: ``--hypothesis-profile=long``).
+# cores) and ``long`` (10 times as many, for benchmarks: ``--hypothesis-profile=long``).
 _FUZZ = {"derandomize": True, "database": None, "deadline": None, "print_blob": True,
          "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large,
                                    HealthCheck.filter_too_much]}
 settings.register_profile("ci", max_examples=100, **_FUZZ)
-settings.register_profile("long", max_examples=2000, **_FUZZ)
+settings.register_profile("long", max_examples=1000, **_FUZZ)
 settings.load_profile("ci")  # hypothesis' plugin loads --hypothesis-profile after this
 
 

@@ -6,7 +6,7 @@ from hypothesis import settings
 
 PER_PROFILE = 100
 """``max_examples`` of the ``ci`` profile: a test asking for ``n`` runs ``n`` there, and
-``n`` times the profile's ``max_examples / PER_PROFILE`` under another (``long``: 20 x)."""
+``n`` times the profile's ``max_examples / PER_PROFILE`` under another (``long``: 10 x)."""
 
 
 def examples(n: int) -> settings:

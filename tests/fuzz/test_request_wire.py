@@ -81,7 +81,7 @@ def base_head(body: bytes = BODY) -> list[tuple[bytes, bytes]]:
 @given(extra=st.lists(st.tuples(NAMES.map(lambda n: n if isinstance(n, bytes) else n.encode()),
                                 VALUES), min_size=1, max_size=4),
        replace=st.booleans())
-@examples(60)
+@examples(40)
 # found by this test: uvicorn's own text/plain 400 for a head it cannot parse
 # (gateway/proxy/bad_http.py answers it in OpenAI's shape)
 @example(extra=[(b"x-priority", b"\x00")], replace=False)
@@ -100,7 +100,7 @@ def test_headers(sim_rig: SimRig, client: httpx.Client,
 @given(kind=st.sampled_from(["many", "big", "dup_same", "dup_diff", "cl_short", "cl_long",
                              "cl_bad", "chunk_cut", "chunk_bad", "chunk_and_cl"]),
        n=st.integers(1, 5))
-@examples(25)
+@examples(20)
 @example(kind="dup_same", n=1)  # found by this test: uvicorn's text/plain 400, as above
 def test_framing(sim_rig: SimRig, client: httpx.Client, kind: str, n: int) -> None:
     """Headers past any sane size, ``content-length`` twice, wrong or unparsable, chunked
