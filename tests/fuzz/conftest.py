@@ -37,7 +37,7 @@ class SimRig:
     def plain(self) -> httpx.Response:
         """A normal chat request (what must still be served after any fuzzed input)."""
         return self.http.post(self.url + "/v1/chat/completions", json=chat_body(4),
-                          headers=AUTH, timeout=20)
+                              headers=AUTH)
 
 
 @pytest.fixture(scope="package")
@@ -51,8 +51,6 @@ def sim_rig() -> Iterator[SimRig]:
         admission={"max_in_flight": 1, "max_queue_wait_s": 10.0},
         auth={"client_keys": [{"name": "fuzz", "key": KEY}]},
         server={"body_idle_timeout_s": 2.0},  # a body that never comes: 408 soon
-
-
     )
     gw = GatewayThread(cfg)
     try:

@@ -93,7 +93,8 @@ def test_headers(sim_rig: SimRig, client: httpx.Client,
     if replace:
         names = {k.lower() for k, _ in extra}
         head = [(k, v) for k, v in head if k not in names or k == b"connection"]
-    check_raw(exchange(sim_rig.url, request(head + extra)), relayed=sim_rig.relayed)
+    status = check_raw(exchange(sim_rig.url, request(head + extra)), relayed=sim_rig.relayed)
+    assert status, "the connection closed without an answer"
     no_slot_held(client, sim_rig.url)
 
 
