@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -49,6 +48,7 @@ from gateway.api.parsing import (
 )
 from gateway.core.outcomes import BackendAnswer, refusal_error_type, status_error_type
 from gateway.core.vocab import Cut, ErrorType
+from gateway.core.wire_json import utf8_json
 from gateway.flow.context import (
     NOTHING_GENERATED,
     Answer,
@@ -317,7 +317,7 @@ async def model_response(
             endpoint, stream, up.body, up.headers, cfg.proxy.max_continuations
         )
         if resumable is not None:  # token ids asked for
-            up.body = json.dumps(resumable.body, ensure_ascii=False).encode()
+            up.body = utf8_json(resumable.body)
         opened = await gw.pipeline.open(ctx, bound)
         if endpoint == RESPONSES:
             gw.responses.learn(opened, model)

@@ -14,6 +14,8 @@ from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, Refusal
 from gateway.config import ClientKey
 from gateway.core.keys import key_digest
 from gateway.flow.candidates import recovery_s
+from gateway.flow.merging import MAX_SEQUENCES
+from gateway.traffic.admission import as_count
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -153,7 +155,9 @@ def parse_object(body: bytes) -> dict[str, Any]:
 
 def check_payload(payload: dict[str, Any], endpoint: str) -> str:
     """The request's model; raises 400 for a missing or non-string ``model``, a missing
-    field the endpoint requires, or a non-boolean ``stream``."""
+    field the endpoint requires, a non-boolean ``stream``, or an ``n`` / ``best_of`` (read
+    as vLLM reads an integer: :func:`gateway.traffic.admission.as_count`) above
+    :data:`gateway.flow.merging.MAX_SEQUENCES` (65536 sequences)."""
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise Refusal(
@@ -173,6 +177,18 @@ def check_payload(payload: dict[str, Any], endpoint: str) -> str:
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise Refusal(400, "'stream' must be a boolean.", code="invalid_type", param="stream")
+    for name in ("n", "best_of"):
+        # vLLM has no bound: it makes one sequence per choice, and n=1e30 held a server's
+        # event loop for good (found by the fuzz tests, issue 20)
+        count = as_count(payload.get(name))
+        if count is not None and count > MAX_SEQUENCES:
+            raise Refusal(
+                400,
+                f"'{name}' must be at most {MAX_SEQUENCES} (the sequences one request may "
+                "make).",
+                code="invalid_value",
+                param=name,
+            )
     return model
 
 
