@@ -95,13 +95,18 @@ def test_dcgm_utilization_and_framebuffer() -> None:
 def test_error_types() -> None:
     assert status_error_type(200) is None and status_error_type(400) is None
     assert status_error_type(499) is ErrorType.CLIENT_DISCONNECT
-    assert status_error_type(429) is ErrorType.RATE_LIMITED
+    # an answer known by its status is a backend's: its 429 is no client key's limit
+    assert status_error_type(429) is ErrorType.UPSTREAM_RATE_LIMITED
     assert status_error_type(504) is ErrorType.TIMEOUT
     assert status_error_type(503) is ErrorType.UPSTREAM_5XX
     assert refusal_error_type(Refusal(504, "x", code="upstream_timeout")) is ErrorType.TIMEOUT
     assert refusal_error_type(Refusal(502, "x", code="upstream_unavailable")) is ErrorType.CONNECT
-    assert refusal_error_type(Refusal(503, "x", code="no_backend_available")) is ErrorType.CONNECT
-    assert refusal_error_type(Refusal(429, "x")) is ErrorType.RATE_LIMITED
+    assert refusal_error_type(Refusal(503, "x", code="no_backend_available")) \
+        is ErrorType.NO_BACKEND
+    # a 429 of the gateway's own is never rate_limited unless the entry layer says so
+    assert refusal_error_type(Refusal(429, "x")) is ErrorType.ADMISSION_REFUSED
+    assert refusal_error_type(
+        Refusal(429, "x", error_type=ErrorType.RATE_LIMITED)) is ErrorType.RATE_LIMITED
     assert refusal_error_type(
         Refusal(429, "x", error_type=ErrorType.ADMISSION_REFUSED)
     ) is ErrorType.ADMISSION_REFUSED
