@@ -916,8 +916,10 @@ class GatewayMetrics:
             "gateway_request_errors",
             "Client requests that ended in an error, by model ('' when refused before the "
             "model was known) and error_type (gateway.core.vocab.ErrorType): timeout, "
-            "upstream_5xx, connect, cut, in_band_error, rate_limited, admission_refused, "
-            "client_disconnect; a 4xx about the request itself is not counted",
+            "upstream_5xx, connect, no_backend, cut, in_band_error, rate_limited (the "
+            "client key's own limit only), upstream_rate_limited (a backend's own 429), "
+            "admission_refused, client_disconnect; a 4xx about the request itself is not "
+            "counted",
             ["model", "error_type"],
             registry=r,
         )

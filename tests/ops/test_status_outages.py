@@ -42,8 +42,8 @@ def errors(url: str, model: str = "m1") -> dict[str, float]:
 
 def test_breakers_open_on_every_backend_is_a_major_outage_counted_as_no_backend(
         sims: Callable[..., Sim], lc_gateway: Callable[..., GatewayThread]) -> None:
-    a = sims("a", faults=FaultConfig(error_rate=1.0))
-    b = sims("b", faults=FaultConfig(error_rate=1.0))
+    a = sims("a", itl_s=0.001, faults=FaultConfig(error_rate=1.0))
+    b = sims("b", itl_s=0.001, faults=FaultConfig(error_rate=1.0))
     gw = lc_gateway(
         {"a": a.url, "b": b.url},
         status={"tick_s": 0.1},
@@ -95,7 +95,7 @@ def test_breakers_open_on_every_backend_is_a_major_outage_counted_as_no_backend(
 
 def test_a_third_of_requests_failing_is_an_outage_by_the_answered_share(
         sims: Callable[..., Sim], lc_gateway: Callable[..., GatewayThread]) -> None:
-    a = sims("a", faults=FaultConfig(error_rate=0.35, seed=5))
+    a = sims("a", itl_s=0.001, faults=FaultConfig(error_rate=0.35, seed=5))
     gw = lc_gateway(
         {"a": a.url},
         status={"tick_s": 0.1},
@@ -122,7 +122,7 @@ def test_a_third_of_requests_failing_is_an_outage_by_the_answered_share(
 
 def test_low_traffic_says_too_few_streams_with_the_count_and_keeps_the_figures(
         sims: Callable[..., Sim], lc_gateway: Callable[..., GatewayThread]) -> None:
-    a = sims("a")
+    a = sims("a", itl_s=0.001)
     gw = lc_gateway({"a": a.url}, status={"tick_s": 0.1, "min_samples": 20})
     url = gw.url
     with httpx.Client() as client:

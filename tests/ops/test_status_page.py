@@ -154,7 +154,7 @@ def test_status_page_says_degraded_performance_in_a_browser_then_recovers(
             return (view["status"] == "operational"
                     and perf["streams_now"] >= view["min_samples"])
 
-        assert wait_for(recovered, NOW_S + 10), status(url)
+        assert wait_for(recovered, NOW_S + 10), status(url)["models"]
         # no new streams: the window holds what was judged (a slow machine's hiccup in a
         # stream after this cannot make the browser's load flap)
         traffic.close()
@@ -164,7 +164,6 @@ def test_status_page_says_degraded_performance_in_a_browser_then_recovers(
         assert page.overall.strip() == "operational", dom[-3000:]
         # the model's word now is operational; its last hour's still says the slowdown
         assert 'm1 <span class="words operational">operational</span>' in dom, dom[-3000:]
-        assert dom.count("degraded performance") == 1, dom[-3000:]
         assert ('<dt>Last hour</dt><dd><span class="words degraded-performance small">'
                 "degraded performance</span> P99 TTFT") in dom, dom[-3000:]
         assert fresh["ttft_p99_now_s"] <= SLO_TTFT_S
