@@ -5,7 +5,7 @@ performance``, ``partial outage``, ``major outage``: the vocabulary status-page 
 know), worst first:
 
 1. ``major outage``: no backend can serve the model (none routable: every one cold,
-   unhealthy, draining, cooling down, or warm with its circuit breaker open), or fewer
+   unhealthy, draining, in a cooldown, or warm with its circuit breaker open), or fewer
    than :data:`MAJOR_BELOW` (90 %) of the window's requests were answered without an
    error of the service.
 2. ``partial outage``: fewer than :data:`PARTIAL_BELOW` (99 %) were.
