@@ -603,19 +603,26 @@ class SLOConfig(_Strict):
 class StatusConfig(_Strict):
     """The status page (``GET /status``, ``/status.json``; :mod:`gateway.api.status`).
 
-    A model is "degraded performance" while its P99 TTFT or ITL over the last ``now_s``
-    seconds is over ``slo`` (judged from ``min_samples`` streams or more), and its last
-    hour is kept per minute (:mod:`gateway.traffic.status_rollup`). ``tick_s``: how often
-    the recorder reads the request counters, the new first tokens and the incidents'
-    sources (an incident's time is exact for backend transitions, to the tick for the
-    others)."""
+    A model is a "major outage" while no backend can serve it or under 90 % of its
+    requests over the last ``now_s`` seconds were answered without an error of the
+    service, a "partial outage" under 99 %, "degraded performance" while its P99 TTFT or
+    ITL over the window is over ``slo`` (:mod:`gateway.traffic.status_verdict`). A window
+    is judged on ``min_samples`` or more (requests for availability, streams for TTFT,
+    inter-token gaps for ITL); fewer is said as too few to judge, with the count. The
+    latency and error-ratio alert rules (``python -m gateway.ops``) take the same window
+    and minimum, so the page and the alerts agree. The last hour is kept per minute
+    (:mod:`gateway.traffic.status_rollup`). ``tick_s``: how often the recorder reads the
+    request and error counters, the new first tokens and the incidents' sources (an
+    incident's time is exact for backend transitions, to the tick for the others)."""
 
     now_s: float = Field(
-        300.0, gt=0, description="the 'now' window of P99 TTFT / ITL, seconds (5 min)"
+        300.0, gt=0, description="the 'now' window of the status page's words, seconds "
+        "(5 min; also the rate window of the latency and error-ratio alerts)"
     )
     min_samples: int = Field(
-        20, ge=1, description="streams needed in a window to judge its P99 (20: P99 rests "
-        "on the largest)"
+        20, ge=1, description="requests (availability), streams (P99 TTFT) or inter-token "
+        "gaps (P99 ITL) a window needs to be judged (20: P99 rests on the largest; one "
+        "failure in 20 is 95 %); also the alerts' minimum"
     )
     tick_s: float = Field(2.0, gt=0, description="recorder period, seconds")
     incidents: int = Field(100, ge=1, description="incidents kept (the newest)")

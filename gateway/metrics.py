@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from gateway.core.cost import TokenWindow
 from gateway.core.samples import GpuReading, LoadSample
-from gateway.core.vocab import BackendState, ThermalTier
+from gateway.core.vocab import SERVING_STATES, BackendState, ThermalTier, serving_state
 from gateway.signals import ITL_BUCKETS, TTFT_BUCKETS, CostCollector, CostSource, build_labels
 
 # Latency buckets (seconds) spanning sub-millisecond proxy overhead to long generations.
@@ -214,18 +214,22 @@ class FleetCollector(Collector):
         )
         per_model = GaugeMetricFamily(
             "gateway_model_backends",
-            "Backends serving the model, by lifecycle state (every state, 0 included, so "
-            "that 'no warm backend for a model' is the sample state=warm == 0)",
+            "Backends serving the model, by serving state: the lifecycle state, or "
+            "breaker_open for a warm one whose circuit breaker is open (every state, 0 "
+            "included, so that 'no routable backend for a model' is the sample "
+            "state=warm == 0)",
             labels=["model", "state"],
         )
-        counts: dict[str, dict[BackendState, int]] = {}
+        counts: dict[str, dict[str, int]] = {}
         now = self._clock()
         for b in self._fleet:
             for s in BackendState:
                 state.add_metric([b.id, s.value], 1.0 if b.state is s else 0.0)
+            current = b.breaker.current().value if b.breaker is not None else None
+            serving = serving_state(b.state, current)
             for model in b.models:
-                by_state = counts.setdefault(model, dict.fromkeys(BackendState, 0))
-                by_state[b.state] += 1
+                by_state = counts.setdefault(model, dict.fromkeys(SERVING_STATES, 0))
+                by_state[serving] += 1
                 self._metrics.backend_token_child(model, b.id)  # at 0 before its first
             in_flight.add_metric([b.id], b.in_flight)
             scraped_at = b.last_scrape_ok_at
@@ -240,8 +244,7 @@ class FleetCollector(Collector):
             if scraped_at is not None:
                 age.add_metric([b.id], now - scraped_at)
             silence.add_metric([b.id], b.liveness.silence_s)
-            if b.breaker is not None:
-                current = b.breaker.current().value
+            if current is not None:
                 for st in ("closed", "open", "half_open"):
                     breaker.add_metric([b.id, st], 1.0 if st == current else 0.0)
         m = self._metrics
@@ -253,8 +256,8 @@ class FleetCollector(Collector):
             [], m.warm_pool_hits / m.warm_pool_requests if m.warm_pool_requests else 1.0
         )
         for model, by_state in sorted(counts.items()):
-            for s, n in by_state.items():
-                per_model.add_metric([model, s.value], n)
+            for serving, n in by_state.items():
+                per_model.add_metric([model, serving], n)
         yield from (
             state, per_model, in_flight, waiting, running, kv, kv_ratio, prefix, age, silence,
             breaker, ratio,
@@ -941,8 +944,10 @@ class GatewayMetrics:
             "gateway_request_errors",
             "Client requests that ended in an error, by model ('' when refused before the "
             "model was known) and error_type (gateway.core.vocab.ErrorType): timeout, "
-            "upstream_5xx, connect, cut, in_band_error, rate_limited, admission_refused, "
-            "client_disconnect; a 4xx about the request itself is not counted",
+            "upstream_5xx, connect, no_backend, cut, in_band_error, rate_limited (the "
+            "client key's own limit only), upstream_rate_limited (a backend's own 429), "
+            "admission_refused, client_disconnect; a 4xx about the request itself is not "
+            "counted",
             ["model", "error_type"],
             registry=r,
         )

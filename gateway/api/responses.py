@@ -75,8 +75,8 @@ from gateway.api.parsing import (
     read_body_counted,
     sane_request_id,
 )
-from gateway.core.outcomes import BackendAnswer
-from gateway.core.vocab import Cut
+from gateway.core.outcomes import BackendAnswer, refusal_error_type
+from gateway.core.vocab import Cut, ErrorType
 from gateway.flow.candidates import recovery_s
 from gateway.flow.context import Answer, RequestContext, version_label
 from gateway.flow.lease import RequestLease
@@ -168,7 +168,7 @@ async def by_id_response(
     method: str = scope["method"]
     label = route
     if gw.shutting_down:
-        answered(metrics, label, "", 503, started)
+        answered(metrics, label, "", 503, started, error=ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)
     ratelimit: list[tuple[str, str]] = []
     try:
@@ -194,8 +194,8 @@ async def by_id_response(
                 "no_backend_available",
                 retry_after_s=recovery_s(gw.cfg.health),
             )
-    except Refusal as e:
-        answered(metrics, label, "", e.status, started)
+    except Refusal as e:  # (the entry layer's 429 is the key's own limit: rate_limited)
+        answered(metrics, label, "", e.status, started, error=refusal_error_type(e))
         log_refusal(e, label, rid, method)
         e.headers.extend(ratelimit)
         return render(e, rid, idh)
@@ -204,7 +204,7 @@ async def by_id_response(
         answered(metrics, label, "", 499, started)
         return HungUp()
     except UploadCut:
-        answered(metrics, label, "", 503, started)
+        answered(metrics, label, "", 503, started, error=ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)
     model = held[1] if held is not None else ""
     query: bytes = scope.get("query_string", b"")
@@ -251,7 +251,8 @@ async def by_id_response(
                 metrics.client_disconnects.labels(label).inc()
                 answered(metrics, label, model, 499, started, version_label(None, ctx.version))
                 return HungUp()
-            answered(metrics, label, model, 503, started, version_label(None, ctx.version))
+            answered(metrics, label, model, 503, started, version_label(None, ctx.version),
+                     ErrorType.ADMISSION_REFUSED)
             return shutting_down_response(rid, idh)
         finally:
             routing.answered_by(backend, cut)
@@ -278,7 +279,7 @@ async def by_id_response(
         answered(metrics, label, model, failure.status, started, failure.version)
         return render_backend_answer(failure, idh, rid, ratelimit)
     assert failure is not None
-    answered(metrics, label, model, failure.status, started)
+    answered(metrics, label, model, failure.status, started, error=refusal_error_type(failure))
     log_refusal(failure, label, rid, method)
     failure.headers.extend(ratelimit)
     return render(failure, rid, idh)

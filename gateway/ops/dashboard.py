@@ -114,8 +114,9 @@ def traffic(lim: Limits) -> Row:
               (Target("sum by (model) (rate(gateway_tokens_total"
                       f"{{kind=\"completion\", {MODEL}}}[{RATE}]))", "{{model}}"),)),
         Panel("Errors/s by type", "Requests that ended in an error, by type (timeout, "
-              "upstream_5xx, connect, cut, in_band_error, rate_limited, admission_refused, "
-              "client_disconnect).",
+              "upstream_5xx, connect, no_backend, cut, in_band_error, rate_limited: the "
+              "client key's own limit, upstream_rate_limited: a backend's own 429, "
+              "admission_refused, client_disconnect).",
               (Target("sum by (error_type) (rate(gateway_request_errors_total"
                       f"{{{MODEL}}}[{RATE}]))", "{{error_type}}"),), stacked=True),
         Panel("Error ratio by model and type", "Errors of each type over answered requests "
