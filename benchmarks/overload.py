@@ -101,6 +101,7 @@ def gateway_config(urls: list[str], port: int, admission: bool, args: argparse.N
             "long": {"every_s": 0},
         },
         "calibration": {"enabled": False},
+        "auth": {"anonymous_max_priority": "high"},  # the mix's x-priority: high is granted
         "backends": [
             {"id": f"sim{i}", "url": u, "max_num_seqs": args.max_num_seqs}
             for i, u in enumerate(urls)

@@ -18,7 +18,8 @@ from fastapi import FastAPI
 from gateway.api import admin, autoscale, config_admin, ops, rollouts, status, zones
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
-from gateway.api.errors import install_error_handlers
+from gateway.api.access import admin_refusal, is_admin_path
+from gateway.api.errors import install_error_handlers, render
 from gateway.config import GatewayConfig, check_secrets
 from gateway.config_history import ConfigHistory
 from gateway.fleet.discovery import DiscoverySource
@@ -26,7 +27,10 @@ from gateway.flow.responses import RESPONSES
 from gateway.flow.rollout_probes import PROBE_TICK_S
 from gateway.flow.rollouts import TICK_S as ROLLOUT_TICK_S
 from gateway.proxy.upstream import Transport
-from gateway.reloading import Reloader, ReloadRefused
+from gateway.reload_errors import ReloadRefused
+from gateway.reload_fleet import FleetReload
+from gateway.reloading import Reloader
+from gateway.signals import gateway_version
 from gateway.wiring import Gateway, build_gateway
 
 log = logging.getLogger("gateway.app")
@@ -41,6 +45,8 @@ class GatewayApp:
     about 0.1 ms of CPU per request, a third of a bare pass-through's whole budget
     (benchmarks/proxy_overhead.py). The same handler serves the FastAPI routes, so
     behaviour is identical either way; unexpected errors still become an OpenAI-shaped 500.
+    Every path under ``/admin`` is checked first (:func:`gateway.api.access.admin_refusal`:
+    the admin key, else loopback only), so no admin route can be added unguarded.
     Attribute access falls through to the FastAPI app (``app.state``, ``app.routes``, ...).
     """
 
@@ -52,6 +58,12 @@ class GatewayApp:
         return getattr(self.app, name)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and is_admin_path(scope["path"]):
+            # every /admin route, before any runs (gateway.api.access)
+            refusal = admin_refusal(self.app.state.gateway.admin_key, scope)
+            if refusal is not None:
+                await render(refusal)(scope, receive, send)
+                return
         if (
             scope["type"] == "http"
             and scope["path"] in self.hot_paths
@@ -85,11 +97,14 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw = build_gateway(cfg, transport, source)
         app.state.gateway = gw
+        if gw.admin_key is None:
+            log.info("no admin key (auth.admin_key_file / auth.admin_key_env): /admin/* "
+                     "answers loopback clients only")
         gw.reloader = Reloader(gw, history, config_path, wall=gw.controller.wall,
                                server_overrides=server_overrides)
         gw.reloader.start()
         if gw.coord is not None:  # fleet mode: one config for the fleet (coord.config_sync)
-            gw.reloader.join_fleet(gw.coord.share_config())
+            gw.reloader.join_fleet(FleetReload(gw.reloader, gw.coord.share_config()))
         gw.reloader.restore_at_start("backends")  # a restart: kept baselines and holds
         if gw.coord is not None:
             await gw.coord.connect()  # fleet mode: the shared store before the loops
@@ -142,6 +157,7 @@ def create_app(
     try:  # FastAPI >= 0.16x wraps every request in OpenTelemetry hooks unless told not to
         app = FastAPI(
             title="llm-gateway",
+            version=gateway_version(),  # not FastAPI's default "0.1.0"
             lifespan=lifespan,
             docs_url=None,
             redoc_url=None,
@@ -150,7 +166,8 @@ def create_app(
         )
     except TypeError:  # an older FastAPI without the argument
         app = FastAPI(
-            title="llm-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+            title="llm-gateway", version=gateway_version(), lifespan=lifespan, docs_url=None,
+            redoc_url=None, openapi_url=None,
         )
     install_error_handlers(app)
     openai_api.install_routes(app, cfg.proxy.passthrough_paths)

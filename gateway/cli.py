@@ -28,7 +28,7 @@ from gateway.config import (
 )
 from gateway.core.listening import CannotListen
 from gateway.core.wording import plural
-from gateway.logs import say, setup_logging
+from gateway.logs import current_format, say, setup_logging
 
 CONFIG_ENV = "LLM_GATEWAY_CONFIG"
 """Environment variable naming the config file when ``--config`` is not given."""
@@ -102,6 +102,8 @@ def _load(
     try:
         cfg = with_server_overrides(load_config(path), **server)
     except ConfigError:
+        if out is None and declared_log_format(path) == "json":  # its error a JSON line too
+            setup_logging("info", "json")
         say(line, out=out)
         raise
     if cfg.server.log_format == "json" and out is None:  # a JSON line like every other
@@ -110,6 +112,46 @@ def _load(
     require_backends(cfg)
     args.server_overrides = server  # a live reload applies them again (gateway.reloading)
     return cfg
+
+
+def declared_log_format(path: Path, environ: Mapping[str, str] | None = None) -> str | None:
+    """The ``server.log_format`` a config that failed to load asked for, so that the error
+    is written in it: ``LLM_GATEWAY_SERVER__LOG_FORMAT`` when set, else the value under
+    ``server:`` / ``log_format:`` in the file's YAML read as far as it parses (PyYAML's
+    event stream: a syntax error after the ``server`` section still finds it); None when
+    neither says (or the file cannot be read)."""
+    env = os.environ if environ is None else environ
+    named = env.get("LLM_GATEWAY_SERVER__LOG_FORMAT")
+    if named:
+        return named.strip().lower()
+    import yaml
+
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    keys: list[object] = []  # per open mapping: its current key (None: a key is next)
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.MappingStartEvent | yaml.SequenceStartEvent):
+                if keys and keys[-1] is not None:
+                    keys[-1] = ("open", keys[-1])
+                keys.append(None if isinstance(event, yaml.MappingStartEvent) else "[]")
+            elif isinstance(event, yaml.MappingEndEvent | yaml.SequenceEndEvent):
+                keys.pop()
+                if keys and isinstance(keys[-1], tuple):
+                    keys[-1] = None
+            elif isinstance(event, yaml.ScalarEvent) and keys and keys[-1] != "[]":
+                if keys[-1] is None:
+                    keys[-1] = event.value
+                    continue
+                path_now = [k[1] for k in keys[:-1] if isinstance(k, tuple)] + [keys[-1]]
+                if path_now == ["server", "log_format"]:
+                    return event.value.strip().lower()
+                keys[-1] = None
+    except yaml.YAMLError:
+        pass
+    return None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -327,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         return 130
+    except Exception:  # a start-up failure of another kind: its traceback, exit status 1
+        if current_format() != "json":
+            raise  # Python's own traceback on stderr, as always
+        logging.getLogger("gateway.cli").critical("llm-gateway: failed", exc_info=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from gateway.config_rollouts import RolloutConfig, check_versions, key_problem
+from gateway.config_rollouts import ModelVersion, RolloutConfig, check_versions, key_problem
 
 ENV_PREFIX = "LLM_GATEWAY_"
 
@@ -157,62 +157,133 @@ class ServerConfig(_Strict):
     )
 
 
+def read_secret(field: str, value: str | None, env: str | None, file: str | None) -> str | None:
+    """A secret from the first of its three sources that is set: inline (``value``), the
+    environment variable named ``env``, or the file named ``file`` (read now: at start and
+    at each reload; one trailing newline stripped, as ``echo`` and ``kubectl create secret
+    --from-file`` leave one). None when none is set. ``field`` is the dotted config path
+    of the inline field (``auth.admin_key``); errors name ``<field>_env`` / ``<field>_file``
+    and never show the secret. Raises :class:`ConfigError` for an unset or empty variable
+    and an unreadable or empty file."""
+    if value is not None:
+        return value
+    if env:
+        got = os.environ.get(env)
+        if not got:
+            raise ConfigError(f"{field}_env: {env} is not set")
+        return got
+    if file:
+        try:
+            text = Path(file).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+            raise ConfigError(f"{field}_file: cannot read {file}: {why}") from None
+        if text.endswith("\n"):
+            text = text[:-2] if text.endswith("\r\n") else text[:-1]
+        if not text.strip():
+            raise ConfigError(f"{field}_file: {file} is empty")
+        return text
+    return None
+
+
+def _sources(value: str | None, env: str | None, file: str | None) -> int:
+    """How many of a secret's three sources are set."""
+    return sum(x is not None for x in (value, env, file))
+
+
 class ClientKey(_Strict):
     """A key a client presents as ``Authorization: Bearer <key>``.
 
-    Give the key inline (``key``) or the name of an environment variable holding it
-    (``key_env``), not both.
+    Give exactly one of: the key inline (``key``), the name of an environment variable
+    holding it (``key_env``), or a file holding it (``key_file``, e.g. a mounted Kubernetes
+    or Docker secret; read at start and at each reload, a trailing newline stripped).
+
+    ``priority`` is the class of its requests without an ``x-priority`` header;
+    ``max_priority`` the most urgent class the header may ask for (issue 20: priority is
+    granted, not claimed). A request asking for more is served at ``max_priority`` and
+    counted in ``gateway_priority_capped_total``. Unset, it is the key's own
+    ``priority``: a key asks for less than it was given, never more, unless the operator
+    grants it.
     """
 
     name: str
     key: str | None = None
     key_env: str | None = None
+    key_file: str | None = Field(None, description="a file holding the key (a mounted secret)")
     priority: Priority = Priority.NORMAL
+    max_priority: Priority | None = Field(
+        None,
+        description="the most urgent x-priority this key may ask for (high, normal, low); "
+        "null: the key's priority",
+    )
     rpm: int | None = Field(None, ge=1, description="requests per minute (None: default)")
     tpm: int | None = Field(None, ge=1, description="tokens per minute (None: default)")
 
     @model_validator(mode="after")
     def _one_source(self) -> ClientKey:
-        if (self.key is None) == (self.key_env is None):
-            raise ValueError("give exactly one of 'key' or 'key_env'")
+        if _sources(self.key, self.key_env, self.key_file) != 1:
+            raise ValueError("give exactly one of 'key' or 'key_env' (or 'key_file')")
         if self.key is not None and not self.key.strip():
             raise ValueError("'key' is empty: every client would pass with an empty bearer")
+        if _URGENCY[self.priority] < _URGENCY[self.bound]:
+            raise ValueError(f"priority {self.priority.value!r} is above max_priority "
+                             f"{self.bound.value!r}")
         return self
 
+    @property
+    def bound(self) -> Priority:
+        """The most urgent priority its requests may have (``max_priority``, else
+        ``priority``)."""
+        return self.max_priority if self.max_priority is not None else self.priority
+
     def resolve(self) -> str:
-        """The secret itself. Raises :class:`ConfigError` when ``key_env`` is unset."""
-        if self.key is not None:
-            return self.key
-        value = os.environ.get(self.key_env or "")
-        if not value:
-            raise ConfigError(f"auth.client_keys[{self.name}]: env var {self.key_env} is not set")
-        return value
+        """The secret itself. Raises :class:`ConfigError` when ``key_env`` is unset or
+        ``key_file`` cannot be read."""
+        got = read_secret(f"auth.client_keys[{self.name}].key", self.key, self.key_env,
+                          self.key_file)
+        assert got is not None  # one source is set (validated)
+        return got
+
+
+_URGENCY = {Priority.HIGH: 0, Priority.NORMAL: 1, Priority.LOW: 2}  # lower: more urgent
 
 
 class AuthConfig(_Strict):
-    """Client authentication. With no keys, the gateway accepts every client.
+    """Client authentication, the admin key and how far a client may raise its priority.
 
-    ``admin_key`` / ``admin_key_env`` guard ``/admin/*`` (Bearer); unset, the admin API is
-    open, so bind the gateway to a private address.
+    With no client keys, the gateway accepts every client (anonymous), whose ``x-priority``
+    is bounded by ``anonymous_max_priority``. The admin key (``admin_key``, or better
+    ``admin_key_env`` / ``admin_key_file``, so that it is not in the YAML) guards
+    ``/admin/*`` (``Authorization: Bearer <key>``, compared in constant time); without one
+    the admin API answers loopback clients only (:mod:`gateway.api.access`; README,
+    "Security").
     """
 
     client_keys: list[ClientKey] = Field(default_factory=list)
     admin_key: str | None = None
-    admin_key_env: str | None = None
+    admin_key_env: str | None = Field(
+        None, description="the environment variable holding the admin key")
+    admin_key_file: str | None = Field(
+        None, description="a file holding the admin key (a mounted secret; read at start "
+        "and each reload, a trailing newline stripped)")
+    anonymous_max_priority: Priority = Field(
+        Priority.NORMAL,
+        description="the most urgent x-priority a client without a key may ask for. "
+        "Default normal: anyone who reaches the port could otherwise put every request "
+        "ahead of everyone else's with 'x-priority: high'; asking for low still works. A "
+        "gateway whose network is trusted sets high",
+    )
 
     def resolved_admin_key(self) -> str | None:
-        """The admin key, or None. Raises :class:`ConfigError` if ``admin_key_env`` is unset."""
-        if self.admin_key is not None:
-            return self.admin_key
-        if self.admin_key_env:
-            value = os.environ.get(self.admin_key_env)
-            if not value:
-                raise ConfigError(f"auth.admin_key_env: {self.admin_key_env} is not set")
-            return value
-        return None
+        """The admin key, or None. Raises :class:`ConfigError` if ``admin_key_env`` is
+        unset or ``admin_key_file`` cannot be read."""
+        return read_secret("auth.admin_key", self.admin_key, self.admin_key_env,
+                           self.admin_key_file)
 
     @model_validator(mode="after")
     def _distinct(self) -> AuthConfig:
+        if _sources(self.admin_key, self.admin_key_env, self.admin_key_file) > 1:
+            raise ValueError("give at most one of admin_key, admin_key_env, admin_key_file")
         if self.admin_key is not None and not self.admin_key.strip():
             raise ValueError(
                 "admin_key is empty (an unset ${VAR} in compose?): /admin would accept an "
@@ -532,22 +603,37 @@ class SLOConfig(_Strict):
 class StatusConfig(_Strict):
     """The status page (``GET /status``, ``/status.json``; :mod:`gateway.api.status`).
 
-    A model is "degraded performance" while its P99 TTFT or ITL over the last ``now_s``
-    seconds is over ``slo`` (judged from ``min_samples`` streams or more), and its last
-    hour is kept per minute (:mod:`gateway.traffic.status_rollup`). ``tick_s``: how often
-    the recorder reads the request counters, the new first tokens and the incidents'
-    sources (an incident's time is exact for backend transitions, to the tick for the
-    others)."""
+    A model is a "major outage" while no backend can serve it or under 90 % of its
+    requests over the last ``now_s`` seconds were answered without an error of the
+    service, a "partial outage" under 99 %, "degraded performance" while its P99 TTFT or
+    ITL over the window is over ``slo`` (:mod:`gateway.traffic.status_verdict`). A window
+    is judged on ``min_samples`` or more (requests for availability, streams for TTFT,
+    inter-token gaps for ITL); fewer is said as too few to judge, with the count. The
+    latency and error-ratio alert rules (``python -m gateway.ops``) take the same window
+    and minimum, so the page and the alerts agree. The last hour is kept per minute
+    (:mod:`gateway.traffic.status_rollup`). ``tick_s``: how often the recorder reads the
+    request and error counters, the new first tokens and the incidents' sources (an
+    incident's time is exact for backend transitions, to the tick for the others)."""
 
     now_s: float = Field(
-        300.0, gt=0, description="the 'now' window of P99 TTFT / ITL, seconds (5 min)"
+        300.0, gt=0, description="the 'now' window of the status page's words, seconds "
+        "(5 min; also the rate window of the latency and error-ratio alerts)"
     )
     min_samples: int = Field(
-        20, ge=1, description="streams needed in a window to judge its P99 (20: P99 rests "
-        "on the largest)"
+        20, ge=1, description="requests (availability), streams (P99 TTFT) or inter-token "
+        "gaps (P99 ITL) a window needs to be judged (20: P99 rests on the largest; one "
+        "failure in 20 is 95 %); also the alerts' minimum"
     )
     tick_s: float = Field(2.0, gt=0, description="recorder period, seconds")
     incidents: int = Field(100, ge=1, description="incidents kept (the newest)")
+    public_details: bool = Field(
+        False,
+        description="show every client the backends' ids, their cooldowns and the "
+        "incidents' subjects and reasons; false (default): only loopback clients and "
+        "holders of the admin key see them, others get the models' status, counts by "
+        "state and tier, and incidents without subject or detail (backend ids embed hosts "
+        "when discovered, and error reasons can quote URLs)",
+    )
 
 
 class BreakerSettings(_Strict):
@@ -1130,6 +1216,9 @@ class BackendConfig(_Strict):
     models: list[str] | None = None
     api_key: str | None = None
     api_key_env: str | None = None
+    api_key_file: str | None = Field(
+        None, description="a file holding the key sent to it (a mounted secret; read at "
+        "start and each reload, a trailing newline stripped)")
     max_num_seqs: int | None = Field(None, ge=1)
     role: BackendRole = BackendRole.PRIMARY
     sim: dict[str, Any] | None = None
@@ -1157,11 +1246,13 @@ class BackendConfig(_Strict):
     )
     pod: str | None = Field(None, description="its pod's name (restart_hook.delete_pod)")
     namespace: str | None = Field(None, description="its pod's namespace (delete_pod)")
-    model_version: str | None = Field(
+    model_version: ModelVersion | None = Field(
         None,
         description="the version of the model(s) it serves (a release: weights, engine "
         "build); clients keep asking for the model name, and a rollout moves a model's "
-        "traffic from one version to another; null: unversioned",
+        "traffic from one version to another; null: unversioned. A Kubernetes label value "
+        "(it is a metric label): at most 63 characters, letters, digits, '-', '_', '.', "
+        "beginning and ending with a letter or digit (config_rollouts.MODEL_VERSION_PATTERN)",
     )
     gpu_hour_price: float | None = Field(
         None,
@@ -1205,15 +1296,16 @@ class BackendConfig(_Strict):
         return str(self.url).rstrip("/")
 
     def resolved_api_key(self) -> str | None:
-        """The key sent to this backend, or None. Raises :class:`ConfigError` if unset env."""
-        if self.api_key is not None:
-            return self.api_key
-        if self.api_key_env:
-            value = os.environ.get(self.api_key_env)
-            if not value:
-                raise ConfigError(f"backends[{self.id}].api_key_env: {self.api_key_env} is not set")
-            return value
-        return None
+        """The key sent to this backend, or None. Raises :class:`ConfigError` for an
+        unset ``api_key_env`` or an unreadable ``api_key_file``."""
+        return read_secret(f"backends[{self.id}].api_key", self.api_key, self.api_key_env,
+                           self.api_key_file)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> BackendConfig:
+        if _sources(self.api_key, self.api_key_env, self.api_key_file) > 1:
+            raise ValueError("give at most one of api_key, api_key_env, api_key_file")
+        return self
 
 
 class BackendTemplate(_Strict):
@@ -1224,6 +1316,7 @@ class BackendTemplate(_Strict):
 
     models: list[str] | None = None
     api_key_env: str | None = None
+    api_key_file: str | None = Field(None, description="as backends[].api_key_file")
     max_num_seqs: int | None = Field(None, ge=1)
     role: BackendRole = BackendRole.PRIMARY
     gpu_metrics_url: str | None = None
@@ -1661,17 +1754,18 @@ class GatewayConfig(BaseSettings):
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewayConfig:
         seen: set[str] = set()
-        for b in self.backends:
+        for i, b in enumerate(self.backends):
             if b.id in seen:
-                raise ValueError(f"backend id {b.id!r} appears twice")
+                raise ValueError(f"backends.{i}.id: backend id {b.id!r} appears twice")
             seen.add(b.id)
         domains = [d.name for d in self.power_domains]
         if len(domains) != len(set(domains)):
             raise ValueError("power_domains: names must be unique")
-        for b in self.backends:
+        for i, b in enumerate(self.backends):
             if b.power_domain is not None and b.power_domain not in domains:
                 raise ValueError(
-                    f"backend {b.id!r}: power_domain {b.power_domain!r} is not in power_domains"
+                    f"backends.{i}.power_domain: backend {b.id!r}: power_domain "
+                    f"{b.power_domain!r} is not in power_domains"
                 )
         tpd = self.discovery.template.power_domain
         if self.discovery.dynamic and tpd is not None and tpd not in domains:
@@ -1708,11 +1802,21 @@ _SECRET_FIELDS = frozenset({"key", "admin_key", "api_key"})
 _URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 
 
+_NAMED_PROBLEM = re.compile(r"^Value error, ([A-Za-z_]\w*(?:\.[\w\[\]-]+)*): (.*)$", re.DOTALL)
+"""A whole-config check's ``ValueError`` (:class:`GatewayConfig`'s model validator) whose
+message begins with the field at fault, a section and its dotted path (``rollouts.0.canary:
+...``, ``power_domains: ...``): :func:`_format_errors` reports it at that field."""
+
+
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"]
+        named = _NAMED_PROBLEM.match(msg) if not loc else None
+        if named is not None and named.group(1).split(".")[0] in GatewayConfig.model_fields:
+            loc, msg = named.group(1), named.group(2)
+        loc = loc or "(top level)"
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling)"
         value = e.get("input")
@@ -1849,15 +1953,20 @@ def check_secrets(cfg: GatewayConfig, discovery_credentials: bool = True) -> Non
     (:func:`kube_credentials_problem`; discovery's only with ``discovery_credentials``,
     False when a test runs the gateway with a stand-in source). Raises
     :class:`ConfigError` naming it."""
+    seen: dict[str, str] = {}
     for k in cfg.auth.client_keys:
-        k.resolve()
+        secret = k.resolve()
+        if secret in seen:
+            raise ConfigError(f"auth.client_keys: {seen[secret]!r} and {k.name!r} have the "
+                              "same key: the limits and priority of one would silently apply")
+        seen[secret] = k.name
     cfg.auth.resolved_admin_key()
     for b in cfg.backends:
         b.resolved_api_key()
     d = cfg.discovery
-    env = d.template.api_key_env
-    if d.dynamic and env and not os.environ.get(env):
-        raise ConfigError(f"discovery.template.api_key_env: {env} is not set")
+    if d.dynamic:
+        read_secret("discovery.template.api_key", None, d.template.api_key_env,
+                    d.template.api_key_file)
     kube: list[tuple[str, str | None]] = []
     if discovery_credentials and d.source == "kubernetes" and d.kubernetes is not None:
         kube.append(("discovery.kubernetes.kubeconfig", d.kubernetes.kubeconfig))

@@ -40,7 +40,7 @@ LIVE_SECTIONS = frozenset({"auth", "backends", "admission", "routing.weights", "
 above)."""
 
 LIVE_BACKEND_FIELDS = frozenset({"role", "max_num_seqs", "api_key", "api_key_env",
-                                 "model_version", "gpu_hour_price", "gpus"})
+                                 "api_key_file", "model_version", "gpu_hour_price", "gpus"})
 """A kept backend's fields that change in place."""
 
 RESTART = "restart the gateway to change it"

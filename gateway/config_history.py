@@ -14,8 +14,13 @@ it runs (:meth:`ConfigHistory.keep_state`).
 
 On disk: ``<state_dir>/config-history/<version>.json``, written atomically (a temporary
 file, fsync, rename) with mode 0600 (a config may hold inline keys), the oldest deleted
-beyond ``keep``. A file that cannot be read or parsed is skipped with a warning: a damaged
-state directory never stops a start. :func:`redact` is the view for the admin API.
+beyond ``keep`` (at each new snapshot, and at start when more are there: a lowered
+``keep``). A damaged file (one that cannot be read, is not JSON, has not a snapshot's
+fields and types, or is not named after its version) never stops a start and is never
+counted among the ``keep`` kept: it is renamed ``<name>.damaged`` (kept for the operator to
+inspect, never deleted), logged once (the start that moved it), and listed by
+:meth:`ConfigHistory.damaged_view` (``GET /admin/config/history``'s ``damaged``); its
+number is not given again. :func:`redact` is the view for the admin API.
 """
 
 from __future__ import annotations
@@ -150,13 +155,49 @@ class Snapshot:
         return out
 
 
-def _checked(snap: Snapshot) -> Snapshot:
-    """``snap`` as read from a file, when its parts have their types (a hand-edited file may
-    not: ``TypeError`` then, and the file is skipped)."""
-    if (not isinstance(snap.version, int) or not isinstance(snap.config, dict)
-            or not isinstance(snap.state, dict) or not isinstance(snap.summary, dict)):
-        raise TypeError("version, config, summary or state of the wrong type")
+DAMAGED = ".damaged"
+"""The suffix a damaged file of the history directory is renamed with (module docstring)."""
+_NUMBERED = re.compile(r"^(\d+)\.json")
+
+
+def _load(p: Path, name: str) -> Snapshot:
+    """The snapshot in file ``p`` (``name``: the file's ``<version>.json`` name, which its
+    version must give). Raises ``OSError`` (unreadable), ``ValueError`` (not JSON, or not
+    its name's version) or ``TypeError`` (not a snapshot's fields, or of the wrong types:
+    a hand-edited file), each saying what is wrong."""
+    try:
+        data = json.loads(p.read_text())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON (truncated or edited?): {e}") from None
+    if not isinstance(data, dict):
+        raise TypeError(f"not a snapshot: a JSON {type(data).__name__}, not an object")
+    try:
+        snap = Snapshot(**data)
+    except TypeError as e:
+        raise TypeError(f"not a snapshot: {str(e).removeprefix('Snapshot.')}") from None
+    if (not isinstance(snap.version, int) or isinstance(snap.version, bool)
+            or not isinstance(snap.config, dict) or not isinstance(snap.state, dict)
+            or not isinstance(snap.summary, dict)
+            or not isinstance(snap.applied_at, int | float)):
+        raise TypeError("not a snapshot: version, applied_at, config, summary or state of "
+                        "the wrong type")
+    if name != f"{snap.version:08d}.json":
+        raise ValueError(f"it holds version {snap.version}, which is not its name's "
+                         f"({name})")
     return snap
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A damaged file of the history directory (module docstring): ``file``, its name now
+    (``<name>.damaged`` once moved aside), ``problem``, and whether it was ``moved`` aside
+    (False: it could not be renamed, and stays where it is, skipped at each start)."""
+
+    file: str
+    problem: str
+    moved: bool = True
 
 
 class ConfigHistory:
@@ -169,21 +210,64 @@ class ConfigHistory:
         self.keep = keep
         self.snapshots: list[Snapshot] = []
         self._highest = 0  # the highest version number ever given here (files included)
+        self.damaged: list[Damaged] = []
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.snapshots = self._read()[-keep:]
+            valid = self._read()
+            self.snapshots = valid[-keep:]
+            for old in valid[:-keep]:  # a lowered keep: rotated out as record would
+                self._delete(old.version)
 
     def _read(self) -> list[Snapshot]:
+        """The valid snapshots of the directory, oldest first; each damaged file moved aside
+        (and logged) or, when moved by an earlier start, listed (module docstring)."""
         assert self.dir is not None
         out: list[Snapshot] = []
+        moved: dict[str, Damaged] = {}
         for p in sorted(self.dir.glob("*.json")):
-            if p.stem.isdigit():  # a damaged file's number is not given again
-                self._highest = max(self._highest, int(p.stem))
+            self._number(p.name)
             try:
-                out.append(_checked(Snapshot(**json.loads(p.read_text()))))
+                out.append(_load(p, p.name))
             except (OSError, ValueError, TypeError) as e:
-                log.warning("config history: %s skipped: %s", p, e)
+                d = self._set_aside(p, str(e))
+                moved[d.file] = d
+        for p in sorted(self.dir.glob(f"*{DAMAGED}")):
+            self._number(p.name)  # a damaged file's number is not given again
+            if p.name not in moved:  # moved aside by an earlier start: listed, not logged
+                try:
+                    _load(p, re.sub(r"\.\d+$", "", p.name.removesuffix(DAMAGED)))
+                    problem = "moved aside by an earlier start"
+                except (OSError, ValueError, TypeError) as e:
+                    problem = str(e)
+                moved[p.name] = Damaged(p.name, problem)
+        self.damaged = sorted(moved.values(), key=lambda d: d.file)
         return sorted(out, key=lambda s: s.version)
+
+    def _number(self, name: str) -> None:
+        m = _NUMBERED.match(name)
+        if m is not None:
+            self._highest = max(self._highest, int(m.group(1)))
+
+    def _set_aside(self, p: Path, problem: str) -> Damaged:
+        """Rename the damaged file ``p`` to ``<name>.damaged`` (``.1.damaged``, ... when
+        that name is taken), logged once."""
+        target = next(t for n in range(1000) if not (t := p.with_name(
+            p.name + (f".{n}" if n else "") + DAMAGED)).exists())
+        try:
+            p.rename(target)
+        except OSError as e:
+            log.warning("config history: %s is not a snapshot (%s), skipped; it cannot be "
+                        "moved aside (%s): it stays, skipped at each start", p, problem, e)
+            return Damaged(p.name, problem, moved=False)
+        log.warning("config history: %s is not a snapshot (%s); moved aside as %s for "
+                    "inspection, not counted among the %d kept", p, problem, target.name,
+                    self.keep)
+        return Damaged(target.name, problem)
+
+    def damaged_view(self) -> list[dict[str, Any]]:
+        """The damaged files found in the directory (module docstring), as JSON: ``file``,
+        ``problem``, ``moved``."""
+        return [asdict(d) for d in self.damaged]
 
     @property
     def last(self) -> Snapshot | None:
@@ -238,15 +322,18 @@ class ConfigHistory:
         self.snapshots = [s for s in self.snapshots if s.version < version]
         self.snapshots.append(snap)
         for old in [*stale, *self.snapshots[: -self.keep]]:
-            if old.version == version:
-                continue  # its file is the new snapshot's now
-            if self.dir is not None:
-                try:
-                    (self.dir / f"{old.version:08d}.json").unlink(missing_ok=True)
-                except OSError as e:
-                    log.warning("config history: cannot delete snapshot %d: %s", old.version, e)
+            if old.version != version:  # else its file is the new snapshot's now
+                self._delete(old.version)
         self.snapshots = self.snapshots[-self.keep:]
         return snap
+
+    def _delete(self, version: int) -> None:
+        """Delete snapshot ``version``'s file (rotated out); a failure is logged."""
+        if self.dir is not None:
+            try:
+                (self.dir / f"{version:08d}.json").unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("config history: cannot delete snapshot %d: %s", version, e)
 
     def _write(self, snap: Snapshot) -> None:
         assert self.dir is not None

@@ -11,14 +11,59 @@ the running fleet instead), and at ``POST /admin/rollouts`` against the running 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable, Sequence
-from typing import Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 DEFAULT_STEPS: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5, 1.0)
 """The canary's share of the model's traffic at each step: the issue's default (the same as
 :data:`gateway.traffic.rollout.DEFAULT_STEPS`, which layer 0 may not import)."""
+
+
+MODEL_VERSION_PATTERN = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+"""What a ``model_version`` may be (a backend's, a rollout's ``baseline`` / ``canary``):
+Kubernetes' rule for a label value (kubernetes.io, "Labels and Selectors", syntax and
+character set), empty excepted: at most :data:`MODEL_VERSION_MAX` characters, ASCII letters,
+digits, ``-``, ``_`` and ``.``, beginning and ending with a letter or digit. A version is a
+label of ``gateway_requests_total`` and part of URLs and log lines, and is often a pod
+label already; ``2025-06``, ``v1.2``, ``Llama-3.1_8B-rc2`` are versions, ``***``, a space or
+a path are not."""
+MODEL_VERSION_MAX = 63
+"""The longest ``model_version`` (characters): a Kubernetes label value's limit."""
+
+
+def _model_version(v: str) -> str:
+    if len(v) > MODEL_VERSION_MAX or MODEL_VERSION_PATTERN.fullmatch(v) is None:
+        raise PydanticCustomError(
+            "model_version", f"not a model version: at most {MODEL_VERSION_MAX} characters, "
+            "ASCII letters, digits, '-', '_' and '.', beginning and ending with a letter or "
+            "digit (a Kubernetes label value)")
+    return v
+
+
+ModelVersion = Annotated[str, AfterValidator(_model_version)]
+"""A ``model_version`` (:data:`MODEL_VERSION_PATTERN`), validated wherever one is given."""
+
+
+def field_error(loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
+    """A validation error of the field at ``loc`` (relative to the model being validated)
+    for a model validator to raise: pydantic then reports it at that field (its ``loc``
+    nested under the model's own), where a ``ValueError`` would name only the model
+    (pydantic-core supports a ``ValidationError`` raised in a validator:
+    pydantic/pydantic-core#510; ``ValidationError.from_exception_data``)."""
+    return ValidationError.from_exception_data("RolloutConfig", [InitErrorDetails(
+        type=PydanticCustomError("value_error", message), loc=loc, input=value)])
 
 
 class RolloutTargeting(BaseModel):
@@ -80,8 +125,8 @@ class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1, description="the model name clients ask for")
-    baseline: str = Field(min_length=1, description="the model_version known to be good")
-    canary: str = Field(min_length=1, description="the model_version being rolled out")
+    baseline: ModelVersion = Field(description="the model_version known to be good")
+    canary: ModelVersion = Field(description="the model_version being rolled out")
     steps: list[float] = Field(default_factory=lambda: list(DEFAULT_STEPS),
                                description="canary shares per step, ending at 1.0")
     min_step_s: float = Field(300.0, ge=0, description="seconds a step lasts at least")
@@ -117,17 +162,19 @@ class RolloutConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> RolloutConfig:
         if self.baseline == self.canary:
-            raise ValueError(f"canary must differ from baseline (both {self.canary!r})")
+            raise field_error(("canary",), f"must differ from baseline (both "
+                              f"{self.canary!r})", self.canary)
         if self.max_step_s < self.min_step_s:
-            raise ValueError(f"max_step_s ({self.max_step_s:g}) must be >= min_step_s "
-                             f"({self.min_step_s:g})")
+            raise field_error(("max_step_s",), f"{self.max_step_s:g} must be >= min_step_s "
+                              f"({self.min_step_s:g})", self.max_step_s)
         t = self.targeting
         if t.steps >= len(self.steps):
-            raise ValueError(f"targeting.steps ({t.steps}) must be below the number of steps "
-                             f"({len(self.steps)}): the last step is for everyone")
+            raise field_error(("targeting", "steps"), f"{t.steps} must be below the number "
+                              f"of steps ({len(self.steps)}): the last step is for everyone",
+                              t.steps)
         if t.steps and not (t.client_keys or t.low_priority):
-            raise ValueError("targeting.steps needs targeting.client_keys or "
-                             "targeting.low_priority")
+            raise field_error(("targeting", "steps"), "needs targeting.client_keys or "
+                              "targeting.low_priority", t.steps)
         return self
 
 
@@ -143,8 +190,13 @@ class VersionedBackend(Protocol):
 
 def version_problem(r: RolloutConfig, versions: Iterable[str | None]) -> str | None:
     """Why ``r`` cannot run over backends of its model carrying ``versions``
-    (``model_version`` values), naming the field; None when both versions are there."""
-    have = {v for v in versions if v is not None}
+    (``model_version`` values, one per backend of the model, None for an unversioned one),
+    naming the field (``model`` when no backend serves the model at all); None when both
+    versions are there."""
+    listed = list(versions)
+    if not listed:
+        return f"model: no backend serves model {r.model!r}"
+    have = {v for v in listed if v is not None}
     for field, version in (("baseline", r.baseline), ("canary", r.canary)):
         if version not in have:
             return (f"{field}: no backend of model {r.model!r} has model_version "

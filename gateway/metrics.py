@@ -12,6 +12,7 @@ Units follow Prometheus conventions: seconds, ``_total`` counters, 0-1 ratios.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
@@ -30,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from gateway.core.cost import TokenWindow
 from gateway.core.samples import GpuReading, LoadSample
-from gateway.core.vocab import BackendState, ThermalTier
+from gateway.core.vocab import SERVING_STATES, BackendState, ThermalTier, serving_state
 from gateway.signals import ITL_BUCKETS, TTFT_BUCKETS, CostCollector, CostSource, build_labels
 
 # Latency buckets (seconds) spanning sub-millisecond proxy overhead to long generations.
@@ -137,17 +138,24 @@ class ThermalReadings(Protocol):
 
 
 class FleetCollector(Collector):
-    """Per-backend gauges read from the live fleet at scrape time."""
+    """Per-backend gauges read from the live fleet at scrape time. The values scraped from
+    a backend's ``/metrics`` (waiting, running, KV-cache use, prefix-cache hit ratio) are
+    exported only while its last good scrape is at most ``stale_after_s`` old
+    (``telemetry.stale_after_s``, the router's own rule): a dead backend's last values
+    leave the exposition instead of standing forever, and
+    ``gateway_backend_scrape_age_seconds`` says how old they are."""
 
     def __init__(
         self,
         fleet: Iterable[BackendGauges],
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,
+        stale_after_s: float = math.inf,
     ) -> None:
         self._fleet = fleet
         self._metrics = metrics
         self._clock = clock
+        self._stale_after_s = stale_after_s
 
     def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
@@ -206,31 +214,37 @@ class FleetCollector(Collector):
         )
         per_model = GaugeMetricFamily(
             "gateway_model_backends",
-            "Backends serving the model, by lifecycle state (every state, 0 included, so "
-            "that 'no warm backend for a model' is the sample state=warm == 0)",
+            "Backends serving the model, by serving state: the lifecycle state, or "
+            "breaker_open for a warm one whose circuit breaker is open (every state, 0 "
+            "included, so that 'no routable backend for a model' is the sample "
+            "state=warm == 0)",
             labels=["model", "state"],
         )
-        counts: dict[str, dict[BackendState, int]] = {}
+        counts: dict[str, dict[str, int]] = {}
         now = self._clock()
         for b in self._fleet:
             for s in BackendState:
                 state.add_metric([b.id, s.value], 1.0 if b.state is s else 0.0)
+            current = b.breaker.current().value if b.breaker is not None else None
+            serving = serving_state(b.state, current)
             for model in b.models:
-                by_state = counts.setdefault(model, dict.fromkeys(BackendState, 0))
-                by_state[b.state] += 1
+                by_state = counts.setdefault(model, dict.fromkeys(SERVING_STATES, 0))
+                by_state[serving] += 1
+                self._metrics.backend_token_child(model, b.id)  # at 0 before its first
             in_flight.add_metric([b.id], b.in_flight)
-            if b.load is not None:
+            scraped_at = b.last_scrape_ok_at
+            fresh = scraped_at is not None and now - scraped_at <= self._stale_after_s
+            if b.load is not None and fresh:
                 waiting.add_metric([b.id], b.load.waiting)
                 running.add_metric([b.id], b.load.running)
                 kv.add_metric([b.id], b.load.kv_cache_usage)
                 kv_ratio.add_metric([b.id], b.load.kv_cache_usage)
-            if b.prefix_cache_hit_ratio is not None:
+            if b.prefix_cache_hit_ratio is not None and fresh:
                 prefix.add_metric([b.id], b.prefix_cache_hit_ratio)
-            if b.last_scrape_ok_at is not None:
-                age.add_metric([b.id], now - b.last_scrape_ok_at)
+            if scraped_at is not None:
+                age.add_metric([b.id], now - scraped_at)
             silence.add_metric([b.id], b.liveness.silence_s)
-            if b.breaker is not None:
-                current = b.breaker.current().value
+            if current is not None:
                 for st in ("closed", "open", "half_open"):
                     breaker.add_metric([b.id, st], 1.0 if st == current else 0.0)
         m = self._metrics
@@ -242,8 +256,8 @@ class FleetCollector(Collector):
             [], m.warm_pool_hits / m.warm_pool_requests if m.warm_pool_requests else 1.0
         )
         for model, by_state in sorted(counts.items()):
-            for s, n in by_state.items():
-                per_model.add_metric([model, s.value], n)
+            for serving, n in by_state.items():
+                per_model.add_metric([model, serving], n)
         yield from (
             state, per_model, in_flight, waiting, running, kv, kv_ratio, prefix, age, silence,
             breaker, ratio,
@@ -486,6 +500,15 @@ class GatewayMetrics:
             ["model", "kind"],
             registry=r,
         )
+        self.backend_tokens = Counter(
+            "gateway_backend_generated_tokens",
+            "Completion tokens the backend generated for this replica's clients (its "
+            "answers' usage). Over the backends with a price (those with "
+            "gateway_backend_cost_total), summed over replicas, the denominator of the cost "
+            "per million tokens (README, Metrics)",
+            ["model", "backend"],
+            registry=r,
+        )
         self.backend_config_errors = Counter(
             "gateway_backend_config_errors",
             "Backend rejected the gateway's own credentials "
@@ -655,6 +678,14 @@ class GatewayMetrics:
             "Requests refused by admission control, by layer (entry/scheduler/resource/power/"
             "degraded) and priority",
             ["layer", "priority"],
+            registry=r,
+        )
+        self.priority_capped = Counter(
+            "gateway_priority_capped",
+            "Requests whose x-priority asked for more than their key was granted "
+            "(auth.client_keys[].max_priority, auth.anonymous_max_priority), served at the "
+            "bound; by key name ('anonymous' without a key), asked and granted priority",
+            ["key", "asked", "granted"],
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -913,8 +944,10 @@ class GatewayMetrics:
             "gateway_request_errors",
             "Client requests that ended in an error, by model ('' when refused before the "
             "model was known) and error_type (gateway.core.vocab.ErrorType): timeout, "
-            "upstream_5xx, connect, cut, in_band_error, rate_limited, admission_refused, "
-            "client_disconnect; a 4xx about the request itself is not counted",
+            "upstream_5xx, connect, no_backend, cut, in_band_error, rate_limited (the "
+            "client key's own limit only), upstream_rate_limited (a backend's own 429), "
+            "admission_refused, client_disconnect; a 4xx about the request itself is not "
+            "counted",
             ["model", "error_type"],
             registry=r,
         )
@@ -947,8 +980,10 @@ class GatewayMetrics:
         self.build_info.labels(**build_labels()).set(1)
         ProcessCollector(registry=r)  # process_* (Linux /proc)
         PlatformCollector(registry=r)  # python_info
-        # completion tokens per model over the cost window (gateway_cost_per_million_tokens)
+        # completion tokens of priced backends per model over the cost window
+        # (gateway_cost_per_million_tokens, one process's view)
         self.generated = TokenWindow()
+        self._backend_token_children: dict[tuple[str, str], Any] = {}
         # (model, backend) -> (TTFT child, ITL child's observe)
         self._stream_children: dict[tuple[str, str], tuple[Any, Callable[[float], None]]] = {}
         self._error_children: dict[tuple[str, str], Any] = {}
@@ -970,6 +1005,8 @@ class GatewayMetrics:
                 _remove_series(metric, "backend", backend_id)
         for key in [k for k in self._stream_children if k[1] == backend_id]:
             del self._stream_children[key]
+        for key in [k for k in self._backend_token_children if k[1] == backend_id]:
+            del self._backend_token_children[key]
 
     def forget_model(self, model: str) -> None:
         """Drop the autoscaling and cold-start series of ``model`` (no backend serves it
@@ -984,17 +1021,25 @@ class GatewayMetrics:
         ):
             _remove_series(metric, "model", model)
 
-    def attach_fleet(self, fleet: Iterable[BackendGauges]) -> None:
-        """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio."""
-        self.registry.register(FleetCollector(fleet, self))
+    def attach_fleet(
+        self, fleet: Iterable[BackendGauges], stale_after_s: float = math.inf
+    ) -> None:
+        """Export the per-backend gauges of ``fleet`` and the warm-pool hit ratio; scraped
+        values older than ``stale_after_s`` seconds are left out (:class:`FleetCollector`)."""
+        self.registry.register(FleetCollector(fleet, self, stale_after_s=stale_after_s))
 
     def attach_cost(
-        self, fleet: Iterable[CostSource], clock: Callable[[], float] = time.monotonic
+        self,
+        fleet: Iterable[CostSource],
+        clock: Callable[[], float] = time.monotonic,
+        replica_gauge: bool = True,
     ) -> None:
-        """Export ``gateway_backend_cost_total`` and ``gateway_cost_per_million_tokens`` of
-        ``fleet``'s priced backends (:class:`gateway.signals.CostCollector`; ``clock``:
+        """Export ``gateway_backend_cost_total``, ``gateway_model_cost_total`` and (with
+        ``replica_gauge``: one process, not fleet mode) ``gateway_cost_per_million_tokens``
+        of ``fleet``'s priced backends (:class:`gateway.signals.CostCollector`; ``clock``:
         the monotonic seconds its ``joined_at`` and :attr:`generated` are in)."""
-        self.registry.register(CostCollector(fleet, self.generated, clock))
+        self.registry.register(
+            CostCollector(fleet, self.generated, clock, per_million=replica_gauge))
 
     def stream_children(self, model: str, backend: str) -> tuple[Any, Callable[[float], None]]:
         """The ``gateway_ttft_seconds`` child and the ``gateway_itl_seconds`` child's
@@ -1018,10 +1063,20 @@ class GatewayMetrics:
             child = self._error_children[key] = self.request_errors.labels(model, error_type)
         child.inc()
 
-    def count_tokens(self, model: str, prompt: int, completion: int, now: float) -> None:
+    def count_tokens(
+        self,
+        model: str,
+        prompt: int,
+        completion: int,
+        now: float,
+        backend: str | None = None,
+        priced: bool = False,
+    ) -> None:
         """Count an answer's ``prompt`` and ``completion`` tokens in
-        ``gateway_tokens_total{model,kind}`` (cached children) and the completion tokens
-        in :attr:`generated` at ``now`` (monotonic seconds)."""
+        ``gateway_tokens_total{model,kind}`` (cached children), the completion tokens in
+        ``gateway_backend_generated_tokens_total{model,backend}`` (the backend that
+        generated them, when known) and, when that backend is ``priced``
+        (``gpu_hour_price`` set), in :attr:`generated` at ``now`` (monotonic seconds)."""
         children = self._token_children.get(model)
         if children is None:
             children = self._token_children[model] = (
@@ -1030,8 +1085,21 @@ class GatewayMetrics:
             )
         children[0].inc(prompt)
         children[1].inc(completion)
-        if completion:
+        if backend is not None:
+            self.backend_token_child(model, backend).inc(completion)
+        if completion and priced:
             self.generated.add(model, completion, now)
+
+    def backend_token_child(self, model: str, backend: str) -> Any:
+        """The ``gateway_backend_generated_tokens_total{model,backend}`` child, cached. The
+        fleet's collector asks for each backend's models at every scrape, so the series
+        is exported at 0 before the backend's first tokens: Prometheus's ``rate`` does
+        not count a series' first sample, which would otherwise hold its first answers."""
+        key = (model, backend)
+        child = self._backend_token_children.get(key)
+        if child is None:
+            child = self._backend_token_children[key] = self.backend_tokens.labels(*key)
+        return child
 
     def observe_gpus(self, backend: str, readings: Iterable[GpuReading]) -> None:
         """Set the per-GPU utilization and framebuffer gauges of ``backend`` from one GPU

@@ -122,13 +122,14 @@ def _validate(data: Any, source: str, running: GatewayConfig,
         cfg = with_server_overrides(config_from_mapping(data, source), **server_overrides)
         require_backends(cfg)
     except ConfigError as e:
-        raise InvalidConfig(str(e), first_field(str(e)) or _named(str(e))) from None
+        raise InvalidConfig(str(e), first_field(str(e)) or named_field(str(e))) from None
     return cfg
 
 
-def _named(message: str) -> str | None:
+def named_field(message: str) -> str | None:
     """A field named at the start of a one-line :class:`ConfigError` (``auth.admin_key_env:
-    ADMIN is not set``)."""
+    ADMIN is not set``, ``backends[c].api_key_env: ...``: :func:`gateway.config
+    .check_secrets`' form), or None."""
     head = message.split(":", 1)[0].strip()
     return head if _FIELD.match(head) and "." in head else None
 

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gateway.config_history import ConfigHistory, digest
 
 if TYPE_CHECKING:
     from gateway.fleet.controller import FleetController
@@ -50,6 +52,85 @@ log = logging.getLogger("gateway.config")
 
 KEPT_HOLDS = ("admin_drain", "preempted", "gpu_fault")
 """Holds a snapshot keeps (module docstring)."""
+
+
+class Running(Protocol):
+    """What :class:`KeptState` reads of the running gateway (:class:`gateway.wiring
+    .Gateway`)."""
+
+    controller: FleetController
+    rollouts: Rollouts | None
+
+
+class KeptState:
+    """The state kept with the running snapshot of ``history`` and taken up at a restart,
+    for :class:`gateway.reloading.Reloader` (module docstring); ``gw``: the running
+    gateway."""
+
+    def __init__(self, history: ConfigHistory, gw: Running) -> None:
+        self.history = history
+        self.gw = gw
+        self.carried_from: int | None = None  # the version whose kept state a start carried
+
+    def start(self, config: dict[str, Any], file_digest: str | None,
+              now: float) -> int | None:
+        """Record ``config`` (the running one, JSON) as a ``start`` snapshot (``now``: Unix
+        seconds) unless the last one kept is that config already (a restart resumed from
+        it, or the same file); a new one carries the last one's kept state
+        (:meth:`restore_at_start` names that version). Returns the running version (None:
+        the history cannot be written, logged)."""
+        last = self.history.last
+        if last is not None and last.digest == digest(config):
+            return last.version
+        try:
+            snap = self.history.record(config, "start", file_digest, {"changed": []}, now,
+                                       state=last.state if last else None)
+        except OSError as e:
+            log.error("config history: cannot write to %s: %s", self.history.dir, e)
+            return None
+        if last is not None and last.state:
+            self.carried_from = last.version
+        return snap.version
+
+    def restore_at_start(self, phase: str, fleet_mode: bool) -> None:
+        """A restart's return to the state kept with the last snapshot (the running config's
+        own, or the one before an edited file; :func:`restore`): ``phase`` ``backends``
+        (baselines and holds: before the first probe round; not in fleet mode, whose shared
+        store keeps them) or ``rollouts`` (once the config's rollouts have been started).
+        Never raises."""
+        last = self.history.last
+        if last is None or not last.state:
+            return
+        gw = self.gw
+        kept = (f"kept with version {self.carried_from}, carried to version "
+                f"{last.version} (this start)" if self.carried_from is not None
+                else f"kept with version {last.version}")
+        try:
+            if phase == "backends":
+                if fleet_mode:
+                    return
+                done = restore(gw.controller, None, last.state, at_start=True)
+            else:
+                done = restore(None, gw.rollouts, last.state, at_start=True)
+        except Exception as e:  # a damaged kept state never stops a start
+            log.warning("config: the state %s not restored (%s): %s: %s", kept, phase,
+                        type(e).__name__, e)
+            return
+        if done:
+            log.info("config: restored the state %s: %s", kept, ", ".join(done))
+
+    def checkpoint(self) -> None:
+        """Keep the running state with the running snapshot (written only when it changed;
+        the ``config_checkpoint`` loop, a config change, the gateway's stop). Never
+        raises: a state directory that cannot be written is logged."""
+        last = self.history.last
+        if last is None:
+            return
+        try:
+            self.history.keep_state(last.version, capture(self.gw.controller,
+                                                          self.gw.rollouts))
+        except OSError as e:
+            log.error("config history: cannot write to %s: %s", self.history.dir, e)
 
 
 def capture(controller: FleetController, rollouts: Rollouts | None) -> dict[str, Any]:

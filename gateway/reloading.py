@@ -24,10 +24,11 @@ One :class:`Reloader` per app. :meth:`Reloader.apply` is the one way in:
 
 Applies run one at a time (a lock): two admin calls never interleave.
 
-**Fleet mode** (:meth:`Reloader.join_fleet`; the rules: :mod:`gateway.coord.config_sync`): a
-change is published to the shared store between steps 2 and 3 (:class:`ReloadUnpublished`
-when it does not answer), and :meth:`Reloader.adopt_fleet` runs the others' (source
-``fleet``); ``rollback`` and ``GET /admin/config/history`` use the store's kept configs.
+**Fleet mode** (:meth:`Reloader.join_fleet`, :mod:`gateway.reload_fleet`; the rules:
+:mod:`gateway.coord.config_sync`): a change is published to the shared store between steps
+2 and 3 (:class:`ReloadUnpublished` when it does not answer), and the others' are applied
+here as source ``fleet`` (:meth:`gateway.reload_fleet.FleetReload.adopt`); ``rollback`` and
+``GET /admin/config/history`` use the store's kept configs.
 """
 
 from __future__ import annotations
@@ -40,25 +41,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.config import (
-    ConfigError,
-    GatewayConfig,
-    check_secrets,
-    config_from_mapping,
-)
+from gateway.config import ConfigError, GatewayConfig, check_secrets, config_from_mapping
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
 from gateway.config_rollouts import version_problem
-from gateway.coord.config_sync import FleetConfig, file_differs, shared_digest, with_local
-from gateway.coord.link import CoordinationUnavailable
+from gateway.reload_errors import ReloadConflict, ReloadRefused, ReloadUnpublished
 from gateway.reload_input import (
     InvalidConfig,
+    first_field,
+    named_field,
     read_config,
     read_view,
     source_digest,
     text_digest,
 )
-from gateway.reload_state import capture, restore
+from gateway.reload_state import KeptState, capture, restore
 from gateway.routing.policy import LoadThermalPolicy
 
 if TYPE_CHECKING:
@@ -67,6 +64,7 @@ if TYPE_CHECKING:
     from gateway.flow.batching import BatchDispatcher
     from gateway.flow.rollouts import Rollouts
     from gateway.metrics import GatewayMetrics
+    from gateway.reload_fleet import FleetReload
     from gateway.routing.policies import Policy
 
 log = logging.getLogger("gateway.config")
@@ -84,27 +82,6 @@ class Reloadable(Protocol):
     rollouts: Rollouts | None
 
     def reconfigure_auth(self, new: GatewayConfig) -> None: ...
-
-
-class ReloadRefused(Exception):
-    """A new config that is not applied: invalid (``problem``), or with fields that cannot
-    change live (``plan.refused``). Nothing changed."""
-
-    def __init__(self, problem: str, plan: ReloadPlan | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.plan = plan
-        self.param = param
-
-
-class ReloadConflict(ReloadRefused):
-    """``GET /admin/config``'s view posted back with a ``version`` that is not the running
-    one: the change was made on an outdated view (``POST /admin/config``'s 409)."""
-
-
-class ReloadUnpublished(ReloadRefused):
-    """Fleet mode: the shared store did not take the change (``problem``): applied nowhere."""
 
 
 @dataclass
@@ -144,68 +121,27 @@ class Reloader:
         self._lock = asyncio.Lock()
         self._watched = text_digest(path)  # the watch's: the file's text
         self._settling: str | None = None  # a changed text waiting one round to settle
-        self.fleet: FleetConfig | None = None  # fleet mode: join_fleet
+        self.fleet: FleetReload | None = None  # fleet mode: join_fleet
         self._unpublished: str | None = None  # the file digest the store did not take
-        self._state_of: int | None = None  # the version whose kept state a start carried
+        self.kept_state = KeptState(history, gw)  # the state kept with the snapshots
 
     def start(self) -> None:
         """Record the running config as a ``start`` snapshot unless the last one kept is
-        that config already (a restart resumed from it, or the same file); a new one carries
-        the last one's kept state (:meth:`restore_at_start` names that version)."""
-        data = self.gw.cfg.model_dump(mode="json")
-        last = self.history.last
-        if last is not None and last.digest == digest(data):
-            self._set_version(last.version)
-            return
-        try:
-            snap = self.history.record(data, "start", self.file_digest, {"changed": []},
-                                       self.wall(), state=last.state if last else None)
-        except OSError as e:
-            log.error("config history: cannot write to %s: %s", self.history.dir, e)
-            return
-        if last is not None and last.state:
-            self._state_of = last.version
-        self._set_version(snap.version)
+        that config already (:meth:`gateway.reload_state.KeptState.start`)."""
+        version = self.kept_state.start(self.gw.cfg.model_dump(mode="json"),
+                                        self.file_digest, self.wall())
+        if version is not None:
+            self._set_version(version)
 
     def restore_at_start(self, phase: str) -> None:
-        """A restart's return to the state kept with the last snapshot (the running config's
-        own, or the one before an edited file; :func:`gateway.reload_state.restore`):
-        ``phase`` ``backends`` (baselines and holds: before the first probe round; not in
-        fleet mode, whose shared store keeps them) or ``rollouts`` (once the config's
-        rollouts have been started). Never raises."""
-        last = self.history.last
-        if last is None or not last.state:
-            return
-        gw = self.gw
-        kept = (f"kept with version {self._state_of}, carried to version {last.version} "
-                "(this start)" if self._state_of is not None
-                else f"kept with version {last.version}")
-        try:
-            if phase == "backends":
-                if self.fleet is not None:
-                    return
-                done = restore(gw.controller, None, last.state, at_start=True)
-            else:
-                done = restore(None, gw.rollouts, last.state, at_start=True)
-        except Exception as e:  # a damaged kept state never stops a start
-            log.warning("config: the state %s not restored (%s): %s: %s", kept, phase,
-                        type(e).__name__, e)
-            return
-        if done:
-            log.info("config: restored the state %s: %s", kept, ", ".join(done))
+        """A restart's return to the kept state (:meth:`gateway.reload_state.KeptState
+        .restore_at_start`; ``phase`` ``backends`` or ``rollouts``). Never raises."""
+        self.kept_state.restore_at_start(phase, fleet_mode=self.fleet is not None)
 
     def checkpoint(self) -> None:
-        """Keep the running state with the running snapshot (written only when it changed;
-        the ``config_checkpoint`` loop, a config change, the gateway's stop). Never
-        raises: a state directory that cannot be written is logged."""
-        last = self.history.last
-        if last is None:
-            return
-        try:
-            self.history.keep_state(last.version, capture(self.gw.controller,
-                                                          self.gw.rollouts))
-        except OSError as e:
-            log.error("config history: cannot write to %s: %s", self.history.dir, e)
+        """Keep the running state with the running snapshot (:meth:`gateway.reload_state
+        .KeptState.checkpoint`). Never raises."""
+        self.kept_state.checkpoint()
 
     def _set_version(self, version: int) -> None:
         self.gw.metrics.config_version.set(version)
@@ -216,18 +152,23 @@ class Reloader:
         last = self.history.last
         return last.version if last is not None else 0
 
-    def join_fleet(self, fleet: FleetConfig) -> None:
-        """Fleet mode: publish every change to ``fleet`` and apply the fleet's
-        (:meth:`adopt_fleet`) in its sync round (module docstring)."""
+    def join_fleet(self, fleet: FleetReload) -> None:
+        """Fleet mode: publish every change through ``fleet``, which applies the fleet's
+        here (module docstring)."""
         self.fleet = fleet
-        fleet.bind(self.adopt_fleet, lambda: (self.gw.cfg.model_dump(mode="json"),
-                                              self.version))
-        self._ran()
 
-    def _ran(self, refused: str | None = None, file_differs: bool | None = None) -> None:
-        if self.fleet is not None:
-            self.fleet.ran(self.version, {b.id: str(b.url) for b in self.gw.cfg.backends},
-                           refused, file_differs)
+    def number_as(self, version: int) -> None:
+        """Fleet mode: record the running config again under the fleet's ``version`` (the
+        fleet's config, which runs here already: numbered alike), unless it has that
+        number. A state directory that cannot be written is logged."""
+        if self.version == version:
+            return
+        try:
+            self.history.record(self.gw.cfg.model_dump(mode="json"), "fleet",
+                                self.file_digest, {"changed": []}, self.wall(), version)
+            self._set_version(version)
+        except OSError as e:
+            log.error("config history: cannot write to %s: %s", self.history.dir, e)
 
     async def apply(self, new: GatewayConfig, source: str, from_file: str | None = None,
                     version: int | None = None, seen: int | None = None) -> ReloadResult:
@@ -255,6 +196,21 @@ class Reloader:
             self.gw.metrics.config_reloads.labels(source, outcome).inc()
             return result
 
+    def _reread_secrets(self, new: GatewayConfig) -> None:
+        """Every reload reads the secrets from files and the environment again, whether or
+        not the config changed (issue 20: a rotated Kubernetes or Docker secret is taken
+        up by SIGHUP, ``reload.watch`` or ``POST /admin/config``): the client and admin
+        keys and each backend's key. Raises :class:`ReloadRefused` naming the field when
+        one cannot be read (nothing changed then)."""
+        gw = self.gw
+        try:
+            check_secrets(new, discovery_credentials=False)
+        except ConfigError as e:
+            raise ReloadRefused(str(e), plan_reload(gw.cfg, new)) from None
+        gw.reconfigure_auth(new)
+        for b in gw.controller.fleet.backends:
+            b.refresh_key()
+
     async def _apply(self, new: GatewayConfig, source: str, from_file: str | None,
                      version: int | None) -> ReloadResult:
         gw = self.gw
@@ -264,7 +220,9 @@ class Reloader:
                 "these fields cannot change while the gateway runs: "
                 + "; ".join(str(r) for r in plan.refused), plan, plan.refused[0].path)
         if plan.empty:
-            log.info("config (%s): no change", source)
+            self._reread_secrets(new)
+            log.info("config (%s): no change (secrets from files and the environment read "
+                     "again)", source)
             return ReloadResult(plan, None)
         if plan.touches("backends") and gw.rollouts is not None:
             for run in gw.rollouts.runs.values():  # a running rollout keeps both versions
@@ -287,28 +245,20 @@ class Reloader:
                     "the new server another id", plan, f"backends[{i}].url")
         try:
             check_secrets(new, discovery_credentials=False)
-        except ConfigError as e:
-            raise ReloadRefused(str(e), plan) from None
+        except ConfigError as e:  # an unset key_env: the field that names it
+            raise ReloadRefused(str(e), plan, named_field(str(e))) from None
         data = new.model_dump(mode="json")
         if self.fleet is not None and version is None:  # fleet mode: the store first
-            try:
-                published = await self.fleet.publish(data, source, plan.summary(),
-                                                     self.version)
-            except CoordinationUnavailable as e:
-                raise ReloadUnpublished(
-                    f"{e}: in fleet mode a config change goes through the shared store so "
-                    "that every replica applies it; nothing changed on any replica", plan
-                ) from None
-            version = published.version
+            version = await self.fleet.publish(data, source, plan)
         self.checkpoint()  # the state of the config left, for a rollback to it
         try:
             snap = self.history.record(data, source, from_file, plan.summary(), self.wall(),
                                        version, capture(gw.controller, gw.rollouts))
         except OSError as e:
             if self.fleet is not None:  # published: the sync round tries it again
-                self.fleet.seen = None
+                self.fleet.not_applied()
             raise ReloadRefused(f"the config history cannot be written to "
-                                f"{self.history.dir}: {e}", plan) from None
+                                f"{self.history.dir}: {e}", plan, "reload.state_dir") from None
         added: list[str] = []
         leaving: list[str] = []
         if plan.touches("backends"):
@@ -328,8 +278,10 @@ class Reloader:
         if plan.touches("rollouts") and gw.rollouts is not None:
             gw.rollouts.sync(new.rollouts, snap.version)  # started / stopped
         gw.cfg = new
+        self._reread_secrets(new)
         self._set_version(snap.version)
-        self._ran()
+        if self.fleet is not None:
+            self.fleet.ran()
         log.info("config (%s): version %d applied: %d field(s) changed; backends added %s, "
                  "draining %s, changed %s", source, snap.version, len(plan.changed),
                  added or "none", leaving or "none", plan.changed_backends or "none")
@@ -382,7 +334,8 @@ class Reloader:
         snaps = await self.kept()
         if version is None:
             if len(snaps) < 2:
-                raise ReloadRefused("no earlier config is kept to roll back to")
+                raise ReloadRefused("no earlier config is kept to roll back to",
+                                    param="version")
             target = snaps[-2]
         else:
             found = next((s for s in snaps if s.version == version), None)
@@ -393,12 +346,12 @@ class Reloader:
             target = found
         config = target.config
         if self.fleet is not None:  # this replica's own server, coordination, reload
-            config = with_local(config, self.gw.cfg.model_dump(mode="json"))
+            config = self.fleet.local(config)
         try:
             new = config_from_mapping(config, f"config version {target.version}")
         except ConfigError as e:
             self.gw.metrics.config_reloads.labels("rollback", "invalid").inc()
-            raise ReloadRefused(str(e)) from None
+            raise ReloadRefused(str(e), param=first_field(str(e))) from None
         own = self.history.get(target.version)  # fleet mode: this replica's own copy
         state = own.state if own is not None and own.state else target.state
         result = await self.apply(new, "rollback")  # (may drop the oldest kept: target)
@@ -415,47 +368,7 @@ class Reloader:
         while it does not answer)."""
         if self.fleet is None:
             return list(self.history.snapshots)
-        try:
-            return await self.fleet.history()
-        except CoordinationUnavailable as e:
-            raise ReloadUnpublished(f"{e}: the fleet's kept configs cannot be read") from None
-
-    async def adopt_fleet(self, snap: Snapshot) -> None:
-        """Run the fleet's config ``snap`` here (the sync round of
-        :mod:`gateway.coord.config_sync`, whose ``LOCAL_FIELDS`` stay this replica's):
-        applied as source ``fleet`` under the fleet's version, or only recorded under it
-        when it runs here already. Refused (a field that cannot change live, an unset
-        ``key_env``): the running config stays, the refusal is logged and published in the
-        heartbeat (``config_refused``). Never raises."""
-        running = self.gw.cfg.model_dump(mode="json")
-        differs = file_differs(self.path, snap.digest)
-        if differs:
-            log.warning("config: the config file %s is not the fleet's current config "
-                        "(version %d); running the fleet's. To make the file the fleet's "
-                        "config, send SIGHUP to one replica (or POST it to /admin/config)",
-                        self.path, snap.version)
-        if shared_digest(running) == snap.digest:  # runs here already: numbered alike
-            if self.version != snap.version:
-                try:
-                    self.history.record(running, "fleet", self.file_digest, {"changed": []},
-                                        self.wall(), snap.version)
-                    self._set_version(snap.version)
-                except OSError as e:
-                    log.error("config history: cannot write to %s: %s", self.history.dir, e)
-            self._ran(file_differs=differs)
-            return
-        try:
-            new = config_from_mapping(with_local(snap.config, running),
-                                      f"the fleet's config version {snap.version}")
-            await self.apply(new, "fleet", version=snap.version)
-        except (ReloadRefused, ConfigError) as e:
-            problem = e.problem if isinstance(e, ReloadRefused) else str(e)
-            log.error("config (fleet): the fleet's config version %d not applied on this "
-                      "replica (it keeps running version %d): %s", snap.version,
-                      self.version, problem)
-            self._ran(refused=f"version {snap.version}: {problem}", file_differs=differs)
-            return
-        self._ran(file_differs=differs)
+        return await self.fleet.kept()
 
     async def watch_round(self) -> None:
         """The file watch's body: reload when the file's content changed since it was last

@@ -29,6 +29,7 @@ from gateway.core.vocab import Cut
 from gateway.core.wording import plural
 from gateway.embedded import EmbeddedServer
 from gateway.logs import uvicorn_log_config
+from gateway.proxy.bad_http import openai_400_protocol
 from gateway.proxy.client_writes import write_timeout_protocol
 from gateway.wiring import Gateway
 
@@ -37,7 +38,8 @@ log = logging.getLogger("gateway.serving")
 
 def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
     """uvicorn settings for the gateway: no server header, no access log unless asked, a
-    write timeout toward clients (``server.client_write_timeout_s``), uvicorn's log lines
+    write timeout toward clients (``server.client_write_timeout_s``), an OpenAI-shaped 400
+    for a request it cannot parse (:mod:`gateway.proxy.bad_http`), uvicorn's log lines
     in ``server.log_format`` (:func:`gateway.logs.uvicorn_log_config`)."""
     s = cfg.server
     routed = uvicorn_log_config(s.log_format)
@@ -51,7 +53,7 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
         lifespan="on",
         timeout_graceful_shutdown=5,
         timeout_keep_alive=math.ceil(s.keep_alive_s),
-        http=write_timeout_protocol(s.client_write_timeout_s),
+        http=write_timeout_protocol(s.client_write_timeout_s, openai_400_protocol()),
         log_config=LOGGING_CONFIG if routed is None else routed,
     )
 
@@ -133,7 +135,7 @@ def run(main: Callable[[], Coroutine[Any, Any, None]], cfg: GatewayConfig) -> No
 
 async def _reload_file(gw: Gateway) -> None:
     """``SIGHUP``'s reload of the config file, logged (applied or why not)."""
-    from gateway.reloading import ReloadRefused
+    from gateway.reload_errors import ReloadRefused
 
     assert gw.reloader is not None
     try:

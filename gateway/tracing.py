@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -44,12 +45,59 @@ _T = TypeVar("_T")
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 
+EXPORT_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",  # each failed export, retry
+    "opentelemetry.sdk._shared_internal",  # the batch processor: export raised, queue full
+)
+"""The OpenTelemetry loggers that write a line per export while the collector is down."""
+
+
+class OncePerInterval(logging.Filter):
+    """Lets one record through per ``interval_s`` seconds (default 60; ``clock``:
+    monotonic seconds) and drops the others, counting them: the next line let through
+    says how many were not shown. On the OTLP exporter's loggers (:data:`EXPORT_LOGGERS`),
+    a collector that is down costs one line a minute instead of one per export and retry.
+    """
+
+    def __init__(self, interval_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: float | None = None
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            record.msg = (f"{record.getMessage()} ({self.suppressed} similar lines in the "
+                          f"last {now - (self._last or 0.0):.0f} s not shown)")
+            record.args = ()
+            self.suppressed = 0
+        self._last = now
+        return True
+
+
+def quiet_export_logs(interval_s: float = 60.0) -> None:
+    """Put one :class:`OncePerInterval` on each of :data:`EXPORT_LOGGERS` (once per
+    process: a second call changes nothing)."""
+    for name in EXPORT_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, OncePerInterval) for f in logger.filters):
+            logger.addFilter(OncePerInterval(interval_s))
+
+
 def configure(cfg: OtelConfig, exporter: SpanExporter | None = None) -> bool:
     """Turn tracing on for this process when ``cfg`` (``server.otel``) or the
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` environment
     names a collector (or ``exporter`` is given): an SDK ``TracerProvider`` (resource
     ``service.name``, sampler ``ParentBased(TraceIdRatioBased(sample_ratio))``) exporting
-    through a ``BatchSpanProcessor`` to OTLP/HTTP (``endpoint`` + ``/v1/traces``). Returns
+    through a ``BatchSpanProcessor`` to OTLP/HTTP (``endpoint`` + ``/v1/traces``), its
+    failure lines at most one a minute (:func:`quiet_export_logs`); ``service.version``
+    is the installed package's (:func:`gateway.signals.gateway_version`). Returns
     whether tracing is on; logs a warning and stays off when the SDK or the OTLP exporter
     is not installed."""
     env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
@@ -74,8 +122,12 @@ def configure(cfg: OtelConfig, exporter: SpanExporter | None = None) -> bool:
         log.warning("tracing is configured but %s is not installed: no spans "
                     "(pip install 'llm-gateway[otel]')", e.name)
         return False
+    from gateway.signals import gateway_version
+
+    quiet_export_logs()
     provider = TracerProvider(
-        resource=Resource.create({"service.name": cfg.service_name}),
+        resource=Resource.create({"service.name": cfg.service_name,
+                                  "service.version": gateway_version()}),
         sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
     )
     provider.add_span_processor(BatchSpanProcessor(exporter))

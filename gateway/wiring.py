@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config import ClientKey, GatewayConfig
+from gateway.config import ClientKey, ConfigError, GatewayConfig
 from gateway.coord.affinity import SharedResponses
 from gateway.coord.autoscale import SharedAutoscale
 from gateway.coord.capacity import CapacityShares
@@ -24,6 +24,7 @@ from gateway.coord.coordination import Coordination
 from gateway.coord.notices import SharedNotices
 from gateway.coord.protection import SharedProtection
 from gateway.coord.quota import GlobalQuotas
+from gateway.core.keys import key_table
 from gateway.core.readiness import Readiness
 from gateway.fleet.backend import Backend
 from gateway.fleet.controller import FleetController
@@ -65,7 +66,7 @@ class Gateway:
     accounting: Accounting
     gate: AdmissionGate
     responses: ResponseRouting  # which backend holds each Responses API response
-    client_keys: dict[str, ClientKey]
+    client_keys: dict[bytes, ClientKey]  # by the key's SHA-256 (gateway.core.keys)
     admin_key: str | None
     # spot interruption notices: counted, the zone's score, preemption (gateway.fleet.spot)
     spot: SpotNotices
@@ -108,7 +109,7 @@ class Gateway:
         key removed, or whose ``rpm`` / ``tpm`` changed, loses its buckets (new ones at the
         new limits). Raises ``ConfigError`` for an unset ``key_env`` before changing
         anything."""
-        keys = {k.resolve(): k for k in new.auth.client_keys}
+        keys = client_key_table(new)
         admin = new.auth.resolved_admin_key()
         after = {k.name: (k.rpm, k.tpm) for k in new.auth.client_keys}
         for k in self.cfg.auth.client_keys:
@@ -125,6 +126,16 @@ class Gateway:
         return RequestLease(self.controller)
 
 
+def client_key_table(cfg: GatewayConfig) -> dict[bytes, ClientKey]:
+    """``cfg``'s client keys by the SHA-256 digest of their secret (a presented key is
+    looked up by its digest: :mod:`gateway.core.keys`). Raises ``ConfigError`` for a key
+    that cannot be resolved or two keys with the same secret."""
+    try:
+        return key_table((k.resolve(), k) for k in cfg.auth.client_keys)
+    except ValueError as e:
+        raise ConfigError(f"auth.client_keys: {e}") from None
+
+
 def build_gateway(
     cfg: GatewayConfig,
     transport: Transport | None = None,
@@ -137,8 +148,9 @@ def build_gateway(
     clock = time.monotonic
     fleet = Fleet.from_config(cfg, clock)
     metrics = GatewayMetrics()
-    metrics.attach_fleet(fleet)
-    metrics.attach_cost(fleet, clock)
+    metrics.attach_fleet(fleet, cfg.telemetry.stale_after_s)  # a dead backend's go stale
+    # fleet mode: a replica cannot know the fleet's tokens: the ratio is the dashboard's
+    metrics.attach_cost(fleet, clock, replica_gauge=not cfg.coordination.enabled)
     controller = FleetController(cfg, fleet, metrics, clock=clock)
     coord = Coordination(cfg, metrics) if cfg.coordination.enabled else None
     if coord is not None:
@@ -192,7 +204,7 @@ def build_gateway(
     pipeline = Pipeline(
         cfg, fleet, router, transport, controller, accounting, clock, wall=controller.wall
     )
-    keys = {k.resolve(): k for k in cfg.auth.client_keys}
+    keys = client_key_table(cfg)
     responses = ResponseRouting(
         ResponseOwners(cfg.routing.responses_ttl_s, cfg.routing.responses_max_entries, clock),
         fleet,

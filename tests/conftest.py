@@ -6,10 +6,23 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.realvllm.servers import launch_early, stop_early
 from tests.support.scripted import ScriptedBackend
 from tests.support.servers import GatewayThread, gateway_config
+
+# Property-based tests (hypothesis; the fuzz tests of tests/fuzz/, issue 20): a fixed seed
+# (derandomize: the examples are a function of the test alone, the same on every run) and a
+# bounded count. Each test asks for its share of ``max_examples`` (tests/fuzz/budget.py), so
+# the profile scales them all: ``ci`` (default: a few hundred cases in all, about 20 s on two
+# cores) and ``long`` (10 times as many, for benchmarks: ``--hypothesis-profile=long``).
+_FUZZ = {"derandomize": True, "database": None, "deadline": None, "print_blob": True,
+         "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large,
+                                   HealthCheck.filter_too_much]}
+settings.register_profile("ci", max_examples=100, **_FUZZ)
+settings.register_profile("long", max_examples=1000, **_FUZZ)
+settings.load_profile("ci")  # hypothesis' plugin loads --hypothesis-profile after this
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,6 +1,7 @@
 """Admin surface (``/admin/...``): what the gateway knows about each backend.
 
-Guarded by ``auth.admin_key`` when configured (``Authorization: Bearer <key>``).
+Guarded like every path under ``/admin`` (:mod:`gateway.api.access`): the admin key when one
+is configured (``Authorization: Bearer <key>``), else loopback clients only.
 
 In fleet mode (``coordination.redis_url``) the writes (drain, undrain, preempt) are written to
 the shared store and applied by every replica (:mod:`gateway.coord.operator`; the answer's
@@ -13,7 +14,6 @@ on one replica only is what fleet mode exists to prevent. Reads keep working.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 from typing import TYPE_CHECKING, Any
@@ -32,14 +32,10 @@ if TYPE_CHECKING:
 
 
 def _gateway(request: Request) -> Gateway:
+    """The app's gateway. Who may call an admin route was decided before the route ran
+    (:func:`gateway.api.access.admin_refusal`, applied by :class:`gateway.app.GatewayApp`
+    to every path under ``/admin``)."""
     gw: Gateway = request.app.state.gateway
-    if gw.admin_key is not None:
-        auth = request.headers.get("authorization", "")
-        token = auth.partition(" ")[2].strip()
-        if not hmac.compare_digest(token.encode(), gw.admin_key.encode()):
-            raise Refusal(
-                401, "Admin API: missing or wrong admin key.", code="invalid_api_key"
-            )
     return gw
 
 

@@ -13,7 +13,9 @@
   the posted view's ``version`` is not the running one (the change was made on an outdated
   view: read it again); the running config untouched;
 * ``GET /admin/config/history``: the kept configs, newest first (version, when, how, digest,
-  what changed; ``?config=true`` adds each config, redacted);
+  what changed; ``?config=true`` adds each config, redacted), and ``damaged``: the files of
+  the state directory that were not snapshots, moved aside as ``*.damaged`` (file, problem;
+  :class:`gateway.config_history.ConfigHistory`);
 * ``POST /admin/config/rollback``: ``{"version": N}`` (or no body: the one before the
   running one) applied again as a new version (``source: rollback``).
 
@@ -36,7 +38,8 @@ from starlette.responses import JSONResponse
 from gateway.api.admin import _gateway, _store_down
 from gateway.api.errors import Refusal
 from gateway.config_history import redact
-from gateway.reloading import ReloadConflict, Reloader, ReloadRefused, ReloadUnpublished
+from gateway.reload_errors import ReloadConflict, ReloadRefused, ReloadUnpublished
+from gateway.reloading import Reloader
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -109,6 +112,7 @@ async def get_history(request: Request) -> JSONResponse:
         "fleet": reloader.fleet is not None,
         "from": source,
         "data": [s.view(with_config) for s in reversed(snaps)],
+        "damaged": history.damaged_view(),
     })
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from gateway import logs, tracing
 from gateway.api import models
@@ -48,6 +48,7 @@ from gateway.api.parsing import (
 )
 from gateway.core.outcomes import BackendAnswer, refusal_error_type, status_error_type
 from gateway.core.vocab import Cut, ErrorType
+from gateway.core.wire_json import utf8_json
 from gateway.flow.context import (
     NOTHING_GENERATED,
     Answer,
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from gateway.wiring import Gateway
 
 log = logging.getLogger("gateway.api")
+access_log = logging.getLogger("uvicorn.access")  # the request lines (server.access_log)
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -100,6 +102,31 @@ def log_refusal(e: Refusal, endpoint: str, request_id: str, method: str = "POST"
         e.message,
         request_id,
     )
+
+
+class HungUp(Response):
+    """The answer to a request whose client hung up before any byte of the answer: status
+    499 (nginx's "client closed request", the status ``gateway_requests_total`` counts it
+    under). Nothing reaches the client, and uvicorn neither writes nor logs an answer to a
+    closed connection, so the request's line (``server.access_log``) is logged here, on
+    uvicorn's access logger in its own form (client address, method, path with query,
+    HTTP version, status; with the request id and backend as fields in JSON lines,
+    :mod:`gateway.logs`), like every other request's."""
+
+    def __init__(self) -> None:
+        super().__init__(status_code=499)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(
+                '%s - "%s %s HTTP/%s" %d',
+                get_client_addr(scope),  # type: ignore[arg-type]  # an HTTP scope
+                scope["method"],
+                get_path_with_query_string(scope),  # type: ignore[arg-type]
+                scope.get("http_version", "1.1"),
+                self.status_code,
+            )
+        await super().__call__(scope, receive, send)
 
 
 def answered(
@@ -201,7 +228,7 @@ async def model_response(
     except ClientGone:
         metrics.client_disconnects.labels(endpoint).inc()
         answered(metrics, endpoint, "", 499, started)
-        return Response(status_code=499)
+        return HungUp()
     except UploadCut:
         answered(metrics, endpoint, "", 503, started, error=ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)
@@ -211,7 +238,7 @@ async def model_response(
     cut = CutHandle()
     watch = ClientWatch(receive, cut)
     gate = gw.gate
-    prio = gate.priority(prio_value, key)
+    prio = gate.priority(prio_value, key, gw.cfg.auth.anonymous_max_priority)
     if gw.forecasts is not None:
         gw.forecasts.arrive(model, prio)
     seqs = engine_requests(endpoint, payload)  # prompts x n (embeddings: inputs)
@@ -223,7 +250,7 @@ async def model_response(
         upstream=UpstreamRequest(
             scope["method"],
             endpoint + ("?" + query.decode("latin-1") if query else ""),
-            forward_headers(scope["headers"], idh, rid, stream),
+            forward_headers(scope["headers"], idh, rid, stream, private=(priority_key,)),
             body,
             stream,
         ),
@@ -290,7 +317,7 @@ async def model_response(
             endpoint, stream, up.body, up.headers, cfg.proxy.max_continuations
         )
         if resumable is not None:  # token ids asked for
-            up.body = json.dumps(resumable.body, ensure_ascii=False).encode()
+            up.body = utf8_json(resumable.body)
         opened = await gw.pipeline.open(ctx, bound)
         if endpoint == RESPONSES:
             gw.responses.learn(opened, model)
@@ -318,7 +345,7 @@ async def model_response(
         if ctx.cut.absorb() == Cut.CLIENT_GONE:
             metrics.client_disconnects.labels(endpoint).inc()
             answered(metrics, endpoint, model, 499, started, version_label(None, ctx.version))
-            return Response(status_code=499)
+            return HungUp()
         answered(metrics, endpoint, model, 503, started, version_label(None, ctx.version),
                  ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)

@@ -77,10 +77,12 @@ async def ready(request: Request) -> Response:
 async def ready_fleet(request: Request) -> Response:
     """The fleet as this gateway sees it, for dashboards and scripts (not a probe).
 
-    200 when at least one backend is routable (warm), else 503; the body: ``status``
-    (``routable`` | ``no_routable_backend``), ``routable`` (backend ids, config order),
-    ``backends`` (how many), ``states`` (backends per state) and ``models`` (per model id:
-    ``backends`` serving it, ``routable`` of them). Read from memory."""
+    200 when at least one backend is routable (warm, its circuit breaker not open), else
+    503; the body: ``status`` (``routable`` | ``no_routable_backend``), ``routable``
+    (backend ids, config order), ``backends`` (how many), ``states`` (backends per serving
+    state: the lifecycle state, or ``breaker_open`` for a warm one with its breaker open,
+    :func:`gateway.core.vocab.serving_state`) and ``models`` (per model id: ``backends``
+    serving it, ``routable`` of them). Read from memory."""
     gw = _gateway(request)
     backends = gw.fleet.backends
     routable = [b.id for b in backends if b.routable]
@@ -94,7 +96,7 @@ async def ready_fleet(request: Request) -> Response:
         "status": "routable" if routable else "no_routable_backend",
         "routable": routable,
         "backends": len(backends),
-        "states": dict(Counter(b.state.value for b in backends)),
+        "states": dict(Counter(b.serving_state for b in backends)),
         "models": models,
     }
     return JSONResponse(body, status_code=200 if routable else 503)

@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.api.errors import INVALID_REQUEST, SERVER_ERROR, Refusal
 from gateway.config import ClientKey
+from gateway.core.keys import key_digest
 from gateway.flow.candidates import recovery_s
+from gateway.flow.merging import MAX_SEQUENCES
+from gateway.traffic.admission import as_count
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway
@@ -152,7 +155,9 @@ def parse_object(body: bytes) -> dict[str, Any]:
 
 def check_payload(payload: dict[str, Any], endpoint: str) -> str:
     """The request's model; raises 400 for a missing or non-string ``model``, a missing
-    field the endpoint requires, or a non-boolean ``stream``."""
+    field the endpoint requires, a non-boolean ``stream``, or an ``n`` / ``best_of`` (read
+    as vLLM reads an integer: :func:`gateway.traffic.admission.as_count`) above
+    :data:`gateway.flow.merging.MAX_SEQUENCES` (65536 sequences)."""
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise Refusal(
@@ -172,6 +177,18 @@ def check_payload(payload: dict[str, Any], endpoint: str) -> str:
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise Refusal(400, "'stream' must be a boolean.", code="invalid_type", param="stream")
+    for name in ("n", "best_of"):
+        # vLLM has no bound: it makes one sequence per choice, and n=1e30 held a server's
+        # event loop for good (found by the fuzz tests, issue 20)
+        count = as_count(payload.get(name))
+        if count is not None and count > MAX_SEQUENCES:
+            raise Refusal(
+                400,
+                f"'{name}' must be at most {MAX_SEQUENCES} (the sequences one request may "
+                "make).",
+                code="invalid_value",
+                param=name,
+            )
     return model
 
 
@@ -236,7 +253,9 @@ def check_client_key(gw: Gateway, authorization: bytes | None) -> ClientKey | No
         return None
     auth = authorization.decode("latin-1") if authorization else ""
     scheme, _, token = auth.partition(" ")
-    key = gw.client_keys.get(token.strip()) if scheme.lower() == "bearer" else None
+    # by the token's digest, not the token: no timing side channel (gateway.core.keys)
+    presented = key_digest(token.strip().encode("latin-1"))
+    key = gw.client_keys.get(presented) if scheme.lower() == "bearer" else None
     if key is None:
         raise Refusal(
             401,

@@ -47,6 +47,7 @@ from urllib.parse import parse_qs, quote, unquote
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from gateway import logs
 from gateway.api.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
@@ -57,6 +58,7 @@ from gateway.api.errors import (
 )
 from gateway.api.forms import TRUE_WORDS
 from gateway.api.openai import (
+    HungUp,
     Receive,
     Scope,
     Send,
@@ -73,8 +75,8 @@ from gateway.api.parsing import (
     read_body_counted,
     sane_request_id,
 )
-from gateway.core.outcomes import BackendAnswer
-from gateway.core.vocab import Cut
+from gateway.core.outcomes import BackendAnswer, refusal_error_type
+from gateway.core.vocab import Cut, ErrorType
 from gateway.flow.candidates import recovery_s
 from gateway.flow.context import Answer, RequestContext, version_label
 from gateway.flow.lease import RequestLease
@@ -161,10 +163,12 @@ async def by_id_response(
         elif k == priority_key:
             prio_value = v
     rid = sane_request_id(rid_value)
+    if logs.FIELDS_ON:  # on every log line of this call (JSON lines)
+        logs.bind_request(rid)
     method: str = scope["method"]
     label = route
     if gw.shutting_down:
-        answered(metrics, label, "", 503, started)
+        answered(metrics, label, "", 503, started, error=ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)
     ratelimit: list[tuple[str, str]] = []
     try:
@@ -172,7 +176,8 @@ async def by_id_response(
         key = check_client_key(gw, authorization)
         # the entry layer (the key's requests per minute): a call by id costs no token
         client = key.name if key is not None else (scope.get("client") or ("anonymous",))[0]
-        verdict = gw.gate.check_entry(client, key, gw.gate.priority(prio_value, key), rid)
+        prio = gw.gate.priority(prio_value, key, gw.cfg.auth.anonymous_max_priority)
+        verdict = gw.gate.check_entry(client, key, prio, rid)
         if verdict is not None:
             ratelimit = list(ratelimit_headers(verdict).items())
         body = await read_body_counted(gw, receive, declared)
@@ -189,17 +194,17 @@ async def by_id_response(
                 "no_backend_available",
                 retry_after_s=recovery_s(gw.cfg.health),
             )
-    except Refusal as e:
-        answered(metrics, label, "", e.status, started)
+    except Refusal as e:  # (the entry layer's 429 is the key's own limit: rate_limited)
+        answered(metrics, label, "", e.status, started, error=refusal_error_type(e))
         log_refusal(e, label, rid, method)
         e.headers.extend(ratelimit)
         return render(e, rid, idh)
     except ClientGone:
         metrics.client_disconnects.labels(label).inc()
         answered(metrics, label, "", 499, started)
-        return Response(status_code=499)
+        return HungUp()
     except UploadCut:
-        answered(metrics, label, "", 503, started)
+        answered(metrics, label, "", 503, started, error=ErrorType.ADMISSION_REFUSED)
         return shutting_down_response(rid, idh)
     model = held[1] if held is not None else ""
     query: bytes = scope.get("query_string", b"")
@@ -216,7 +221,8 @@ async def by_id_response(
             model=model,
             stream=stream,
             upstream=UpstreamRequest(
-                method, path, forward_headers(scope["headers"], idh, rid, stream), body, stream
+                method, path, forward_headers(scope["headers"], idh, rid, stream,
+                                            private=(priority_key,)), body, stream
             ),
             request_id=rid,
             cut=cut,
@@ -244,8 +250,9 @@ async def by_id_response(
             if cut.absorb() == Cut.CLIENT_GONE:
                 metrics.client_disconnects.labels(label).inc()
                 answered(metrics, label, model, 499, started, version_label(None, ctx.version))
-                return Response(status_code=499)
-            answered(metrics, label, model, 503, started, version_label(None, ctx.version))
+                return HungUp()
+            answered(metrics, label, model, 503, started, version_label(None, ctx.version),
+                     ErrorType.ADMISSION_REFUSED)
             return shutting_down_response(rid, idh)
         finally:
             routing.answered_by(backend, cut)
@@ -272,7 +279,7 @@ async def by_id_response(
         answered(metrics, label, model, failure.status, started, failure.version)
         return render_backend_answer(failure, idh, rid, ratelimit)
     assert failure is not None
-    answered(metrics, label, model, failure.status, started)
+    answered(metrics, label, model, failure.status, started, error=refusal_error_type(failure))
     log_refusal(failure, label, rid, method)
     failure.headers.extend(ratelimit)
     return render(failure, rid, idh)

@@ -4,7 +4,10 @@
 * ``GET /admin/rollouts``: ``{"data": [...]}``, each rollout's snapshot
   (:meth:`gateway.flow.rollouts.Rollouts.view`: status, step and shares, requests served per
   version and the canary's share, calibration probes, the last comparison with its numbers,
-  every decision with its time, fallbacks, where it came from);
+  every decision with its time, fallbacks, where it came from); times on the wall clock
+  (:func:`wall_times`: ``started_at`` and each decision's ``at`` in ISO 8601 UTC,
+  ``started_unix`` and ``at_unix`` in Unix seconds; the monotonic clock the decisions are
+  made on is the state machine's own);
 * ``POST /admin/rollouts``: start one; the body is a JSON object with the fields of a
   ``rollouts:`` entry (:class:`gateway.config_rollouts.RolloutConfig`). 201 with its
   snapshot; 400 in OpenAI's error shape (``code: invalid_rollout``, ``param`` the field)
@@ -22,7 +25,8 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
@@ -59,8 +63,25 @@ async def _json(request: Request) -> object:
         raise Refusal(400, "The body must be a JSON object.", code="invalid_rollout") from None
 
 
+def iso_utc(unix_s: float) -> str:
+    """Unix seconds as ISO 8601 UTC (``2026-12-03T06:30:00.123+00:00``)."""
+    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="milliseconds")
+
+
+def wall_times(view: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's snapshot (:meth:`gateway.flow.rollouts.Rollouts.view`) with its times
+    for people: ``started_at`` (the state machine's monotonic seconds there) from
+    ``started_unix`` and each decision's ``at`` from its ``at_unix``, in ISO 8601 UTC."""
+    history = [{**h, "at": iso_utc(h["at_unix"])} for h in view.get("history") or []]
+    return {**view, "started_at": iso_utc(view["started_unix"]), "history": history}
+
+
+def _views(rollouts: Rollouts) -> list[dict[str, Any]]:
+    return [wall_times(v) for v in rollouts.view()]
+
+
 async def list_rollouts(request: Request) -> JSONResponse:
-    return JSONResponse({"data": _rollouts(_gateway(request)).view()})
+    return JSONResponse({"data": _views(_rollouts(_gateway(request)))})
 
 
 async def start_rollout(request: Request) -> JSONResponse:
@@ -90,7 +111,7 @@ async def start_rollout(request: Request) -> JSONResponse:
                       f"abort it first: POST /admin/rollouts/{cfg.model}/abort",
                       param="model", code="rollout_running")
     rollouts.start(cfg, "admin")
-    view = next(v for v in rollouts.view() if v["model"] == cfg.model)
+    view = next(v for v in _views(rollouts) if v["model"] == cfg.model)
     return JSONResponse(view, status_code=201)
 
 
@@ -102,7 +123,7 @@ async def abort_rollout(model: str, request: Request) -> JSONResponse:
     text = "operator: aborted" + (f": {reason}" if isinstance(reason, str) and reason else "")
     if rollouts.abort(model, text) is None:
         _not_running(rollouts, model)
-    view = next(v for v in rollouts.view() if v["model"] == model)
+    view = next(v for v in _views(rollouts) if v["model"] == model)
     return JSONResponse(view)
 
 

@@ -101,14 +101,16 @@ class BackendAnswer(Exception):
 
 
 def status_error_type(status: int) -> ErrorType | None:
-    """The error type of an answer known only by its HTTP ``status``: 499 (the client
-    hung up) ``client_disconnect``, 429 ``rate_limited``, 504 ``timeout``, another 5xx
-    ``upstream_5xx`` (a backend's own answer, relayed); None for the rest (a success, or a
-    4xx: the request's own fault, not an error of the service)."""
+    """The error type of an answer known only by its HTTP ``status``, which is a backend's
+    own answer, relayed (the gateway's own refusals carry theirs:
+    :func:`refusal_error_type`): 499 (the client hung up) ``client_disconnect``, 429
+    ``upstream_rate_limited`` (the backend's own 429, never the client key's limit), 504
+    ``timeout``, another 5xx ``upstream_5xx``; None for the rest (a success, or a 4xx: the
+    request's own fault, not an error of the service)."""
     if status == 499:
         return ErrorType.CLIENT_DISCONNECT
     if status == 429:
-        return ErrorType.RATE_LIMITED
+        return ErrorType.UPSTREAM_RATE_LIMITED
     if status == 504:
         return ErrorType.TIMEOUT
     if 500 <= status <= 599:
@@ -116,18 +118,27 @@ def status_error_type(status: int) -> ErrorType | None:
     return None
 
 
+NO_BACKEND_CODE = "no_backend_available"
+"""The OpenAI error ``code`` of the gateway's answers when no backend can take a request."""
+
+
 def refusal_error_type(refusal: Refusal) -> ErrorType | None:
     """The error type of the gateway's own answer ``refusal``: its ``error_type`` when set
-    (admission's), else ``timeout`` for ``upstream_timeout``, ``rate_limited`` for a 429,
-    ``connect`` for another 5xx (no backend could be reached or none was available: the
-    gateway answers itself only when no backend answered), None for a 4xx (the request's
-    fault)."""
+    (admission's: ``rate_limited`` only for the entry layer, the client key's own limit;
+    the fast-fail answers of :func:`gateway.flow.outcome.unavailable`), else ``timeout``
+    for ``upstream_timeout``, ``no_backend`` for ``no_backend_available`` (none could take
+    it), ``admission_refused`` for another 429 (the gateway refused on its own load: never
+    ``rate_limited``, which says the client's key is over its limit), ``connect`` for
+    another 5xx (no backend could be reached: the gateway answers itself only when no
+    backend answered), None for a 4xx (the request's fault)."""
     if refusal.error_type is not None:
         return refusal.error_type
     if refusal.code == "upstream_timeout" or refusal.status == 504:
         return ErrorType.TIMEOUT
+    if refusal.code == NO_BACKEND_CODE:
+        return ErrorType.NO_BACKEND
     if refusal.status == 429:
-        return ErrorType.RATE_LIMITED
+        return ErrorType.ADMISSION_REFUSED
     if refusal.status >= 500:
         return ErrorType.CONNECT
     return None

@@ -1,10 +1,11 @@
 """The project's shared vocabulary: the enums every layer speaks.
 
 Backend lifecycle states, GPU thermal tiers, priority classes, why an upstream attempt
-failed, and why a request was cut short by someone other than its backend. String enums
-(``StrEnum``) where the value is a metric label or a wire value, so ``kind ==
-"rate_limited"`` and ``labels(kind)`` read the same as before. Nothing here does I/O or
-imports another gateway module.
+failed, why a request was cut short by someone other than its backend, the error types of
+``gateway_request_errors_total`` and a backend's serving state (its lifecycle state, or
+``breaker_open``). String enums (``StrEnum``) where the value is a metric label or a wire
+value, so ``kind == "rate_limited"`` and ``labels(kind)`` read the same as before. Nothing
+here does I/O or imports another gateway module.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class Prio(IntEnum):
         """``high``, ``normal`` or ``low`` (metric label, messages)."""
         return self.name.lower()
 
+    def within(self, bound: Prio) -> Prio:
+        """This priority, or ``bound`` when this one is more urgent (issue 20: a client's
+        ``x-priority`` is served at most at the priority it was granted)."""
+        return self if self >= bound else bound
+
 
 class FailureKind(StrEnum):
     """Why one upstream attempt failed (the ``outcome`` label of
@@ -89,10 +95,38 @@ class ErrorType(StrEnum):
 
     TIMEOUT = "timeout"  # no answer in time (504), or a stream idle past proxy.idle_timeout_s
     UPSTREAM_5XX = "upstream_5xx"  # a backend's own 5xx answer, relayed
-    CONNECT = "connect"  # no backend reachable: connection failed, none available (502/503)
+    CONNECT = "connect"  # the attempts got no answer: connection failed, broken (502)
+    NO_BACKEND = "no_backend"  # none could take it: breakers open, none warm (429/503)
     CUT = "cut"  # a stream broken after its first event (disconnected, incomplete, cut)
     IN_BAND_ERROR = "in_band_error"  # a 200 stream that carried the backend's error event
-    RATE_LIMITED = "rate_limited"  # a 429: the client key's limits or the backends'
+    RATE_LIMITED = "rate_limited"  # a 429 for the client key's own rpm / tpm limit, only
+    UPSTREAM_RATE_LIMITED = "upstream_rate_limited"  # a backend's own 429 (or its cooling)
     ADMISSION_REFUSED = "admission_refused"  # refused by admission (load, power, degraded)
     CLIENT_DISCONNECT = "client_disconnect"  # the client hung up before the answer ended
+
+
+CLIENT_CAUSED = frozenset({ErrorType.RATE_LIMITED, ErrorType.CLIENT_DISCONNECT})
+"""The error types that are the client's own doing (it went over its key's limit, or hung
+up): not failures of the service. Every other type is: the alert GatewayErrorRatioHigh
+(:mod:`gateway.ops.alerts`) and the status page's answered share
+(:mod:`gateway.flow.status`) both count them, and only them, so the two agree."""
+
+BREAKER_OPEN = "breaker_open"
+"""The serving state of a ``warm`` backend whose circuit breaker is open: it takes no
+request until the open time ends (:func:`serving_state`)."""
+
+SERVING_STATES = (*(s.value for s in BackendState), BREAKER_OPEN)
+"""Every serving state (:func:`serving_state`), lifecycle order, ``breaker_open`` last."""
+
+
+def serving_state(state: BackendState, breaker: str | None) -> str:
+    """A backend's state as the status page, ``/ready/fleet`` and
+    ``gateway_model_backends{model,state}`` count it: its lifecycle ``state``'s value,
+    except :data:`BREAKER_OPEN` for a ``warm`` one whose breaker state (``breaker``: a
+    :class:`gateway.traffic.breaker.BreakerState` value, None without a breaker) is
+    ``open``. Only ``warm`` is routable: a half-open breaker lets its probes through, so
+    its backend counts as warm."""
+    if state is BackendState.WARM and breaker == "open":
+        return BREAKER_OPEN
+    return state.value
 

@@ -30,7 +30,7 @@ from gateway.config import (
     BackendRole,
 )
 from gateway.core.samples import LoadSample, prefix_cache_hit_ratio
-from gateway.core.vocab import BackendState
+from gateway.core.vocab import BackendState, serving_state
 from gateway.fleet.cycles import CycleClock, never_due
 from gateway.fleet.gpu_health import GpuHealth
 from gateway.fleet.liveness import Liveness
@@ -149,6 +149,11 @@ class Backend:
         self.config = config
         self.api_key = key
         self.service.configured = config.max_num_seqs
+
+    def refresh_key(self) -> None:
+        """Read its key again (``api_key_file`` / ``api_key_env``: a rotated secret, on a
+        reload whose config did not change it). Raises ``ConfigError`` (nothing changed)."""
+        self.api_key = self.config.resolved_api_key()
 
     @property
     def id(self) -> str:
@@ -365,9 +370,18 @@ class Backend:
         return self.config.role is BackendRole.STANDBY
 
     @property
+    def serving_state(self) -> str:
+        """Its state as the status page, ``/ready/fleet`` and ``gateway_model_backends``
+        count it: the lifecycle state, or ``breaker_open`` while warm with its circuit
+        breaker open (:func:`gateway.core.vocab.serving_state`)."""
+        return serving_state(self.state, self.breaker.current().value)
+
+    @property
     def routable(self) -> bool:
-        """Whether new requests may be sent here now."""
-        return self.state is BackendState.WARM
+        """Whether new requests may be sent here now: warm and its circuit breaker not open
+        (half-open lets its probes through). A moment's 429 cooldown does not count: the
+        backend is up, it asked for a pause."""
+        return self.serving_state == BackendState.WARM.value
 
     def serves(self, model: str) -> bool:
         return model in self.models

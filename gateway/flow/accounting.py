@@ -94,17 +94,20 @@ class Accounting:
         if self.weight(backend, self.clock()) >= 1.0:
             m.warm_pool_hits += 1
 
-    def usage(self, model: str, usage: tuple[int, int] | None) -> None:
-        """Count an answer's (prompt, completion) tokens, when it reported them; a report
-        with a count outside ``[0, MAX_REPORTED_TOKENS]`` (:mod:`gateway.traffic.estimate`)
-        is not counted at all (logged)."""
+    def usage(self, model: str, usage: tuple[int, int] | None, backend: Backend) -> None:
+        """Count an answer's (prompt, completion) tokens, when it reported them, as
+        ``backend``'s (the one that served it; a continued stream's last backend), priced
+        when its config has a ``gpu_hour_price`` (the cost signals'
+        denominator); a report with a count outside ``[0, MAX_REPORTED_TOKENS]``
+        (:mod:`gateway.traffic.estimate`) is not counted at all (logged)."""
         if usage is None:
             return
         prompt, completion = usage
         if plausible_usage(usage) is None:
             log.warning("model %s: usage (%d, %d) not counted: out of range", model, *usage)
             return
-        self.metrics.count_tokens(model, prompt, completion, self.clock())
+        self.metrics.count_tokens(model, prompt, completion, self.clock(), backend.id,
+                                  backend.config.gpu_hour_price is not None)
 
     def stream_started(self, ttft_s: float, model: str | None = None) -> None:
         """A stream of ``model`` (a model some backend serves) had its first token reach

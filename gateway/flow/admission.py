@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.config import ClientKey, GatewayConfig
+from gateway.config import ClientKey, GatewayConfig, Priority
 from gateway.core.outcomes import Refusal, shutting_down
 from gateway.core.vocab import BackendState, ErrorType, Prio
 from gateway.fleet.backend import Backend
@@ -177,10 +177,22 @@ class AdmissionGate:
                 w.set_result(None)
 
     # ---- helpers -------------------------------------------------------------------------
-    def priority(self, header: bytes | None, key: ClientKey | None) -> Prio:
-        """``x-priority`` header, else the key's priority, else normal."""
+    def priority(self, header: bytes | None, key: ClientKey | None,
+                 anonymous_max: Priority = Priority.NORMAL) -> Prio:
+        """The priority a request is served at: its ``x-priority`` header, else the key's
+        priority, else normal; bounded by what was granted (issue 20): the key's
+        ``max_priority`` (default its ``priority``), for a request without a key
+        ``anonymous_max`` (``auth.anonymous_max_priority``). A header asking for more is
+        served at the bound and counted in ``gateway_priority_capped_total`` (label
+        ``key``: the key's name, ``anonymous`` without one)."""
         default = Prio.parse(key.priority.value, Prio.NORMAL) if key else Prio.NORMAL
-        return Prio.parse(header.decode("latin-1") if header else None, default)
+        bound = Prio.parse((key.bound if key else anonymous_max).value, Prio.NORMAL)
+        asked = Prio.parse(header.decode("latin-1") if header else None, default)
+        granted = asked.within(bound)
+        if granted != asked and header:
+            self.metrics.priority_capped.labels(
+                key.name if key else "anonymous", asked.label, granted.label).inc()
+        return granted
 
     def refusal(
         self,

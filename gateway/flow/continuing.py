@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
 
+from gateway.core.wire_json import utf8_json
 from gateway.flow.candidates import candidates
 from gateway.flow.context import Opened, RequestContext
 from gateway.proxy.continuation import (
@@ -189,7 +190,7 @@ class StreamContinuer:
         self.recorded = True
         await self._settle_seam()
         body = continuation_body(ctx.endpoint, self.request, self.transcript)
-        ctx.upstream.body = json.dumps(body, ensure_ascii=False).encode()
+        ctx.upstream.body = utf8_json(body)
         why = "no_backend"  # every try failed (each recorded by the pipeline)
         while self.used < p.cfg.proxy.max_continuations:
             self.used += 1

@@ -33,6 +33,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.core.wire_json import utf8_json
 from gateway.traffic.admission import as_count
 
 EMBEDDINGS = "/v1/embeddings"
@@ -273,7 +274,7 @@ def split_answer(endpoint: str, body: bytes, parts: Sequence[Part]) -> list[byte
                 None if completion_shares is None else completion_shares[m],
                 None if cached_shares is None else cached_shares[m],
             )
-        out.append(_dumps(member).encode())
+        out.append(utf8_json(member, (",", ":")))
     return out
 
 

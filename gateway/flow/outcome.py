@@ -11,8 +11,8 @@ import math
 from collections.abc import Iterable
 
 from gateway.config import HealthConfig
-from gateway.core.outcomes import SERVER_ERROR, BackendAnswer, Refusal
-from gateway.core.vocab import FailureKind
+from gateway.core.outcomes import NO_BACKEND_CODE, SERVER_ERROR, BackendAnswer, Refusal
+from gateway.core.vocab import ErrorType, FailureKind
 from gateway.fleet.backend import Backend
 from gateway.flow.candidates import availability_s, recovery_s, wait_s
 from gateway.flow.context import RequestContext
@@ -82,7 +82,7 @@ def give_up(
             "(drained, hung, stalled or shutting down) before answering, and no other could "
             "take the request.",
             SERVER_ERROR,
-            "no_backend_available",
+            NO_BACKEND_CODE,
             retry_after_s=recovery_s(health),
         )
     if f.kind in (FailureKind.TTFB_TIMEOUT, FailureKind.IDLE_TIMEOUT):
@@ -106,9 +106,19 @@ def unavailable(
     """The gateway's own answer when no backend of ``model`` can take a request now
     (``now``: monotonic seconds), given without asking any backend: 429 when one is warm
     but cooling after a 429/503 or with an open breaker (retry when the first is back),
-    else 503 (unhealthy, draining, gone) with the probe-recovery estimate."""
+    else 503 (unhealthy, draining, gone) with the probe-recovery estimate.
+
+    Its ``gateway_request_errors_total`` type: ``upstream_rate_limited`` when a routable
+    backend of the model (warm, breaker not open) is only cooling after its own 429 or
+    503 ``Retry-After`` (the backends refused, the gateway passes it on), else
+    ``no_backend``: every backend of the model is out of rotation or has its breaker open,
+    an outage the error-ratio alert counts (never ``rate_limited``: that says the
+    client's key is over its limit)."""
+    backends = list(backends)
     soon = availability_s(backends, model, now)
     if soon is not None:
+        cooling = any(b.routable and b.cooling_until > now and model in b.models
+                      for b in backends)
         return Refusal(
             429,
             f"Every backend serving model '{model}' is rate-limited or recovering; retry "
@@ -116,12 +126,14 @@ def unavailable(
             "requests",
             "rate_limit_exceeded",
             retry_after_s=soon,
+            error_type=ErrorType.UPSTREAM_RATE_LIMITED if cooling else ErrorType.NO_BACKEND,
         )
     return Refusal(
         503,
         f"No backend is available for model '{model}' right now (all are unhealthy, "
         "draining or restarting).",
         SERVER_ERROR,
-        "no_backend_available",
+        NO_BACKEND_CODE,
         retry_after_s=recovery_s(health),
+        error_type=ErrorType.NO_BACKEND,
     )

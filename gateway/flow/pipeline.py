@@ -335,7 +335,7 @@ class Pipeline:
         resp.release()
         if status == 200 and resp.headers.get("content-encoding") is None:
             usage = extract_usage(body)
-            self.accounting.usage(ctx.model, usage)
+            self.accounting.usage(ctx.model, usage, backend)
             ctx.settle(usage)  # the key is charged the usage, not the estimate
         elif status >= 400:  # the backend refused the request: nothing was generated
             ctx.settle(NOTHING_GENERATED)
@@ -407,11 +407,11 @@ class Pipeline:
             # a request error the backend reported inside its 200 stream: about the
             # request, not the backend's health
             acc.in_band_error(ctx.endpoint, ctx.model, backend, framer.error, ctx.request_id)
-            acc.usage(ctx.model, usage)
+            acc.usage(ctx.model, usage, backend)
             lease.end_attempt(Verdict.NEUTRAL)
         else:
             m.count_request(ctx.endpoint, ctx.model, 200, version_label(backend))
-            acc.usage(ctx.model, usage)
+            acc.usage(ctx.model, usage, backend)
             ctx.settle(usage)  # the key is charged the usage, not the estimate
             if recorded:  # its attempt was counted when it failed (stream_failed)
                 if outcome != StreamOutcome.OK:

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gateway.core.outcomes import INVALID_REQUEST, SERVER_ERROR, Refusal
-from gateway.core.vocab import BackendState, Cut
+from gateway.core.vocab import BackendState, Cut, ErrorType
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.records import Cuttable, Transition
@@ -185,7 +185,8 @@ class ResponseRouting:
                 f"is not serving (state {b.state.value})",
                 "previous_response_id",
             )
-        wait = wait_s(b, self.clock())
+        now = self.clock()
+        wait = wait_s(b, now)
         if wait > 0 or not b.breaker.can_take():
             raise Refusal(
                 429,
@@ -194,6 +195,10 @@ class ResponseRouting:
                 "requests",
                 "rate_limit_exceeded",
                 retry_after_s=wait,
+                # cooling after its own 429 / 503: the backend refused; else its breaker
+                # holds it (an outage of that backend, never the client's rate limit)
+                error_type=ErrorType.UPSTREAM_RATE_LIMITED
+                if b.routable and b.cooling_until > now else ErrorType.NO_BACKEND,
             )
         return b
 

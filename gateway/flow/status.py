@@ -7,9 +7,13 @@ minute and the recent incidents, read from the owners' own reports.
 (``rollup``) and the "now" window (``status.now_s``) per tick (``recent``; P99 TTFT now is
 the accounting's own, exact window):
 
-* answered requests and those with a 5xx, per model: the deltas of
-  ``gateway_requests_total`` (only models a backend of the fleet serves, so a client's
-  made-up model names cannot grow it);
+* requests and those that failed, per model: the deltas of ``gateway_requests_total``
+  and of ``gateway_request_errors_total`` without the client's own doing
+  (:data:`~gateway.core.vocab.CLIENT_CAUSED`: its key's rate limit, its hang-ups), the
+  same failures the alert GatewayErrorRatioHigh counts: a backend's 5xx, a timeout, a
+  broken stream, the gateway's fast-fail answers while no backend can take the model
+  (``no_backend``), a backend's own 429, admission's shedding (only models a backend of
+  the fleet serves, so a client's made-up model names cannot grow it);
 * first tokens: the samples :class:`~gateway.flow.accounting.Accounting` keeps per model
   newer than the last read;
 * inter-token gaps: the deltas of the ``gateway_itl_seconds`` histogram's buckets
@@ -31,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.config import StatusConfig
-from gateway.core.vocab import BackendState
+from gateway.core.vocab import CLIENT_CAUSED, BackendState
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.records import Transition
@@ -86,7 +90,8 @@ class StatusRecorder:
         self.recent = MinuteRollup(max(cfg.now_s, cfg.tick_s), cfg.tick_s)
         self.incidents = IncidentLog(cfg.incidents)
         self._ttft_read: dict[str, float] = {}  # model -> time of the newest sample read
-        self._requests: dict[tuple[str, bool], float] = {}  # (model, 5xx) -> total read
+        self._requests: dict[str, float] = {}  # model -> requests total read
+        self._failed: dict[str, float] = {}  # model -> failures total read
         self._trips: dict[tuple[str, str], float] = {}  # (backend, reason) -> total read
         self._rollbacks = 0.0
         self._itl: dict[tuple[str, str], float] = {}  # (model, le) -> cumulative read
@@ -121,21 +126,28 @@ class StatusRecorder:
         self._read_rollouts(now, wall)
 
     def _read_requests(self, now: float, served: set[str]) -> None:
-        totals: dict[tuple[str, bool], float] = {}
-        for labels, value in _totals(self.metrics.requests, "_total"):
-            model = labels.get("model", "")
-            if model not in served:
-                continue
-            status = labels.get("status", "")
-            key = (model, status.startswith("5"))
-            totals[key] = totals.get(key, 0.0) + value
+        requests = self._sums(self.metrics.requests, served)
+        failed = self._sums(self.metrics.request_errors, served,
+                            lambda labels: labels.get("error_type", "") not in CLIENT_CAUSED)
         for model in served:
-            new = {err: totals.get((model, err), 0.0) - self._requests.get((model, err), 0.0)
-                   for err in (False, True)}
-            errors = int(new[True])
+            new = int(requests.get(model, 0.0) - self._requests.get(model, 0.0))
+            new_failed = int(failed.get(model, 0.0) - self._failed.get(model, 0.0))
             for rollup in (self.rollup, self.recent):
-                rollup.add_requests(model, now, int(new[False]) + errors, errors)
-        self._requests.update(totals)
+                rollup.add_requests(model, now, new, new_failed)
+        self._requests.update(requests)
+        self._failed.update(failed)
+
+    @staticmethod
+    def _sums(metric: Any, served: set[str],
+              keep: Callable[[dict[str, str]], bool] = lambda _: True) -> dict[str, float]:
+        """Per served model, the sum of ``metric``'s ``_total`` samples whose labels
+        ``keep`` accepts."""
+        out: dict[str, float] = {}
+        for labels, value in _totals(metric, "_total"):
+            model = labels.get("model", "")
+            if model in served and keep(labels):
+                out[model] = out.get(model, 0.0) + value
+        return out
 
     def _read_ttft(self, now: float, served: set[str]) -> None:
         for model, window in list(self.accounting.model_ttft.items()):

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m gateway.ops", description=__doc__)
     ap.add_argument("--config", help="gateway config whose slo / thermal / calibration "
-                    "thresholds to use (default: the schema's defaults)")
+                    "thresholds and status window to use (default: the schema's defaults)")
     ap.add_argument("--out-dir", default="deploy", type=Path)
     ap.add_argument("--check", action="store_true",
                     help="compare with the files in --out-dir, write nothing")

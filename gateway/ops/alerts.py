@@ -8,8 +8,21 @@ and say in each alert what to look at (``annotations.runbook``).
 
 Rules cannot read the gateway's config: the thresholds are baked in from a
 :class:`~gateway.ops.limits.Limits` (the committed file: the schema's defaults, ``slo.ttft_s``
-2 s, ``slo.itl_s`` 0.1 s, ``thermal.hot_c`` 85 °C, ``calibration.threshold`` 0.95);
-``python -m gateway.ops --config FILE`` writes rules with a fleet's own values.
+2 s, ``slo.itl_s`` 0.1 s, ``thermal.hot_c`` 85 °C, ``calibration.threshold`` 0.95,
+``status.now_s`` 300 s, ``status.min_samples`` 20); ``python -m gateway.ops --config FILE``
+writes rules with a fleet's own values.
+
+**The status page and the alerts agree.** The latency and error-ratio alerts take their
+rate window from the status page's "now" window (``status.now_s``: ``5m``) and fire only on
+a window with at least ``status.min_samples`` streams (TTFT), inter-token gaps (ITL) or
+requests (errors), the sample the page judges a window on
+(:mod:`gateway.traffic.status_verdict`): at lower traffic the page says "too few to judge"
+and the alert stays quiet, rather than a P99 of three streams paging someone. The
+error-ratio alert counts every error type but the client's own doing
+(:data:`~gateway.core.vocab.CLIENT_CAUSED`: its key's rate limit, its hang-ups), the same
+failures the page's answered share counts: ``no_backend`` (every breaker open, nothing
+routable), a backend's own 429 (``upstream_rate_limited``), admission's shedding included.
+The page says at once what the alert says after its ``for`` hold.
 
 Each :class:`Alert` keeps its ``signal`` (the expression before its threshold) beside the
 rule's ``expr``: ``tests/ops/test_prometheus_dashboard.py`` evaluates both through a real
@@ -25,13 +38,17 @@ from typing import Any
 
 import yaml
 
+from gateway.core.vocab import CLIENT_CAUSED
 from gateway.ops.limits import Limits
 
 WINDOW = "5m"
-"""The rate window of the alert expressions (five 1-minute evaluations at least)."""
-NOT_SERVER_ERRORS = "client_disconnect|rate_limited"
+"""The rate window of the breaker-storm alert (five 1-minute evaluations at least); the
+latency and error alerts use the status page's "now" window (:func:`duration` of
+``Limits.now_s``, 5m by default)."""
+NOT_SERVER_ERRORS = "|".join(sorted(CLIENT_CAUSED))
 """Error types that are the client's doing (it hung up, or went over its key's rate
-limit): counted on the dashboard, left out of the error-ratio alert."""
+limit: ``client_disconnect|rate_limited``): counted on the dashboard, left out of the
+error-ratio alert and of the status page's failures."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +69,23 @@ class Alert:
     under_load: bool = True
 
 
-def _p99(metric: str) -> str:
+def duration(seconds: float) -> str:
+    """Seconds as a Prometheus duration: ``5m``, ``90s``, ``1500ms``."""
+    ms = round(seconds * 1000)
+    if ms % 60_000 == 0:
+        return f"{ms // 60_000}m"
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def _p99(metric: str, window: str) -> str:
     return (f"histogram_quantile(0.99, sum by (model, le) "
-            f"(rate({metric}_bucket[{WINDOW}])))")
+            f"(rate({metric}_bucket[{window}])))")
+
+
+def _enough(metric: str, window: str, minimum: int) -> str:
+    """``and`` clause: the model had at least ``minimum`` samples of ``metric`` (a
+    counter, or a histogram's ``_count``) in the window."""
+    return f"and on (model) sum by (model) (increase({metric}[{window}])) >= {minimum}"
 
 
 def _num(x: float) -> str:
@@ -64,10 +95,14 @@ def _num(x: float) -> str:
 
 def alerts(lim: Limits) -> list[Alert]:
     """Every alert rule for these limits."""
-    ttft, itl = _p99("gateway_ttft_seconds"), _p99("gateway_itl_seconds")
+    win, least = duration(lim.now_s), lim.min_samples
+    ttft, itl = _p99("gateway_ttft_seconds", win), _p99("gateway_itl_seconds", win)
     errors = (f"sum by (model, error_type) (rate(gateway_request_errors_total"
-              f"{{error_type!~\"{NOT_SERVER_ERRORS}\"}}[{WINDOW}])) / on (model) group_left "
-              f"sum by (model) (rate(gateway_requests_total[{WINDOW}]))")
+              f"{{error_type!~\"{NOT_SERVER_ERRORS}\"}}[{win}])) / on (model) group_left "
+              f"sum by (model) (rate(gateway_requests_total[{win}]))")
+    enough_ttft = _enough("gateway_ttft_seconds_count", win, least)
+    enough_itl = _enough("gateway_itl_seconds_count", win, least)
+    enough_requests = _enough("gateway_requests_total", win, least)
     warm = 'min by (model) (gateway_model_backends{state="warm"})'
     tripped = (f"count(sum by (backend) (increase(gateway_breaker_trips_total[{WINDOW}])) "
                "> 0)")
@@ -78,30 +113,37 @@ def alerts(lim: Limits) -> list[Alert]:
     calib = "min by (backend) (gateway_calibration_score_ratio)"
     fallback = "max by (instance) (gateway_coordination_fallback)"
     return [
-        Alert("GatewayTTFTP99OverSLO", ttft, f"{ttft} > {_num(lim.ttft_s)}", "5m", "page",
+        Alert("GatewayTTFTP99OverSLO", ttft, f"{ttft} > {_num(lim.ttft_s)} {enough_ttft}",
+              "5m", "page",
               f"P99 time to first token of {{{{ $labels.model }}}} is "
               f"{{{{ $value | humanizeDuration }}}} (SLO {_num(lim.ttft_s)}s) for 5m",
               "Dashboard 'Traffic and SLOs': TTFT P99 by backend - one backend slow: drain "
               "it (POST /admin/backends/{id}/drain); all slow: queue depth, KV-cache use and "
               "admission rejections say the fleet is short of capacity: add replicas."),
-        Alert("GatewayITLP99OverSLO", itl, f"{itl} > {_num(lim.itl_s)}", "5m", "page",
+        Alert("GatewayITLP99OverSLO", itl, f"{itl} > {_num(lim.itl_s)} {enough_itl}", "5m",
+              "page",
               f"P99 inter-token latency of {{{{ $labels.model }}}} is "
               f"{{{{ $value | humanizeDuration }}}} (SLO {_num(lim.itl_s)}s) for 5m",
               "Dashboard: ITL P99 by backend and KV-cache use - batches too large on busy "
               "backends (lower max_num_seqs, add replicas), or one backend's GPUs hot or "
               "throttled (thermal row): drain it."),
-        Alert("GatewayErrorRatioHigh", errors, f"{errors} > 0.05", "5m", "page",
+        Alert("GatewayErrorRatioHigh", errors, f"{errors} > 0.05 {enough_requests}", "5m",
+              "page",
               "{{ $labels.error_type }} errors are {{ $value | humanizePercentage }} of "
               "{{ $labels.model }} requests for 5m",
               "Dashboard: errors by type and upstream attempts by outcome; upstream_5xx / "
               "connect / timeout: the backends (GET /admin/backends, their logs); "
+              "no_backend: none can take the model (breakers open, none warm: /status); "
+              "upstream_rate_limited: the backends' own 429s, short of capacity; "
               "admission_refused: capacity or power budget; cut / in_band_error: "
               "backend crashes mid-stream."),
         Alert("GatewayNoWarmBackend", warm, f"{warm} == 0", "1m", "page",
-              "No warm backend serves {{ $labels.model }} (its requests get 503)",
-              "GET /admin/backends: why each backend of the model is not warm (cold, "
-              "unhealthy, draining, cooldown); undrain one, fix or restart the unhealthy, "
-              "or scale the model up."),
+              "No backend can serve {{ $labels.model }}: none warm, or every warm one's "
+              "circuit breaker open (its requests fail at once: no_backend)",
+              "GET /status and /admin/backends: why each backend of the model is not "
+              "routable (cold, unhealthy, draining, cooldown, or breaker_open: its "
+              "requests failed; its logs, GET /admin/backends/{id}); undrain one, fix or "
+              "restart the unhealthy, or scale the model up."),
         Alert("GatewayBreakerStorm", storm,
               f"{storm} >= 0.25 and {tripped} >= 2", "", "page",
               "Circuit breakers tripped on {{ $value | humanizePercentage }} of the "
@@ -155,7 +197,9 @@ def build_rules(lim: Limits) -> dict[str, Any]:
 HEADER = """\
 # Prometheus alert rules of llm-gateway (issue 19). Generated by `python -m gateway.ops`
 # (gateway/ops/alerts.py) from {source}: slo.ttft_s {ttft} s,
-# slo.itl_s {itl} s, thermal.hot_c {hot} C, calibration.threshold {calib}. Rules cannot
+# slo.itl_s {itl} s, thermal.hot_c {hot} C, calibration.threshold {calib}; the latency and
+# error alerts judge the status page's window, status.now_s {now_s} s, on at least
+# status.min_samples {least} streams / gaps / requests, as the page does. Rules cannot
 # read the gateway's config: for a fleet's own values run
 #   python -m gateway.ops --config config/gateway.yaml --out-dir deploy
 # Unit tests: deploy/prometheus/alerts_test.yaml (promtool test rules).
@@ -166,7 +210,8 @@ def render_rules(lim: Limits, source: str = "the config schema's defaults") -> s
     """The rule file's text: a header saying where its thresholds come from (``source``),
     then the YAML."""
     head = HEADER.format(source=source, ttft=_num(lim.ttft_s), itl=_num(lim.itl_s),
-                         hot=_num(lim.hot_c), calib=_num(lim.calibration_threshold))
+                         hot=_num(lim.hot_c), calib=_num(lim.calibration_threshold),
+                         now_s=_num(lim.now_s), least=lim.min_samples)
     body = yaml.safe_dump(build_rules(lim), sort_keys=False, width=10_000,
                           allow_unicode=True)
     return head + body

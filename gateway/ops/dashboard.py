@@ -114,8 +114,9 @@ def traffic(lim: Limits) -> Row:
               (Target("sum by (model) (rate(gateway_tokens_total"
                       f"{{kind=\"completion\", {MODEL}}}[{RATE}]))", "{{model}}"),)),
         Panel("Errors/s by type", "Requests that ended in an error, by type (timeout, "
-              "upstream_5xx, connect, cut, in_band_error, rate_limited, admission_refused, "
-              "client_disconnect).",
+              "upstream_5xx, connect, no_backend, cut, in_band_error, rate_limited: the "
+              "client key's own limit, upstream_rate_limited: a backend's own 429, "
+              "admission_refused, client_disconnect).",
               (Target("sum by (error_type) (rate(gateway_request_errors_total"
                       f"{{{MODEL}}}[{RATE}]))", "{{error_type}}"),), stacked=True),
         Panel("Error ratio by model and type", "Errors of each type over answered requests "
@@ -169,11 +170,12 @@ def fleet(lim: Limits) -> Row:
               "because the shared store does not answer; replicas alive.",
               (Target("max(gateway_coordination_fallback)", "fallback"),
                Target("max(gateway_fleet_replicas_alive)", "replicas alive"))),
-        Panel("Gateway replicas by version", "gateway_build_info by version, and each "
-              "replica's resident memory.",
-              (Target("count by (version) (gateway_build_info)", "{{version}}"),
-               Target("process_resident_memory_bytes and on (instance) gateway_build_info",
-                      "RSS {{instance}}"))),
+        Panel("Gateway replicas by version", "Gateway replicas running each version "
+              "(gateway_build_info).",
+              (Target("count by (version) (gateway_build_info)", "{{version}}"),)),
+        Panel("Resident memory by replica", "Each gateway replica's resident memory.",
+              (Target("process_resident_memory_bytes and on (instance) gateway_build_info",
+                      "{{instance}}"),), "bytes"),
     ))
 
 
@@ -264,20 +266,40 @@ def admission() -> Row:
     ))
 
 
+PRICED = "gateway_backend_cost_total"
+"""Exported for the backends with a ``gpu_hour_price`` only: ``and on (backend)`` it keeps
+a per-backend series of priced backends, ``unless on (backend)`` those of the others."""
+
+
 def cost() -> Row:
-    """Cost per million output tokens and spend per hour (``gpu_hour_price``)."""
+    """Cost per million output tokens (priced backends only), spend per hour
+    (``gpu_hour_price``) and the output tokens of backends without a price.
+
+    Cost per million tokens = the priced backends' cost / the tokens those backends
+    generated, x 1e6, over the rate window. Each replica exports the cost of every backend
+    (the same counter: ``max by`` it) and counts the tokens of its own clients (``sum``
+    them): the ratio of the two is the fleet's whatever the number of replicas, where a
+    per-replica ratio would be N times too high."""
     return Row("Cost", (
-        Panel("Cost per million output tokens by model", "Cost of the model's backends over "
-              "its generated tokens in the last 5 minutes x 1e6 (currency of "
-              "backends[].gpu_hour_price).",
-              (Target(f"max by (model) (gateway_cost_per_million_tokens{{{MODEL}}})",
-                      "{{model}}"),)),
+        Panel("Cost per million output tokens by model", "Cost of the model's priced "
+              "backends over the completion tokens those backends generated, x 1e6, over "
+              "the rate window (currency of backends[].gpu_hour_price; backends without a "
+              "price are left out of both: 'Unpriced output tokens/s').",
+              (Target("sum by (model) (max by (model, backend) (rate(gateway_model_cost_total"
+                      f"{{{MODEL}}}[{RATE}]))) / sum by (model) (rate("
+                      f"gateway_backend_generated_tokens_total{{{MODEL}}}[{RATE}]) and on "
+                      f"(backend) {PRICED}) * 1e6", "{{model}}"),)),
         Panel("Spend per hour by backend", "Currency units per hour accrued by each backend "
               "in the fleet (gpu_hour_price x gpus).",
-              (Target(f"max by (backend) (rate(gateway_backend_cost_total[{RATE}])) * 3600",
+              (Target(f"max by (backend) (rate({PRICED}[{RATE}])) * 3600",
                       "{{backend}}"),
-               Target("sum(max by (backend) (rate(gateway_backend_cost_total"
-                      f"[{RATE}]))) * 3600", "fleet")), stacked=False),
+               Target(f"sum(max by (backend) (rate({PRICED}[{RATE}]))) * 3600",
+                      "fleet")), stacked=False),
+        Panel("Unpriced output tokens/s by model", "Completion tokens per second generated "
+              "by backends without a gpu_hour_price: not in the cost per million tokens.",
+              (Target("sum by (model) (rate(gateway_backend_generated_tokens_total"
+                      f"{{{MODEL}}}[{RATE}]) unless on (backend) {PRICED})",
+                      "{{model}}"),)),
     ))
 
 

@@ -40,6 +40,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.core.wire_json import utf8_json
 from gateway.proxy.continuation import (
     CHAT,
     StreamTranscript,
@@ -54,7 +55,7 @@ from gateway.proxy.sse import DONE_EVENT
 def encode_event(obj: Any) -> bytes:
     """One ``data:`` event of ``obj``: compact JSON, non-ASCII unescaped (pydantic's
     ``model_dump_json``, which vLLM streams with), LF framing."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + utf8_json(obj, (",", ":")) + b"\n\n"
 
 
 def _chunk_object(endpoint: str, t: StreamTranscript) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -98,7 +98,7 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect", "x-priority"}
 _DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 
 
@@ -159,22 +159,26 @@ def forward_headers(
     request_id_header: str,
     request_id: str,
     stream: bool,
+    private: Iterable[bytes] = (),
 ) -> dict[str, str]:
     """Client headers to send upstream (without the backend key, added per attempt).
 
     Drops hop-by-hop headers (and any named by ``Connection``), ``host``,
-    ``content-length`` (recomputed), and the client's ``authorization`` (the client's key
-    never leaves the gateway). Keeps everything else unchanged. Streams ask for
+    ``content-length`` (recomputed), the client's ``authorization`` (the client's key
+    never leaves the gateway), ``x-priority`` and the ``private`` ones (lower-case raw
+    names: the configured priority header; what a client asks of the gateway is not the
+    backend's business, issue 20). Keeps everything else unchanged. Streams ask for
     ``accept-encoding: identity``.
     """
     out: dict[str, str] = {}
     extra_drop: set[str] = set()
+    dropped = {p.decode("latin-1") for p in private}
     for k, v in raw:
         name = k.decode("latin-1").lower()
         if name == "connection":
             extra_drop.update(t.strip().lower() for t in v.decode("latin-1").split(","))
             continue
-        if name in _DROP_REQUEST:
+        if name in _DROP_REQUEST or name in dropped:
             continue
         value = header_value(v)
         prev = out.get(name)

@@ -2,7 +2,8 @@
 passed in).
 
 Per model and per bucket of ``bucket_s`` seconds (a minute by default), for the last
-``span_s`` seconds (an hour): requests answered, those answered with a 5xx, and the TTFT
+``span_s`` seconds (an hour): requests answered, those that failed (an error of the
+service: :data:`gateway.core.vocab.CLIENT_CAUSED` left out), and the TTFT
 and ITL samples as log-bucketed histograms (:class:`LogHistogram`). A window's P99 is the
 quantile of the merged histograms of its buckets: percentiles cannot be averaged across
 minutes, histograms can be added (the reason Prometheus' ``histogram_quantile`` works on
@@ -71,18 +72,19 @@ class Bucket:
 
     start: float
     requests: int = 0
-    server_errors: int = 0
+    failed: int = 0
     ttft: LogHistogram = field(default_factory=LogHistogram)
     itl: LogHistogram = field(default_factory=LogHistogram)
 
 
 @dataclass(frozen=True, slots=True)
 class WindowSummary:
-    """A model's service over a window: requests, those answered with a 5xx, P99 TTFT and
-    ITL (seconds; None without ``min_samples`` samples) and the sample counts."""
+    """A model's service over a window: requests, those that failed (an error of the
+    service), P99 TTFT and ITL (seconds; None without ``min_samples`` samples) and the
+    sample counts (streams' first tokens, inter-token gaps)."""
 
     requests: int
-    server_errors: int
+    failed: int
     ttft_p99_s: float | None
     itl_p99_s: float | None
     ttft_samples: int
@@ -90,10 +92,11 @@ class WindowSummary:
 
     @property
     def answered_share(self) -> float | None:
-        """Share of requests answered without a 5xx (None without requests)."""
+        """Share of requests answered without an error of the service, 0-1 (None without
+        requests)."""
         if self.requests == 0:
             return None
-        return 1.0 - self.server_errors / self.requests
+        return max(0.0, 1.0 - self.failed / self.requests)
 
 
 class MinuteRollup:
@@ -128,13 +131,14 @@ class MinuteRollup:
         while buckets and buckets[0].start + self.bucket_s <= now - self.span_s:
             buckets.popleft()
 
-    def add_requests(self, model: str, now: float, requests: int, server_errors: int) -> None:
-        """``requests`` answered at ``now``, ``server_errors`` of them with a 5xx."""
-        if requests <= 0 and server_errors <= 0:
+    def add_requests(self, model: str, now: float, requests: int, failed: int) -> None:
+        """``requests`` ended at ``now``, ``failed`` of them (counted among ``requests``)
+        with an error of the service."""
+        if requests <= 0 and failed <= 0:
             return
         b = self._bucket(model, now)
         b.requests += requests
-        b.server_errors += server_errors
+        b.failed += failed
 
     def add_ttft(self, model: str, now: float, values_s: Iterable[float]) -> None:
         """First tokens (TTFT seconds) of ``model``'s streams at ``now``."""
@@ -159,7 +163,7 @@ class MinuteRollup:
         for b in buckets or ():
             if b.start + self.bucket_s > now - window_s and b.start <= now:
                 requests += b.requests
-                errors += b.server_errors
+                errors += b.failed
                 ttft.merge(b.ttft)
                 itl.merge(b.itl)
 

@@ -85,7 +85,8 @@ def test_low_load_requests_are_dispatched_at_once(sim, batching_gateway) -> None
 
 def test_flow_control_and_priority_order(sim, batching_gateway) -> None:
     s = sim()
-    gw = batching_gateway([("a", s.url, 1)], **PREDICTIVE)  # the gateway lets 1 in at a time
+    gw = batching_gateway([("a", s.url, 1)], **PREDICTIVE,  # the gateway lets 1 in at a time
+                          auth={"anonymous_max_priority": "high"})
     done: list[str] = []
     holder = long_stream(gw.url, done)
     wait_running(s.url, 1)

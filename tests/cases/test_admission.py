@@ -163,8 +163,9 @@ def test_saturation_sheds_low_first_high_last(backends, gateway):
     load = {"waiting": 5.0, "rate": 2.0}
     a = backends(control=loaded(load))
     gw = gateway({"a": a}, auth={"client_keys": [{"name": "batch", "key": "sk-batch",
-                                                  "priority": "low"},
-                                                 {"name": "web", "key": KEY}]})
+                                                  "priority": "low", "max_priority": "high"},
+                                                 {"name": "web", "key": KEY,
+                                                  "max_priority": "high"}]})
     url = gw.url + "/v1/chat/completions"
 
     def status(prio: str | None, key: str = KEY) -> int:
@@ -190,7 +191,8 @@ def test_saturation_sheds_low_first_high_last(backends, gateway):
     settle(5.0)
     assert [status(p) for p in ("high", "normal", "low")] == [200, 200, 429]
     assert status(None, "sk-batch") == 429, "the key's own priority is low"
-    assert status("high", "sk-batch") == 200, "the header overrides the key's priority"
+    assert status("high", "sk-batch") == 200, "the header overrides the key's priority " \
+        "up to its max_priority"
     settle(9.0)
     assert [status(p) for p in ("high", "normal", "low")] == [200, 429, 429]
     settle(19.0)
@@ -248,7 +250,8 @@ def test_queue_serves_higher_priority_first(backends, gateway):
             await conn.send_json(200, completion_obj("ok"))
 
     a = backends(script)
-    gw = gateway({"a": a}, admission={"max_in_flight": 1})
+    gw = gateway({"a": a}, admission={"max_in_flight": 1},
+                 auth={"anonymous_max_priority": "high"})
     url = gw.url + "/v1/chat/completions"
     out: dict[str, httpx.Response] = {}
     threads = [_post_async(url, "first", out)]

@@ -5,6 +5,7 @@ request id and backend, and uvicorn's own lines (error and access loggers) are J
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,11 +16,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import pytest
 import yaml
 
+from gateway.cli import declared_log_format
 from tests.support.gateway_process import ServeProcess
-from tests.support.scripted import Conn, Received, completion_obj, default_script
+from tests.support.scripted import (
+    Conn,
+    Received,
+    completion_obj,
+    default_script,
+    wait_for,
+)
 from tests.support.vllm import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +56,9 @@ def test_every_line_is_json_with_the_request_id_and_backend_on_request_lines(bac
     first = threading.Event()
 
     async def fails_once(req: Received, conn: Conn) -> None:
+        if req.path.startswith("/v1/completions"):  # the client hangs up first
+            await asyncio.sleep(30)
+            return
         if req.path.startswith("/v1/chat"):
             if not first.is_set():
                 first.set()
@@ -80,6 +93,12 @@ def test_every_line_is_json_with_the_request_id_and_backend_on_request_lines(bac
             model="m1", messages=[{"role": "user", "content": "hi"}],
             extra_headers={"x-request-id": "req-json-1"})
         assert answer.parse().choices[0].message.content == "ok"
+        # a client that hangs up while the backend works: its request still gets a line
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(gw.url + "/v1/completions", timeout=1.0,
+                       json={"model": "m1", "prompt": "hi", "max_tokens": 4},
+                       headers={"x-request-id": "req-hangup"})
+        assert wait_for(lambda: "req-hangup" in log.read_text(), timeout=10)
         gw.proc.send_signal(signal.SIGTERM)
         assert gw.proc.wait(15) == 0
     finally:
@@ -107,5 +126,42 @@ def test_every_line_is_json_with_the_request_id_and_backend_on_request_lines(bac
     assert access["status"] == 200
     assert {failed[0]["backend"], access["backend"]} == {"a", "b"}  # retried elsewhere
     assert all("backend" in r for r in mine)
+    # the client that hung up: its request line, status 499, with its id and backend
+    (gone,) = [r for r in records if r.get("request_id") == "req-hangup"
+               and r["logger"] == "uvicorn.access"]
+    assert gone["status"] == 499 and gone["path"] == "/v1/completions", gone
+    assert gone["method"] == "POST" and gone["backend"] in ("a", "b"), gone
     # lines outside any request carry neither
     assert all("request_id" not in r for r in records if r["logger"] == "uvicorn.error")
+
+
+def test_a_config_error_at_start_is_a_json_line_too(tmp_path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text("server:\n  log_format: json\n  port: eighty\nbackends: []\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_GATEWAY_")}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())",
+         "serve", "-c", str(path)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert done.returncode == 2, done.stderr  # a config error's status, as before
+    records = [json.loads(line) for line in done.stderr.splitlines()]  # each line JSON
+    assert records and all({"time", "level", "logger", "message"} <= r.keys()
+                           for r in records), records
+    (error,) = [r for r in records if r["level"] == "CRITICAL"]
+    assert "server.port" in error["message"], error  # the field, named
+
+
+@pytest.mark.parametrize("text, declared", [
+    ("server:\n  log_format: json\nbackends: [\n  {id: a\n", "json"),  # broken after it
+    ("server: {port: 1, log_format: json}\nx: [", "json"),
+    ("backends:\n  - id: a\n    log_format: json\n", None),  # not server's
+    (": : :\nserver:\n  log_format: json\n", None),  # broken before it: unknown
+    ("server:\n  port: 80\n", None),
+], ids=["after", "flow", "elsewhere", "before", "absent"])
+def test_the_log_format_a_broken_config_asked_for(tmp_path, text: str, declared: str | None):
+    """Invalid YAML is said in JSON when the file asked for JSON before the error."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    assert declared_log_format(path, environ={}) == declared
+    assert declared_log_format(path, {"LLM_GATEWAY_SERVER__LOG_FORMAT": "json"}) == "json"

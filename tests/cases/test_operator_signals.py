@@ -136,7 +136,7 @@ def test_every_new_signal_has_data(fleet: str) -> None:
     assert wait_for(lambda: ("m1", "client_disconnect") in errors(), timeout=10)
     assert errors() == {
         ("m5xx", "upstream_5xx"): 1.0,
-        ("m429", "rate_limited"): 1.0,
+        ("m429", "upstream_rate_limited"): 1.0,  # the backend's own 429
         ("mslow", "timeout"): 1.0,
         ("mcut", "cut"): 1.0,
         ("m1", "client_disconnect"): 1.0,

@@ -73,7 +73,8 @@ def _run(sims, replicas, route_for: Callable[[list[str]], Callable[[str, int], s
     backends = [sims(n, itl_s=ITL_S, max_num_seqs=SEQS) for n in ("A", "B", "C")]
     gws = replicas(3, {s.name.lower(): s.url for s in backends},
                    backend={"max_num_seqs": SEQS}, slo={"ttft_s": SLO_TTFT_S},
-                   coordination={"sync_interval_s": 0.25})
+                   coordination={"sync_interval_s": 0.25},
+                   auth={"anonymous_max_priority": "high"})  # the clients' x-priority
     one_replica = 3 * SEQS  # admission.in_flight_per_seq 1.0
     assert all(gw.gateway.gate.fleet_capacity == one_replica for gw in gws)
     service_s = (TOKENS + 1) * ITL_S

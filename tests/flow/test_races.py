@@ -36,7 +36,8 @@ def test_eviction_of_a_waiter_that_just_left():
     handler = Streams()
 
     async def main() -> None:
-        gw = make_gateway(handler, admission={"max_in_flight": 1, "max_queued": 2})
+        gw = make_gateway(handler, admission={"max_in_flight": 1, "max_queued": 2},
+                          auth={"anonymous_max_priority": "high"})
         running = start(gw, STREAM)
         await running.started.wait()
         q1, q2 = start(gw, STREAM), start(gw, STREAM)

@@ -1,7 +1,8 @@
-"""The status page's recorder reads the owners' own reports: the request counter, the
-accounting's first tokens, the ITL histogram (the contract's ``gateway_itl_seconds``), the
-breaker-trip and config-rollback counters and the fleet state's transitions (injected
-clocks, real metrics registry)."""
+"""The status page's recorder reads the owners' own reports: the request and error
+counters (failures: every error type but the client's own doing), the accounting's first
+tokens, the ITL histogram (the contract's ``gateway_itl_seconds``), the breaker-trip and
+config-rollback counters and the fleet state's transitions (injected clocks, real metrics
+registry)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from gateway.config import StatusConfig
 from gateway.config_rollouts import RolloutConfig
-from gateway.core.vocab import BackendState
+from gateway.core.vocab import CLIENT_CAUSED, BackendState, ErrorType
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.records import Transition
 from gateway.flow.accounting import Accounting
@@ -40,12 +41,20 @@ def recorder() -> tuple[StatusRecorder, GatewayMetrics, Accounting, Fleet, Clock
     return rec, metrics, acc, fleet, clock
 
 
-def test_requests_5xx_and_first_tokens_of_served_models_only() -> None:
+def test_requests_failures_and_first_tokens_of_served_models_only() -> None:
     rec, metrics, acc, _, clock = recorder()
     for _ in range(8):
         metrics.count_request("/v1/chat/completions", "m1", 200, "")
-    metrics.count_request("/v1/chat/completions", "m1", 503, "")
-    metrics.count_request("/v1/chat/completions", "m1", 499, "")
+    # each with its error type, as the request path counts them (api.openai.answered):
+    # the service's failures count, the client's own doing (its key's limit, its
+    # hang-up) does not
+    for status, error, failed in ((503, ErrorType.UPSTREAM_5XX, True),
+                                  (429, ErrorType.NO_BACKEND, True),
+                                  (429, ErrorType.RATE_LIMITED, False),
+                                  (499, ErrorType.CLIENT_DISCONNECT, False)):
+        assert (error in CLIENT_CAUSED) is not failed
+        metrics.count_request("/v1/chat/completions", "m1", status, "")
+        metrics.count_error("m1", error)
     metrics.count_request("/v1/chat/completions", "made-up", 404, "")
     for i in range(25):
         acc.stream_started(0.2 if i else 3.0, "m1")
@@ -54,9 +63,9 @@ def test_requests_5xx_and_first_tokens_of_served_models_only() -> None:
     metrics.count_request("/v1/chat/completions", "m1", 200, "")
     asyncio.run(rec.round())  # read again: only what is new counts
     s = rec.rollup.summary("m1", clock.t, 3600)
-    assert (s.requests, s.server_errors) == (11, 1)
+    assert (s.requests, s.failed) == (13, 2)
     late = rec.recent.summary("m1", clock.t, 5)  # the "now" window, to the tick
-    assert (late.requests, late.server_errors) == (1, 0)
+    assert (late.requests, late.failed) == (1, 0)
     assert s.ttft_samples == 25
     assert s.ttft_p99_s == pytest.approx(3.0, rel=0.05)
     assert rec.rollup.models() == ["m1"]  # not the model no backend serves

@@ -338,8 +338,9 @@ def test_keys_survive_a_round_trip_and_bad_reloads_are_refused_and_counted(sims)
         assert r.status_code == 400 and "adm-secret" not in r.text
         # b leaves (a long stream keeps it draining); its id given to c meanwhile: refused
         stream = sdk(gw.url).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=400,
-            stream=True, extra_headers={"authorization": "Bearer cli-secret"})
+            model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=3500,
+            stream=True, extra_headers={"authorization": "Bearer cli-secret"},
+            extra_body={"ignore_eos": True})
         it = iter(stream)
         next(it)
         listed = httpx.get(gw.url + "/admin/backends", headers=adm, timeout=5).json()
@@ -353,11 +354,43 @@ def test_keys_survive_a_round_trip_and_bad_reloads_are_refused_and_counted(sims)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == f"backends[{pinned}].url"
         assert "still leaving" in r.json()["error"]["message"]
-        for _ in it:
-            pass
+        stream.close()  # 3500 tokens at 10 ms: open through every step above on a slow machine
         text = httpx.get(gw.url + "/metrics", timeout=5).text
         invalid = [ln for ln in text.splitlines()
                    if ln.startswith("gateway_config_reloads_total{") and 'outcome="invalid"' in ln]
         assert invalid and float(invalid[0].rsplit(" ", 1)[1]) >= 6, invalid
+    finally:
+        gw.stop()
+
+
+def test_a_damaged_snapshot_is_moved_aside_shown_and_not_counted_among_the_kept(
+        sims, tmp_path):
+    """The state directory holds a truncated snapshot and one of the wrong shape: the start
+    moves them aside (``*.damaged``, kept for the operator) and ``GET /admin/config/history``
+    lists them; the rotation then keeps the last 3 valid snapshots (``reload.keep``)."""
+    a = sims("A")
+    d = tmp_path / "config-history"
+    d.mkdir()
+    (d / "00000001.json").write_text('{"version": 1, "config": {"backe')  # truncated
+    (d / "00000002.json").write_text('{"version": 2, "source": "admin"}')  # wrong shape
+    gw = GatewayThread(gateway_config([{"id": "a", "url": a.url}],
+                                      reload={"state_dir": str(tmp_path)}))
+    gw.start()
+    try:
+        for i in range(3):
+            data = gw.gateway.cfg.model_dump(mode="json")
+            data["routing"]["weights"]["waiting"] = 2.0 + i
+            assert post_config(gw, yaml.safe_dump(data)).status_code == 200
+        hist = httpx.get(gw.url + "/admin/config/history", timeout=5).json()
+        assert [h["version"] for h in hist["data"]] == [6, 5, 4], hist  # 1, 2 not reused
+        assert sorted(p.name for p in d.glob("*.json")) == [
+            "00000004.json", "00000005.json", "00000006.json"]
+        damaged = hist["damaged"]
+        assert [x["file"] for x in damaged] == ["00000001.json.damaged",
+                                                "00000002.json.damaged"], damaged
+        assert "not JSON" in damaged[0]["problem"], damaged
+        assert "not a snapshot" in damaged[1]["problem"], damaged
+        assert all(x["moved"] for x in damaged)
+        assert (d / "00000001.json.damaged").read_text().startswith('{"version": 1')
     finally:
         gw.stop()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
@@ -280,6 +281,65 @@ def test_admin_api_errors_and_abort(servers: Servers) -> None:
         assert refused.json()["error"]["param"] == "backends"
         assert "abort it first" in refused.json()["error"]["message"]
         assert httpx.delete(url + "/m1").status_code == 409  # running: abort first
+
+
+def test_every_admin_refusal_names_its_field_and_rollout_times_are_wall_clock(
+    servers: Servers,
+) -> None:
+    """Each 400 of ``POST /admin/rollouts``, ``/admin/config`` and ``/admin/config/rollback``
+    whose cause is a field names it in ``param`` (a ``model_version`` that is not a label
+    value included); ``GET /admin/rollouts`` gives times as ISO 8601 UTC and Unix seconds."""
+    servers.add("a", "v1")
+    servers.add("b", "v2")
+    with GatewayThread(config(servers.backends)) as gw, httpx.Client(
+            base_url=gw.url, timeout=10) as http:  # one client: a new one per call is slow
+        def refused(path: str, body: Any) -> tuple[str | None, str]:
+            r = (http.post(path, json=body) if path.endswith("rollouts")
+                 else http.post(path, content=yaml.safe_dump(body)))
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            return err["param"], err["message"]
+
+        base = {"model": MODEL, "baseline": "v1", "canary": "v2"}
+        for body, param in (
+            ({**base, "canary": "***"}, "canary"),
+            ({**base, "canary": "v" * 500}, "canary"),
+            ({**base, "baseline": " v1"}, "baseline"),
+            ({**base, "canary": "v1"}, "canary"),
+            ({**base, "min_step_s": 10, "max_step_s": 5}, "max_step_s"),
+            ({**base, "targeting": {"steps": 1}}, "targeting.steps"),
+            ({**base, "targeting": {"steps": 9, "low_priority": True}}, "targeting.steps"),
+            ({**base, "model": "nope"}, "model"),
+        ):
+            assert refused("/admin/rollouts", body)[0] == param, body
+        assert "not a model version" in refused("/admin/rollouts", {**base, "canary": "***"})[1]
+        shown = http.get("/admin/config").json()["config"]
+        a, b = shown["backends"]
+        for cfg, param in (
+            ({"backends": [{**a, "model_version": "v 1"}, b]}, "backends.0.model_version"),
+            ({"rollouts": [{**base, "canary": "v9"}]}, "rollouts.0.canary"),
+            ({"rollouts": [base, base]}, "rollouts.1.model"),
+            ({"backends": [a, {**b, "id": "a"}]}, "backends.1.id"),
+            ({"backends": [a, b, {"id": "c", "url": "http://127.0.0.1:9",
+                                  "api_key_env": "R18B_UNSET_KEY"}]}, "backends[c].api_key_env"),
+            ({"auth": {**shown["auth"], "admin_key_env": "R18B_UNSET_KEY"}},
+             "auth.admin_key_env"),
+        ):
+            assert refused("/admin/config", {**shown, **cfg})[0] == param, cfg
+        r = http.post("/admin/config/rollback")  # none kept before
+        assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
+        # times: wall clock, ISO 8601 UTC and Unix seconds
+        before = time.time()
+        assert http.post("/admin/rollouts", json=base).status_code == 201
+        assert http.post(f"/admin/rollouts/{MODEL}/abort").status_code == 200
+        (snap,) = http.get("/admin/rollouts").json()["data"]
+        started = datetime.fromisoformat(snap["started_at"])
+        assert started.utcoffset() == timedelta(0), snap["started_at"]
+        assert before - 1 <= started.timestamp() <= time.time() + 1, snap["started_at"]
+        assert abs(snap["started_unix"] - started.timestamp()) < 1e-3
+        (h,) = snap["history"]
+        assert abs(datetime.fromisoformat(h["at"]).timestamp() - h["at_unix"]) < 1e-3, h
+        assert before - 1 <= h["at_unix"] <= time.time() + 1, h
 
 
 def test_a_canarys_errors_count_though_retries_hide_them_from_clients(

@@ -52,12 +52,19 @@ def test_config_thresholds_reach_the_rules(tmp_path: Path) -> None:
         "slo": {"ttft_s": 1.5, "itl_s": 0.05},
         "thermal": {"hot_c": 80, "warm_c": 70, "resume_c": 65},
         "calibration": {"threshold": 0.9},
+        "status": {"now_s": 120, "min_samples": 10},
     }))
     assert main(["--config", str(cfg), "--out-dir", str(tmp_path)]) == 0
     text = (tmp_path / RULES).read_text()
     rules = {r["alert"]: r for r in yaml.safe_load(text)["groups"][0]["rules"]}
-    assert rules["GatewayTTFTP99OverSLO"]["expr"].endswith("> 1.5")
-    assert rules["GatewayITLP99OverSLO"]["expr"].endswith("> 0.05")
+    # the status page's window and minimum sample: the page and the alerts judge alike
+    enough = "and on (model) sum by (model) (increase(gateway_{}[2m])) >= 10"
+    assert rules["GatewayTTFTP99OverSLO"]["expr"].endswith(
+        "[2m]))) > 1.5 " + enough.format("ttft_seconds_count"))
+    assert rules["GatewayITLP99OverSLO"]["expr"].endswith(
+        "[2m]))) > 0.05 " + enough.format("itl_seconds_count"))
+    assert rules["GatewayErrorRatioHigh"]["expr"].endswith(
+        "[2m])) > 0.05 " + enough.format("requests_total"))
     assert rules["GatewayGpuHot"]["expr"].endswith(">= 80")
     assert rules["GatewayCalibrationDrift"]["expr"].endswith("< 0.9")
     assert f"from {cfg}" in text

@@ -6,7 +6,8 @@ data where the load makes some (the generator's ``under_load`` marks: the panels
 events this load does not cause, hot GPUs or breaker trips, need only run). The rules must
 have loaded and evaluated with health ``ok``.
 
-The load: chat streams and non-streams of model m1 on two simulated backends with GPU
+The load: chat streams and non-streams of model m1 on two simulated backends (one
+without a ``gpu_hour_price``) with GPU
 telemetry (``/gpu/metrics``) in one power domain, through the batcher; model m2 on a
 backend that answers half its requests with a 500 (upstream 5xx errors); a client key
 limited to 2 requests a minute sending 4 (admission refusals); a stream the client closes
@@ -26,7 +27,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import BackendConfig, FaultConfig
+from gateway.config import FaultConfig
 from gateway.ops.alerts import alerts
 from gateway.ops.dashboard import queries
 from gateway.ops.limits import Limits
@@ -70,7 +71,7 @@ def _sim(made: list[SimServerThread], name: str, model: str, **cfg: Any) -> str:
 def _backend(bid: str, url: str, model: str) -> dict[str, Any]:
     b: dict[str, Any] = {"id": bid, "url": url, "models": [model],
                          "gpu_metrics_url": url + "/gpu/metrics", "power_domain": "rack1"}
-    if "gpu_hour_price" in BackendConfig.model_fields:  # cost (issue 19's signals)
+    if bid != "b2":  # cost (issue 19's signals); b2 has no price: the unpriced tokens
         b["gpu_hour_price"] = 2.5
     return b
 

@@ -1,6 +1,6 @@
 """``/status.json`` and ``/status`` over a simulated backend: an outage is said as such
-(the model has no backend that can serve it) with the backend's move to ``unhealthy``
-among the incidents, and neither page shows a backend's URL or key."""
+("major outage": the model has no backend that can serve it) with the backend's move to
+``unhealthy`` among the incidents, and neither page shows a backend's URL or key."""
 
 from __future__ import annotations
 
@@ -30,15 +30,15 @@ def test_outage_words_incident_and_no_backend_url_or_key(
                                          "models": ["m1"], "maintenance": None}]
             sim.kill()
             assert wait_for(lambda: httpx.get(gw.url + "/status.json", timeout=5)
-                            .json()["status"] == "outage", 15)
+                            .json()["status"] == "major outage", 15)
             view = httpx.get(gw.url + "/status.json", timeout=5).json()
             model = view["models"][0]
             assert model["availability"]["routable_backends"] == 0
-            assert model["reasons"] == ["no backend can serve it"]
+            assert model["reasons"] == ["no backend can serve it (1 unhealthy)"]
             assert ("unhealthy", "a") in {(i["kind"], i["subject"]) for i in view["incidents"]}
             page = httpx.get(gw.url + "/status", timeout=5)
             assert page.headers["content-type"].startswith("text/html")
-            assert 'id="overall" class="words outage">outage<' in page.text
+            assert 'id="overall" class="words major-outage">major outage<' in page.text
             host_port = sim.url.split("://", 1)[1]
             for text in (page.text, httpx.get(gw.url + "/status.json", timeout=5).text):
                 assert host_port not in text and "sk-sim-secret" not in text

@@ -56,8 +56,12 @@ class LoopThread:
 class GatewayThread:
     """The real gateway app under uvicorn, in a thread. ``url`` is its base URL."""
 
-    def __init__(self, cfg: GatewayConfig, source: DiscoverySource | None = None) -> None:
+    def __init__(self, cfg: GatewayConfig, source: DiscoverySource | None = None,
+                 host: str = "127.0.0.1") -> None:
+        """``host``: the address it listens on (``0.0.0.0``: every interface, for a test
+        that connects from a non-loopback address); ``url`` is on 127.0.0.1 either way."""
         self.cfg = cfg
+        self.host = host
         self.app = create_app(cfg, source=source)
         self._lt: LoopThread | None = None
         self._server: uvicorn.Server | None = None
@@ -68,7 +72,7 @@ class GatewayThread:
         return self.app.state.gateway  # type: ignore[no-any-return]
 
     def start(self, wait_ready: bool = True, timeout: float = 20) -> str:
-        sock = bound_socket()
+        sock = bound_socket(self.host)
         port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         ucfg = uvicorn_config(self.app, self.cfg)

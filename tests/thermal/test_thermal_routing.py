@@ -178,6 +178,7 @@ def test_power_domain_over_target_steers_then_admission_sheds_low_priority_first
     gw = th_gateway(
         [backend("a", a, ea, power_domain="r1"), backend("b", b, eb, power_domain="r2")],
         power_domains=[{"name": "r1", "budget_w": 1000}, {"name": "r2", "budget_w": 1000}],
+        auth={"anonymous_max_priority": "high"},  # the clients' x-priority: high is granted
     )
     def domains() -> dict[str, Any]:
         r = httpx.get(gw.url + "/admin/backends", timeout=5).json()

@@ -101,3 +101,43 @@ def test_redact_hides_inline_secrets_and_url_passwords() -> None:
     assert out["backends"][0]["api_key"] is None and out["backends"][0]["api_key_env"] == "K"
     assert out["coordination"]["redis_url"] == "redis://:***@host:6379/0"
     assert data["auth"]["admin_key"] == "x"  # not changed in place
+
+
+def test_damaged_snapshots_are_moved_aside_once_and_the_rotation_keeps_the_valid(
+        tmp_path, caplog) -> None:
+    """A file of the history directory that is not a snapshot (truncated JSON, the wrong
+    shape, a name that is not its version's) is renamed ``*.damaged`` (kept for the operator,
+    listed in ``damaged``, logged once), never counted among the ``keep`` kept: the
+    directory holds the last ``keep`` valid snapshots; a valid one beyond ``keep`` (a
+    lowered ``reload.keep``) is rotated out at start."""
+    h = ConfigHistory(tmp_path, keep=5)
+    for i in range(4):
+        h.record({"n": i}, "admin", "f1", {"changed": []}, now=1000.0 + i)
+    d = tmp_path / "config-history"
+    (d / "00000005.json").write_text('{"version": 5, "config": {"n"')  # truncated
+    (d / "00000006.json").write_text(json.dumps({"version": 6}))  # the wrong shape
+    snap = json.loads((d / "00000004.json").read_text())
+    (d / "00000007.json").write_text(json.dumps({**snap, "version": 3}))  # not its name's
+    caplog.set_level("WARNING", logger="gateway.config")
+    h = ConfigHistory(tmp_path, keep=3)
+    assert [s.version for s in h.snapshots] == [2, 3, 4]
+    assert sorted(p.name for p in d.glob("*.json")) == [
+        "00000002.json", "00000003.json", "00000004.json"]  # 1 rotated out
+    assert sorted(p.name for p in d.glob("*.damaged")) == [
+        "00000005.json.damaged", "00000006.json.damaged", "00000007.json.damaged"]
+    assert [x["file"] for x in h.damaged_view()] == [
+        "00000005.json.damaged", "00000006.json.damaged", "00000007.json.damaged"]
+    problems = [x["problem"] for x in h.damaged_view()]
+    assert "not JSON" in problems[0] and "not a snapshot" in problems[1], problems
+    assert "version 3" in problems[2], problems
+    moved = [r for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(moved) == 3, [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    again = ConfigHistory(tmp_path, keep=3)  # the next start: listed, not logged again
+    assert [s.version for s in again.snapshots] == [2, 3, 4]
+    assert [x["file"] for x in again.damaged_view()] == [
+        x["file"] for x in h.damaged_view()]
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]
+    assert again.record({"n": 9}, "admin", "f1", {}, now=2000.0).version == 8  # not reused
+    assert sorted(p.name for p in d.glob("*.json")) == [
+        "00000003.json", "00000004.json", "00000008.json"]

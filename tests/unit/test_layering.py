@@ -28,12 +28,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 0: shared vocabulary, the config schema, metric declarations
     #    (gateway.embedded: the uvicorn server the gateway, the simulator and tests embed)
     #    (gateway.config_diff: what a live reload changes; gateway.config_history: the kept
-    #    applied configs)
+    #    applied configs; gateway.reload_errors: why a reload did not apply)
     #    (gateway.logs: log lines and the request's log fields; gateway.tracing: the
     #    optional OpenTelemetry spans, no-op without the SDK)
     #    (gateway.ops.*: the dashboard and alert rules built from the config's thresholds)
     ("gateway", "gateway.core.*", "gateway.config", "gateway.metrics", "gateway.embedded",
      "gateway.config_diff", "gateway.config_history", "gateway.reload_input",
+     "gateway.reload_errors",
      "gateway.config_rollouts", "gateway.logs", "gateway.tracing", "gateway.signals",
      "gateway.ops.*"),
     # 1: pure decisions: routing policies, admission, breaker, retries, forecasts, capacity,
@@ -54,8 +55,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.flow.*", "gateway.coord.*"),
     # 4: the component container (Gateway) and build_gateway
     #    (gateway.reloading: live reload, applied to the Gateway; gateway.reload_state: the
-    #    state kept with its snapshots)
-    ("gateway.wiring", "gateway.reloading", "gateway.reload_state"),
+    #    state kept with its snapshots; gateway.reload_fleet: fleet mode's config on a replica)
+    ("gateway.wiring", "gateway.reloading", "gateway.reload_state", "gateway.reload_fleet"),
     # 5: the HTTP edge (gateway.api.forms: multipart bodies; gateway.api.responses: by-id)
     ("gateway.api.*",),
     # 6: the ASGI app and its lifespan
@@ -81,6 +82,7 @@ SIMULATOR_IMPORTERS = ("gateway.demo", "gateway.cli")
 PURE = (
     "gateway.core.*",
     "gateway.config_diff",
+    "gateway.reload_errors",
     "gateway.routing.*",
     "gateway.traffic.*",
     "gateway.autoscale",

@@ -45,10 +45,13 @@ def test_a_valid_rollout_with_its_defaults() -> None:
     ({"steps": [0.5, 0.9]}, "rollouts.0.steps"),
     ({"min_step_requests": 0}, "rollouts.0.min_step_requests"),
     ({"min_samples": 5}, "rollouts.0.min_samples"),
-    ({"canary": "v1"}, "canary must differ from baseline"),
-    ({"max_step_s": 10, "min_step_s": 20}, "max_step_s (10) must be >= min_step_s"),
-    ({"targeting": {"steps": 2}}, "targeting.steps needs targeting.client_keys"),
-    ({"targeting": {"steps": 5, "low_priority": True}}, "targeting.steps (5) must be below"),
+    ({"canary": "v1"}, "rollouts.0.canary: must differ from baseline"),
+    ({"max_step_s": 10, "min_step_s": 20}, "rollouts.0.max_step_s: 10 must be >= min_step_s"),
+    ({"targeting": {"steps": 2}}, "rollouts.0.targeting.steps: needs targeting.client_keys"),
+    ({"targeting": {"steps": 5, "low_priority": True}},
+     "rollouts.0.targeting.steps: 5 must be below"),
+    ({"canary": "***"}, "rollouts.0.canary: not a model version"),
+    ({"baseline": " v1"}, "rollouts.0.baseline: not a model version"),
     ({"calibration": {"measure": "bleu"}}, "rollouts.0.calibration.measure"),
     ({"stepz": [1.0]}, "rollouts.0.stepz: unknown field"),
     ({"targeting": {"client_keys": ["nobody"], "steps": 1}},
@@ -57,6 +60,23 @@ def test_a_valid_rollout_with_its_defaults() -> None:
 def test_bad_rollouts_are_refused_naming_the_field(rollout: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(field)):
         cfg(**rollout)
+
+
+@pytest.mark.parametrize("version", ["***", "", " ", "v1 ", "-v1", "v1.", "a/b", "é", "v" * 64])
+def test_a_model_version_is_a_kubernetes_label_value(version: str) -> None:
+    """``model_version`` is a metric label value, part of URLs and logs: at most 63
+    characters, alphanumerics with ``-``, ``_``, ``.`` inside (Kubernetes' label values)."""
+    bad = [{**BACKENDS[0], "model_version": version}]
+    with pytest.raises(ConfigError, match=re.escape("backends.0.model_version: not a model "
+                                                    "version")):
+        load_config(None, backends=bad)
+
+
+def test_model_versions_of_the_label_value_rules_are_taken() -> None:
+    for version in ("v1", "2025-06", "Llama-3.1_8B.rc2", "a", "v" * 63):
+        b = BackendConfig(id="a", url="http://h:1", model_version=version)
+        assert b.model_version == version
+        assert RolloutConfig(model="m", baseline=version, canary="x").baseline == version
 
 
 def test_one_rollout_per_model() -> None:

@@ -1,7 +1,7 @@
 """Pure parsing and derivation behind the operator signals of issue 19: vLLM's prefix-cache
 counters and their ratio between scrapes, DCGM utilization and framebuffer memory, the
-error type of an answer, cost and the tokens window, and the exposition without
-``_created`` series."""
+error type of an answer and of the gateway's fast-fail, cost and the tokens window, and the
+exposition without ``_created`` series."""
 
 from __future__ import annotations
 
@@ -20,9 +20,13 @@ from gateway.core.outcomes import (
     stream_error_type,
 )
 from gateway.core.samples import LoadSample, prefix_cache_hit_ratio
-from gateway.core.vocab import ErrorType
+from gateway.core.vocab import BackendState, ErrorType
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.telemetry import parse_dcgm, scan_vllm
+from gateway.flow.outcome import unavailable
+from gateway.metrics import GatewayMetrics
 from gateway.signals import CostCollector, exposition
+from tests.support.servers import gateway_config
 
 # ../shared/real-vllm beside the checkout (a real vLLM server's /metrics, scripts/vllm-cpu)
 REAL_VLLM = Path(__file__).resolve().parents[3] / "shared" / "real-vllm" / "metrics_sample.txt"
@@ -95,13 +99,18 @@ def test_dcgm_utilization_and_framebuffer() -> None:
 def test_error_types() -> None:
     assert status_error_type(200) is None and status_error_type(400) is None
     assert status_error_type(499) is ErrorType.CLIENT_DISCONNECT
-    assert status_error_type(429) is ErrorType.RATE_LIMITED
+    # an answer known by its status is a backend's: its 429 is no client key's limit
+    assert status_error_type(429) is ErrorType.UPSTREAM_RATE_LIMITED
     assert status_error_type(504) is ErrorType.TIMEOUT
     assert status_error_type(503) is ErrorType.UPSTREAM_5XX
     assert refusal_error_type(Refusal(504, "x", code="upstream_timeout")) is ErrorType.TIMEOUT
     assert refusal_error_type(Refusal(502, "x", code="upstream_unavailable")) is ErrorType.CONNECT
-    assert refusal_error_type(Refusal(503, "x", code="no_backend_available")) is ErrorType.CONNECT
-    assert refusal_error_type(Refusal(429, "x")) is ErrorType.RATE_LIMITED
+    assert refusal_error_type(Refusal(503, "x", code="no_backend_available")) \
+        is ErrorType.NO_BACKEND
+    # a 429 of the gateway's own is never rate_limited unless the entry layer says so
+    assert refusal_error_type(Refusal(429, "x")) is ErrorType.ADMISSION_REFUSED
+    assert refusal_error_type(
+        Refusal(429, "x", error_type=ErrorType.RATE_LIMITED)) is ErrorType.RATE_LIMITED
     assert refusal_error_type(
         Refusal(429, "x", error_type=ErrorType.ADMISSION_REFUSED)
     ) is ErrorType.ADMISSION_REFUSED
@@ -114,6 +123,35 @@ def test_error_types() -> None:
     for cut in ("upstream_disconnected", "upstream_incomplete", "drain_deadline",
                 "backend_hung", "gateway_shutdown"):
         assert stream_error_type(cut) is ErrorType.CUT
+
+
+def test_the_gateways_fast_fail_is_no_backend_unless_the_backends_only_cool() -> None:
+    now = [100.0]
+    cfg = gateway_config(
+        [{"id": i, "url": "http://127.0.0.1:9", "models": ["m1"]} for i in ("a", "b")],
+        breaker={"consecutive_failures": 1, "open_base_s": 10, "open_max_s": 10})
+    fleet = Fleet.from_config(cfg, lambda: now[0])
+    a, b = fleet.backends
+    a.state = b.state = BackendState.WARM  # (the fleet state's job, skipped here)
+    for x in (a, b):
+        x.breaker.on_failure()  # one failure in a row trips it: open for 10 s
+    assert not a.routable and a.serving_state == "breaker_open"
+    # every breaker open: the gateway's 429 is an outage, not a client's rate limit
+    refused = unavailable(fleet.backends, "m1", cfg.health, now[0])
+    assert refused.status == 429 and refusal_error_type(refused) is ErrorType.NO_BACKEND
+    # b's breaker closes again but b cools after its own 429: the backends refused
+    now[0] += 10
+    b.breaker.on_success(probe=b.breaker.acquire())
+    a.breaker.on_failure(probe=a.breaker.acquire())  # a's probe fails: open again
+    b.cool_until(now[0] + 5)
+    assert b.routable and not a.routable
+    refused = unavailable(fleet.backends, "m1", cfg.health, now[0])
+    assert refused.status == 429 and refusal_error_type(refused) is ErrorType.UPSTREAM_RATE_LIMITED
+    # nothing warm at all: 503, no_backend
+    a.state = b.state = BackendState.UNHEALTHY
+    refused = unavailable(fleet.backends, "m1", cfg.health, now[0])
+    assert refused.status == 503 and refusal_error_type(refused) is ErrorType.NO_BACKEND
+
 
 
 def test_cost_and_the_tokens_window() -> None:
@@ -179,3 +217,27 @@ def test_cost_accrues_at_each_interval_s_price_and_per_million_tokens() -> None:
     a.config = _Priced(0.0, gpus=2)  # a live price change: from now on
     now[0] = 200.0
     assert _collect(c)[("gateway_backend_cost_total", "a")] == pytest.approx(0.2)
+
+
+def test_model_cost_splits_a_backend_between_its_models_and_fleet_mode_has_no_ratio() -> None:
+    now = [0.0]
+    b = _Backend("b", _Priced(3.6), models=("m", "n"))  # 0.001 a second, half each
+    c = CostCollector([b], TokenWindow(), clock=lambda: now[0], per_million=False)
+    now[0] = 100.0
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in c.collect() for s in fam.samples}
+    for model in ("m", "n"):
+        assert samples[("gateway_model_cost_total",
+                        (("backend", "b"), ("model", model)))] == pytest.approx(0.05)
+    assert not any(name == "gateway_cost_per_million_tokens" for name, _ in samples)
+
+
+def test_only_priced_backends_tokens_count_toward_the_per_million_window() -> None:
+    m = GatewayMetrics()
+    m.count_tokens("m", 10, 100, now=1.0, backend="priced", priced=True)
+    m.count_tokens("m", 10, 300, now=1.0, backend="free", priced=False)
+    assert m.generated.total("m", now=2.0) == 100  # the unpriced 300 do not dilute it
+    got = {s.labels["backend"]: s.value for fam in m.registry.collect()
+           if fam.name == "gateway_backend_generated_tokens" for s in fam.samples
+           if s.name.endswith("_total")}
+    assert got == {"priced": 100, "free": 300}

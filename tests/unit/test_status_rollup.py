@@ -1,5 +1,6 @@
 """The status page's pure parts: the per-minute rollup of an hour (injected clock), the
-verdict words from their inputs, the bounded incident log."""
+verdict words from their inputs (availability thresholds, the minimum sample, the last
+hour), the bounded incident log."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from gateway.traffic.incidents import IncidentLog
 from gateway.traffic.status_rollup import GROWTH, LogHistogram, MinuteRollup
 from gateway.traffic.status_verdict import (
     DEGRADED,
+    MAJOR,
     OPERATIONAL,
-    OUTAGE,
+    PARTIAL,
     ModelInputs,
+    Window,
     model_verdict,
     overall,
 )
@@ -67,12 +70,12 @@ def test_rollup_windows_and_an_hour_of_minutes() -> None:
     assert recent.answered_share == 1.0
     hour = r.summary("m", now, 3600, min_samples=20)
     assert hour.ttft_p99_s == pytest.approx(1.0, rel=0.05)  # 30 of 300 slow: P99 slow
-    assert hour.requests == 300 and hour.server_errors == 3
+    assert hour.requests == 300 and hour.failed == 3
     assert hour.answered_share == pytest.approx(0.99)
     assert hour.ttft_samples == 300
     # an hour later the slow minute has left the hour, then everything has
     later = r.summary("m", t0 + 3600 + 61, 3600, min_samples=20)
-    assert later.ttft_p99_s == pytest.approx(0.1, rel=0.05) and later.server_errors == 0
+    assert later.ttft_p99_s == pytest.approx(0.1, rel=0.05) and later.failed == 0
     gone = r.summary("m", t0 + 2 * 3600 + 60 * 10, 3600)
     assert gone.requests == 0 and gone.ttft_p99_s is None and gone.answered_share is None
 
@@ -95,32 +98,89 @@ def test_rollup_needs_min_samples_and_keeps_models_apart() -> None:
 # ---- the verdict words -----------------------------------------------------------------------
 
 
-def test_no_routable_backend_is_an_outage_whatever_the_latency() -> None:
-    v = model_verdict(ModelInputs("m", 0, 0.01, 0.01), 1.0, 0.1)
-    assert v.words == OUTAGE
+WARM = (("warm", 3),)
+
+
+def inputs(now: Window, states: tuple[tuple[str, int], ...] = WARM, hour: Window | None = None,
+           level: int = 0) -> ModelInputs:
+    return ModelInputs("m", states, now, hour, level)
+
+
+def streams(ttft: float | None, itl: float | None, n: int = 50) -> Window:
+    """A "now" window of ``n`` streams (and ``n`` gaps), every request answered."""
+    return Window(300, n, 0, ttft, n, itl, n)
+
+
+def test_no_routable_backend_is_a_major_outage_whatever_the_sample() -> None:
+    v = model_verdict(inputs(Window(300), (("breaker_open", 2), ("unhealthy", 1))), 1.0, 0.1)
+    assert v.words == MAJOR
+    assert v.reasons == ("no backend can serve it (2 circuit breaker open, 1 unhealthy)",)
+    assert model_verdict(inputs(streams(0.01, 0.01), ()), 1.0, 0.1).reasons == (
+        "no backend can serve it (none lists it)",)
+
+
+@pytest.mark.parametrize(("answered", "words"), [
+    (1000, OPERATIONAL), (990, OPERATIONAL),  # 99 % exactly is not under it
+    (989, PARTIAL), (900, PARTIAL),  # 90 % exactly is not under it
+    (899, MAJOR), (650, MAJOR), (0, MAJOR)])
+def test_the_answered_share_makes_a_partial_or_major_outage(answered: int, words: str) -> None:
+    now = Window(300, 1000, 1000 - answered)
+    v = model_verdict(inputs(now, hour=now), 1.0, 0.1)
+    assert v.words == words and v.hour is not None and v.hour.words == words
+    if words != OPERATIONAL:
+        assert v.reasons[0].startswith(f"{answered / 10:.1f} % of 1000 requests answered "
+                                       "in the last 5 min (under ")
+
+
+def test_availability_is_judged_only_on_min_samples_requests() -> None:
+    few = Window(300, 19, 19)  # all failed, but 19 < 20
+    v = model_verdict(inputs(few), 1.0, 0.1, min_samples=20)
+    assert v.words == OPERATIONAL and v.reasons == ()
+    assert v.notes == ("availability in the last 5 min: 19 requests: too few to judge "
+                       "(20 needed)",)
+    assert model_verdict(inputs(Window(300, 20, 20)), 1.0, 0.1, min_samples=20).words == MAJOR
+
+
+def test_the_last_hour_has_its_own_words_beside_the_now_window() -> None:
+    hour = Window(3600, 1200, 100, 3.0, 1200, 0.05, 1200)  # 91.7 %, and slow
+    v = model_verdict(inputs(streams(0.5, 0.05), hour=hour), 1.0, 0.1)
+    assert v.words == OPERATIONAL  # now: recovered
+    assert v.hour is not None and v.hour.words == PARTIAL
+    assert v.hour.reasons == ("91.7 % of 1200 requests answered in the last hour (under 99 %)",
+                              "P99 TTFT 3 s over the SLO 1 s in the last hour")
 
 
 def test_p99_over_the_slo_is_degraded_performance_although_everything_answers() -> None:
-    assert model_verdict(ModelInputs("m", 3, 1.5, 0.05), 1.0, 0.1).words == DEGRADED
-    assert model_verdict(ModelInputs("m", 3, 0.5, 0.2), 1.0, 0.1).words == DEGRADED
-    v = model_verdict(ModelInputs("m", 3, 1.5, 0.2), 1.0, 0.1)
+    assert model_verdict(inputs(streams(1.5, 0.05)), 1.0, 0.1).words == DEGRADED
+    assert model_verdict(inputs(streams(0.5, 0.2)), 1.0, 0.1).words == DEGRADED
+    v = model_verdict(inputs(streams(1.5, 0.2)), 1.0, 0.1)
     assert len(v.reasons) == 2 and "TTFT" in v.reasons[0] and "ITL" in v.reasons[1]
-    assert model_verdict(ModelInputs("m", 3, 0.5, 0.05, degraded_level=1), 1.0,
-                         0.1).words == DEGRADED
+    assert model_verdict(inputs(streams(0.5, 0.05), level=1), 1.0, 0.1).words == DEGRADED
+    # an outage is worse than slowness
+    assert model_verdict(inputs(Window(300, 100, 5, 1.5, 100)), 1.0, 0.1).words == PARTIAL
 
 
 def test_recovered_only_when_p99_is_back_under_the_slo() -> None:
-    assert model_verdict(ModelInputs("m", 1, 1.0, 0.1), 1.0, 0.1).words == OPERATIONAL  # at
-    assert model_verdict(ModelInputs("m", 1, 1.01, 0.1), 1.0, 0.1).words == DEGRADED
-    # too few streams to judge: nothing is over (no one is waiting on them)
-    v = model_verdict(ModelInputs("m", 1, None, None), 1.0, 0.1)
+    assert model_verdict(inputs(streams(1.0, 0.1)), 1.0, 0.1).words == OPERATIONAL  # at
+    assert model_verdict(inputs(streams(1.01, 0.1)), 1.0, 0.1).words == DEGRADED
+
+
+def test_too_few_streams_are_not_judged_but_said_with_the_count() -> None:
+    v = model_verdict(inputs(Window(300, 3, 0, 5.0, 3, 0.5, 12)), 1.0, 0.1, min_samples=20)
     assert v.words == OPERATIONAL and v.reasons == ()
+    assert v.notes == (
+        "availability in the last 5 min: 3 requests: too few to judge (20 needed)",
+        "P99 TTFT in the last 5 min: 3 streams: too few to judge (20 needed)",
+        "P99 ITL in the last 5 min: 12 inter-token gaps: too few to judge (20 needed)")
+    # no stream at all: nothing to judge and nothing to say of P99
+    assert model_verdict(inputs(Window(300)), 1.0, 0.1).notes == ()
 
 
 def test_overall_is_the_worst_model() -> None:
     assert overall([]) == OPERATIONAL
     assert overall([OPERATIONAL, DEGRADED]) == DEGRADED
-    assert overall([DEGRADED, OUTAGE, OPERATIONAL]) == OUTAGE
+    assert overall([DEGRADED, MAJOR, PARTIAL, OPERATIONAL]) == MAJOR
+    assert overall([DEGRADED, PARTIAL]) == PARTIAL
 
 
 # ---- the incident log ------------------------------------------------------------------------

@@ -1,0 +1,307 @@
+"""Secure by default (issue 20), as a client on the network meets it.
+
+* Without an admin key, ``/admin/*`` answers loopback clients only: a request from one of
+  the test host's own non-loopback addresses (``tests/support/netaddr.py``: the kernel uses
+  it as the source when the client binds to it) gets 403 in OpenAI's shape, and the drain
+  it asked for did not happen; so does a loopback request relayed by a proxy
+  (``X-Forwarded-For``). With a key (read from a file), the same request needs the key and
+  then drains (202).
+* Every route under ``/admin`` is guarded, including any added later (the route table is
+  read, not listed here).
+* Keys and backend credentials from files and the environment never show: distinctive
+  secret values are grepped for in every admin view, the status page, ``/metrics``, error
+  answers and the captured logs.
+* The status page shows backend ids to loopback clients and the admin key's holders only.
+* ``x-priority`` is bounded by what the key was granted, counted when capped, and never
+  forwarded to the backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, check_secrets, load_config
+from tests.lifecycle.support import MODEL, Sim, chat_body, metric, metric_samples
+from tests.support.netaddr import non_loopback_address
+from tests.support.scripted import ScriptedBackend, wait_for
+from tests.support.servers import GatewayThread, gateway_config
+
+ADMIN = "adm-7f3c1e9b5d2a"  # distinctive: grepped for on every surface
+CLIENT_FILE = "cli-file-4b8e2d6a9c1f"
+CLIENT_ENV = "cli-env-2c9d7a4e6b3f"
+BACKEND = "be-key-9a1d5c3e7b2f"
+SECRETS = (ADMIN, CLIENT_FILE, CLIENT_ENV, BACKEND)
+ENV_NAME = "GW_TEST_CLIENT_KEY_20"
+
+
+@pytest.fixture(scope="module")
+def remote_addr() -> Iterator[str]:
+    with non_loopback_address() as addr:
+        if addr is None:
+            pytest.skip("this host has no non-loopback address and cannot add one (not root)")
+        yield addr
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Sim]:
+    s = Sim("a", api_key=BACKEND)  # the gateway must send the key it read from a file
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def secret_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("secrets")
+    out = {}
+    for name, value in (("admin", ADMIN), ("client", CLIENT_FILE), ("backend", BACKEND)):
+        p = d / name
+        p.write_text(value + "\n")  # as `echo` and `kubectl create secret --from-file` leave
+        out[name] = str(p)
+    return out
+
+
+def _start(cfg: Any) -> GatewayThread:
+    gw = GatewayThread(cfg, host="0.0.0.0")
+    gw.start()
+    return gw
+
+
+@pytest.fixture(scope="module")
+def open_gw(sim: Sim, secret_files: dict[str, str]) -> Iterator[GatewayThread]:
+    """No admin key, no client keys; listening on every interface."""
+    gw = _start(gateway_config([{"id": "a", "url": sim.url, "models": [MODEL],
+                                 "api_key_file": secret_files["backend"]}]))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_gw(sim: Sim, secret_files: dict[str, str]) -> Iterator[GatewayThread]:
+    """The admin key from a file, one client key from a file and one from the
+    environment, the backend's key from a file."""
+    os.environ[ENV_NAME] = CLIENT_ENV
+    cfg = gateway_config(
+        [{"id": "a", "url": sim.url, "models": [MODEL], "api_key_file": secret_files["backend"]}],
+        auth={"admin_key_file": secret_files["admin"],
+              "client_keys": [{"name": "filed", "key_file": secret_files["client"]},
+                              {"name": "envd", "key_env": ENV_NAME}]})
+    gw = _start(cfg)
+    yield gw
+    gw.stop()
+    os.environ.pop(ENV_NAME, None)
+
+
+def _remote(gw: GatewayThread, addr: str) -> tuple[httpx.Client, str]:
+    """A client whose connections come from ``addr``, and the gateway's URL there."""
+    port = gw.url.rsplit(":", 1)[1]
+    transport = httpx.HTTPTransport(local_address=addr)
+    return httpx.Client(transport=transport, timeout=10), f"http://{addr}:{port}"
+
+
+def _assert_openai_error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == code, err
+    return dict(err)
+
+
+def _routable(gw: GatewayThread) -> list[str]:
+    return list(httpx.get(gw.url + "/ready/fleet", timeout=5).json()["routable"])
+
+
+def test_admin_drain_from_a_non_loopback_address_needs_the_key(
+        open_gw: GatewayThread, keyed_gw: GatewayThread, remote_addr: str) -> None:
+    client, base = _remote(open_gw, remote_addr)
+    with client:
+        r = client.post(base + "/admin/backends/a/drain")
+        err = _assert_openai_error(r, 403, "admin_loopback_only")
+        assert err["type"] == "permission_error"
+        assert "auth.admin_key_file" in err["message"] and "auth.admin_key_env" in err["message"]
+        assert "a" in _routable(open_gw)
+        ok = client.post(base + "/v1/chat/completions", json=chat_body())  # still served
+        assert ok.status_code == 200, ok.text
+    # a loopback peer that relays for someone else is not loopback
+    r = httpx.post(open_gw.url + "/admin/backends/a/drain", timeout=10,
+                   headers={"x-forwarded-for": "203.0.113.9"})
+    _assert_openai_error(r, 403, "admin_loopback_only")
+    assert httpx.get(open_gw.url + "/admin/backends/a", timeout=10).status_code == 200
+
+    client, base = _remote(keyed_gw, remote_addr)
+    with client:
+        _assert_openai_error(client.post(base + "/admin/backends/a/drain"), 401,
+                             "invalid_api_key")
+        _assert_openai_error(client.post(base + "/admin/backends/a/drain",
+                                         headers={"authorization": "Bearer " + ADMIN[:-1]}),
+                             401, "invalid_api_key")
+        assert "a" in _routable(keyed_gw)
+        auth = {"authorization": f"Bearer {ADMIN}"}  # the file's content, newline stripped
+        r = client.post(base + "/admin/backends/a/drain", headers=auth)
+        assert r.status_code == 202, r.text
+        assert wait_for(lambda: "a" not in _routable(keyed_gw), 10)  # out of rotation
+        assert client.post(base + "/admin/backends/a/undrain", headers=auth).status_code == 200
+    assert wait_for(lambda: "a" in _routable(keyed_gw), 10)
+
+
+def test_every_admin_route_refuses_a_remote_client_without_a_key(
+        open_gw: GatewayThread, remote_addr: str) -> None:
+    routes = [(m, re.sub(r"\{[^}]*\}", "x", r.path))
+              for r in open_gw.app.routes if getattr(r, "path", "").startswith("/admin")
+              for m in sorted(getattr(r, "methods", None) or ())]
+    assert len(routes) >= 15, routes  # backends, actions, config, rollouts, zones, fleet
+    client, base = _remote(open_gw, remote_addr)
+    with client:
+        got = {(m, p): client.request(m, base + p).status_code for m, p in routes}
+    assert set(got.values()) == {403}, got
+    assert "a" in _routable(open_gw)
+
+
+def _grep(text: str, where: str) -> None:
+    for s in SECRETS:
+        assert s not in text, f"a secret ({s[:4]}...) shows in {where}"
+
+
+def test_secrets_from_files_and_env_never_show(
+        keyed_gw: GatewayThread, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    base = keyed_gw.url
+    # the keys work: from the file (newline stripped) and the environment
+    for key in (CLIENT_FILE, CLIENT_ENV):
+        r = httpx.post(base + "/v1/chat/completions", json=chat_body(), timeout=30,
+                       headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text  # the backend's key (file) was sent too
+    seen: dict[str, str] = {}
+    for path in ("/admin/config", "/admin/config/history", "/admin/backends",
+                 "/admin/backends/a", "/admin/fleet", "/admin/rollouts", "/admin/zones",
+                 "/status", "/status.json", "/metrics", "/ready", "/ready/fleet",
+                 "/v1/models"):
+        auth = {"authorization": f"Bearer {CLIENT_FILE}"} if path.startswith("/v1") else admin
+        r = httpx.get(base + path, headers=auth, timeout=10)
+        assert r.status_code == 200, (path, r.text)
+        seen[path] = r.text
+    shown = json.loads(seen["/admin/config"])["config"]
+    assert shown["auth"]["admin_key_file"].endswith("admin")  # the path, not the key
+    # error answers: wrong keys, a bad config posted, an unknown model
+    errors = [
+        httpx.post(base + "/v1/chat/completions", json=chat_body(), timeout=10,
+                   headers={"authorization": f"Bearer {CLIENT_FILE}x"}),
+        httpx.get(base + "/admin/backends", timeout=10,
+                  headers={"authorization": f"Bearer {ADMIN}x"}),
+        httpx.post(base + "/admin/config", headers=admin, timeout=10,
+                   content=f"auth: {{admin_key: 7, client_keys: [{{name: x, key: {BACKEND}}}, "
+                           f"{{name: y, key: {BACKEND}}}]}}"),
+        httpx.post(base + "/v1/chat/completions", timeout=10,
+                   json={**chat_body(), "model": "nope"},
+                   headers={"authorization": f"Bearer {CLIENT_ENV}"}),
+    ]
+    assert [r.status_code for r in errors] == [401, 401, 400, 404], [r.text for r in errors]
+    for r in errors:
+        seen[f"{r.request.method} {r.request.url.path} -> {r.status_code}"] = r.text
+    # a config whose key file cannot be read names the field, and shows no secret
+    cfg = load_config(None, backends=[{"id": "b", "url": "http://127.0.0.1:9",
+                                       "api_key_file": "/nonexistent/key"}])
+    with pytest.raises(ConfigError, match=r"backends\[b\]\.api_key_file: cannot read"):
+        check_secrets(cfg)
+    for where, text in seen.items():
+        _grep(text, where)
+    _grep("\n".join(r.getMessage() for r in caplog.records), "the logs")
+
+
+def test_a_rotated_key_file_is_read_again_on_reload(
+        keyed_gw: GatewayThread, secret_files: dict[str, str]) -> None:
+    """The admin key's file rewritten (a rotated secret), the config unchanged: a reload
+    (here ``POST /admin/config`` of the running view) takes the new key up."""
+    url, path = keyed_gw.url, Path(secret_files["admin"])
+
+    def reload(key: str) -> int:
+        view = httpx.get(url + "/admin/config", timeout=10,
+                         headers={"authorization": f"Bearer {key}"}).json()
+        return httpx.post(url + "/admin/config", json=view, timeout=10,
+                          headers={"authorization": f"Bearer {key}"}).status_code
+
+    def status(key: str) -> int:
+        return httpx.get(url + "/admin/backends", timeout=10,
+                         headers={"authorization": f"Bearer {key}"}).status_code
+
+    rotated = ADMIN + "-rotated"
+    try:
+        path.write_text(rotated + "\n")
+        assert status(ADMIN) == 200  # read at start and at reloads only
+        assert reload(ADMIN) == 200
+        assert (status(ADMIN), status(rotated)) == (401, 200)
+    finally:
+        path.write_text(ADMIN + "\n")
+        reload(rotated)
+    assert status(ADMIN) == 200
+
+
+def test_the_status_page_shows_backend_ids_to_loopback_and_admin_key_holders_only(
+        keyed_gw: GatewayThread, remote_addr: str) -> None:
+    local = httpx.get(keyed_gw.url + "/status.json", timeout=10).json()
+    assert local["details"] is True and [b["id"] for b in local["backends"]] == ["a"]
+    client, base = _remote(keyed_gw, remote_addr)
+    with client:
+        anon = client.get(base + "/status.json").json()
+        page = client.get(base + "/status")
+        held = client.get(base + "/status.json",
+                          headers={"authorization": f"Bearer {ADMIN}"}).json()
+    assert anon["details"] is False and anon["backends"] == []
+    assert anon["models"][0]["availability"]["routable_backends"] == 1  # still useful
+    assert page.status_code == 200 and "status.public_details" in page.text
+    assert "<td>a</td>" not in page.text and "<td>a</td>" in httpx.get(
+        keyed_gw.url + "/status", timeout=10).text
+    assert held["details"] is True and held["backends"][0]["id"] == "a"
+
+
+def test_priority_is_granted_not_claimed_and_never_forwarded(
+        backends: Callable[..., ScriptedBackend],
+        gateway: Callable[..., GatewayThread]) -> None:
+    a = backends()
+    gw = gateway({"a": a}, auth={"client_keys": [
+        {"name": "web", "key": "sk-web"},  # max_priority: its priority (normal)
+        {"name": "ops", "key": "sk-ops", "max_priority": "high"}]})
+    for key in ("sk-web", "sk-ops"):
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=10,
+                       json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+                       headers={"authorization": f"Bearer {key}", "x-priority": "high"})
+        assert r.status_code == 200, r.text
+    assert a.data_requests and all("x-priority" not in rq.headers for rq in a.data_requests)
+    m = metric_samples(gw.url)
+    assert metric(m, "gateway_priority_capped_total", key="web", asked="high",
+                  granted="normal") == 1
+    assert metric(m, "gateway_priority_capped_total", key="ops", asked="high",
+                  granted="high") is None
+    gate, keys = gw.gateway.gate, {k.name: k for k in gw.gateway.cfg.auth.client_keys}
+    assert [gate.priority(p, keys["web"]).label for p in (b"high", b"low", None)] == [
+        "normal", "low", "normal"]
+    assert gate.priority(b"high", keys["ops"]).label == "high"
+    assert gate.priority(b"high", None).label == "normal"  # auth.anonymous_max_priority
+
+
+def test_key_files_and_priority_bounds_are_checked_at_load(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    cfg = load_config(None, auth={"admin_key_file": str(empty)})
+    with pytest.raises(ConfigError, match=r"auth\.admin_key_file: .* is empty"):
+        check_secrets(cfg)
+    with pytest.raises(ConfigError, match="at most one of admin_key, admin_key_env"):
+        load_config(None, auth={"admin_key": "x", "admin_key_file": str(empty)})
+    with pytest.raises(ConfigError, match="priority 'high' is above max_priority 'normal'"):
+        load_config(None, auth={"client_keys": [{"name": "k", "key": "v", "priority": "high",
+                                                 "max_priority": "normal"}]})
+    same = tmp_path / "same"
+    same.write_text("one-secret")
+    cfg = load_config(None, auth={"client_keys": [{"name": "a", "key": "one-secret"},
+                                                  {"name": "b", "key_file": str(same)}]})
+    with pytest.raises(ConfigError, match="'a' and 'b' have the same key"):
+        check_secrets(cfg)
