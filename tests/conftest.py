@@ -10,6 +10,12 @@ import pytest
 from tests.realvllm.servers import launch_early, stop_early
 from tests.support.scripted import ScriptedBackend
 from tests.support.servers import GatewayThread, gateway_config
+from tests.support.tls import share_default_context
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One default TLS context for the process's httpx clients (:mod:`tests.support.tls`)."""
+    share_default_context()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
