@@ -23,7 +23,6 @@ from collections.abc import Iterator
 
 import uvicorn
 
-
 POLL_S = 0.005
 """How often a shutdown looks whether the connections and request tasks have ended, in
 seconds (uvicorn polls every 0.1 s and first waits a fixed 0.1 s)."""
