@@ -11,6 +11,12 @@ from hypothesis import HealthCheck, settings
 from tests.realvllm.servers import launch_early, stop_early
 from tests.support.scripted import ScriptedBackend
 from tests.support.servers import GatewayThread, gateway_config
+from tests.support.tls import share_default_context
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One default TLS context for the process's httpx clients (:mod:`tests.support.tls`)."""
+    share_default_context()
 
 # Property-based tests (hypothesis; the fuzz tests of tests/fuzz/, issue 20): a fixed seed
 # (derandomize: the examples are a function of the test alone, the same on every run) and a

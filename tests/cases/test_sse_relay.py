@@ -288,19 +288,16 @@ def test_BUG_15_large_events_not_lost_or_merged(backends, gateway):
     assert sdk_content(gw.url) == "".join(big)
 
 
-def test_BUG_15_silence_gets_no_data_pings(backends, gateway):
+def test_BUG_15_silence_gets_no_data_pings(default_waits):
     """BUG-15 silence variant: A is silent for 16 s before its first chunk (past the 15 s
     default ping of sse-starlette; scaled down from the case's 20 s). This gateway sends no
     keep-alive pings (documented here: pings are off); if any keep-alive appeared it would
     have to be a ``:`` comment block, never a ``data:`` line. The raw capture and the SDK
     (which would ``json.loads`` a data ping and crash) run concurrently on the same stream
-    script and both reconstruct A's content."""
-    a = backends(framing_script(b"\n\n", 64, silence_s=16.0))
-    gw = gateway({"a": a})
-    with ThreadPoolExecutor(2) as ex:
-        f_raw, f_sdk = ex.submit(capture, gw.url), ex.submit(sdk_content, gw.url)
-        _, raw = f_raw.result(timeout=60)
-        sdk = f_sdk.result(timeout=60)
+    script and both reconstruct A's content. The scenario (``tests/cases/default_waits.py``)
+    runs concurrently with BUG-12's production-defaults test, each on its own backend and
+    gateway."""
+    seen = default_waits.result("bug15")
     expected = stream_payloads(["a", "b", "c"])
-    assert strict_lf_events(raw) == expected  # comments tolerated, nothing else added
-    assert sdk == "abc"
+    assert strict_lf_events(seen.raw) == expected  # comments tolerated, nothing else added
+    assert seen.sdk == "abc"

@@ -94,25 +94,20 @@ def test_BUG_12_stream_outlives_every_configured_timeout(backends, gateway):
     assert counter_total(gw.gateway.metrics.stream_errors) == 0  # no stream ended in error
 
 
-def test_BUG_12_production_defaults_long_stream_and_silent_non_stream(backends, gateway):
+def test_BUG_12_production_defaults_long_stream_and_silent_non_stream(default_waits):
     """BUG-12 repro 1 and 2 with the gateway's production default proxy timeouts (no
     ``proxy`` section): concurrently, a stream of 17 chunks 1 s apart (~17 s, scaled from the
     case's 90 s) and a non-stream that answers after 17 s of silence (scaled from 120 s),
     both through the openai SDK: both longer than the 5 s / 15 s timeouts the case reports.
     Both must complete: all chunks + ``[DONE]`` with no error, and a 200 with the full body
-    (no 504 at 5/15 s)."""
-    a = backends(long_script(17, 1.0, 17.0))
-    gw = gateway({"a": a})
-    assert gw.cfg.proxy.ttfb_timeout_s >= 120  # the documented non-stream deadline
-    with ThreadPoolExecutor(2) as ex:
-        f_stream = ex.submit(sdk_stream, gw.url)
-        f_plain = ex.submit(sdk_complete, gw.url)
-        texts, took = f_stream.result(timeout=60)
-        content, took_plain = f_plain.result(timeout=60)
-    assert texts == [f"t{i} " for i in range(17)]
-    assert took >= 16.5
-    assert content == "the whole answer" and took_plain >= 16.5
-    assert counter_total(gw.gateway.metrics.stream_errors) == 0
+    (no 504 at 5/15 s). The scenario (``tests/cases/default_waits.py``) runs concurrently
+    with BUG-15's silence test, each on its own backend and gateway."""
+    seen = default_waits.result("bug12")
+    assert seen.ttfb_timeout_s >= 120  # the documented non-stream deadline
+    assert seen.texts == [f"t{i} " for i in range(17)]
+    assert seen.took >= 16.5
+    assert seen.content == "the whole answer" and seen.took_plain >= 16.5
+    assert seen.stream_errors == 0
 
 
 def stuck_after_first_chunk(first_sent: list[float]):

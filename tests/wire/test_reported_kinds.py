@@ -23,6 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.proxy.upstream import STALE_WINDOW_S
 from tests.support.scripted import (
     Conn,
     Received,
@@ -196,12 +197,14 @@ def test_fresh_connection_closed_without_answer_is_not_resent(backends, gateway)
 
 def took_then_died() -> Script:
     """A backend that answers every request, except one whose body says ``poison``: that one
-    it reads, works on for a while (0.3 s, three times the gateway's stale-race window), then
-    its connection drops without an answer (a worker crash, a "query of death")."""
+    it reads, works on for a while (0.15 s, 1.5 times the gateway's stale-race window
+    ``STALE_WINDOW_S``: the drop comes at least that long after the gateway took the pooled
+    connection, so past the window however slow the machine), then its connection drops
+    without an answer (a worker crash, a "query of death")."""
 
     async def script(req: Received, conn: Conn) -> None:
         if b"poison" in req.body:
-            await conn.sleep(0.3)
+            await conn.sleep(1.5 * STALE_WINDOW_S)
             conn.close()
             return
         await answer(req, conn)
