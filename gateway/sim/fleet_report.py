@@ -43,6 +43,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("requests done / rejected", "_done_rejected", "{}"),
     ("cooldowns taken", "cooldowns", "{:d}"),
     ("energy (kWh)", "energy_kwh", "{:.1f}"),
+    ("energy per output token (J)", "energy_per_token_j", "{:.3f}"),
 )
 
 

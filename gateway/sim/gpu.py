@@ -37,7 +37,14 @@ from collections.abc import Callable
 from gateway.config import GpuConfig as GpuConfig  # declared with the config schema
 from gateway.sim.engine import Engine
 from gateway.sim.faults import FaultConfig
-from gateway.sim.thermal import GPU_SPECS, Cooling, GpuThermal, step_time_factor, utilisation
+from gateway.sim.thermal import (
+    GPU_SPECS,
+    Cooling,
+    GpuThermal,
+    prefill_time_factor,
+    step_time_factor,
+    utilisation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +113,7 @@ class SimGpus:
                 g.advance(now, utilisation(busy, occ, g.spec.busy_floor))
         slowest = min(self.gpus, key=lambda g: g.clock)
         self.engine.slowdown = step_time_factor(slowest.clock, slowest.spec.clock_bound_share)
+        self.engine.prefill_slowdown = prefill_time_factor(slowest.clock, slowest.spec)
 
 
 _HELP: tuple[tuple[str, str, str], ...] = (
