@@ -153,6 +153,7 @@ def pyplot() -> Any:
         ) from e
     return plt
 
+
 def write_plot(results: Sequence[PolicyResult], path: str | Path) -> Path:
     """A PNG of each domain's hottest GPU (°C) and draw (W) over time, one row per policy.
 

@@ -14,10 +14,10 @@ from gateway.sim.thermal import (
     H100_SXM,
     Cooling,
     GpuThermal,
-    steady_state_c,
     clock_for_share,
     dynamic_share,
     prefill_time_factor,
+    steady_state_c,
     step_time_factor,
     utilisation,
 )
