@@ -543,8 +543,9 @@ class StatusConfig(_Strict):
         300.0, gt=0, description="the 'now' window of P99 TTFT / ITL, seconds (5 min)"
     )
     min_samples: int = Field(
-        20, ge=1, description="streams needed in a window to judge its P99 (20: P99 rests "
-        "on the largest)"
+        20,
+        ge=1,
+        description="streams needed in a window to judge its P99 (20: P99 rests on the largest)",
     )
     tick_s: float = Field(2.0, gt=0, description="recorder period, seconds")
     incidents: int = Field(100, ge=1, description="incidents kept (the newest)")
@@ -768,6 +769,72 @@ class BatcherConfig(_Strict):
     )
 
 
+class ClockControlConfig(_Strict):
+    """Clocks before shedding (issue 21; :mod:`gateway.routing.clocks`): the gateway caps the
+    SM clocks of a power domain's GPUs, through each backend's agent, before it refuses
+    requests for power, and caps a warm GPU's clock instead of draining it.
+
+    Shares are of the GPU's maximum SM clock. LLM decode is bound by HBM bandwidth and
+    barely slows at a lower SM clock while power falls about as ``f^3`` (Maliakel et al.,
+    arXiv:2501.08219: about 42% less energy for 1-6% more latency; DynamoLLM, Stojkovic et
+    al., HPCA 2025; GreenLLM, arXiv:2508.16449), so a clock cap trades a little latency for
+    a lot of power. Off by default: it needs agents that may set clocks (``agent.control``).
+    """
+
+    enabled: bool = False
+    floor_ratio: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="lowest cap (share of the max SM clock): shedding starts only when the "
+        "caps of a domain's GPUs sit here; 0.5: decode about 3% slower in the measured range",
+    )
+    step_ratio: float = Field(
+        0.05, gt=0, le=0.5, description="one step of a cap (share of the max SM clock)"
+    )
+    interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="s, least time between two steps of one domain or one GPU (a telemetry "
+        "round: a step's effect is seen before the next)",
+    )
+    domain_high_ratio: float = Field(
+        0.85, gt=0, description="domain draw / budget above which its clocks step down"
+    )
+    domain_low_ratio: float = Field(
+        0.75, gt=0, description="... below which they step back up (hysteresis band between)"
+    )
+    hot_margin_c: float = Field(
+        2.0, ge=0, description="°C; a GPU from hot_c - this steps its clock down (not drained)"
+    )
+    release_margin_c: float = Field(
+        5.0, ge=0, description="°C; ... and below hot_c - this steps it back up"
+    )
+    efficient_ratio: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="cap of a backend with no queue (DynamoLLM: the lowest clock meeting the "
+        "SLO); lifted while requests wait. 1: off",
+    )
+    power_shed_release: float = Field(
+        0.05,
+        ge=0,
+        description="power shedding stops only when the domain's draw / budget is this much "
+        "below the level that started it (hysteresis)",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ClockControlConfig:
+        if not self.domain_low_ratio < self.domain_high_ratio:
+            raise ValueError("domain_low_ratio must be below domain_high_ratio")
+        if not self.hot_margin_c < self.release_margin_c:
+            raise ValueError("hot_margin_c must be below release_margin_c")
+        if self.efficient_ratio < self.floor_ratio:
+            raise ValueError("efficient_ratio must not be below floor_ratio")
+        return self
+
+
 class ThermalConfig(_Strict):
     """Thermal- and power-aware routing (see :mod:`gateway.routing.thermal`).
 
@@ -830,6 +897,10 @@ class ThermalConfig(_Strict):
     )
     xid_threshold: int = Field(3, ge=1, description="new Xid errors that make it unhealthy")
     xid_window_s: float = Field(3600.0, gt=0, description="... within this window")
+    clocks: ClockControlConfig = Field(
+        default_factory=ClockControlConfig,
+        description="clock caps before shedding (issue 21; off by default)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ThermalConfig:
@@ -1172,7 +1243,9 @@ class BackendConfig(_Strict):
         "is exported for it",
     )
     gpus: int = Field(
-        1, ge=1, description="GPUs it runs on (tensor x pipeline parallel): what it costs "
+        1,
+        ge=1,
+        description="GPUs it runs on (tensor x pipeline parallel): what it costs "
         "is gpu_hour_price x gpus per hour",
     )
 
@@ -1357,17 +1430,20 @@ class DiscoveryConfig(_Strict):
             )
         fields = t.model_dump(exclude_none=True)
         if t.gpu_metrics_url is not None:
-            fields["gpu_metrics_url"] = t.gpu_metrics_url.replace(
-                "{host}", "192.0.2.1").replace("{node}", "node-1")
+            fields["gpu_metrics_url"] = t.gpu_metrics_url.replace("{host}", "192.0.2.1").replace(
+                "{node}", "node-1"
+            )
         try:
             BackendConfig.model_validate(
                 {**fields, "id": "template", "url": "http://192.0.2.1:8000"}
             )
         except ValidationError as e:
-            raise ValueError("; ".join(
-                f"template.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-                for err in e.errors()
-            )) from None
+            raise ValueError(
+                "; ".join(
+                    f"template.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+                    for err in e.errors()
+                )
+            ) from None
 
     @property
     def dynamic(self) -> bool:
@@ -1460,12 +1536,8 @@ class AutoscaleConfig(_Strict):
     ttft_target_s: float | None = Field(None, gt=0, description="default: slo.ttft_s")
     ttft_window_s: float = Field(30.0, gt=0, le=3600)
     fine_max_step: float = Field(2.0, ge=1)
-    cold_start_s: float = Field(
-        90.0, ge=0, le=3600, description="assumed until one is measured"
-    )
-    lead_s: float = Field(
-        600.0, ge=0, le=86400, description="forecast window after the cold start"
-    )
+    cold_start_s: float = Field(90.0, ge=0, le=3600, description="assumed until one is measured")
+    lead_s: float = Field(600.0, ge=0, le=86400, description="forecast window after the cold start")
     warm_pool_share: float = Field(0.3, ge=0, le=1)
     scale_down_cooldown_s: float = Field(60.0, ge=0, le=3600)
 
@@ -1615,10 +1687,12 @@ class ReloadConfig(_Strict):
     watch: bool = Field(False, description="re-read the config file when its content changes")
     watch_interval_s: float = Field(2.0, gt=0, description="seconds between file checks")
     checkpoint_s: float = Field(
-        10.0, gt=0,
+        10.0,
+        gt=0,
         description="seconds between two saves of the running state (calibration baselines, "
         "holds, rollouts) with the running snapshot, when changed (also at each change and "
-        "at stop): what a restart loses at most")
+        "at stop): what a restart loses at most",
+    )
 
 
 class GatewayConfig(BaseSettings):
@@ -1675,9 +1749,7 @@ class GatewayConfig(BaseSettings):
                 )
         tpd = self.discovery.template.power_domain
         if self.discovery.dynamic and tpd is not None and tpd not in domains:
-            raise ValueError(
-                f"discovery.template: power_domain {tpd!r} is not in power_domains"
-            )
+            raise ValueError(f"discovery.template: power_domain {tpd!r} is not in power_domains")
         names = [k.name for k in self.auth.client_keys]
         if len(names) != len(set(names)):
             raise ValueError("auth.client_keys: names must be unique")
@@ -1717,8 +1789,11 @@ def _format_errors(source: str, err: ValidationError) -> str:
             msg = "unknown field (check the spelling)"
         value = e.get("input")
         secret = any(str(p) in _SECRET_FIELDS for p in e["loc"])
-        shown = "" if isinstance(value, dict | list) or value is None or secret else (
-            f" (got {value!r})")
+        shown = (
+            ""
+            if isinstance(value, dict | list) or value is None or secret
+            else (f" (got {value!r})")
+        )
         shown = _URL_PASSWORD.sub(r"\1***@", shown)  # e.g. a bad redis://:secret@host:x
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)

@@ -62,15 +62,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.sim.batch import BatchEngine, SimRequest
-from gateway.sim.fleet_gateway import POLICIES, FleetView, SimulatedGateway, routing_policy
+from gateway.sim.fleet_gateway import (
+    CLOCKS,
+    POLICIES,
+    SIM_POLICIES,
+    FleetView,
+    SimulatedGateway,
+    routing_policy,
+)
 from gateway.sim.fleet_spec import FLEET_ENGINE, FleetSpec, RackSpec, capacity_rps
 from gateway.sim.thermal import Cooling, GpuThermal, prefill_time_factor, step_time_factor
 from gateway.sim.thermal import utilisation as power_utilisation
 from gateway.sim.workload import Arrival
 
 __all__ = [  # the simulator's entry point: its parts are re-exported here
+    "CLOCKS",
     "FLEET_ENGINE",
     "POLICIES",
+    "SIM_POLICIES",
     "FleetSpec",
     "PolicyResult",
     "RackSpec",
@@ -118,6 +127,8 @@ class PolicyResult:
     power_capped_s: float
     cooldowns: int
     cooldowns_completed: int
+    clock_caps_set: int
+    clock_caps_released: int
     energy_kwh: float
     output_tokens: int
     mean_utilisation: float
@@ -175,7 +186,10 @@ def simulate(
     """
     racks = spec.rack_of()
     n = len(racks)
-    gateway = SimulatedGateway(spec, routing_policy(policy_name))
+    clocks = spec.thermal.clocks if policy_name == CLOCKS else None
+    if clocks is not None and not clocks.enabled:
+        clocks = clocks.model_copy(update={"enabled": True})
+    gateway = SimulatedGateway(spec, routing_policy(policy_name), clocks)
     engines = [BatchEngine(spec.engine) for _ in range(n)]
     gpus = [
         GpuThermal(
@@ -324,6 +338,14 @@ def simulate(
                 t_load += spec.load_scrape_s
             if t_gpu == now:
                 gateway.scrape_gpus(now, view)
+                for i, mhz in gateway.pending_caps:  # what the agents do on the gateway's word
+                    g = gpus[i]
+                    if mhz is None:
+                        g.reset_clocks()
+                    else:
+                        g.lock_clocks(g.spec.min_sm_clock_mhz, mhz)
+                    g.advance(now, g.util)  # the new clock from now on
+                gateway.pending_caps.clear()
                 t_gpu += spec.gpu_scrape_s
             if t_ctl == now:
                 gateway.control(now)
@@ -375,6 +397,8 @@ def simulate(
         power_capped_s=capped_s,
         cooldowns=gateway.cooldowns,
         cooldowns_completed=gateway.returned,
+        clock_caps_set=gateway.caps_set,
+        clock_caps_released=gateway.caps_released,
         energy_kwh=sum(g.energy_j for g in gpus) / 3.6e6,
         output_tokens=sum(e.tokens_out for e in engines),
         mean_utilisation=util_sum / util_n if util_n else 0.0,

@@ -21,11 +21,12 @@ from typing import Any
 
 from rich.console import Console
 
-from gateway.config import RoutingWeights, ThermalConfig
+from gateway.config import ClockControlConfig, RoutingWeights, ThermalConfig
 from gateway.core.wording import plural
 from gateway.sim.fleet import (
     FLEET_ENGINE,
     POLICIES,
+    SIM_POLICIES,
     FleetSpec,
     PolicyResult,
     RackSpec,
@@ -48,6 +49,7 @@ FLEET_THERMAL = ThermalConfig(
     domain_penalty=1.0,
     domain_target_ratio=0.9,
     power_shed_levels=(1.0, 1.0, 1.0),
+    clocks=ClockControlConfig(enabled=True, efficient_ratio=0.7),
 )
 """The thermal settings the gateway's policy (``load_thermal``) runs with in the fleet
 simulator (see README, "Fleet simulator"). Penalties are in load-score units; with
@@ -180,7 +182,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--trace", help="CSV of arrival_s,prompt_tokens,output_tokens instead")
     g.add_argument(
-        "--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}"
+        "--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(SIM_POLICIES)}"
     )
     g.add_argument(
         "--ambient",
@@ -250,7 +252,7 @@ def run_fleet_from_args(args: argparse.Namespace) -> int:
         return run_autoscale_from_args(args)
     _routing_defaults(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in SIM_POLICIES]
     if bad:
         print(f"llm-gateway sim-fleet: unknown policy {bad[0]!r}", file=sys.stderr)
         return 2
