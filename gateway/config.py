@@ -1102,6 +1102,14 @@ class GpuConfig(BaseModel):
     )
     tick_s: float = Field(0.5, gt=0, le=10, description="thermal model step in real time")
     hostname: str = Field("sim-gpu-host", description="'Hostname' label of the DCGM metrics")
+    control_token: str | None = Field(
+        None,
+        description="serve the agent's GPU control endpoint (/control, issue 21) to this bearer "
+        "token; None: no control endpoint",
+    )
+    revert_after_s: float = Field(
+        60.0, gt=0, description="s without contact after which the control endpoint reverts"
+    )
 
 
 class LoraAdapter(BaseModel):

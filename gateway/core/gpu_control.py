@@ -31,8 +31,8 @@ OpenAI error shape (400 bad body, 401 no or wrong token, 404 no such GPU or rout
 driver refused).
 
 Never capped by accident: every authenticated request is contact; with no contact for
-``revert_after_s`` (default 60 s: thirty of the gateway's 2-s GPU rounds) :meth:`ControlService.tick`
-reverts every GPU the service changed (locks reset, default limits), and
+``revert_after_s`` (default 60 s: thirty of the gateway's 2-s GPU rounds)
+:meth:`ControlService.tick` reverts every GPU the service changed (locks reset, default limits), and
 :meth:`ControlService.revert_all` does the same when the agent stops.
 """
 

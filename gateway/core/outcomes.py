@@ -151,4 +151,3 @@ def stream_error_type(outcome: str) -> ErrorType | None:
     if outcome in _STREAM_TIMEOUTS:
         return ErrorType.TIMEOUT
     return ErrorType.CUT
-

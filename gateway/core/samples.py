@@ -130,4 +130,3 @@ def prefix_cache_hit_ratio(prev: LoadSample | None, cur: LoadSample) -> float | 
     if dq <= 0 or dh < 0:
         return None
     return min(1.0, dh / dq)
-
