@@ -192,7 +192,9 @@ class NvmlReader:
                 out.append(
                     {
                         "DCGM_FI_DEV_GPU_TEMP": f(
-                            partial(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+                            partial(
+                                pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU
+                            )
                         ),
                         "DCGM_FI_DEV_POWER_USAGE": None if power_mw is None else power_mw / 1000,
                         "DCGM_FI_DEV_POWER_MGMT_LIMIT": (

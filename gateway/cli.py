@@ -145,10 +145,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"  + discovered: dns {d.dns.name} port {d.dns.port}, every {d.dns.interval_s:g} s")
     elif d.kubernetes is not None and d.source == "kubernetes":
         k = d.kubernetes
-        print(
-            f"  + discovered: kubernetes EndpointSlices {k.label_selector!r} in "
-            f"{k.namespace or 'its own namespace'}"
-        )
+        print(f"  + discovered: kubernetes EndpointSlices {k.label_selector!r} in "
+              f"{k.namespace or 'its own namespace'}")
     for b in cfg.backends:
         models = ", ".join(b.models) if b.models else "(discovered from /v1/models)"
         print(f"  {b.id:<16} {b.base_url:<32} {b.role.value:<8} {models}")

@@ -543,9 +543,8 @@ class StatusConfig(_Strict):
         300.0, gt=0, description="the 'now' window of P99 TTFT / ITL, seconds (5 min)"
     )
     min_samples: int = Field(
-        20,
-        ge=1,
-        description="streams needed in a window to judge its P99 (20: P99 rests on the largest)",
+        20, ge=1, description="streams needed in a window to judge its P99 (20: P99 rests "
+        "on the largest)"
     )
     tick_s: float = Field(2.0, gt=0, description="recorder period, seconds")
     incidents: int = Field(100, ge=1, description="incidents kept (the newest)")
@@ -816,6 +815,11 @@ class ClockControlConfig(_Strict):
         le=1,
         description="cap of a backend with no queue (DynamoLLM: the lowest clock meeting the "
         "SLO); lifted while requests wait. 1: off",
+    )
+    agent_token_env: str = Field(
+        "LLM_GATEWAY_AGENT_TOKEN",
+        description="environment variable holding the agents' control token (never in the "
+        "config file)",
     )
     power_shed_release: float = Field(
         0.05,
@@ -1217,6 +1221,12 @@ class BackendConfig(_Strict):
         description="DCGM-exporter-style metrics of this backend's GPUs (dcgm-exporter, or "
         "llm-gateway agent); unset: thermal state unknown by design, routed as before",
     )
+    gpu_control_url: AnyHttpUrl | None = Field(
+        None,
+        description="base URL of the agent's GPU control endpoint (llm-gateway agent "
+        "--control-token, or the simulator's gpu.control_token; issue 21): the gateway caps "
+        "this backend's SM clocks through it when thermal.clocks is enabled",
+    )
     gpu_indices: list[int] | None = Field(
         None,
         description="the GPUs (the exporter's 'gpu' label) this backend uses, when the "
@@ -1251,9 +1261,7 @@ class BackendConfig(_Strict):
         "is exported for it",
     )
     gpus: int = Field(
-        1,
-        ge=1,
-        description="GPUs it runs on (tensor x pipeline parallel): what it costs "
+        1, ge=1, description="GPUs it runs on (tensor x pipeline parallel): what it costs "
         "is gpu_hour_price x gpus per hour",
     )
 
@@ -1438,20 +1446,17 @@ class DiscoveryConfig(_Strict):
             )
         fields = t.model_dump(exclude_none=True)
         if t.gpu_metrics_url is not None:
-            fields["gpu_metrics_url"] = t.gpu_metrics_url.replace("{host}", "192.0.2.1").replace(
-                "{node}", "node-1"
-            )
+            fields["gpu_metrics_url"] = t.gpu_metrics_url.replace(
+                "{host}", "192.0.2.1").replace("{node}", "node-1")
         try:
             BackendConfig.model_validate(
                 {**fields, "id": "template", "url": "http://192.0.2.1:8000"}
             )
         except ValidationError as e:
-            raise ValueError(
-                "; ".join(
-                    f"template.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-                    for err in e.errors()
-                )
-            ) from None
+            raise ValueError("; ".join(
+                f"template.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+                for err in e.errors()
+            )) from None
 
     @property
     def dynamic(self) -> bool:
@@ -1544,8 +1549,12 @@ class AutoscaleConfig(_Strict):
     ttft_target_s: float | None = Field(None, gt=0, description="default: slo.ttft_s")
     ttft_window_s: float = Field(30.0, gt=0, le=3600)
     fine_max_step: float = Field(2.0, ge=1)
-    cold_start_s: float = Field(90.0, ge=0, le=3600, description="assumed until one is measured")
-    lead_s: float = Field(600.0, ge=0, le=86400, description="forecast window after the cold start")
+    cold_start_s: float = Field(
+        90.0, ge=0, le=3600, description="assumed until one is measured"
+    )
+    lead_s: float = Field(
+        600.0, ge=0, le=86400, description="forecast window after the cold start"
+    )
     warm_pool_share: float = Field(0.3, ge=0, le=1)
     scale_down_cooldown_s: float = Field(60.0, ge=0, le=3600)
 
@@ -1695,12 +1704,10 @@ class ReloadConfig(_Strict):
     watch: bool = Field(False, description="re-read the config file when its content changes")
     watch_interval_s: float = Field(2.0, gt=0, description="seconds between file checks")
     checkpoint_s: float = Field(
-        10.0,
-        gt=0,
+        10.0, gt=0,
         description="seconds between two saves of the running state (calibration baselines, "
         "holds, rollouts) with the running snapshot, when changed (also at each change and "
-        "at stop): what a restart loses at most",
-    )
+        "at stop): what a restart loses at most")
 
 
 class GatewayConfig(BaseSettings):
@@ -1757,7 +1764,9 @@ class GatewayConfig(BaseSettings):
                 )
         tpd = self.discovery.template.power_domain
         if self.discovery.dynamic and tpd is not None and tpd not in domains:
-            raise ValueError(f"discovery.template: power_domain {tpd!r} is not in power_domains")
+            raise ValueError(
+                f"discovery.template: power_domain {tpd!r} is not in power_domains"
+            )
         names = [k.name for k in self.auth.client_keys]
         if len(names) != len(set(names)):
             raise ValueError("auth.client_keys: names must be unique")
@@ -1797,11 +1806,8 @@ def _format_errors(source: str, err: ValidationError) -> str:
             msg = "unknown field (check the spelling)"
         value = e.get("input")
         secret = any(str(p) in _SECRET_FIELDS for p in e["loc"])
-        shown = (
-            ""
-            if isinstance(value, dict | list) or value is None or secret
-            else (f" (got {value!r})")
-        )
+        shown = "" if isinstance(value, dict | list) or value is None or secret else (
+            f" (got {value!r})")
         shown = _URL_PASSWORD.sub(r"\1***@", shown)  # e.g. a bad redis://:secret@host:x
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)

@@ -151,3 +151,4 @@ def stream_error_type(outcome: str) -> ErrorType | None:
     if outcome in _STREAM_TIMEOUTS:
         return ErrorType.TIMEOUT
     return ErrorType.CUT
+

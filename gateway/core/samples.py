@@ -130,3 +130,4 @@ def prefix_cache_hit_ratio(prev: LoadSample | None, cur: LoadSample) -> float | 
     if dq <= 0 or dh < 0:
         return None
     return min(1.0, dh / dq)
+

@@ -95,3 +95,4 @@ class ErrorType(StrEnum):
     RATE_LIMITED = "rate_limited"  # a 429: the client key's limits or the backends'
     ADMISSION_REFUSED = "admission_refused"  # refused by admission (load, power, degraded)
     CLIENT_DISCONNECT = "client_disconnect"  # the client hung up before the answer ended
+

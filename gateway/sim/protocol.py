@@ -95,9 +95,8 @@ def validation_error(
     err: dict[str, Any] = {"type": err_type, "loc": loc, "msg": msg, "input": _summarize(value)}
     if ctx:
         err["ctx"] = dict(ctx)
-    return error(
-        400, f"1 validation error:\n  {err!r}", "Bad Request", loc if param == "" else param
-    )
+    return error(400, f"1 validation error:\n  {err!r}", "Bad Request",
+                 loc if param == "" else param)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -361,7 +360,8 @@ def parse_generation(
         )
     include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
     # per-chunk usage needs both (vLLM's ``should_include_usage``)
-    continuous = include_usage and bool(isinstance(so, dict) and so.get("continuous_usage_stats"))
+    continuous = include_usage and bool(
+        isinstance(so, dict) and so.get("continuous_usage_stats"))
     if n is None or n < 1:
         raise error(400, f"n must be at least 1, got {n}.", "BadRequestError")
     if max_tokens is not None:

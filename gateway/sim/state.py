@@ -42,7 +42,9 @@ class SimState:
     # the dev-mode routes' calls (/reset_prefix_cache, /sleep, /wake_up): counted, and each
     # one recorded with its unix time and result, so a test reads what this backend saw
     control_counts: Counter[str] = field(default_factory=Counter)
-    control_calls: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=CONTROL_MAX))
+    control_calls: deque[dict[str, Any]] = field(
+        default_factory=lambda: deque(maxlen=CONTROL_MAX)
+    )
     gpus: Any = None  # gateway.sim.gpu.GpuTicker, set by create_sim_app
 
     def record_control(self, path: str, ok: bool) -> None:

@@ -68,7 +68,9 @@ def _events(resp: httpx.Response) -> list[dict[str, Any]]:
 
 
 def _stream(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    resp = http.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    resp = http.post(
+        path, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert resp.status_code == 200, resp.text
     return _events(resp)
 
@@ -135,7 +137,9 @@ def test_token_id_prompts_single_and_batch(http: httpx.Client) -> None:
     b = _completion(http, "second prompt here", 30)
     batch = http.post(
         "/v1/completions",
-        json=_completion_body([a["prompt_ids"] + a["ids"][:2], b["prompt_ids"] + b["ids"][:3]], 27),
+        json=_completion_body(
+            [a["prompt_ids"] + a["ids"][:2], b["prompt_ids"] + b["ids"][:3]], 27
+        ),
     ).json()
     got = sorted(batch["choices"], key=lambda c: c["index"])
     assert a["ids"][:2] + got[0]["token_ids"] == a["ids"]
@@ -146,9 +150,8 @@ def test_token_id_prompts_single_and_batch(http: httpx.Client) -> None:
     ]
 
 
-def _chat_stream(
-    client: openai.OpenAI, messages: list[Any], max_tokens: int, **extra: Any
-) -> tuple[str, str | None, Any]:
+def _chat_stream(client: openai.OpenAI, messages: list[Any], max_tokens: int,
+                 **extra: Any) -> tuple[str, str | None, Any]:
     """Stream a chat with the SDK; return (text, finish_reason, usage)."""
     text, finish, usage = "", None, None
     for chunk in client.chat.completions.create(
@@ -243,19 +246,14 @@ def test_continue_final_message_refusals(http: httpx.Client) -> None:
     msgs = [*USER, {"role": "assistant", "content": "the"}]
     both = http.post(
         "/v1/chat/completions",
-        json={
-            "model": MODEL,
-            "messages": msgs,
-            "continue_final_message": True,
-            "add_generation_prompt": True,
-        },
+        json={"model": MODEL, "messages": msgs, "continue_final_message": True,
+              "add_generation_prompt": True},
     )
     assert both.status_code == 400
     err = both.json()["error"]
     assert err["type"] == "Bad Request" and err["code"] == 400
-    assert (
-        "Cannot set both `continue_final_message` and `add_generation_prompt` to True"
-        in (err["message"])
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True" in (
+        err["message"]
     )
     default = http.post(
         "/v1/chat/completions",
@@ -264,17 +262,13 @@ def test_continue_final_message_refusals(http: httpx.Client) -> None:
     assert default.status_code == 400
     assert default.json()["error"]["type"] == "BadRequestError"
     assert "not compatible" in default.json()["error"]["message"]
-    tok = http.post(
-        "/tokenize",
-        json={"messages": msgs, "continue_final_message": True, "add_generation_prompt": True},
-    )
+    tok = http.post("/tokenize", json={"messages": msgs, "continue_final_message": True,
+                                        "add_generation_prompt": True})
     assert tok.status_code == 400
     # vLLM does not check the final message's role: a final user message is continued.
     body = {"messages": USER, "continue_final_message": True, "add_generation_prompt": False}
-    user = http.post(
-        "/v1/chat/completions",
-        json={**body, "model": MODEL, "max_tokens": 2, "return_token_ids": True},
-    )
+    user = http.post("/v1/chat/completions",
+                     json={**body, "model": MODEL, "max_tokens": 2, "return_token_ids": True})
     assert user.status_code == 200
     assert user.json()["choices"][0]["message"]["role"] == "user"  # the final message's
     assert user.json()["prompt_token_ids"] == http.post("/tokenize", json=body).json()["tokens"]
@@ -301,9 +295,8 @@ def test_drop_after_tokens_cuts_at_the_chosen_token_and_the_rest_continues(
         raw = b""
         with pytest.raises(httpx.HTTPError):  # the connection is cut, no chunked end
             with http.stream(
-                "POST",
-                "/v1/completions",
-                json={**_completion_body("a long answer", 12), "stream": True},
+                "POST", "/v1/completions", json={**_completion_body("a long answer", 12),
+                                                 "stream": True}
             ) as resp:
                 for part in resp.iter_bytes():
                     raw += part

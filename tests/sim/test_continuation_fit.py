@@ -47,14 +47,8 @@ def _server(label: str, seed: int) -> SimServerThread:
     # Each server its own engine label, so its system_fingerprint differs from its peers',
     # and its own seed, as gateway/demo_fleet.yaml and benchmarks/lifecycle_drill.py run them.
     return SimServerThread(
-        SimConfig(
-            model=MODEL,
-            seed=seed,
-            stop_length_min=12,
-            stop_length_max=30,
-            engine_label=label,
-            engine=EngineParams(speed=20.0),
-        )
+        SimConfig(model=MODEL, seed=seed, stop_length_min=12, stop_length_max=30,
+                  engine_label=label, engine=EngineParams(speed=20.0))
     )
 
 
@@ -81,13 +75,8 @@ def _request(endpoint: str, max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[
     """The client's request (temperature 0, a ``seed`` the continuation keeps); the gateway
     sends :func:`with_token_ids` of it."""
     body: dict[str, Any] = {
-        "model": MODEL,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "seed": 11,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **extra,
+        "model": MODEL, "max_tokens": max_tokens, "temperature": 0, "seed": 11,
+        "stream": True, "stream_options": {"include_usage": True}, **extra,
     }
     if endpoint == CHAT:
         body["messages"] = [{"role": "user", "content": "tell me about the gateway"}]
@@ -222,17 +211,12 @@ def _check(endpoint: str, relay: Relay, whole: Seen) -> Seen:
     first = got.chunks[0]
     for c in got.chunks:
         assert (c["id"], c["created"], c["model"], c["object"]) == (
-            first["id"],
-            first["created"],
-            first["model"],
-            first["object"],
-        )
+            first["id"], first["created"], first["model"], first["object"])
     fps = {c["system_fingerprint"] for c in got.chunks if c.get("system_fingerprint")}
     assert len(fps) <= 1
     if endpoint == CHAT:
-        roles = [
-            ch["delta"]["role"] for c in got.chunks for ch in c["choices"] if "role" in ch["delta"]
-        ]
+        roles = [ch["delta"]["role"] for c in got.chunks for ch in c["choices"]
+                 if "role" in ch["delta"]]
         assert roles == ["assistant"]
     # Event for event the uninterrupted stream (the original prompt's ids once, no second
     # role chunk, no extra or missing event), but for the stream's own id, created and
@@ -245,11 +229,8 @@ def _anonymous(chunk: dict[str, Any]) -> dict[str, Any]:
     """A chunk without what differs between two servers' runs of one request. The
     fingerprint is left out too: with ``include_usage`` vLLM sends it only on the usage
     chunk, so a stream closed after a cut (:func:`closing_events`) has none to repeat."""
-    return {
-        k: (None if k in ("id", "created") else v)
-        for k, v in chunk.items()
-        if k != "system_fingerprint"
-    }
+    return {k: (None if k in ("id", "created") else v)
+            for k, v in chunk.items() if k != "system_fingerprint"}
 
 
 ENDPOINTS = [CHAT, COMPLETIONS]
@@ -271,7 +252,8 @@ def test_a_stream_cut_at_each_token_continues_on_another_server_exactly(
         events = len(whole.chunks)
         _fault(a, drop_after_chunks=events)
     else:
-        n = {"first": 1, "middle": tokens // 2, "last_content": tokens - 1, "finish": tokens}[where]
+        n = {"first": 1, "middle": tokens // 2, "last_content": tokens - 1,
+             "finish": tokens}[where]
         _fault(a, drop_after_tokens=n)
     relay = Relay(endpoint, request)
     relay.run([a, b])
@@ -350,9 +332,8 @@ def test_continuous_usage_stats_count_on_across_the_seam(
     """With ``continuous_usage_stats`` every chunk's usage is the uninterrupted stream's:
     the original prompt tokens, the completion tokens so far counted from the start."""
     a, b, _ = servers
-    request = _request(
-        endpoint, stream_options={"include_usage": True, "continuous_usage_stats": True}
-    )
+    request = _request(endpoint, stream_options={"include_usage": True,
+                                                 "continuous_usage_stats": True})
     whole = _whole(b, endpoint, request)
     assert len(whole.usages) == len(whole.chunks)  # a usage on every chunk
     tokens = len(whole.token_ids)

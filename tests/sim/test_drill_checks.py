@@ -29,15 +29,9 @@ def served() -> Iterator[bytes]:
     it, from a simulated backend (uninterrupted)."""
     engine = EngineParams(itl_base_s=0.001, itl_per_seq_s=0.0)
     with SimServerThread(SimConfig(model=MODEL, engine=engine, seed=5)) as url:
-        body = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": prompt_of(MAX_TOKENS)}],
-            "max_tokens": MAX_TOKENS,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt_of(MAX_TOKENS)}],
+                "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         r.raise_for_status()
         yield r.content
@@ -66,11 +60,8 @@ def test_an_uninterrupted_stream_is_whole(served: bytes) -> None:
 
 
 def _content_indices(chunks: list[dict[str, Any]]) -> list[int]:
-    return [
-        i
-        for i, c in enumerate(chunks)
-        if c.get("choices") and c["choices"][0]["delta"].get("content")
-    ]
+    return [i for i, c in enumerate(chunks)
+            if c.get("choices") and c["choices"][0]["delta"].get("content")]
 
 
 def _duplicate_text(chunks: list[dict[str, Any]]) -> None:
@@ -99,17 +90,11 @@ def _second_id(chunks: list[dict[str, Any]]) -> None:
         c["id"] = "chatcmpl-other"
 
 
-@pytest.mark.parametrize(
-    ("edit", "says"),
-    [
-        (_duplicate_text, "text differs"),
-        (_drop_text, "text differs"),
-        (_second_role, "2 role deltas"),
-        (_second_finish, "finish_reason"),
-        (_usage_off, "usage"),
-        (_second_id, "2 values of id"),
-    ],
-)
+@pytest.mark.parametrize(("edit", "says"), [
+    (_duplicate_text, "text differs"), (_drop_text, "text differs"),
+    (_second_role, "2 role deltas"), (_second_finish, "finish_reason"),
+    (_usage_off, "usage"), (_second_id, "2 values of id"),
+])
 def test_each_flaw_of_a_stitched_stream_is_reported(
     served: bytes, edit: Callable[[list[dict[str, Any]]], None], says: str
 ) -> None:

@@ -26,14 +26,8 @@ def test_kill_cuts_open_streams_where_stop_ends_them_in_band(how: str) -> None:
     url = sim.start()
     started: list[bool] = []
     try:
-        bg = Background(
-            lambda: stream_chat(
-                url,
-                chat_body(200, stream=True),
-                timeout=30,
-                on_first_event=lambda: started.append(True),
-            )
-        )
+        bg = Background(lambda: stream_chat(url, chat_body(200, stream=True), timeout=30,
+                                            on_first_event=lambda: started.append(True)))
         assert wait_for(lambda: bool(started), 15), "the stream did not start"
         sim.kill() if how == "kill" else sim.stop()
         res = bg.result(30)

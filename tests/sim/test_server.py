@@ -189,14 +189,10 @@ def test_errors_have_vllm_shape(client: openai.OpenAI, http: httpx.Client) -> No
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        (
-            "/v1/chat/completions",
-            '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}',
-        ),
-        (
-            "/v1/chat/completions",
-            '{"model": "%s", "stream": true, "messages": [{"role": "user", "content": "a\\udc00"}]}',
-        ),
+        ("/v1/chat/completions",
+         '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+        ("/v1/chat/completions",
+         '{"model": "%s", "stream": true, "messages": [{"role": "user", "content": "a\\udc00"}]}'),
         ("/v1/completions", '{"model": "%s", "prompt": ["ok", "\\ud800"]}'),
         ("/v1/embeddings", '{"model": "%s", "input": "\\ud800"}'),
         ("/tokenize", '{"model": "%s", "prompt": "\\ud800"}'),
@@ -205,9 +201,8 @@ def test_errors_have_vllm_shape(client: openai.OpenAI, http: httpx.Client) -> No
 def test_lone_surrogate_is_a_400_not_a_crash(http: httpx.Client, path: str, body: str) -> None:
     """JSON may escape a lone UTF-16 surrogate, which no tokenizer can encode: a 400 in
     vLLM's error shape, never a 500."""
-    r = http.post(
-        path, content=(body % MODEL).encode(), headers={"content-type": "application/json"}
-    )
+    r = http.post(path, content=(body % MODEL).encode(),
+                  headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "BadRequestError"
     assert "Unicode" in r.json()["error"]["message"]

@@ -72,14 +72,8 @@ def add_inference_routes(app: FastAPI, state: SimState) -> None:
             key, offset = tx.continuation_point(seed, prompt, drift)
             for j in range(req.n):
                 ch = Choice(
-                    len(choices),
-                    f"{base}-{i}-{j}",
-                    len(prompt),
-                    key,
-                    j,
-                    offset=offset,
-                    prompt_ids=prompt if req.return_token_ids else None,
-                    drift=drift,
+                    len(choices), f"{base}-{i}-{j}", len(prompt), key, j, offset=offset,
+                    prompt_ids=prompt if req.return_token_ids else None, drift=drift,
                 )
                 eos = (
                     None
