@@ -209,8 +209,9 @@ class GpuTicker:
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
         cfg = gpus.cfg
+        # contact is first set by the first request (nothing is capped before it)
         self.control = (
-            ControlService(SimActuator(gpus), cfg.control_token, clock(), cfg.revert_after_s)
+            ControlService(SimActuator(gpus), cfg.control_token, 0.0, cfg.revert_after_s)
             if cfg.control_token
             else None
         )
