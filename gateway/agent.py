@@ -31,7 +31,8 @@ agent also serves the GPU control endpoint of :mod:`gateway.core.gpu_control` on
 port: the gateway sets and clears a GPU's locked SM clock range and power limit through it
 (:mod:`gateway.agent_control`: ``nvmlDeviceSetGpuLockedClocks`` /
 ``nvmlDeviceResetGpuLockedClocks`` bounded by ``nvmlDeviceGetSupportedGraphicsClocks``,
-``nvmlDeviceSetPowerManagementLimit`` bounded by ``nvmlDeviceGetPowerManagementLimitConstraints``; setting them needs root or
+``nvmlDeviceSetPowerManagementLimit`` bounded by
+``nvmlDeviceGetPowerManagementLimitConstraints``; setting them needs root or
 ``nvidia-smi -acp UNRESTRICTED``, and a refusal answers 503). Everything it set is reverted
 when the agent stops and when the gateway has not been heard for ``--revert-after`` seconds
 (60), so a GPU is never left capped by accident. Without a token there is no control
