@@ -141,7 +141,7 @@ class ControlledAgent:
         return [data]
 
     def _watch(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(min(1.0, self.service.revert_after_s / 4)):
             with self._lock:
                 if self.service.tick(time.monotonic()):
                     log.warning(
