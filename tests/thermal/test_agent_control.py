@@ -117,7 +117,7 @@ def test_refuses_without_the_token_bad_bodies_and_unknown_gpus(agent: str, drive
 
 
 def test_reverts_after_losing_contact_and_on_stop(driver: Driver) -> None:
-    server, reader, url = _start(revert_after_s=0.5)
+    server, reader, url = _start(revert_after_s=1.0)
     try:
         httpx.post(f"{url}/control/gpus/0/clocks", json={"max_mhz": 990}, headers=AUTH)
         httpx.post(f"{url}/control/gpus/1/power-limit", json={"watts": 400}, headers=AUTH)
