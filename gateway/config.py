@@ -821,6 +821,12 @@ class ClockControlConfig(_Strict):
         description="environment variable holding the agents' control token (never in the "
         "config file)",
     )
+    efficient_after_s: float = Field(
+        10.0,
+        ge=0,
+        description="s without a request waiting before the efficient cap applies (so a "
+        "backend between two bursts does not flip its clock at every scrape)",
+    )
     power_shed_release: float = Field(
         0.05,
         ge=0,

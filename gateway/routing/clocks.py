@@ -14,15 +14,17 @@ clock, and applies the lowest, never below ``floor_ratio``
 (:class:`gateway.config.ClockControlConfig` names every threshold):
 
 * **power** (per domain, one step per ``interval_s``): draw over ``domain_high_ratio`` of the
-  budget lowers one GPU by ``step_ratio`` -- the most decode-heavy first (its share of
+  budget lowers GPUs by ``step_ratio`` -- the most decode-heavy first (its share of
   running requests among running + waiting: a backend with no queue is decoding, and a
-  lower clock slows decode least), the hottest on a tie; draw at or over the budget lowers
-  every GPU of the domain one step. Below ``domain_low_ratio`` one capped GPU steps back up,
+  lower clock slows decode least), the hottest on a tie; how many in proportion to how far
+  the draw is from the high mark to the budget (one just above the mark, every GPU of the
+  domain at or over the budget). Below ``domain_low_ratio`` one capped GPU steps back up,
   the most prefill-heavy first. Between the two nothing moves (hysteresis both ways).
 * **thermal** (per GPU, one step per ``interval_s``): from ``hot_c - hot_margin_c`` the cap
   steps down, below ``hot_c - release_margin_c`` it steps back up.
-* **efficiency**: a backend with no request waiting runs at ``efficient_ratio`` (DynamoLLM's
-  rule: the lowest clock that still meets the SLO); the cap lifts while requests wait.
+* **efficiency**: a backend with no request waiting for ``efficient_after_s`` runs at
+  ``efficient_ratio`` (DynamoLLM's rule: the lowest clock that still meets the SLO); the cap
+  lifts as soon as requests wait.
 
 :meth:`ClockController.exhausted` says whether every GPU of a domain is at the floor: only
 then may power shedding start. :class:`PowerShedGate` adds the hysteresis power shedding
@@ -33,6 +35,7 @@ Everything takes time and readings as arguments (seconds, °C, W); no I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -80,6 +83,7 @@ class _Caps:
     efficiency: float = 1.0
     applied: float = 1.0
     thermal_at: float = -1e18
+    queue_at: float = -1e18  # last time requests were seen waiting
 
 
 class ClockController:
@@ -130,7 +134,11 @@ class ClockController:
         for g in gpus:
             self._max_mhz[g.backend_id] = g.max_mhz
             c = self._caps.setdefault(g.backend_id, _Caps())
-            c.efficiency = cfg.efficient_ratio if g.waiting <= 0 else 1.0
+            if g.waiting > 0:
+                c.queue_at = now
+            idle_s = now - c.queue_at
+            idle = g.waiting <= 0 and idle_s >= cfg.efficient_after_s
+            c.efficiency = cfg.efficient_ratio if idle else 1.0
             self._thermal_step(now, g, c)
         by_domain: dict[str, list[GpuView]] = {}
         for g in gpus:
@@ -165,7 +173,9 @@ class ClockController:
             if not movable:
                 return
             movable.sort(key=lambda g: (-g.decode_share, -(g.temp_c or 0.0), g.backend_id))
-            chosen = movable if ratio >= 1.0 else movable[:1]
+            share = (ratio - cfg.domain_high_ratio) / max(_EPS, 1.0 - cfg.domain_high_ratio)
+            k = max(1, math.ceil(min(1.0, share) * len(members)))
+            chosen = movable[:k]
             for g in chosen:
                 c = caps[g.backend_id]
                 c.power = max(cfg.floor_ratio, min(c.power, c.applied) - cfg.step_ratio)

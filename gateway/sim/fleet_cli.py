@@ -49,7 +49,9 @@ FLEET_THERMAL = ThermalConfig(
     domain_penalty=1.0,
     domain_target_ratio=0.9,
     power_shed_levels=(1.0, 1.0, 1.0),
-    clocks=ClockControlConfig(enabled=True, efficient_ratio=0.7),
+    clocks=ClockControlConfig(
+        enabled=True, efficient_ratio=0.7, hot_margin_c=6.0, release_margin_c=9.0
+    ),
 )
 """The thermal settings the gateway's policy (``load_thermal``) runs with in the fleet
 simulator (see README, "Fleet simulator"). Penalties are in load-score units; with

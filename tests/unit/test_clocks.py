@@ -9,7 +9,9 @@ from gateway.config import ClockControlConfig, ThermalConfig
 from gateway.routing.clocks import ClockController, GpuView, PowerShedGate
 from gateway.routing.thermal import DomainStatus
 
-CFG = ClockControlConfig(enabled=True, interval_s=2.0, step_ratio=0.1, floor_ratio=0.5)
+CFG = ClockControlConfig(
+    enabled=True, interval_s=2.0, step_ratio=0.1, floor_ratio=0.5, efficient_after_s=0.0
+)
 MAX = 2000.0
 
 
@@ -22,6 +24,7 @@ def rack(draw: float, budget: float = 1000.0) -> dict[str, DomainStatus]:
 
 
 def test_over_the_high_mark_steps_the_most_decode_heavy_gpu_first_then_the_next() -> None:
+    """Just over the mark one GPU moves; how many grows with the excess (all at the budget)."""
     c = ClockController(CFG, hot_c=85.0)
     gpus = [gpu("prefill", running=4, waiting=4), gpu("decode", running=8, waiting=1)]
     ch = c.decide(0.0, gpus, rack(900.0))  # 90% > 85%: one step, one GPU
@@ -74,6 +77,12 @@ def test_no_queue_runs_at_the_efficient_clock_and_a_queue_lifts_it() -> None:
     assert [(x.max_mhz, x.reason) for x in ch] == [(1400.0, "efficiency")]
     ch = c.decide(0.5, [gpu("a", waiting=3)], {})
     assert [x.max_mhz for x in ch] == [None]
+    slow = ClockController(
+        CFG.model_copy(update={"efficient_ratio": 0.7, "efficient_after_s": 10}), 85.0
+    )
+    assert slow.decide(0.0, [gpu("a", waiting=3)], {}) == []
+    assert slow.decide(5.0, [gpu("a", waiting=0)], {}) == []  # not idle long enough yet
+    assert [x.max_mhz for x in slow.decide(10.0, [gpu("a", waiting=0)], {})] == [1400.0]
 
 
 def test_power_shedding_waits_for_the_floor_and_has_hysteresis() -> None:
