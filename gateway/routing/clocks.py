@@ -138,7 +138,14 @@ class ClockController:
                 c.queue_at = now
             idle_s = now - c.queue_at
             idle = g.waiting <= 0 and idle_s >= cfg.efficient_after_s
+            lifted = not idle and c.efficiency < 1.0
             c.efficiency = cfg.efficient_ratio if idle else 1.0
+            dom = domains.get(g.domain) if g.domain is not None else None
+            if lifted and dom is not None and dom.budget_w > 0:
+                if dom.draw_w / dom.budget_w >= cfg.domain_low_ratio:
+                    # a domain with little headroom: the power cap takes over the clock,
+                    # so the lift comes a step at a time and a burst cannot jump the draw
+                    c.power = min(c.power, c.applied)
             self._thermal_step(now, g, c)
         by_domain: dict[str, list[GpuView]] = {}
         for g in gpus:

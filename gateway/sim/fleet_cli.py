@@ -50,7 +50,7 @@ FLEET_THERMAL = ThermalConfig(
     domain_target_ratio=0.9,
     power_shed_levels=(1.0, 1.0, 1.0),
     clocks=ClockControlConfig(
-        enabled=True, efficient_ratio=0.7, hot_margin_c=6.0, release_margin_c=9.0
+        enabled=True, efficient_ratio=0.8, hot_margin_c=6.0, release_margin_c=9.0
     ),
 )
 """The thermal settings the gateway's policy (``load_thermal``) runs with in the fleet
