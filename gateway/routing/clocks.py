@@ -24,7 +24,9 @@ clock, and applies the lowest, never below ``floor_ratio``
   steps down, below ``hot_c - release_margin_c`` it steps back up.
 * **efficiency**: a backend with no request waiting for ``efficient_after_s`` runs at
   ``efficient_ratio`` (DynamoLLM's rule: the lowest clock that still meets the SLO); the cap
-  lifts as soon as requests wait.
+  lifts as soon as requests wait -- in a domain over ``domain_low_ratio`` by handing the
+  clock to the power cap, which then rises a step at a time (a burst lifting every
+  efficiency cap at once would jump the domain's draw over its budget).
 
 :meth:`ClockController.exhausted` says whether every GPU of a domain is at the floor: only
 then may power shedding start. :class:`PowerShedGate` adds the hysteresis power shedding
