@@ -25,6 +25,18 @@ All are exposed as gauges (prometheus-client would append ``_total`` to a counte
 and the names must be dcgm-exporter's). On a host without NVIDIA GPUs (no driver, no NVML
 library, or zero devices) :func:`run_agent` raises :class:`NoGpuError` and the command exits
 with a clear message and status 4.
+
+Control (issue 21): with a token (``--control-token`` or ``LLM_GATEWAY_AGENT_TOKEN``) the
+agent also serves the GPU control endpoint of :mod:`gateway.core.gpu_control` on the same
+port: the gateway sets and clears a GPU's locked SM clock range and power limit through it
+(:mod:`gateway.agent_control`: ``nvmlDeviceSetGpuLockedClocks`` /
+``nvmlDeviceResetGpuLockedClocks`` bounded by ``nvmlDeviceGetSupportedGraphicsClocks``,
+``nvmlDeviceSetPowerManagementLimit`` bounded by
+``nvmlDeviceGetPowerManagementLimitConstraints``; setting them needs root or
+``nvidia-smi -acp UNRESTRICTED``, and a refusal answers 503). Everything it set is reverted
+when the agent stops and when the gateway has not been heard for ``--revert-after`` seconds
+(60), so a GPU is never left capped by accident. Without a token there is no control
+endpoint (404), as before.
 """
 
 from __future__ import annotations
@@ -41,6 +53,9 @@ import pynvml
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gateway.agent_control import ControlledAgent
+from gateway.core.gpu_control import DEFAULT_REVERT_AFTER_S
 
 log = logging.getLogger("gateway.agent")
 
@@ -230,14 +245,25 @@ def build_registry(reader: NvmlReader, hostname: str | None = None) -> Collector
     return registry
 
 
-def start_agent(host: str, port: int) -> tuple[Any, threading.Thread, NvmlReader]:
-    """Open NVML and serve ``/metrics`` on ``host:port`` in a background thread.
+def start_agent(
+    host: str,
+    port: int,
+    control_token: str | None = None,
+    revert_after_s: float = DEFAULT_REVERT_AFTER_S,
+) -> tuple[Any, threading.Thread, NvmlReader]:
+    """Open NVML and serve ``/metrics`` on ``host:port`` in a background thread (and, with
+    ``control_token``, the control endpoint: a :class:`ControlledAgent`).
 
     Returns ``(server, thread, reader)``; stop with ``server.shutdown()`` then
     ``reader.close()``. Raises :class:`NoGpuError` on a host without NVIDIA GPUs.
     """
     reader = NvmlReader()
     try:
+        if control_token:
+            agent = ControlledAgent(
+                reader.handles, build_registry(reader), host, port, control_token, revert_after_s
+            )
+            return agent, agent.thread, reader
         server, thread = start_http_server(port, addr=host, registry=build_registry(reader))
     except BaseException:
         reader.close()
@@ -245,10 +271,15 @@ def start_agent(host: str, port: int) -> tuple[Any, threading.Thread, NvmlReader
     return server, thread, reader
 
 
-def run_agent(host: str, port: int) -> int:
+def run_agent(
+    host: str,
+    port: int,
+    control_token: str | None = None,
+    revert_after_s: float = DEFAULT_REVERT_AFTER_S,
+) -> int:
     """Serve until interrupted; the exit status (``EXIT_NO_GPU`` without GPUs)."""
     try:
-        server, thread, reader = start_agent(host, port)
+        server, thread, reader = start_agent(host, port, control_token, revert_after_s)
     except NoGpuError as e:
         print(
             f"llm-gateway agent: {e}. It reads NVIDIA GPUs through NVML; run it on a GPU "
@@ -257,10 +288,13 @@ def run_agent(host: str, port: int) -> int:
         )
         return EXIT_NO_GPU
     log.info(
-        "serving DCGM metrics of %d GPU(s) on http://%s:%d/metrics",
+        "serving DCGM metrics of %d GPU(s) on http://%s:%d/metrics%s",
         len(reader.handles),
         host,
         server.server_address[1],
+        f" and GPU control (reverted after {revert_after_s:g} s without contact)"
+        if control_token
+        else "",
     )
     try:
         thread.join()

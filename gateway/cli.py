@@ -221,7 +221,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from gateway.agent import run_agent
 
     setup_logging("info")
-    return run_agent(args.host, args.port)
+    token = args.control_token or os.environ.get("LLM_GATEWAY_AGENT_TOKEN") or None
+    return run_agent(args.host, args.port, token, args.revert_after)
 
 
 class _Subcommand(argparse.ArgumentParser):
@@ -332,6 +333,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     sp.add_argument("--port", type=int, default=9400, help="listen port (default 9400)")
+    sp.add_argument(
+        "--control-token",
+        default=None,
+        help="serve the GPU control endpoint (clock caps, power limits) to this bearer token "
+        "(or LLM_GATEWAY_AGENT_TOKEN); without one there is none",
+    )
+    sp.add_argument(
+        "--revert-after",
+        type=float,
+        default=60.0,
+        help="seconds without contact from the gateway after which every cap is reverted (60)",
+    )
     sp.set_defaults(func=cmd_agent)
 
     sp = sub.add_parser("sim", help="run one simulated vLLM server", arguments=_sim_arguments)

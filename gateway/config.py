@@ -854,6 +854,83 @@ class BatcherConfig(_Strict):
     )
 
 
+class ClockControlConfig(_Strict):
+    """Clocks before shedding (issue 21; :mod:`gateway.routing.clocks`): the gateway caps the
+    SM clocks of a power domain's GPUs, through each backend's agent, before it refuses
+    requests for power, and caps a warm GPU's clock instead of draining it.
+
+    Shares are of the GPU's maximum SM clock. LLM decode is bound by HBM bandwidth and
+    barely slows at a lower SM clock while power falls about as ``f^3`` (Maliakel et al.,
+    arXiv:2501.08219: about 42% less energy for 1-6% more latency; DynamoLLM, Stojkovic et
+    al., HPCA 2025; GreenLLM, arXiv:2508.16449), so a clock cap trades a little latency for
+    a lot of power. Off by default: it needs agents that may set clocks (``agent.control``).
+    """
+
+    enabled: bool = False
+    floor_ratio: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="lowest cap (share of the max SM clock): shedding starts only when the "
+        "caps of a domain's GPUs sit here; 0.5: decode about 3% slower in the measured range",
+    )
+    step_ratio: float = Field(
+        0.05, gt=0, le=0.5, description="one step of a cap (share of the max SM clock)"
+    )
+    interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="s, least time between two steps of one domain or one GPU (a telemetry "
+        "round: a step's effect is seen before the next)",
+    )
+    domain_high_ratio: float = Field(
+        0.85, gt=0, description="domain draw / budget above which its clocks step down"
+    )
+    domain_low_ratio: float = Field(
+        0.75, gt=0, description="... below which they step back up (hysteresis band between)"
+    )
+    hot_margin_c: float = Field(
+        2.0, ge=0, description="°C; a GPU from hot_c - this steps its clock down (not drained)"
+    )
+    release_margin_c: float = Field(
+        5.0, ge=0, description="°C; ... and below hot_c - this steps it back up"
+    )
+    efficient_ratio: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="cap of a backend with no queue (DynamoLLM: the lowest clock meeting the "
+        "SLO); lifted while requests wait. 1: off",
+    )
+    agent_token_env: str = Field(
+        "LLM_GATEWAY_AGENT_TOKEN",
+        description="environment variable holding the agents' control token (never in the "
+        "config file)",
+    )
+    efficient_after_s: float = Field(
+        10.0,
+        ge=0,
+        description="s without a request waiting before the efficient cap applies (so a "
+        "backend between two bursts does not flip its clock at every scrape)",
+    )
+    power_shed_release: float = Field(
+        0.05,
+        ge=0,
+        description="power shedding stops only when the domain's draw / budget is this much "
+        "below the level that started it (hysteresis)",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ClockControlConfig:
+        if not self.domain_low_ratio < self.domain_high_ratio:
+            raise ValueError("domain_low_ratio must be below domain_high_ratio")
+        if not self.hot_margin_c < self.release_margin_c:
+            raise ValueError("hot_margin_c must be below release_margin_c")
+        if self.efficient_ratio < self.floor_ratio:
+            raise ValueError("efficient_ratio must not be below floor_ratio")
+        return self
+
+
 class ThermalConfig(_Strict):
     """Thermal- and power-aware routing (see :mod:`gateway.routing.thermal`).
 
@@ -916,6 +993,10 @@ class ThermalConfig(_Strict):
     )
     xid_threshold: int = Field(3, ge=1, description="new Xid errors that make it unhealthy")
     xid_window_s: float = Field(3600.0, gt=0, description="... within this window")
+    clocks: ClockControlConfig = Field(
+        default_factory=ClockControlConfig,
+        description="clock caps before shedding (issue 21; off by default)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ThermalConfig:
@@ -1117,6 +1198,14 @@ class GpuConfig(BaseModel):
     )
     tick_s: float = Field(0.5, gt=0, le=10, description="thermal model step in real time")
     hostname: str = Field("sim-gpu-host", description="'Hostname' label of the DCGM metrics")
+    control_token: str | None = Field(
+        None,
+        description="serve the agent's GPU control endpoint (/control, issue 21) to this bearer "
+        "token; None: no control endpoint",
+    )
+    revert_after_s: float = Field(
+        60.0, gt=0, description="s without contact after which the control endpoint reverts"
+    )
 
 
 class LoraAdapter(BaseModel):
@@ -1226,6 +1315,12 @@ class BackendConfig(_Strict):
         None,
         description="DCGM-exporter-style metrics of this backend's GPUs (dcgm-exporter, or "
         "llm-gateway agent); unset: thermal state unknown by design, routed as before",
+    )
+    gpu_control_url: AnyHttpUrl | None = Field(
+        None,
+        description="base URL of the agent's GPU control endpoint (llm-gateway agent "
+        "--control-token, or the simulator's gpu.control_token; issue 21): the gateway caps "
+        "this backend's SM clocks through it when thermal.clocks is enabled",
     )
     gpu_indices: list[int] | None = Field(
         None,

@@ -771,6 +771,25 @@ class GatewayMetrics:
             ["backend", "kind"],
             registry=r,
         )
+        self.clock_caps = Counter(
+            "gateway_clock_caps",
+            "GPU clock caps set or released through the backend's agent (issue 21), by reason "
+            "(power, thermal, efficiency, release)",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.clock_cap_mhz = Gauge(
+            "gateway_clock_cap_mhz",
+            "The SM clock cap the gateway set on the backend's GPUs (MHz; 0: uncapped)",
+            ["backend"],
+            registry=r,
+        )
+        self.clock_control_errors = Counter(
+            "gateway_clock_control_errors",
+            "Failed calls to a backend's GPU control endpoint",
+            ["backend"],
+            registry=r,
+        )
         self.thermal_cooldowns = Counter(
             "gateway_thermal_cooldowns",
             "Cooldowns started because the backend's GPU was hot",

@@ -121,6 +121,7 @@ def gpu_summary(gw: Gateway, b: Backend, now: float) -> dict[str, Any]:
         return {"monitored": False, "tier": "unknown", "power_domain": b.config.power_domain}
     st = gw.controller.gpu.view.status(b.id, now)
     last = b.thermal.latest
+    clocks = gw.controller.gpu.clocks
     return {
         "monitored": True,
         "tier": st.tier.value,
@@ -137,6 +138,7 @@ def gpu_summary(gw: Gateway, b: Backend, now: float) -> dict[str, Any]:
         "power_domain": b.config.power_domain,
         "recent_xid_errors": b.gpu_health.recent_xids(now),
         "error": b.gpu_error,
+        "clock_cap": None if clocks is None else clocks.summary(b.id),
     }
 
 

@@ -42,6 +42,7 @@ from gateway.fleet import liveness
 from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
+from gateway.fleet.clock_driver import clock_driver
 from gateway.fleet.cold_start import ColdStarts
 from gateway.fleet.drain import Drains
 from gateway.fleet.fleet import Fleet
@@ -117,6 +118,7 @@ class FleetController:
             clock=clock,
             expect_monitored=cfg.discovery.dynamic
             and cfg.discovery.template.gpu_metrics_url is not None,
+            clocks=clock_driver(cfg.thermal, metrics, lambda: self.clients.control, clock),
         )
         self.maintenance = Maintenance(
             cfg, fleet, self.state, self.procedures, self.drains, self.clients,

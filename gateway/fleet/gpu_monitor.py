@@ -21,6 +21,12 @@ restarting backend's GPUs are still read). Then, from the pure rules:
   it is held (``hold: gpu_fault``) until an operator undrains it, since passing probes say
   nothing about a GPU that raised Xid errors.
 
+With ``thermal.clocks.enabled`` (issue 21) each round also runs the clock controller
+(:class:`gateway.fleet.clock_driver.ClockDriver`) before the triggers: a warm backend whose
+clock cap is not yet at its floor is capped rather than sent to cooldown, and power shedding
+(:meth:`GpuMonitor.power_level`) starts only when the caps of the candidates' GPUs are at
+their floor, with hysteresis (:class:`gateway.routing.clocks.PowerShedGate`).
+
 A backend without ``gpu_metrics_url`` has no tracker: its tier is ``unknown`` by design
 and it is routed as before thermal awareness (it is never scraped, never counted unknown).
 The trackers are the backends' own parts (built by :class:`gateway.fleet.fleet.Fleet`);
@@ -40,6 +46,7 @@ import httpx
 from gateway.config import PowerDomainConfig, ThermalConfig
 from gateway.core.vocab import BackendState
 from gateway.fleet.backend import Backend
+from gateway.fleet.clock_driver import ClockDriver
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.telemetry import scrape_gpus
 from gateway.metrics import GatewayMetrics
@@ -95,6 +102,7 @@ class GpuMonitor:
         medium_cooldown_s: float,
         clock: Callable[[], float] = time.monotonic,
         expect_monitored: bool = False,
+        clocks: ClockDriver | None = None,
     ) -> None:
         self.cfg = cfg
         self.fleet = fleet
@@ -105,6 +113,7 @@ class GpuMonitor:
         self.on_fault = gpu_fault
         self.medium_cooldown_s = medium_cooldown_s
         self.clock = clock
+        self.clocks = clocks
         self.budgets_w = {d.name: d.budget_w for d in power_domains}
         # discovered backends will have GPU telemetry (the discovery template's
         # gpu_metrics_url): the loop runs even while none is in the fleet yet
@@ -142,6 +151,8 @@ class GpuMonitor:
         """One GPU telemetry round: scrape all, rebuild the view, apply triggers."""
         await asyncio.gather(*(self.scrape_one(b) for b in self.monitored))
         self.refresh()
+        if self.clocks is not None and self.cfg.enabled:
+            await self.clocks.step(self.monitored, self.view)
         self.apply_triggers()
 
     def refresh(self) -> None:
@@ -208,6 +219,8 @@ class GpuMonitor:
             st = self.view.status(b.id, now)
             if not cooldown_due(b.state, st, self.cfg) or self.busy(b):
                 continue
+            if self.clocks is not None and not self.clocks.exhausted([b.id]):
+                continue  # clocks first: capped, not drained, until its cap is at the floor
             if self.request_cooldown(b.id, "thermal", rest_done=self.rest_done(b)):
                 self.metrics.thermal_cooldowns.labels(b.id).inc()
                 log.warning(
@@ -283,4 +296,7 @@ class GpuMonitor:
         view = self.view
         if now - view.at > view.stale_after_s:
             return 0.0  # nothing known: admission is not tightened on a guess
-        return power_pressure((self.domain_of.get(b.id) for b in candidates), view.domains)
+        level = power_pressure((self.domain_of.get(b.id) for b in candidates), view.domains)
+        if self.clocks is None:
+            return level
+        return self.clocks.gate.level(level, self.clocks.exhausted([b.id for b in candidates]))

@@ -8,10 +8,13 @@ a first token, a completion) instead of from step to step:
 
 * continuous batching as a fluid: while ``n`` requests run, each gains
   ``clock / decode_time_s(n)`` tokens per second, where ``clock`` (<= 1) is the slowdown
-  a throttled GPU imposes (:func:`gateway.sim.thermal.step_time_factor`, set from outside);
+  a slower SM clock imposes on a decode step (:func:`gateway.sim.thermal.step_time_factor`,
+  set from outside);
 * a request admitted (FCFS, while fewer than ``max_num_seqs`` run and its prompt plus its
   output fit in the free KV-cache tokens) stalls the whole batch for its prefill
-  (``prefill_time_s(prompt)``, no chunked prefill, as the token-level engine);
+  (``prefill_time_s(prompt) / prefill_clock``, no chunked prefill, as the token-level engine;
+  ``prefill_clock`` <= 1 is the prefill slowdown of a slower SM clock, set from outside:
+  :func:`gateway.sim.thermal.prefill_time_factor`);
 * its first token comes one token of progress after admission and the prefill, its last
   ``output_tokens`` later; TTFT and the mean inter-token latency (TPOT) follow.
 
@@ -79,6 +82,7 @@ class BatchEngine:
     def __init__(self, params: EngineParams) -> None:
         self.params = params
         self.clock = 1.0  # step-time slowdown divisor: rate = clock / decode_time_s(n)
+        self.prefill_clock = 1.0  # prefill slowdown divisor: stall = prefill_time_s / this
         self.t = 0.0
         self.v = 0.0
         self.stall_until = 0.0
@@ -200,7 +204,8 @@ class BatchEngine:
                 break  # FCFS head-of-line blocking, as vLLM
             self.waiting.popleft()
             req.admitted_at = t
-            self.stall_until = max(self.stall_until, t) + p.prefill_time_s(req.prompt_tokens)
+            stall = p.prefill_time_s(req.prompt_tokens) / self.prefill_clock
+            self.stall_until = max(self.stall_until, t) + stall
             req.v_start = self.v
             k = next(self._seq)
             heapq.heappush(self._first, (self.v + 1.0, k, req))

@@ -93,9 +93,12 @@ class Engine:
         self._client_aborts = 0
         self._steps = 0
         self._busy = 0.0
-        # Step-time multiplier set by a GPU model (>= 1 while the GPU is thermally
-        # throttled or power capped: :func:`gateway.sim.thermal.step_time_factor`).
+        # Step-time multipliers set by a GPU model (>= 1 while the SM clock is below its
+        # maximum: throttled, power capped or locked lower): decode steps
+        # (:func:`gateway.sim.thermal.step_time_factor`) and prefill
+        # (:func:`gateway.sim.thermal.prefill_time_factor`).
         self.slowdown = 1.0
+        self.prefill_slowdown = 1.0
 
     # ------------------------------------------------------------------ inputs
     def submit(self, request: EngineRequest, now: float) -> None:
@@ -362,7 +365,8 @@ class Engine:
             self._step_batch = []
             return
         build = self.ttft_factor if admitted else self.itl_factor
-        duration = (p.decode_time_s(len(self._running)) + prefill_s) * build * self.slowdown
+        decode_s = p.decode_time_s(len(self._running)) * self.slowdown
+        duration = (decode_s + prefill_s * self.prefill_slowdown) * build
         self._step_start = t
         self._step_end = t + duration
         self._step_batch = list(self._running)

@@ -62,15 +62,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.sim.batch import BatchEngine, SimRequest
-from gateway.sim.fleet_gateway import POLICIES, FleetView, SimulatedGateway, routing_policy
+from gateway.sim.fleet_gateway import (
+    CLOCKS,
+    POLICIES,
+    SIM_POLICIES,
+    FleetView,
+    SimulatedGateway,
+    routing_policy,
+)
 from gateway.sim.fleet_spec import FLEET_ENGINE, FleetSpec, RackSpec, capacity_rps
-from gateway.sim.thermal import Cooling, GpuThermal, step_time_factor
+from gateway.sim.thermal import Cooling, GpuThermal, prefill_time_factor, step_time_factor
 from gateway.sim.thermal import utilisation as power_utilisation
 from gateway.sim.workload import Arrival
 
 __all__ = [  # the simulator's entry point: its parts are re-exported here
+    "CLOCKS",
     "FLEET_ENGINE",
     "POLICIES",
+    "SIM_POLICIES",
     "FleetSpec",
     "PolicyResult",
     "RackSpec",
@@ -118,7 +127,10 @@ class PolicyResult:
     power_capped_s: float
     cooldowns: int
     cooldowns_completed: int
+    clock_caps_set: int
+    clock_caps_released: int
     energy_kwh: float
+    output_tokens: int
     mean_utilisation: float
     max_temp_by_domain_c: dict[str, float]
     series: Series = field(default_factory=Series, repr=False)
@@ -127,6 +139,12 @@ class PolicyResult:
     def peak_domain_power_w(self) -> float:
         """The highest mean draw over ``record_every_s`` (60 s) any domain reached (W)."""
         return max(self.peak_domain_w.values(), default=0.0)
+
+    @property
+    def energy_per_token_j(self) -> float:
+        """GPU energy per output token of the requests completed (J/token): the whole run's
+        GPU energy (idle included) over the output tokens of finished requests."""
+        return self.energy_kwh * 3.6e6 / self.output_tokens if self.output_tokens else math.nan
 
     @property
     def peak_domain_instant_power_w(self) -> float:
@@ -138,6 +156,7 @@ class PolicyResult:
         d = {k: v for k, v in self.__dict__.items() if k != "series"}
         d["peak_domain_power_w"] = self.peak_domain_power_w
         d["peak_domain_instant_power_w"] = self.peak_domain_instant_power_w
+        d["energy_per_token_j"] = self.energy_per_token_j
         if with_series:
             s = self.series
             d["series"] = {"t": s.t, "max_temp_c": s.max_temp_c, "draw_w": s.draw_w}
@@ -167,7 +186,10 @@ def simulate(
     """
     racks = spec.rack_of()
     n = len(racks)
-    gateway = SimulatedGateway(spec, routing_policy(policy_name))
+    clocks = spec.thermal.clocks if policy_name == CLOCKS else None
+    if clocks is not None and not clocks.enabled:
+        clocks = clocks.model_copy(update={"enabled": True})
+    gateway = SimulatedGateway(spec, routing_policy(policy_name), clocks)
     engines = [BatchEngine(spec.engine) for _ in range(n)]
     gpus = [
         GpuThermal(
@@ -267,6 +289,7 @@ def simulate(
         for i in range(n):
             g = gpus[i]
             clock = 1.0 / step_time_factor(g.clock, g.spec.clock_bound_share)
+            engines[i].prefill_clock = 1.0 / prefill_time_factor(g.clock, g.spec)
             if clock != engines[i].clock:
                 engines[i].clock = clock
                 reschedule(i)
@@ -315,6 +338,14 @@ def simulate(
                 t_load += spec.load_scrape_s
             if t_gpu == now:
                 gateway.scrape_gpus(now, view)
+                for i, mhz in gateway.pending_caps:  # what the agents do on the gateway's word
+                    g = gpus[i]
+                    if mhz is None:
+                        g.reset_clocks()
+                    else:
+                        g.lock_clocks(g.spec.min_sm_clock_mhz, mhz)
+                    g.advance(now, g.util)  # the new clock from now on
+                gateway.pending_caps.clear()
                 t_gpu += spec.gpu_scrape_s
             if t_ctl == now:
                 gateway.control(now)
@@ -366,7 +397,10 @@ def simulate(
         power_capped_s=capped_s,
         cooldowns=gateway.cooldowns,
         cooldowns_completed=gateway.returned,
+        clock_caps_set=gateway.caps_set,
+        clock_caps_released=gateway.caps_released,
         energy_kwh=sum(g.energy_j for g in gpus) / 3.6e6,
+        output_tokens=sum(e.tokens_out for e in engines),
         mean_utilisation=util_sum / util_n if util_n else 0.0,
         max_temp_by_domain_c=dict(zip(names, max_temp, strict=True)),
         series=series,

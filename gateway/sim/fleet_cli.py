@@ -21,11 +21,12 @@ from typing import Any
 
 from rich.console import Console
 
-from gateway.config import RoutingWeights, ThermalConfig
+from gateway.config import ClockControlConfig, RoutingWeights, ThermalConfig
 from gateway.core.wording import plural
 from gateway.sim.fleet import (
     FLEET_ENGINE,
     POLICIES,
+    SIM_POLICIES,
     FleetSpec,
     PolicyResult,
     RackSpec,
@@ -48,6 +49,9 @@ FLEET_THERMAL = ThermalConfig(
     domain_penalty=1.0,
     domain_target_ratio=0.9,
     power_shed_levels=(1.0, 1.0, 1.0),
+    clocks=ClockControlConfig(
+        enabled=True, efficient_ratio=0.9, hot_margin_c=6.0, release_margin_c=9.0
+    ),
 )
 """The thermal settings the gateway's policy (``load_thermal``) runs with in the fleet
 simulator (see README, "Fleet simulator"). Penalties are in load-score units; with
@@ -56,6 +60,10 @@ warm backend (>= 75 °C, or cool but predicted from its trend to reach ``hot_c``
 minute) is avoided until the cooler ones run about 2-3 more requests, and a domain above 90%
 of its budget until the others run 16 more; admission sheds only once every candidate's
 domain is at its budget. Hot backends (>= 85 °C) drain and rest as configured by default.
+The ``clocks`` policy's controller (issue 21): warm GPUs capped from 79 °C (``hot_margin_c``
+6), released below 76 °C; an idle backend (no queue for 10 s) at 90% of its clock. Measured
+on the 24-h trace (seed 1) against least_request: efficient clock 1.0 (off): goodput x0.980,
+energy per token -3.3%; 0.9: x0.9797, -14.4%; 0.8: x0.972, -24.8%.
 Why so light: at 70% load the cool racks sit close to their power budgets, so every request
 steered off a warm GPU raises a cool rack's draw; stronger steering (warm 0.6 and 0.02 per
 °C of predicted temperature above the coolest were tried) gave more facility power caps and
@@ -180,7 +188,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--trace", help="CSV of arrival_s,prompt_tokens,output_tokens instead")
     g.add_argument(
-        "--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}"
+        "--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(SIM_POLICIES)}"
     )
     g.add_argument(
         "--ambient",
@@ -250,7 +258,7 @@ def run_fleet_from_args(args: argparse.Namespace) -> int:
         return run_autoscale_from_args(args)
     _routing_defaults(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in SIM_POLICIES]
     if bad:
         print(f"llm-gateway sim-fleet: unknown policy {bad[0]!r}", file=sys.stderr)
         return 2

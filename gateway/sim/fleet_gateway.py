@@ -1,7 +1,9 @@
 """The gateway's decisions over the simulated fleet (:class:`SimulatedGateway`): the routing
 package's policies, and with ``load_thermal`` the gateway's GPU telemetry, power admission
-and thermal cooldowns, on :class:`gateway.fleet.backend.Backend` records. Pure, simulated
-time; :func:`gateway.sim.fleet.simulate` drives it."""
+and thermal cooldowns, on :class:`gateway.fleet.backend.Backend` records; with ``clocks``
+(:data:`CLOCKS`) the same plus the clock controller (:mod:`gateway.routing.clocks`, issue 21:
+clock caps before shedding and instead of cooldowns). Pure, simulated time;
+:func:`gateway.sim.fleet.simulate` drives it."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.config import BackendConfig, RoutingConfig, RoutingPolicy
+from gateway.config import BackendConfig, ClockControlConfig, RoutingConfig, RoutingPolicy
 from gateway.core.samples import GpuSample, LoadSample
 from gateway.core.vocab import BackendState, Prio
 from gateway.fleet.backend import Backend
 from gateway.fleet.lifecycle import apply_transition, may_take_out
+from gateway.routing.clocks import ClockController, GpuView, PowerShedGate
 from gateway.routing.cooldown import cooldown_due, rest_over
 from gateway.routing.policies import Policy, build_policy
 from gateway.routing.policy import C
@@ -38,6 +41,12 @@ POLICIES: tuple[str, ...] = tuple(
     for p in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_REQUEST, RoutingPolicy.LOAD_THERMAL)
 )
 """The ``routing.policy`` values the simulator runs, in the order it reports them."""
+
+CLOCKS = "clocks"
+"""The simulator's name for ``load_thermal`` with clock control on (``thermal.clocks``)."""
+
+SIM_POLICIES: tuple[str, ...] = (*POLICIES, CLOCKS)
+"""Every policy name :func:`gateway.sim.fleet.simulate` accepts."""
 
 
 class FleetView:
@@ -67,7 +76,9 @@ class SimulatedGateway:
     are counted.
     """
 
-    def __init__(self, spec: FleetSpec, policy: RoutingPolicy) -> None:
+    def __init__(
+        self, spec: FleetSpec, policy: RoutingPolicy, clocks: ClockControlConfig | None = None
+    ) -> None:
         self.spec = spec
         self.cfg = spec.thermal
         self.thermal_aware = policy is RoutingPolicy.LOAD_THERMAL
@@ -109,6 +120,25 @@ class SimulatedGateway:
         self.cooldowns = 0
         self.returned = 0
         self.shed = 0
+        # Clock control (``clocks``): the controller, the caps to apply (backend index ->
+        # MHz, None: release) and the counts of caps set and released.
+        self.clocks = (
+            ClockController(clocks, self.cfg.hot_c)
+            if clocks is not None and self.thermal_aware
+            else None
+        )
+        self._gate = (
+            PowerShedGate(self.cfg.power_shed_levels, clocks.power_shed_release)
+            if clocks is not None
+            else None
+        )
+        self.pending_caps: list[tuple[int, float | None]] = []
+        self.caps_set = 0
+        self.caps_released = 0
+        self._members: dict[str, list[str]] = {}
+        for b in self.backends:
+            if b.config.power_domain is not None:
+                self._members.setdefault(b.config.power_domain, []).append(b.id)
 
     # -- request path
     def pick(self, now: float, req: SimRequest) -> int | None:
@@ -153,6 +183,10 @@ class SimulatedGateway:
             if self.domains
             else None
         )
+        if self._gate is not None and self.clocks is not None and self._shed_level is not None:
+            names = {b.config.power_domain for b in cands if b.config.power_domain is not None}
+            exhausted = all(self.clocks.exhausted(d, self._members.get(d, ())) for d in names)
+            self._shed_level = self._gate.level(self._shed_level, exhausted)
 
     def dispatched(self, i: int) -> None:
         """A request went to backend ``i``."""
@@ -195,6 +229,30 @@ class SimulatedGateway:
         }
         self.domains = domain_statuses(self.statuses.values(), self.budgets, self.cfg)
         self._choice = None
+        if self.clocks is not None:
+            self._control_clocks(now, view)
+
+    def _control_clocks(self, now: float, view: FleetView) -> None:
+        """One step of the clock controller over this telemetry round; the caps it sets or
+        releases go to ``pending_caps`` (the loop applies them, as an agent would)."""
+        assert self.clocks is not None
+        gpus = [
+            GpuView(
+                backend_id=b.id,
+                domain=b.config.power_domain,
+                max_mhz=g.spec.max_sm_clock_mhz,
+                temp_c=self.statuses[b.id].temp_c,
+                running=b.load.running if b.load is not None else 0.0,
+                waiting=b.load.waiting if b.load is not None else 0.0,
+            )
+            for b, g in zip(self.backends, view.gpus, strict=True)
+        ]
+        for ch in self.clocks.decide(now, gpus, self.domains):
+            self.pending_caps.append((self._index[ch.backend_id], ch.max_mhz))
+            if ch.max_mhz is None:
+                self.caps_released += 1
+            else:
+                self.caps_set += 1
 
     # -- lifecycle: thermal cooldown
     def control(self, now: float) -> None:
@@ -208,8 +266,11 @@ class SimulatedGateway:
         for i, b in enumerate(self.backends):
             if b.state is BackendState.WARM:
                 st = self.statuses.get(b.id, UNMONITORED)
-                if cooldown_due(b.state, st, self.cfg) and may_take_out(
-                    b, self.backends, self.spec.lifecycle
+                capped_out = self.clocks is None or self.clocks.exhausted("", (b.id,))
+                if (
+                    capped_out
+                    and cooldown_due(b.state, st, self.cfg)
+                    and may_take_out(b, self.backends, self.spec.lifecycle)
                 ):
                     apply_transition(b, BackendState.DRAINING, "cooldown_thermal", now)
                     self.cooldowns += 1
@@ -231,9 +292,13 @@ class SimulatedGateway:
 
 
 def routing_policy(name: str) -> RoutingPolicy:
-    """The :class:`RoutingPolicy` a policy's name denotes (see :data:`POLICIES`); raises
-    ValueError for any other name."""
+    """The :class:`RoutingPolicy` a policy's name denotes (see :data:`SIM_POLICIES`;
+    ``clocks`` routes as ``load_thermal``); raises ValueError for any other name."""
+    if name == CLOCKS:
+        return RoutingPolicy.LOAD_THERMAL
     try:
         return RoutingPolicy(name)
     except ValueError:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+        raise ValueError(
+            f"unknown policy {name!r}; choose from {', '.join(SIM_POLICIES)}"
+        ) from None

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.config import RoutingPolicy
-from gateway.sim.fleet import PolicyResult
+from gateway.sim.fleet import CLOCKS, PolicyResult
 
 TAPAS_REDUCTIONS: dict[str, float] = {
     "max_temp_c": 0.17,
@@ -43,6 +43,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("requests done / rejected", "_done_rejected", "{}"),
     ("cooldowns taken", "cooldowns", "{:d}"),
     ("energy (kWh)", "energy_kwh", "{:.1f}"),
+    ("energy per output token (J)", "energy_per_token_j", "{:.3f}"),
 )
 
 
@@ -75,9 +76,9 @@ def results_table(results: Sequence[PolicyResult], title: str = "Fleet simulatio
 
 
 def _split(results: Sequence[PolicyResult]) -> tuple[list[PolicyResult], list[PolicyResult]]:
-    """The runs of the gateway's own policy (``load_thermal``, whatever label follows) and
-    the baselines."""
-    own = RoutingPolicy.LOAD_THERMAL.value
+    """The runs of the gateway's own policies (``load_thermal``, whatever label follows, and
+    ``clocks``) and the baselines."""
+    own = (RoutingPolicy.LOAD_THERMAL.value, CLOCKS)
     gateway = [r for r in results if r.policy.startswith(own)]
     return gateway, [r for r in results if not r.policy.startswith(own)]
 
@@ -91,9 +92,10 @@ def reduction(value: float, base: float) -> float:
 
 
 def ratios(r: PolicyResult, base: PolicyResult) -> dict[str, float]:
-    """Reductions of ``r`` against the baseline ``base`` for TAPAS's four measures, plus the
-    goodput ratio (``r`` over ``base``)."""
+    """Reductions of ``r`` against the baseline ``base`` for TAPAS's four measures and the
+    energy per output token, plus the goodput ratio (``r`` over ``base``)."""
     out = {k: reduction(float(getattr(r, k)), float(getattr(base, k))) for k in TAPAS_REDUCTIONS}
+    out["energy_per_token_j"] = reduction(r.energy_per_token_j, base.energy_per_token_j)
     out["goodput_ratio"] = r.goodput_rps / base.goodput_rps if base.goodput_rps else math.nan
     return out
 
@@ -112,6 +114,7 @@ def ratios_table(r: PolicyResult, bases: Sequence[PolicyResult]) -> Table:
 
     for key, tapas in TAPAS_REDUCTIONS.items():
         t.add_row(key, *(cell(r[key]) for r in rs), f"{tapas:+.0%}")
+    t.add_row("energy per output token", *(cell(r["energy_per_token_j"]) for r in rs), "")
     t.add_row("goodput (policy / base)", *(f"{x['goodput_ratio']:.3f}" for x in rs), "")
     return t
 
@@ -151,6 +154,7 @@ def pyplot() -> Any:
             "--plot needs matplotlib: pip install 'llm-gateway[plot]' (or pip install matplotlib)"
         ) from e
     return plt
+
 
 def write_plot(results: Sequence[PolicyResult], path: str | Path) -> Path:
     """A PNG of each domain's hottest GPU (°C) and draw (W) over time, one row per policy.

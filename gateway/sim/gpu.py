@@ -35,9 +35,17 @@ import uuid
 from collections.abc import Callable
 
 from gateway.config import GpuConfig as GpuConfig  # declared with the config schema
+from gateway.core.gpu_control import ControlService, GpuLimits
 from gateway.sim.engine import Engine
 from gateway.sim.faults import FaultConfig
-from gateway.sim.thermal import GPU_SPECS, Cooling, GpuThermal, step_time_factor, utilisation
+from gateway.sim.thermal import (
+    GPU_SPECS,
+    Cooling,
+    GpuThermal,
+    prefill_time_factor,
+    step_time_factor,
+    utilisation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +114,7 @@ class SimGpus:
                 g.advance(now, utilisation(busy, occ, g.spec.busy_floor))
         slowest = min(self.gpus, key=lambda g: g.clock)
         self.engine.slowdown = step_time_factor(slowest.clock, slowest.spec.clock_bound_share)
+        self.engine.prefill_slowdown = prefill_time_factor(slowest.clock, slowest.spec)
 
 
 _HELP: tuple[tuple[str, str, str], ...] = (
@@ -156,8 +165,41 @@ def render_dcgm(gpus: SimGpus) -> str:
     return "\n".join(lines) + "\n"
 
 
+class SimActuator:
+    """The agent's control endpoint over the simulated GPUs
+    (:class:`gateway.core.gpu_control.GpuActuator`): locked clocks and power limits as NVML
+    would set them (:meth:`GpuThermal.lock_clocks`, :meth:`GpuThermal.set_power_limit`)."""
+
+    def __init__(self, gpus: SimGpus) -> None:
+        self.gpus = gpus.gpus
+
+    @property
+    def count(self) -> int:
+        return len(self.gpus)
+
+    def limits(self, index: int) -> GpuLimits:
+        s = self.gpus[index].spec
+        return GpuLimits(
+            s.min_sm_clock_mhz, s.max_sm_clock_mhz, s.min_power_limit_w, s.tdp_w, s.tdp_w
+        )
+
+    def lock_clocks(self, index: int, min_mhz: float, max_mhz: float) -> None:
+        self.gpus[index].lock_clocks(min_mhz, max_mhz)
+
+    def reset_clocks(self, index: int) -> None:
+        self.gpus[index].reset_clocks()
+
+    def set_power_limit(self, index: int, watts: float) -> None:
+        self.gpus[index].set_power_limit(watts)
+
+    def power_limit_w(self, index: int) -> float:
+        return self.gpus[index].power_limit_w
+
+
 class GpuTicker:
-    """Runs :meth:`SimGpus.tick` every ``cfg.tick_s`` seconds on the running loop."""
+    """Runs :meth:`SimGpus.tick` every ``cfg.tick_s`` seconds on the running loop; with
+    ``cfg.control_token`` it holds the control endpoint's service (``control``) and reverts
+    its caps after ``cfg.revert_after_s`` without contact, as the agent does."""
 
     def __init__(
         self, gpus: SimGpus, faults: Callable[[], FaultConfig], clock: Callable[[], float]
@@ -166,10 +208,22 @@ class GpuTicker:
         self._faults = faults
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
+        cfg = gpus.cfg
+        # contact is first set by the first request (nothing is capped before it)
+        self.control = (
+            ControlService(SimActuator(gpus), cfg.control_token, 0.0, cfg.revert_after_s)
+            if cfg.control_token
+            else None
+        )
 
     def tick(self) -> None:
         """One tick now (also called before serving ``/gpu/metrics``)."""
-        self.gpus.tick(self._clock(), self._faults())
+        now = self._clock()
+        if self.control is not None and self.control.tick(now):
+            log.warning(
+                "sim: no contact for %.0f s: GPU caps reverted", self.gpus.cfg.revert_after_s
+            )
+        self.gpus.tick(now, self._faults())
 
     async def start(self) -> None:
         if self._task is None:

@@ -5,19 +5,37 @@ caller passes the time (seconds, any monotonic origin) and the GPU's utilisation
 interval since its last call, so the same code runs in real time (``/gpu/metrics`` of the
 simulated vLLM server) and in simulated time (:mod:`gateway.sim.fleet`).
 
-Power (W), from batch occupancy
--------------------------------
-``P = P_idle + (P_max - P_idle) * u * clock``, with the utilisation ``u`` (0-1) from
+Power (W), from batch occupancy and the SM clock (DVFS)
+-------------------------------------------------------
+``P = P_idle + (P_max - P_idle) * u * d(f)``, with the utilisation ``u`` (0-1) from
 :func:`utilisation`: ``u = busy * (floor + (1 - floor) * occupancy)`` where ``busy`` is the
 share of the interval the engine was stepping and ``occupancy`` the running batch over
 ``max_num_seqs``. A busy step with one sequence still streams the weights through the SMs and
-draws ``floor`` (35%) of the dynamic range; a full batch draws all of it. ``clock`` (0-1) is
-the SM clock over its maximum: dynamic power falls with the clock (linear here, a
-conservative choice: ``P ~ f V^2`` falls faster). Constants of :data:`H100_SXM` /
-:data:`A100_SXM`: TDP (power limit) 700 W / 400 W and boost SM clock 1980 / 1410 MHz from
-NVIDIA's H100 and A100 datasheets; idle draw about 70 W / 55 W, as ``nvidia-smi`` shows on an
-idle data-centre GPU with a model loaded; the 35% floor is an assumption in line with
-Splitwise (Patel et al., ISCA 2024), which measures decode-phase draw well below TDP.
+draws ``floor`` (35%) of the dynamic range; a full batch draws all of it. ``f`` (0-1) is the
+SM clock over its maximum and ``d(f)`` (:func:`dynamic_share`, 1 at full clock) the DVFS law:
+``d(f) = m + (1 - m) f v(f)^2`` -- CMOS switching power ``C V^2 f`` (Weste & Harris, *CMOS
+VLSI Design*, ch. 5) with the voltage ``v(f) = max(v_floor, f)`` (share of its maximum)
+falling linearly with the clock over the DVFS range, so the SM share falls as ``f^3`` at the
+top and as ``f`` once the voltage sits at its floor ``v_floor`` (0.7: GPUs' V-f curves span
+about 0.7-1.05 V), and ``m`` (``uncore_share``, 1/3) the share that does not follow the SM
+clock (HBM, memory controllers, NVLink). ``m`` is calibrated to Maliakel et al.,
+"Characterizing LLM Inference Energy-Performance Tradeoffs across Workloads and GPU Scaling"
+(arXiv:2501.08219): lowering the GPU clock saves about 42% of inference energy for a 1-6%
+longer latency; with the decode step's clock share ``clock_bound_share`` = 6% (the top of
+their range) at our floor of half the clock (a 6% slower decode), ``m = 1/3`` gives that 42%
+for a full batch. DynamoLLM (Stojkovic et al., HPCA 2025) and GreenLLM (Liu et al.,
+arXiv:2508.16449) measure the same asymmetry: decode barely slows with the clock, prefill
+slows as ``1/f``. Constants of :data:`H100_SXM` / :data:`A100_SXM`: TDP (power limit)
+700 W / 400 W, boost SM clock 1980 / 1410 MHz and the lowest power limit ``nvidia-smi -q``
+shows (200 W / 100 W) from NVIDIA's datasheets; idle draw about 70 W / 55 W, as ``nvidia-smi``
+shows on an idle data-centre GPU with a model loaded; the 35% floor is an assumption in line
+with Splitwise (Patel et al., ISCA 2024), which measures decode-phase draw well below TDP.
+
+Clock control (what NVML's ``nvmlDeviceSetGpuLockedClocks`` and
+``nvmlDeviceSetPowerManagementLimit`` do): :meth:`GpuThermal.lock_clocks` bounds the SM
+clock to ``[min, max]`` MHz within ``[min_sm_clock_mhz, max_sm_clock_mhz]``; the clock runs
+at the lock's top unless throttling or the power limit pull it lower.
+:meth:`GpuThermal.set_power_limit` sets the limit within ``[min_power_limit_w, tdp_w]``.
 
 Temperature (°C), first-order RC
 --------------------------------
@@ -60,9 +78,13 @@ _EPS = 1e-9
 class GpuSpec:
     """Electrical and thermal constants of one GPU model (see the module docstring).
 
-    Watts, °C, MHz, J/K. ``clock_bound_share`` is the share of an engine step's time that
+    Watts, °C, MHz, J/K. ``clock_bound_share`` is the share of a decode step's time that
     scales with the SM clock (the rest is bound by HBM bandwidth, which the SM clock does
-    not change); an assumption, since LLM decode is largely memory-bound.
+    not change; 6%, Maliakel et al. arXiv:2501.08219), ``prefill_clock_share`` the same for
+    prefill (1: compute-bound, time ``1/f``). ``uncore_share`` and ``v_floor``: the DVFS law
+    :func:`dynamic_share`. ``min_sm_clock_mhz``: the lowest lockable SM clock (the bottom of
+    ``nvmlDeviceGetSupportedGraphicsClocks``); ``min_power_limit_w``: the bottom of
+    ``nvmlDeviceGetPowerManagementLimitConstraints``.
     """
 
     name: str = "NVIDIA H100 80GB HBM3"
@@ -74,7 +96,12 @@ class GpuSpec:
     throttle_release_c: float = 84.0
     throttle_clock: float = 0.6
     c_th_j_per_k: float = 800.0
-    clock_bound_share: float = 0.6
+    clock_bound_share: float = 0.06
+    prefill_clock_share: float = 1.0
+    uncore_share: float = 1.0 / 3.0
+    v_floor: float = 0.7
+    min_sm_clock_mhz: float = 210.0
+    min_power_limit_w: float = 200.0
     # framebuffer memory as nvidia-smi / DCGM report it (MiB; an 80 GB card shows 81559)
     memory_mib: float = 81559.0
 
@@ -87,8 +114,15 @@ class GpuSpec:
             raise ValueError("throttle_release_c must be below throttle_c")
         if self.c_th_j_per_k <= 0:
             raise ValueError("c_th_j_per_k must be > 0")
-        if not 0 <= self.busy_floor <= 1 or not 0 <= self.clock_bound_share <= 1:
-            raise ValueError("busy_floor and clock_bound_share must be in [0, 1]")
+        shares = (self.busy_floor, self.clock_bound_share, self.prefill_clock_share)
+        if not all(0 <= x <= 1 for x in (*shares, self.uncore_share)):
+            raise ValueError("busy_floor and the clock and uncore shares must be in [0, 1]")
+        if not 0 < self.v_floor <= 1:
+            raise ValueError("v_floor must be in (0, 1]")
+        if not 0 < self.min_sm_clock_mhz <= self.max_sm_clock_mhz:
+            raise ValueError("min_sm_clock_mhz must be in (0, max_sm_clock_mhz]")
+        if not 0 < self.min_power_limit_w <= self.tdp_w:
+            raise ValueError("min_power_limit_w must be in (0, tdp_w]")
 
 
 H100_SXM = GpuSpec()
@@ -99,6 +133,7 @@ A100_SXM = GpuSpec(
     tdp_w=400.0,
     idle_w=55.0,
     max_sm_clock_mhz=1410.0,
+    min_power_limit_w=100.0,
     c_th_j_per_k=1000.0,
 )
 """NVIDIA A100 SXM4 80 GB: 400 W TDP, 1410 MHz boost (datasheet)."""
@@ -125,6 +160,32 @@ def utilisation(busy: float, occupancy: float, floor: float) -> float:
     busy = min(1.0, max(0.0, busy))
     occupancy = min(1.0, max(0.0, occupancy))
     return busy * (floor + (1.0 - floor) * occupancy)
+
+
+def dynamic_share(clock: float, spec: GpuSpec) -> float:
+    """Share (0-1) of the dynamic power a busy GPU draws at SM clock share ``clock``: the
+    DVFS law ``m + (1 - m) f max(v_floor, f)^2`` of the module docstring (1 at full clock)."""
+    f = min(1.0, max(0.0, clock))
+    v = max(spec.v_floor, f)
+    return spec.uncore_share + (1.0 - spec.uncore_share) * f * v * v
+
+
+def clock_for_share(share: float, spec: GpuSpec) -> float:
+    """The SM clock share at which :func:`dynamic_share` equals ``share`` (the inverse; 0.05
+    at least, the lowest clock the model runs)."""
+    m = spec.uncore_share
+    if share >= 1.0:
+        return 1.0
+    sm = (share - m) / (1.0 - m) if m < 1.0 else 1.0  # f v(f)^2
+    vf = spec.v_floor
+    f = sm ** (1.0 / 3.0) if sm >= vf**3 else sm / (vf * vf)
+    return min(1.0, max(0.05, f))
+
+
+def prefill_time_factor(clock: float, spec: GpuSpec) -> float:
+    """How much longer a prefill takes at SM clock share ``clock``: compute-bound, so
+    ``(1 - s) + s / f`` with ``s = prefill_clock_share`` (1: ``1/f``)."""
+    return step_time_factor(clock, spec.prefill_clock_share)
 
 
 def step_time_factor(clock: float, clock_bound_share: float) -> float:
@@ -167,6 +228,8 @@ class GpuThermal:
         self.cooling = cooling or Cooling()
         self.cooling_factor = 1.0  # R_th multiplier; > 1 during a cooling failure
         self.power_limit_w = spec.tdp_w
+        self.locked_min_mhz: float | None = None  # SM clock lock (MHz); None: not locked
+        self.locked_max_mhz: float | None = None
         self.hot_c = hot_c
         self.util = 0.0
         self.throttling = False
@@ -199,6 +262,37 @@ class GpuThermal:
         """SM clock now (MHz), as ``DCGM_FI_DEV_SM_CLOCK``."""
         return self.spec.max_sm_clock_mhz * self.clock
 
+    @property
+    def clock_ceiling(self) -> float:
+        """The highest SM clock share the lock allows (1 when not locked)."""
+        if self.locked_max_mhz is None:
+            return 1.0
+        return self.locked_max_mhz / self.spec.max_sm_clock_mhz
+
+    def lock_clocks(self, min_mhz: float, max_mhz: float) -> tuple[float, float]:
+        """Lock the SM clock to ``[min_mhz, max_mhz]`` (MHz), clamped to the GPU's range
+        ``[min_sm_clock_mhz, max_sm_clock_mhz]`` (as ``nvmlDeviceSetGpuLockedClocks``); returns
+        the range set. Takes effect at the next :meth:`advance`."""
+        s = self.spec
+        if min_mhz > max_mhz:
+            raise ValueError("min_mhz must not exceed max_mhz")
+        lo = min(s.max_sm_clock_mhz, max(s.min_sm_clock_mhz, min_mhz))
+        hi = min(s.max_sm_clock_mhz, max(s.min_sm_clock_mhz, max_mhz))
+        self.locked_min_mhz, self.locked_max_mhz = lo, hi
+        return lo, hi
+
+    def reset_clocks(self) -> None:
+        """Clear the clock lock (``nvmlDeviceResetGpuLockedClocks``)."""
+        self.locked_min_mhz = self.locked_max_mhz = None
+
+    def set_power_limit(self, watts: float | None) -> float:
+        """Set the power limit (W) within ``[min_power_limit_w, tdp_w]``; None restores the
+        default (TDP). Returns the limit set."""
+        s = self.spec
+        w = s.tdp_w if watts is None else min(s.tdp_w, max(s.min_power_limit_w, watts))
+        self.power_limit_w = w
+        return w
+
     def set_cooling_failure(self, factor: float) -> None:
         """Multiply ``R_th`` by ``factor`` from now on (1 = cooling restored)."""
         if factor <= 0:
@@ -222,18 +316,19 @@ class GpuThermal:
     def _clock_for(self, util: float) -> tuple[float, bool]:
         """SM clock share and whether the power limit binds, for ``util`` now."""
         s = self.spec
-        clock = s.throttle_clock if self.throttling else 1.0
+        clock = min(self.clock_ceiling, s.throttle_clock if self.throttling else 1.0)
         dyn = (s.tdp_w - s.idle_w) * util
         capped = False
-        if dyn > 0 and s.idle_w + dyn * clock > self.power_limit_w:
-            clock = max(0.05, (self.power_limit_w - s.idle_w) / dyn)
+        if dyn > 0 and s.idle_w + dyn * dynamic_share(clock, s) > self.power_limit_w:
+            clock = min(clock, clock_for_share((self.power_limit_w - s.idle_w) / dyn, s))
             capped = True
         return clock, capped
 
     def demand_w(self, util: float, clock: float) -> float:
-        """Draw (W) at utilisation ``util`` and clock share ``clock``."""
+        """Draw (W) at utilisation ``util`` and clock share ``clock`` (:func:`dynamic_share`)."""
         s = self.spec
-        return s.idle_w + (s.tdp_w - s.idle_w) * min(1.0, max(0.0, util)) * clock
+        u = min(1.0, max(0.0, util))
+        return s.idle_w + (s.tdp_w - s.idle_w) * u * dynamic_share(clock, s)
 
     def advance(self, now: float, util: float) -> None:
         """Integrate from the last call to ``now`` with utilisation ``util`` (0-1) held.

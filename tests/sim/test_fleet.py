@@ -140,7 +140,10 @@ def test_load_thermal_cools_a_failing_rack_down_and_brings_it_back() -> None:
     ts = trace_for_load(spec, 0.8, 1200.0, 1, start_hour=15.0)
     gw = simulate(spec, "load_thermal", generate(ts), 1200.0)
     rr = simulate(spec, "round_robin", generate(ts), 1200.0)
-    assert gw.max_temp_by_domain_c["failing"] < rr.max_temp_by_domain_c["failing"]
+    # both touch the throttling threshold (the hardware holds every GPU under it); the
+    # gateway's GPU spends a fraction of the time above hot_c
+    assert gw.max_temp_by_domain_c["failing"] < rr.max_temp_by_domain_c["failing"] + 0.5
+    assert rr.time_above_hot_s > 2 * gw.time_above_hot_s
     assert rr.throttle_time_s > 2 * gw.throttle_time_s
     assert gw.cooldowns >= 1 and gw.cooldowns_completed >= 1
     assert gw.goodput_rps > rr.goodput_rps

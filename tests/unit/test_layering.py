@@ -63,7 +63,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.app",),
     # 7: entry points (gateway.workers: serve --workers N, the supervisor of N replicas)
     ("gateway.cli", "gateway.demo", "gateway.serving", "gateway.workers", "gateway.agent",
-     "gateway.__main__"),
+     "gateway.agent_control", "gateway.__main__"),
 )
 """Bottom to top: a module may import its own layer or a lower one, never a higher one."""
 

@@ -69,6 +69,21 @@ def add_info_routes(app: FastAPI, state: SimState) -> None:
         state.gpus.tick()
         return Response(render_dcgm(state.gpus.gpus), media_type=CONTENT_TYPE_LATEST)
 
+    @app.api_route("/control{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def gpu_control(request: Request, rest: str) -> Response:
+        """The agent's GPU control endpoint over the simulated GPUs (issue 21,
+        :mod:`gateway.core.gpu_control`); 404 without ``gpu.control_token``."""
+        service = state.gpus.control
+        if service is None:
+            return error_response(P.error(404, "Not Found", "NotFoundError"))
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else None
+        state.gpus.tick()  # the clocks as of now before they change
+        status, body = service.handle(
+            request.method, request.url.path, token, await request.body(), state.runner.now()
+        )
+        return json_response(body, status)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         try:
