@@ -197,7 +197,8 @@ def test_secrets_from_files_and_env_never_show(
                    headers={"authorization": f"Bearer {CLIENT_FILE}x"}),
         httpx.get(base + "/admin/backends", timeout=10,
                   headers={"authorization": f"Bearer {ADMIN}x"}),
-        httpx.post(base + "/admin/config", headers=admin, timeout=10,
+        httpx.post(base + "/admin/config", timeout=10,
+                   headers={**admin, "content-type": "application/yaml"},
                    content=f"auth: {{admin_key: 7, client_keys: [{{name: x, key: {BACKEND}}}, "
                            f"{{name: y, key: {BACKEND}}}]}}"),
         httpx.post(base + "/v1/chat/completions", timeout=10,
@@ -305,3 +306,63 @@ def test_key_files_and_priority_bounds_are_checked_at_load(tmp_path: Path) -> No
                                                   {"name": "b", "key_file": str(same)}]})
     with pytest.raises(ConfigError, match="'a' and 'b' have the same key"):
         check_secrets(cfg)
+
+
+def test_a_web_page_cannot_drive_the_keyless_admin_api(open_gw: GatewayThread) -> None:
+    """Loopback-only mode against a browser (OWASP CSRF cheat sheet; DNS rebinding): a
+    cross-site POST, a foreign ``Origin`` or a ``Host`` that is not a loopback name gets
+    403 ``admin_cross_site`` and changes nothing; a body that is not JSON or YAML (what a
+    form or a CORS-simple request sends) gets 415, key or not."""
+    base, port = open_gw.url, open_gw.url.rsplit(":", 1)[1]
+    drain = base + "/admin/backends/a/drain"
+    browser = [  # what a page on https://evil.example makes the browser send
+        {"sec-fetch-site": "cross-site", "origin": "https://evil.example",
+         "content-type": "text/plain"},
+        {"sec-fetch-site": "same-site", "content-type": "application/json"},
+        {"origin": "https://evil.example", "content-type": "application/json"},
+        {"origin": "null", "content-type": "application/json"},
+        {"host": f"rebind.evil.example:{port}", "content-type": "application/json"},
+    ]
+    for headers in browser:
+        r = httpx.post(drain, content=b'{"deadline_s": 0}', headers=headers, timeout=10)
+        err = _assert_openai_error(r, 403, "admin_cross_site")
+        assert "auth.admin_key_file" in err["message"], err
+    r = httpx.post(base + "/admin/config", content=b"backends: []", timeout=10,
+                   headers={"sec-fetch-site": "cross-site", "content-type": "text/plain"})
+    _assert_openai_error(r, 403, "admin_cross_site")
+    rebound = {"host": f"rebind.evil.example:{port}"}  # DNS rebinding reads nothing
+    _assert_openai_error(httpx.get(base + "/admin/config", headers=rebound, timeout=10),
+                         403, "admin_cross_site")
+    assert httpx.get(base + "/status.json", headers=rebound, timeout=10).json()[
+        "details"] is False
+    assert "a" in _routable(open_gw)
+    # no browser, or the gateway's own page on a loopback name: served
+    for headers in ({"host": f"localhost:{port}", "origin": f"http://localhost:{port}",
+                     "sec-fetch-site": "same-origin"},
+                    {"host": f"[::1]:{port}"}, {"host": f"gw.localhost:{port}"}, {}):
+        assert httpx.get(base + "/admin/backends", headers=headers,
+                         timeout=10).status_code == 200, headers
+    # a body must say it is JSON or YAML
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                  None):
+        r = httpx.post(drain, content=b'{"deadline_s": 0}', timeout=10,
+                       headers={"content-type": ctype} if ctype else {})
+        _assert_openai_error(r, 415, "unsupported_media_type")
+    assert "a" in _routable(open_gw)
+    r = httpx.post(drain, content=b'{"deadline_s": 30}', timeout=10,
+                   headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 202, r.text
+    assert httpx.post(base + "/admin/backends/a/undrain", timeout=10).status_code == 200
+    assert wait_for(lambda: "a" in _routable(open_gw), 10)
+
+
+def test_an_admin_body_must_be_json_or_yaml_with_a_key_too(keyed_gw: GatewayThread) -> None:
+    auth = {"authorization": f"Bearer {ADMIN}"}
+    r = httpx.post(keyed_gw.url + "/admin/backends/a/drain", content=b"{}", timeout=10,
+                   headers={**auth, "content-type": "text/plain"})
+    _assert_openai_error(r, 415, "unsupported_media_type")
+    # the key defeats cross-site requests by itself: a browser never attaches it
+    r = httpx.get(keyed_gw.url + "/admin/backends", timeout=10,
+                  headers={**auth, "origin": "https://ops.example", "sec-fetch-site":
+                           "cross-site"})
+    assert r.status_code == 200, r.text

@@ -161,7 +161,7 @@ def test_slow_canary_from_a_config_change_rolls_back_and_returns_the_config(
             **FAST_STEPS, "calibration": {"measure": "off"}}
     with GatewayThread(config(servers.backends)) as gw:
         r = httpx.post(gw.url + "/admin/config", content=_config_text(gw, rollouts=[plan]),
-                       timeout=10)
+                       headers={"content-type": "application/yaml"}, timeout=10)
         assert r.status_code == 200, r.text
         started_in = r.json()["version"]
         assert rollout(gw.url)["origin"] == "config"
@@ -276,7 +276,8 @@ def test_admin_api_errors_and_abort(servers: Servers) -> None:
         r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2"})
         assert r.status_code == 201, r.text
         text = _config_text(gw, backends=[dict(servers.backends[0])])
-        refused = httpx.post(gw.url + "/admin/config", content=text, timeout=10)
+        refused = httpx.post(gw.url + "/admin/config", content=text, timeout=10,
+                             headers={"content-type": "application/yaml"})
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["param"] == "backends"
         assert "abort it first" in refused.json()["error"]["message"]
