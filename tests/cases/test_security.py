@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from gateway.config import ConfigError, check_secrets, load_config
 from tests.lifecycle.support import MODEL, Sim, chat_body, metric, metric_samples
@@ -366,3 +367,32 @@ def test_an_admin_body_must_be_json_or_yaml_with_a_key_too(keyed_gw: GatewayThre
                   headers={**auth, "origin": "https://ops.example", "sec-fetch-site":
                            "cross-site"})
     assert r.status_code == 200, r.text
+
+
+def test_config_errors_never_echo_a_misspelled_or_secret_fields_value(
+        open_gw: GatewayThread) -> None:
+    """A typo'd field name (``adminkey``) may hold a key: its value is never echoed, nor a
+    secret field's, nor a URL's user info, in ``POST /admin/config``'s 400 or
+    :func:`load_config`'s message (what ``check-config``, the start-up log and a SIGHUP
+    reload print)."""
+    hush = "hush-5e1b7c9d3a"
+    bad = [
+        f"auth: {{adminkey: {hush}}}\n",
+        f"backends: [{{id: a, url: 'http://127.0.0.1:1', models: [m], apikey: {hush}}}]\n",
+        f"auth: {{admin_key: [{hush}]}}\n",
+        f"auth: {{client_keys: [{{name: k, key: {hush}, key_env: X, priority: low}}]}}\n",
+        f"backends: [{{id: a, url: 'http://u:{hush}@127.0.0.1:x', models: [m]}}]\n",
+        f"coordination: {{redis_url: 'redis://{hush}@127.0.0.1:6379/x'}}\n",
+    ]
+    for text in bad:
+        r = httpx.post(open_gw.url + "/admin/config", content=text.encode(), timeout=10,
+                       headers={"content-type": "application/yaml"})
+        err = _assert_openai_error(r, 400, "invalid_config")
+        assert hush not in r.text, (text, err["message"])
+        with pytest.raises(ConfigError) as info:
+            load_config(None, **yaml.safe_load(text))
+        assert hush not in str(info.value), (text, str(info.value))
+    with pytest.raises(ConfigError, match=r"auth\.adminkey: unknown field \(check the "
+                       r"spelling\)$"):
+        load_config(None, auth={"adminkey": hush})
+

@@ -296,7 +296,8 @@ def test_every_admin_refusal_names_its_field_and_rollout_times_are_wall_clock(
             base_url=gw.url, timeout=10) as http:  # one client: a new one per call is slow
         def refused(path: str, body: Any) -> tuple[str | None, str]:
             r = (http.post(path, json=body) if path.endswith("rollouts")
-                 else http.post(path, content=yaml.safe_dump(body)))
+                 else http.post(path, content=yaml.safe_dump(body),
+                                headers={"content-type": "application/yaml"}))
             assert r.status_code == 400, (body, r.text)
             err = r.json()["error"]
             return err["param"], err["message"]
