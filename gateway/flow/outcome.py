@@ -88,16 +88,35 @@ def give_up(
     if f.kind in (FailureKind.TTFB_TIMEOUT, FailureKind.IDLE_TIMEOUT):
         return Refusal(
             504,
-            f"The backend did not answer in time: {f.message}",
+            f"The backend did not answer in time: {client_reason(f)}.",
             SERVER_ERROR,
             "upstream_timeout",
         )
     return Refusal(
         502,
-        f"Could not get an answer from a backend for model '{ctx.model}': {f.message}",
+        f"Could not get an answer from a backend"
+        f"{f' for model {ctx.model!r}' if ctx.model else ''}: {client_reason(f)}.",
         SERVER_ERROR,
         "upstream_unavailable",
     )
+
+
+_CLIENT_REASONS = {
+    FailureKind.CONNECT: "backend '{id}' could not be reached",
+    FailureKind.TTFB_TIMEOUT: "backend '{id}' sent no answer within proxy.ttfb_timeout_s",
+    FailureKind.IDLE_TIMEOUT: "backend '{id}' stalled for proxy.idle_timeout_s",
+    FailureKind.DISCONNECTED: "the connection to backend '{id}' broke",
+    FailureKind.STATUS: "backend '{id}' answered {status}",
+    FailureKind.BAD_ANSWER: "backend '{id}' answered without a JSON body",
+}
+
+
+def client_reason(f: UpstreamFailure) -> str:
+    """What a client is told about the failure ``f``: its kind and the backend's id, never
+    the exception's text (``f.message``: ``Cannot connect to host 10.0.3.7:8000 ...``
+    names addresses, which only the logs and ``/admin/backends``' ``last_error`` show)."""
+    text = _CLIENT_REASONS.get(f.kind, "backend '{id}' failed ({kind})")
+    return text.format(id=f.backend.id, status=f.status or 200, kind=f.kind.value)
 
 
 def unavailable(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -396,3 +397,29 @@ def test_config_errors_never_echo_a_misspelled_or_secret_fields_value(
                        r"spelling\)$"):
         load_config(None, auth={"adminkey": hush})
 
+
+def test_a_dead_backends_address_reaches_the_logs_not_the_client(
+        backends: Callable[..., ScriptedBackend], gateway: Callable[..., GatewayThread],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A backend that refuses connections: the anonymous client (the openai SDK) is told
+    which backend by id, never its host and port (``Cannot connect to host 127.0.0.1:N``);
+    the logs and ``/admin/backends``' ``last_error`` keep the detail."""
+    caplog.set_level(logging.INFO)
+    a = backends()
+    gw = gateway({"a": a}, health={"interval_s": 60.0, "timeout_s": 1.0})  # one probe: up
+    port = a.url.rsplit(":", 1)[1]
+    a.stop()  # connection refused from now on; the gateway still thinks it warm
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.APIStatusError) as by_id:
+        client.responses.retrieve("resp_0123456789abcdef")
+    for e in (info.value, by_id.value):
+        said = str(e) + e.response.text
+        assert "backend 'a'" in said, said
+        assert port not in said and "127.0.0.1" not in said and "Connect call" not in said, said
+    assert info.value.status_code == 502
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"127.0.0.1:{port}" in logged  # the operator's detail
+    shown = httpx.get(gw.url + "/admin/backends/a", timeout=5).json()
+    assert port in json.dumps(shown.get("last_error"))
