@@ -457,6 +457,16 @@ class ProxyConfig(_Strict):
         "bytes; the rest is dropped and the connection closed (vLLM's ErrorResponse is a "
         "few hundred bytes)",
     )
+    max_n: int = Field(
+        128,
+        ge=1,
+        le=1 << 16,
+        description="most choices (``n``) and candidates (``best_of``) one request may ask "
+        "for; above it, 400 invalid_value (param n / best_of). vLLM has no bound and makes "
+        "one sequence each: one request with n=65536 and max_tokens=1 stalls a backend. "
+        "128 is OpenAI's own bound (its OpenAPI spec, github.com/openai/openai-openapi: "
+        "CreateChatCompletionRequest and CreateCompletionRequest n, minimum 1, maximum 128)",
+    )
     passthrough_paths: list[str] = Field(
         default_factory=lambda: list(VLLM_PASSTHROUGH_PATHS),
         description="other vLLM POST routes whose JSON body names a model",

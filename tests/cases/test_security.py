@@ -423,3 +423,30 @@ def test_a_dead_backends_address_reaches_the_logs_not_the_client(
     assert f"127.0.0.1:{port}" in logged  # the operator's detail
     shown = httpx.get(gw.url + "/admin/backends/a", timeout=5).json()
     assert port in json.dumps(shown.get("last_error"))
+
+
+def test_n_and_best_of_are_bounded_by_proxy_max_n(
+        open_gw: GatewayThread, backends: Callable[..., ScriptedBackend],
+        gateway: Callable[..., GatewayThread]) -> None:
+    """One anonymous request with ``n: 65536, max_tokens: 1`` would make 65536 sequences
+    on one backend: above ``proxy.max_n`` (default 128, OpenAI's own bound) it is a 400
+    ``invalid_value`` on ``n`` (or ``best_of``) that no backend sees."""
+    client = openai.OpenAI(base_url=open_gw.url + "/v1", api_key="x", max_retries=0)
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    for n in (65536, 129):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=msgs, n=n, max_tokens=1)
+        err = info.value.body
+        assert isinstance(err, dict) and (err["code"], err["param"]) == ("invalid_value", "n")
+        assert "128" in err["message"] and "proxy.max_n" in err["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="a", best_of=129, max_tokens=1)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "best_of"
+    ok = client.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=1)
+    assert len(ok.choices) == 2
+    a = backends()
+    gw = gateway({"a": a}, proxy={"max_n": 4})
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=10,
+                   json={"model": "m1", "messages": msgs, "n": "5"})  # read as vLLM reads it
+    assert _assert_openai_error(r, 400, "invalid_value")["param"] == "n"
+    assert not a.data_requests
