@@ -450,3 +450,22 @@ def test_n_and_best_of_are_bounded_by_proxy_max_n(
                    json={"model": "m1", "messages": msgs, "n": "5"})  # read as vLLM reads it
     assert _assert_openai_error(r, 400, "invalid_value")["param"] == "n"
     assert not a.data_requests
+
+
+def test_a_backend_urls_password_shows_in_no_view(
+        backends: Callable[..., ScriptedBackend], caplog: pytest.LogCaptureFixture) -> None:
+    """``backends[].url`` with user info: every admin view (and the logs) shows the user
+    and ``***``, one helper for all (``gateway.core.urls.redacted_url``)."""
+    caplog.set_level(logging.INFO)
+    pw = "pw-3f8a1c6e9d"
+    a = backends()
+    url = a.url.replace("http://", f"http://ops:{pw}@")
+    with GatewayThread(gateway_config([{"id": "a", "url": url}])) as gw:
+        views = {p: httpx.get(gw.url + p, timeout=10) for p in (
+            "/admin/backends", "/admin/backends/a", "/admin/config", "/status.json")}
+    for path, r in views.items():
+        assert r.status_code == 200 and pw not in r.text, (path, r.text)
+    assert views["/admin/backends/a"].json()["url"] == url.replace(pw, "***")
+    # the gateway's own lines (httpx's per-request INFO lines are off: gateway.logs)
+    assert pw not in "\n".join(r.getMessage() for r in caplog.records
+                               if r.name.startswith("gateway"))
