@@ -264,6 +264,10 @@ def test_the_status_page_shows_backend_ids_to_loopback_and_admin_key_holders_onl
     assert "<td>a</td>" not in page.text and "<td>a</td>" in httpx.get(
         keyed_gw.url + "/status", timeout=10).text
     assert held["details"] is True and held["backends"][0]["id"] == "a"
+    for path in ("/status", "/status.json"):  # answers differ by caller: no shared cache
+        r = httpx.get(keyed_gw.url + path, timeout=10)
+        assert r.headers["cache-control"] == "private, no-store", path
+        assert r.headers["vary"] == "Authorization", path
 
 
 def test_priority_is_granted_not_claimed_and_never_forwarded(
