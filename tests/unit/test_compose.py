@@ -101,7 +101,7 @@ def test_replica_ports_are_published_on_the_loopback_only(profile):
     """Each replica's own port (its /admin, /metrics) is for this host: README
     "Security"; only the balancer's 8000 faces the network."""
     svcs = services()
-    balancer, pair, _ = PROFILES[profile]
+    _, pair, _ = PROFILES[profile]
     for name in pair:
         ports = svcs[name]["ports"]
         assert ports and all(p.startswith("127.0.0.1:") for p in ports), (name, ports)
