@@ -123,29 +123,44 @@ def unavailable(
     backends: Iterable[Backend], model: str, health: HealthConfig, now: float
 ) -> Refusal:
     """The gateway's own answer when no backend of ``model`` can take a request now
-    (``now``: monotonic seconds), given without asking any backend: 429 when one is warm
-    but cooling after a 429/503 or with an open breaker (retry when the first is back),
-    else 503 (unhealthy, draining, gone) with the probe-recovery estimate.
+    (``now``: monotonic seconds), given without asking any backend:
 
-    Its ``gateway_request_errors_total`` type: ``upstream_rate_limited`` when a routable
-    backend of the model (warm, breaker not open) is only cooling after its own 429 or
-    503 ``Retry-After`` (the backends refused, the gateway passes it on), else
-    ``no_backend``: every backend of the model is out of rotation or has its breaker open,
-    an outage the error-ratio alert counts (never ``rate_limited``: that says the
-    client's key is over its limit)."""
+    * 429 ``rate_limit_exceeded`` (``upstream_rate_limited``) when a routable backend of
+      the model (warm, breaker not open) is only cooling after its own 429 or 503
+      ``Retry-After``: the backends refused, and the gateway passes their answer's meaning
+      on, retry when the first is back;
+    * 503 ``no_backend_available`` with ``Retry-After`` (``no_backend``) when the warm ones
+      all have their circuit breaker open: an outage of the service, not a limit on the
+      client (RFC 9110 section 15.6.4: 503 for a server temporarily unable to handle the
+      request, ``Retry-After`` when it will be back; a 429 makes OpenAI's SDKs raise
+      ``RateLimitError``, telling users their key is limited), retry when the first
+      breaker half-opens;
+    * else 503 (unhealthy, draining, gone) with the probe-recovery estimate.
+
+    Never ``rate_limited``: that says the client's key is over its limit."""
     backends = list(backends)
     soon = availability_s(backends, model, now)
     if soon is not None:
         cooling = any(b.routable and b.cooling_until > now and model in b.models
                       for b in backends)
+        retry = math.ceil(clamp_retry_after(soon))
+        if cooling:
+            return Refusal(
+                429,
+                f"Every backend serving model '{model}' is rate-limited; retry in {retry} s.",
+                "requests",
+                "rate_limit_exceeded",
+                retry_after_s=soon,
+                error_type=ErrorType.UPSTREAM_RATE_LIMITED,
+            )
         return Refusal(
-            429,
-            f"Every backend serving model '{model}' is rate-limited or recovering; retry "
-            f"in {math.ceil(clamp_retry_after(soon))} s.",
-            "requests",
-            "rate_limit_exceeded",
+            503,
+            f"No backend is available for model '{model}' right now (each has failed "
+            f"repeatedly and is recovering); retry in {retry} s.",
+            SERVER_ERROR,
+            NO_BACKEND_CODE,
             retry_after_s=soon,
-            error_type=ErrorType.UPSTREAM_RATE_LIMITED if cooling else ErrorType.NO_BACKEND,
+            error_type=ErrorType.NO_BACKEND,
         )
     return Refusal(
         503,

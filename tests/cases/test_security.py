@@ -473,3 +473,33 @@ def test_a_backend_urls_password_shows_in_no_view(
     # the gateway's own lines (httpx's per-request INFO lines are off: gateway.logs)
     assert pw not in "\n".join(r.getMessage() for r in caplog.records
                                if r.name.startswith("gateway"))
+
+
+def test_every_breaker_open_is_a_503_with_retry_after_not_a_rate_limit(
+        backends: Callable[..., ScriptedBackend],
+        gateway: Callable[..., GatewayThread]) -> None:
+    """The only backend fails until its breaker opens: the gateway's fast-fail is 503
+    ``no_backend_available`` with ``Retry-After`` (RFC 9110 §15.6.4), which the openai SDK
+    raises as a server error, never ``RateLimitError`` (that tells users their own key is
+    limited); counted ``no_backend``."""
+
+    async def failing(req: Any, conn: Any) -> None:
+        await conn.send_json(500, {"error": {"message": "boom", "type": "server_error"}})
+
+    a = backends(failing)
+    gw = gateway({"a": a}, breaker={"consecutive_failures": 1, "open_base_s": 60,
+                                    "open_max_s": 120}, proxy={"max_attempts": 1})
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.InternalServerError):  # the backend's own 500, relayed
+        client.chat.completions.create(model="m1", messages=msgs)
+    asked = len(a.data_requests)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="m1", messages=msgs)
+    e = info.value
+    assert not isinstance(e, openai.RateLimitError) and e.status_code == 503, e
+    assert isinstance(e.body, dict) and e.body["code"] == "no_backend_available", e.body
+    assert 1 <= int(e.response.headers["retry-after"]) <= 60
+    assert len(a.data_requests) == asked  # no backend was asked
+    m = metric_samples(gw.url)
+    assert metric(m, "gateway_request_errors_total", model="m1", error_type="no_backend") == 1
