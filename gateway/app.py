@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from gateway.api import admin, autoscale, config_admin, ops, rollouts, status, zones
 from gateway.api import openai as openai_api
 from gateway.api import responses as responses_api
-from gateway.api.access import admin_refusal, is_admin_path
+from gateway.api.access import admin_refusal, body_type_refusal, is_admin_path
 from gateway.api.errors import install_error_handlers, render
 from gateway.config import GatewayConfig, check_secrets
 from gateway.config_history import ConfigHistory
@@ -60,7 +60,8 @@ class GatewayApp:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and is_admin_path(scope["path"]):
             # every /admin route, before any runs (gateway.api.access)
-            refusal = admin_refusal(self.app.state.gateway.admin_key, scope)
+            refusal = (admin_refusal(self.app.state.gateway.admin_key, scope)
+                       or body_type_refusal(scope))
             if refusal is not None:
                 await render(refusal)(scope, receive, send)
                 return

@@ -27,6 +27,7 @@ from gateway.config import (
     with_server_overrides,
 )
 from gateway.core.listening import CannotListen
+from gateway.core.urls import redacted_url
 from gateway.core.wording import plural
 from gateway.logs import current_format, say, setup_logging
 
@@ -191,7 +192,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
               f"{k.namespace or 'its own namespace'}")
     for b in cfg.backends:
         models = ", ".join(b.models) if b.models else "(discovered from /v1/models)"
-        print(f"  {b.id:<16} {b.base_url:<32} {b.role.value:<8} {models}")
+        print(f"  {b.id:<16} {redacted_url(b.base_url):<32} {b.role.value:<8} {models}")
     return 0
 
 

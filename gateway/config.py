@@ -457,6 +457,16 @@ class ProxyConfig(_Strict):
         "bytes; the rest is dropped and the connection closed (vLLM's ErrorResponse is a "
         "few hundred bytes)",
     )
+    max_n: int = Field(
+        128,
+        ge=1,
+        le=1 << 16,
+        description="most choices (``n``) and candidates (``best_of``) one request may ask "
+        "for; above it, 400 invalid_value (param n / best_of). vLLM has no bound and makes "
+        "one sequence each: one request with n=65536 and max_tokens=1 stalls a backend. "
+        "128 is OpenAI's own bound (its OpenAPI spec, github.com/openai/openai-openapi: "
+        "CreateChatCompletionRequest and CreateCompletionRequest n, minimum 1, maximum 128)",
+    )
     passthrough_paths: list[str] = Field(
         default_factory=lambda: list(VLLM_PASSTHROUGH_PATHS),
         description="other vLLM POST routes whose JSON body names a model",
@@ -1891,10 +1901,27 @@ class GatewayConfig(BaseSettings):
         return (env_settings, init_settings)
 
 
-# fields whose values an error message never shows (inline keys)
-_SECRET_FIELDS = frozenset({"key", "admin_key", "api_key"})
-# the password of a URL's user info (``scheme://user:password@``), hidden in error messages
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+SECRET_NAME_PARTS = frozenset({"key", "secret", "token", "password", "passwd"})
+"""Words that mark a config field as secret when one of the ``_``-separated parts of a name
+on its path is one of them (``admin_key``, ``api_key_file``, ``client_secret``,
+``password``; not ``client_keys`` or ``max_tokens``): a validation error never shows such a
+field's value (:func:`_format_errors`)."""
+
+# a URL's user info (``scheme://user:password@``, ``scheme://token@``), hidden in messages
+_URL_USERINFO = re.compile(r"(://)[^/@\s]*@")
+
+
+def is_secret_field(loc: tuple[int | str, ...]) -> bool:
+    """Whether the config field at ``loc`` (pydantic's error location: names and indexes)
+    holds a secret (:data:`SECRET_NAME_PARTS`)."""
+    return any(part in SECRET_NAME_PARTS
+               for name in loc if isinstance(name, str) for part in name.lower().split("_"))
+
+
+def hide_userinfo(text: str) -> str:
+    """``text`` with the user info of every URL in it shown as ``***``
+    (``http://u:pw@host`` -> ``http://***@host``)."""
+    return _URL_USERINFO.sub(r"\1***@", text)
 
 
 _NAMED_PROBLEM = re.compile(r"^Value error, ([A-Za-z_]\w*(?:\.[\w\[\]-]+)*): (.*)$", re.DOTALL)
@@ -1912,14 +1939,18 @@ def _format_errors(source: str, err: ValidationError) -> str:
         if named is not None and named.group(1).split(".")[0] in GatewayConfig.model_fields:
             loc, msg = named.group(1), named.group(2)
         loc = loc or "(top level)"
+        value = e.get("input")
+        # never echo a misspelled field's value (it may be a key under a wrong name), nor a
+        # secret field's, in the message or after it
+        hidden = e["type"] == "extra_forbidden" or is_secret_field(tuple(e["loc"]))
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling)"
-        value = e.get("input")
-        secret = any(str(p) in _SECRET_FIELDS for p in e["loc"])
-        shown = "" if isinstance(value, dict | list) or value is None or secret else (
+        elif hidden and isinstance(value, str) and value and value in msg:
+            msg = msg.replace(value, "***")
+        shown = "" if isinstance(value, dict | list) or value is None or hidden else (
             f" (got {value!r})")
-        shown = _URL_PASSWORD.sub(r"\1***@", shown)  # e.g. a bad redis://:secret@host:x
-        lines.append(f"  {loc}: {msg}{shown}")
+        # a URL's user info (e.g. a bad redis://:secret@host:x) never shows
+        lines.append(hide_userinfo(f"  {loc}: {msg}{shown}"))
     return "\n".join(lines)
 
 

@@ -45,6 +45,7 @@ from gateway.config import ConfigError, GatewayConfig, check_secrets, config_fro
 from gateway.config_diff import ReloadPlan, plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
 from gateway.config_rollouts import version_problem
+from gateway.core.urls import redacted_url
 from gateway.reload_errors import ReloadConflict, ReloadRefused, ReloadUnpublished
 from gateway.reload_input import (
     InvalidConfig,
@@ -240,8 +241,9 @@ class Reloader:
             new_url = next(b.base_url for b in new.backends if b.id == i)
             if url is not None and url != new_url:
                 raise ReloadRefused(
-                    f"backend {i} is still leaving the fleet (draining at {url}): wait until "
-                    f"it has left (GET /admin/backends) to give its id to {new_url}, or give "
+                    f"backend {i} is still leaving the fleet (draining at {redacted_url(url)}): "
+                    "wait until it has left (GET /admin/backends) to give its id to "
+                    f"{redacted_url(new_url)}, or give "
                     "the new server another id", plan, f"backends[{i}].url")
         try:
             check_secrets(new, discovery_credentials=False)

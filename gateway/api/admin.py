@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.api.errors import SERVER_ERROR, Refusal
 from gateway.coord.link import CoordinationUnavailable
 from gateway.coord.operator import OperatorActions, OpRecord
+from gateway.core.urls import redacted_url
 from gateway.fleet.backend import Backend
 from gateway.fleet.drain import Drains
 
@@ -52,7 +53,7 @@ def backend_summary(gw: Gateway, b: Backend) -> dict[str, Any]:
         }
     return {
         "id": b.id,
-        "url": b.base_url,
+        "url": redacted_url(b.base_url),
         "role": b.config.role.value,
         "state": b.state.value,
         "models": list(b.models),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.coord.link import redacted_url
+from gateway.core.urls import redacted_url
 
 if TYPE_CHECKING:
     from gateway.wiring import Gateway

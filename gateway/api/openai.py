@@ -213,7 +213,7 @@ async def model_response(
             model: str = payload["model"]
         else:
             payload = parse_object(body)
-            model = check_payload(payload, endpoint)
+            model = check_payload(payload, endpoint, cfg.proxy.max_n)
         await check_model(gw, model)
         # a follow-up goes where its previous response lives (gateway.flow.responses)
         previous = payload.get("previous_response_id") if endpoint == RESPONSES else None

@@ -153,11 +153,12 @@ def parse_object(body: bytes) -> dict[str, Any]:
     return payload
 
 
-def check_payload(payload: dict[str, Any], endpoint: str) -> str:
+def check_payload(payload: dict[str, Any], endpoint: str, max_n: int = MAX_SEQUENCES) -> str:
     """The request's model; raises 400 for a missing or non-string ``model``, a missing
     field the endpoint requires, a non-boolean ``stream``, or an ``n`` / ``best_of`` (read
-    as vLLM reads an integer: :func:`gateway.traffic.admission.as_count`) above
-    :data:`gateway.flow.merging.MAX_SEQUENCES` (65536 sequences)."""
+    as vLLM reads an integer: :func:`gateway.traffic.admission.as_count`) above ``max_n``
+    (``proxy.max_n``, default 128: OpenAI's bound; at most
+    :data:`gateway.flow.merging.MAX_SEQUENCES`, 65536 sequences)."""
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise Refusal(
@@ -181,11 +182,11 @@ def check_payload(payload: dict[str, Any], endpoint: str) -> str:
         # vLLM has no bound: it makes one sequence per choice, and n=1e30 held a server's
         # event loop for good (found by the fuzz tests, issue 20)
         count = as_count(payload.get(name))
-        if count is not None and count > MAX_SEQUENCES:
+        if count is not None and count > max_n:
             raise Refusal(
                 400,
-                f"'{name}' must be at most {MAX_SEQUENCES} (the sequences one request may "
-                "make).",
+                f"'{name}' must be at most {max_n} (proxy.max_n: the sequences one request "
+                "may make).",
                 code="invalid_value",
                 param=name,
             )

@@ -209,16 +209,23 @@ def _view_for(request: Request) -> dict[str, Any]:
     return public_view(view)
 
 
+NO_SHARED_CACHE = {"cache-control": "private, no-store", "vary": "Authorization"}
+"""The status answers' cache headers: they differ by caller (details or not, by the admin
+key and the peer), so no shared cache may keep one (``private``, ``no-store``: RFC 9111
+sections 5.2.2.7 and 5.2.2.5) and ``Vary: Authorization`` says what they depend on
+(RFC 9110 section 12.5.5)."""
+
+
 async def status_json(request: Request) -> Response:
     """``GET /status.json``: :func:`status_view` (:func:`public_view` for a client that
-    may not see backend details)."""
-    return JSONResponse(_view_for(request))
+    may not see backend details), never cached (:data:`NO_SHARED_CACHE`)."""
+    return JSONResponse(_view_for(request), headers=NO_SHARED_CACHE)
 
 
 async def status_html(request: Request) -> Response:
     """``GET /status``: the same view as ``/status.json``, as a page readable on a
-    phone."""
-    return HTMLResponse(render_html(_view_for(request)))
+    phone, never cached (:data:`NO_SHARED_CACHE`)."""
+    return HTMLResponse(render_html(_view_for(request)), headers=NO_SHARED_CACHE)
 
 
 def install_routes(app: FastAPI) -> None:

@@ -25,7 +25,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -34,7 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.config import CoordinationConfig
-from gateway.core.listening import url_host
+from gateway.core.urls import redacted_url
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.coord")
@@ -51,18 +50,6 @@ class CoordinationUnavailable(Exception):
 def default_replica_id() -> str:
     """``<hostname>-<pid>-<4 hex>``: unique per process, readable in ``/admin/fleet``."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-
-
-def redacted_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (the user name kept): how the store's
-    URL is shown in logs and in ``GET /admin/fleet``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{url_host(parts.hostname or '')}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisLink:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from gateway.config import BackendConfig, DiscoveryConfig, LifecycleConfig
 from gateway.core.listening import url_host
+from gateway.core.urls import redacted_url
 from gateway.core.vocab import BackendState
 from gateway.core.wording import plural
 from gateway.fleet import membership_plan
@@ -220,7 +221,8 @@ class Membership:
         self._known[e.id] = Known(e.url)
         self._place(b, e)
         self.metrics.discovery_changes.labels("added").inc()
-        log.info("discovery (%s): backend %s added at %s (cold)", self.source_name, e.id, e.url)
+        log.info("discovery (%s): backend %s added at %s (cold)", self.source_name, e.id,
+                 redacted_url(e.url))
 
     def _leave(self, leave: membership_plan.Leave) -> None:
         b = self.fleet.get(leave.id)
@@ -297,7 +299,7 @@ class Membership:
                 continue
             self.fleet.add(c)
             added.append(c.id)
-            log.info("config: backend %s added at %s (cold)", c.id, c.base_url)
+            log.info("config: backend %s added at %s (cold)", c.id, redacted_url(c.base_url))
         leaving = sorted(self.static_ids - set(by_id))
         if added:  # make before break: the removed ones serve until the added are warm
             until = self.clock() + self.lifecycle.warmup_timeout_s

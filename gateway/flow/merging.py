@@ -148,9 +148,10 @@ MAX_SEQUENCES = 1 << 16
 def engine_requests(endpoint: str, payload: dict[str, Any]) -> int:
     """Engine requests (sequences) vLLM makes of one request: embeddings, one per input;
     completions, one per prompt times ``n``; chat, ``n``. 1 for shapes it would refuse
-    (its 400 comes back quickly); at most :data:`MAX_SEQUENCES`."""
-    n = as_count(payload.get("n"))  # "8" is 8 to vLLM's pydantic
-    n = n if n is not None and n > 1 else 1
+    (its 400 comes back quickly); at most :data:`MAX_SEQUENCES`. ``best_of`` (completions:
+    vLLM makes that many candidates and returns the ``n`` best) counts when larger."""
+    n = max(as_count(payload.get("n")) or 1,  # "8" is 8 to vLLM's pydantic
+            as_count(payload.get("best_of")) or 1)
     field = _FIELD.get(endpoint)
     k = 1
     if field is not None:

@@ -88,45 +88,79 @@ def give_up(
     if f.kind in (FailureKind.TTFB_TIMEOUT, FailureKind.IDLE_TIMEOUT):
         return Refusal(
             504,
-            f"The backend did not answer in time: {f.message}",
+            f"The backend did not answer in time: {client_reason(f)}.",
             SERVER_ERROR,
             "upstream_timeout",
         )
     return Refusal(
         502,
-        f"Could not get an answer from a backend for model '{ctx.model}': {f.message}",
+        f"Could not get an answer from a backend"
+        f"{f' for model {ctx.model!r}' if ctx.model else ''}: {client_reason(f)}.",
         SERVER_ERROR,
         "upstream_unavailable",
     )
+
+
+_CLIENT_REASONS = {
+    FailureKind.CONNECT: "backend '{id}' could not be reached",
+    FailureKind.TTFB_TIMEOUT: "backend '{id}' sent no answer within proxy.ttfb_timeout_s",
+    FailureKind.IDLE_TIMEOUT: "backend '{id}' stalled for proxy.idle_timeout_s",
+    FailureKind.DISCONNECTED: "the connection to backend '{id}' broke",
+    FailureKind.STATUS: "backend '{id}' answered {status}",
+    FailureKind.BAD_ANSWER: "backend '{id}' answered without a JSON body",
+}
+
+
+def client_reason(f: UpstreamFailure) -> str:
+    """What a client is told about the failure ``f``: its kind and the backend's id, never
+    the exception's text (``f.message``: ``Cannot connect to host 10.0.3.7:8000 ...``
+    names addresses, which only the logs and ``/admin/backends``' ``last_error`` show)."""
+    text = _CLIENT_REASONS.get(f.kind, "backend '{id}' failed ({kind})")
+    return text.format(id=f.backend.id, status=f.status or 200, kind=f.kind.value)
 
 
 def unavailable(
     backends: Iterable[Backend], model: str, health: HealthConfig, now: float
 ) -> Refusal:
     """The gateway's own answer when no backend of ``model`` can take a request now
-    (``now``: monotonic seconds), given without asking any backend: 429 when one is warm
-    but cooling after a 429/503 or with an open breaker (retry when the first is back),
-    else 503 (unhealthy, draining, gone) with the probe-recovery estimate.
+    (``now``: monotonic seconds), given without asking any backend:
 
-    Its ``gateway_request_errors_total`` type: ``upstream_rate_limited`` when a routable
-    backend of the model (warm, breaker not open) is only cooling after its own 429 or
-    503 ``Retry-After`` (the backends refused, the gateway passes it on), else
-    ``no_backend``: every backend of the model is out of rotation or has its breaker open,
-    an outage the error-ratio alert counts (never ``rate_limited``: that says the
-    client's key is over its limit)."""
+    * 429 ``rate_limit_exceeded`` (``upstream_rate_limited``) when a routable backend of
+      the model (warm, breaker not open) is only cooling after its own 429 or 503
+      ``Retry-After``: the backends refused, and the gateway passes their answer's meaning
+      on, retry when the first is back;
+    * 503 ``no_backend_available`` with ``Retry-After`` (``no_backend``) when the warm ones
+      all have their circuit breaker open: an outage of the service, not a limit on the
+      client (RFC 9110 section 15.6.4: 503 for a server temporarily unable to handle the
+      request, ``Retry-After`` when it will be back; a 429 makes OpenAI's SDKs raise
+      ``RateLimitError``, telling users their key is limited), retry when the first
+      breaker half-opens;
+    * else 503 (unhealthy, draining, gone) with the probe-recovery estimate.
+
+    Never ``rate_limited``: that says the client's key is over its limit."""
     backends = list(backends)
     soon = availability_s(backends, model, now)
     if soon is not None:
         cooling = any(b.routable and b.cooling_until > now and model in b.models
                       for b in backends)
+        retry = math.ceil(clamp_retry_after(soon))
+        if cooling:
+            return Refusal(
+                429,
+                f"Every backend serving model '{model}' is rate-limited; retry in {retry} s.",
+                "requests",
+                "rate_limit_exceeded",
+                retry_after_s=soon,
+                error_type=ErrorType.UPSTREAM_RATE_LIMITED,
+            )
         return Refusal(
-            429,
-            f"Every backend serving model '{model}' is rate-limited or recovering; retry "
-            f"in {math.ceil(clamp_retry_after(soon))} s.",
-            "requests",
-            "rate_limit_exceeded",
+            503,
+            f"No backend is available for model '{model}' right now (each has failed "
+            f"repeatedly and is recovering); retry in {retry} s.",
+            SERVER_ERROR,
+            NO_BACKEND_CODE,
             retry_after_s=soon,
-            error_type=ErrorType.UPSTREAM_RATE_LIMITED if cooling else ErrorType.NO_BACKEND,
+            error_type=ErrorType.NO_BACKEND,
         )
     return Refusal(
         503,

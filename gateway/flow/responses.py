@@ -46,7 +46,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
-from gateway.core.outcomes import INVALID_REQUEST, SERVER_ERROR, Refusal
+from gateway.core.outcomes import INVALID_REQUEST, NO_BACKEND_CODE, SERVER_ERROR, Refusal
 from gateway.core.vocab import BackendState, Cut, ErrorType
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
@@ -173,7 +173,8 @@ class ResponseRouting:
     def follow_up(self, response_id: str) -> Backend | None:
         """The backend a request continuing ``response_id`` must go to, or None when the
         id is unknown (route it as usual). Raises :class:`Refusal`: 404 when its backend
-        is gone or not serving, 429 while it is cooling or its breaker is open."""
+        is gone or not serving, 429 while it is cooling after its own 429 / 503, 503
+        (with Retry-After) while its breaker is open."""
         owner = self.owners.owner(response_id)
         if owner is None:
             return None
@@ -188,17 +189,26 @@ class ResponseRouting:
         now = self.clock()
         wait = wait_s(b, now)
         if wait > 0 or not b.breaker.can_take():
+            if b.routable and b.cooling_until > now:  # cooling after its own 429 / 503
+                raise Refusal(
+                    429,
+                    f"The backend holding response '{response_id}' ({b.id}) is "
+                    f"rate-limited; retry in {max(1, math.ceil(wait))} s.",
+                    "requests",
+                    "rate_limit_exceeded",
+                    retry_after_s=wait,
+                    error_type=ErrorType.UPSTREAM_RATE_LIMITED,
+                )
+            # its breaker holds it: an outage of that backend, never the client's rate
+            # limit (RFC 9110 section 15.6.4: 503 with Retry-After)
             raise Refusal(
-                429,
-                f"The backend holding response '{response_id}' ({b.id}) is rate-limited or "
-                f"recovering; retry in {max(1, math.ceil(wait))} s.",
-                "requests",
-                "rate_limit_exceeded",
+                503,
+                f"The backend holding response '{response_id}' ({b.id}) has failed "
+                f"repeatedly and is recovering; retry in {max(1, math.ceil(wait))} s.",
+                SERVER_ERROR,
+                NO_BACKEND_CODE,
                 retry_after_s=wait,
-                # cooling after its own 429 / 503: the backend refused; else its breaker
-                # holds it (an outage of that backend, never the client's rate limit)
-                error_type=ErrorType.UPSTREAM_RATE_LIMITED
-                if b.routable and b.cooling_until > now else ErrorType.NO_BACKEND,
+                error_type=ErrorType.NO_BACKEND,
             )
         return b
 

@@ -265,7 +265,8 @@ def test_admin_bodies_are_checked_and_nothing_happens_on_a_400(
     listing working)."""
     a = backends()
     gw = gateway({"a": a})
-    r = httpx.post(f"{gw.url}/admin/backends/a/{action}", content=body, timeout=5)
+    r = httpx.post(f"{gw.url}/admin/backends/a/{action}", content=body, timeout=5,
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     listing = httpx.get(gw.url + "/admin/backends", timeout=5)

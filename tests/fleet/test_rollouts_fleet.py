@@ -45,7 +45,7 @@ def test_a_config_rollout_reaches_every_replica_and_its_rollback_returns_the_fle
         data = r1.gateway.cfg.model_dump(mode="json")
         data["rollouts"] = [plan]
         r = httpx.post(r1.url + "/admin/config", content=yaml.safe_dump(data).encode(),
-                       timeout=10)
+                       headers={"content-type": "application/yaml"}, timeout=10)
         assert r.status_code == 200, r.text
         assert wait_for(lambda: all(_rollouts(gw) for gw in made), 10)  # both run it
         traffic = [Traffic(gw.url, clients=3) for gw in made]

@@ -100,7 +100,9 @@ def test_a_request_sent_before_the_trip_frees_no_probe_slot():
         assert br.half_open_in_flight == 1 and not br.can_take()
         late = start(gw, CHAT)
         await late.task
-        assert late.status == 429, "a second probe went out while the first is open"
+        # the gateway's fast-fail (an open breaker: 503, RFC 9110 15.6.4), no second probe
+        assert late.status == 503, "a second probe went out while the first is open"
+        assert late.json()["error"]["code"] == "no_backend_available"
         assert len(streams) == 2
         end_stream(streams[1])  # the probe succeeds: closed again
         await probe.task

@@ -60,7 +60,7 @@ def test_json_bodies(sim_rig: SimRig, client: httpx.Client,
 @given(case=raw_bodies())
 @examples(40)
 # found by the long profile: n=1e30 (forwarded as is) held a simulator's event loop for
-# good, both backends then judged hung: the gateway now refuses n above MAX_SEQUENCES
+# good, both backends then judged hung: the gateway now refuses n above proxy.max_n
 @example(case=("/v1/chat/completions", b'{"model": "m1", "messages": [{"role": "user", '
                b'"content": "hi"}], "max_tokens": 4, "n": 1000000000000000000000000000000}'))
 @example(case=("/v1/completions", b'{"model": "m1", "prompt": "a", "best_of": "1e30"}'))

@@ -309,7 +309,8 @@ def test_keys_survive_a_round_trip_and_bad_reloads_are_refused_and_counted(sims)
     adm = {"authorization": "Bearer adm-secret"}
     try:
         def post(body: str) -> httpx.Response:
-            return httpx.post(gw.url + "/admin/config", content=body.encode(), headers=adm,
+            return httpx.post(gw.url + "/admin/config", content=body.encode(),
+                              headers={**adm, "content-type": "application/yaml"},
                               timeout=10)
 
         shown = httpx.get(gw.url + "/admin/config", headers=adm, timeout=5).json()["config"]

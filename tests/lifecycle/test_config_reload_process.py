@@ -55,7 +55,8 @@ def test_restart_resumes_the_last_applied_config_and_sighup_reads_the_file(sims,
         gw.wait_ready()
         running = httpx.get(gw.url + "/admin/config", timeout=5).json()["config"]
         running["backends"].append({"id": "b", "url": b.url})
-        r = httpx.post(gw.url + "/admin/config", content=yaml.safe_dump(running), timeout=10)
+        r = httpx.post(gw.url + "/admin/config", content=yaml.safe_dump(running), timeout=10,
+                       headers={"content-type": "application/yaml"})
         assert r.status_code == 200, r.text
         assert wait_for(lambda: backend_ids(gw.url) == {"a", "b"}, 10)
         gw.stop()

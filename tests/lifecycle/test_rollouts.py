@@ -161,7 +161,7 @@ def test_slow_canary_from_a_config_change_rolls_back_and_returns_the_config(
             **FAST_STEPS, "calibration": {"measure": "off"}}
     with GatewayThread(config(servers.backends)) as gw:
         r = httpx.post(gw.url + "/admin/config", content=_config_text(gw, rollouts=[plan]),
-                       timeout=10)
+                       headers={"content-type": "application/yaml"}, timeout=10)
         assert r.status_code == 200, r.text
         started_in = r.json()["version"]
         assert rollout(gw.url)["origin"] == "config"
@@ -276,7 +276,8 @@ def test_admin_api_errors_and_abort(servers: Servers) -> None:
         r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2"})
         assert r.status_code == 201, r.text
         text = _config_text(gw, backends=[dict(servers.backends[0])])
-        refused = httpx.post(gw.url + "/admin/config", content=text, timeout=10)
+        refused = httpx.post(gw.url + "/admin/config", content=text, timeout=10,
+                             headers={"content-type": "application/yaml"})
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["param"] == "backends"
         assert "abort it first" in refused.json()["error"]["message"]
@@ -295,7 +296,8 @@ def test_every_admin_refusal_names_its_field_and_rollout_times_are_wall_clock(
             base_url=gw.url, timeout=10) as http:  # one client: a new one per call is slow
         def refused(path: str, body: Any) -> tuple[str | None, str]:
             r = (http.post(path, json=body) if path.endswith("rollouts")
-                 else http.post(path, content=yaml.safe_dump(body)))
+                 else http.post(path, content=yaml.safe_dump(body),
+                                headers={"content-type": "application/yaml"}))
             assert r.status_code == 400, (body, r.text)
             err = r.json()["error"]
             return err["param"], err["message"]

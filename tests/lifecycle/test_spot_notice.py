@@ -178,7 +178,8 @@ def test_bad_notices_get_openai_shaped_errors_naming_the_field() -> None:
         assert (err["code"], err["param"]) == ("zone_not_found", "zone")
         assert "a, b" in err["message"]
         r = httpx.post(f"{gw.url}/admin/zones/a/notice", content=b"[1]",
-                       headers={"authorization": "Bearer adm"})
+                       headers={"authorization": "Bearer adm",
+                                "content-type": "application/json"})
         assert error(r, 400)["code"] == "invalid_json"
         err = error(post("a", {"nod": "n1"}), 400)
         assert (err["code"], err["param"]) == ("unknown_field", "nod")

@@ -92,7 +92,19 @@ def replica_config(svc: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
 
 
 def published(svc: dict[str, Any]) -> list[tuple[int, int]]:
-    return [(int(p.split(":")[0]), int(p.split(":")[1])) for p in svc.get("ports", [])]
+    """(host port, container port) of each ``[ip:]host:container`` entry."""
+    return [(int(p.split(":")[-2]), int(p.split(":")[-1])) for p in svc.get("ports", [])]
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_replica_ports_are_published_on_the_loopback_only(profile):
+    """Each replica's own port (its /admin, /metrics) is for this host: README
+    "Security"; only the balancer's 8000 faces the network."""
+    svcs = services()
+    _, pair, _ = PROFILES[profile]
+    for name in pair:
+        ports = svcs[name]["ports"]
+        assert ports and all(p.startswith("127.0.0.1:") for p in ports), (name, ports)
 
 
 def test_default_profile_runs_redis_two_replicas_and_gpu_vllm():

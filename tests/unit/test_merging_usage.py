@@ -71,3 +71,5 @@ def test_engine_requests_read_n_as_vllm_does() -> None:
     assert engine_requests(COMPLETIONS, {"prompt": ["a", "b", "c"], "n": "2"}) == 6
     assert engine_requests(EMBEDDINGS, {"input": ["a", "b"], "n": 5}) == 2
     assert engine_requests("/v1/chat/completions", {"n": "many"}) == 1
+    # best_of: vLLM makes that many candidates (admission charges each its max_tokens)
+    assert engine_requests(COMPLETIONS, {"prompt": "a", "n": 2, "best_of": "5"}) == 5

@@ -136,9 +136,10 @@ def test_the_gateways_fast_fail_is_no_backend_unless_the_backends_only_cool() ->
     for x in (a, b):
         x.breaker.on_failure()  # one failure in a row trips it: open for 10 s
     assert not a.routable and a.serving_state == "breaker_open"
-    # every breaker open: the gateway's 429 is an outage, not a client's rate limit
+    # every breaker open: an outage (503 + Retry-After, RFC 9110 15.6.4), not a rate limit
     refused = unavailable(fleet.backends, "m1", cfg.health, now[0])
-    assert refused.status == 429 and refusal_error_type(refused) is ErrorType.NO_BACKEND
+    assert refused.status == 503 and refusal_error_type(refused) is ErrorType.NO_BACKEND
+    assert refused.code == "no_backend_available" and refused.retry_after_s == 10
     # b's breaker closes again but b cools after its own 429: the backends refused
     now[0] += 10
     b.breaker.on_success(probe=b.breaker.acquire())
