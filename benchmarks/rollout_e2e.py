@@ -82,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -94,6 +95,10 @@ PLAN: dict[str, Any] = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps
                         "min_step_s": 0.5, "min_step_requests": 40, "recheck_s": 0.2,
                         "max_step_s": 900, "min_requests": 40, "min_samples": 20,
                         "calibration": {"interval_s": 0.1, "min_probes": 10}}
+FLEETS = {"3+3": (3, 3, 0), "3+1": (3, 1, 2)}
+"""Baseline servers, canary servers in the config at the start, spare canary servers the
+benchmark adds by a live reload (``POST /admin/config``), one each time the rollout holds
+for capacity (the operator's part)."""
 CANARIES: dict[str, dict[str, Any]] = {"good": {}, "slow (TTFT x1.5)": {"ttft_factor": 1.5},
                                        "drifted (50 %)": {"drift": 0.5}}
 
@@ -110,17 +115,31 @@ def _decision(h: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(name: str, release: dict[str, Any], plan: dict[str, Any],
+def _add_backend(gw: GatewayThread, backend: dict[str, Any]) -> None:
+    """The operator's part: a live reload that adds ``backend`` to the running config."""
+    data = gw.gateway.cfg.model_dump(mode="json")
+    data["backends"] = [*data["backends"], backend]
+    r = httpx.post(gw.url + "/admin/config", content=yaml.safe_dump(data), timeout=30)
+    r.raise_for_status()
+
+
+def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "3+3",
         timeout_s: float = 1200) -> dict[str, Any]:
-    """One rollout of ``plan`` to its end; its figures, every decision's numbers and the
-    comparisons seen while a step was due (``looks``: each distinct one, polled every
-    0.2 s, the same period as ``recheck_s``)."""
+    """One rollout of ``plan`` on ``fleet`` (:data:`FLEETS`) to its end; its figures,
+    every decision's numbers, the operator's additions (``added``: when, at which step,
+    the hold's reason) and the comparisons seen while a step was due (``looks``: each
+    distinct one, polled every 0.2 s, the same period as ``recheck_s``)."""
     servers = Servers()
+    n_base, n_canary, n_spare = FLEETS[fleet]
+    added: list[dict[str, Any]] = []
     try:
-        for a in ("a1", "a2", "a3"):
-            servers.add(a, "v1")
-        servers.add("b", "v2", **release)
-        with GatewayThread(config(servers.backends)) as gw:
+        for i in range(n_base):
+            servers.add(f"a{i + 1}", "v1")
+        for i in range(n_canary + n_spare):
+            servers.add(f"b{i + 1}", "v2", **release)
+        spares = servers.backends[n_base + n_canary:]
+        start = servers.backends[:n_base + n_canary]
+        with GatewayThread(config(start)) as gw:
             r = httpx.post(gw.url + "/admin/rollouts", json=plan, timeout=10)
             r.raise_for_status()
             t0 = time.monotonic()
@@ -140,6 +159,11 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any],
                         looks.append(look)
                     if snap["status"] != "running":
                         break
+                    if snap.get("held") and spares and not (
+                            added and added[-1]["step"] == snap["step"]):
+                        _add_backend(gw, spares.pop(0))
+                        added.append({"at_s": round(time.monotonic() - t0, 1),
+                                      "step": snap["step"], "held": snap["held"]})
                     time.sleep(0.2)
             finally:
                 traffic.stop()
@@ -148,7 +172,8 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any],
         servers.stop()
     served = snap["served"]
     total = served["baseline"] + served["canary"]
-    out = {"canary": name, "status": snap["status"], "seconds": round(took, 1),
+    out = {"canary": name, "fleet": fleet, "status": snap["status"],
+           "seconds": round(took, 1), "added": added,
            "decisions": [(h["step"], h["outcome"], h["reason"][:80]) for h in snap["history"]],
            "numbers": [_decision(h) for h in snap["history"]], "looks": looks,
            "requests": len(traffic.versions) + len(traffic.failures),
@@ -166,6 +191,9 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(c.split(" ")[0] for c in CANARIES),
                     help="comma-separated canaries to run (good, slow, drifted)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each canary")
+    ap.add_argument("--fleet", choices=sorted(FLEETS), default="3+3",
+                    help="baseline + canary servers at the start (3+1: a spare canary "
+                         "server added by a live reload at each capacity hold, two spares)")
     ap.add_argument("--probe-interval-s", type=float, default=None,
                     help="calibration.interval_s (default: the plan's 0.1 s)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON written")
@@ -174,22 +202,27 @@ def main() -> None:
     if args.probe_interval_s is not None:
         plan["calibration"]["interval_s"] = args.probe_interval_s
     wanted = args.cases.split(",")
-    rows = [run(name, release, plan) for name, release in CANARIES.items()
+    rows = [run(name, release, plan, args.fleet) for name, release in CANARIES.items()
             if name.split(" ")[0] in wanted for _ in range(args.repeat)]
     for r in rows:
         steps = " -> ".join(f"{s}:{o}" for s, o, _ in r["decisions"])
         bound = (f", bound {r['bound']} ({'within' if r['within_bound'] else 'OVER'})"
                  if "bound" in r else "")
-        print(f"{r['canary']:18} {r['status']:12} {r['seconds']:6.1f} s  {r['requests']} "
+        print(f"{r['canary']:18} [{r['fleet']}] {r['status']:12} {r['seconds']:6.1f} s  "
+              f"{r['requests']} "
               f"requests, {r['failed']} failed; canary served {r['canary_served']} of "
               f"{r['assigned']} ({(r['canary_share'] or 0) * 100:.1f} %){bound}\n"
               f"{'':18} steps: {steps}\n{'':18} last: {r['decisions'][-1][2]}")
+        for a in r["added"]:
+            print(f"{'':18} at {a['at_s']} s, step {a['step']} held ({a['held']}): "
+                  "a canary server added by a reload")
         for d in r["numbers"]:
             print(f"{'':18} step {d['step']} {d['outcome']}: " + "; ".join(
                 f"{k} P50 x{v['p50_ratio']:.3f} P99 x{v['p99_ratio']:.3f} p={v['p_value']:.3g}"
                 for k, v in d.items() if isinstance(v, dict) and "p50_ratio" in v))
     args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps({"plan": plan, "runs": rows}, indent=2))
+    args.out.write_text(json.dumps({"plan": plan, "fleet": args.fleet, "runs": rows},
+                                   indent=2))
     print(f"written: {args.out}")
 
 

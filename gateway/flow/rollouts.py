@@ -88,7 +88,7 @@ def plan_of(cfg: RolloutConfig, rollout_id: str) -> RolloutPlan:
         thresholds=Thresholds(min_samples=cfg.min_samples, min_requests=cfg.min_requests,
                               min_calibration_probes=0 if cal.measure == "off"
                               else cal.min_probes),
-        rollout_id=rollout_id,
+        rollout_id=rollout_id, capacity_slack=cfg.capacity_slack,
     )
 
 

@@ -18,7 +18,8 @@ has it, else counted as one. The concurrency the gateway learns from scrapes
 was seen running, which depends on the traffic it was given, so a canary at 1 % would look
 small for being given little and never earn the next step.
 
-**The rule** (:func:`step_hold`), with ``slack`` (:data:`CAPACITY_SLACK`, 1.25):
+**The rule** (:func:`step_hold`), with ``slack`` (the rollout's ``capacity_slack``,
+default :data:`CAPACITY_SLACK`, 1.25):
 
 * a step of share ``s < 1``: ``s <= slack x C_canary / (C_baseline + C_canary)``: the
   canary's servers take at most ``slack`` times the model's mean load per unit of capacity

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from gateway.config_rollouts import RolloutConfig
 from gateway.traffic.rollout import Rollout, RolloutPlan
 from gateway.traffic.rollout_capacity import PoolCapacity, pool_capacity, step_hold
 from tests.unit.test_rollout import feed
@@ -96,3 +97,5 @@ def test_an_unknown_capacity_never_holds_and_the_slack_is_checked() -> None:
     assert r.step >= 1 and all(h.cause == "" for h in r.history), now
     with pytest.raises(ValueError, match="capacity_slack"):
         RolloutPlan("m", "v1", "v2", capacity_slack=0.9)
+    with pytest.raises(ValueError, match="capacity_slack"):  # the config names the field
+        RolloutConfig(model="m", baseline="v1", canary="v2", capacity_slack=0.9)
