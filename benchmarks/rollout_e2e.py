@@ -1,6 +1,9 @@
 """Canary rollouts end to end (issue 18's must-hold, with the DEFAULT steps 1, 5, 25, 50,
-100 %): a gateway under uvicorn in front of simulated vLLM servers (three baseline ``v1``
-backends, one canary ``v2`` backend), clients on the real ``openai`` SDK (six threads,
+100 %): a gateway under uvicorn in front of simulated vLLM servers (``--fleet 3+3``, the
+default: three baseline ``v1`` backends and three canary ``v2`` ones, so every step's share
+is within the canary's capacity; ``--fleet 3+1``: one canary backend, and the benchmark
+plays the operator, adding a spare canary server by a live reload each time the rollout
+holds for capacity), clients on the real ``openai`` SDK (six threads,
 chat completions, every other one streamed, a third in sticky sessions), a rollout started
 with ``POST /admin/rollouts``, the traffic run until it ends. Three canaries:
 
@@ -57,18 +60,37 @@ takes 50 % of the traffic, three times each baseline server's rate, and at the s
 of requests in flight at the send a request there more often waits behind another's 30 ms
 prefill step than behind a 4 ms decode step. The failing TTFT was seen in every look while
 the ITL sample filled and was acted on only once it was complete (the rule works; the
-effect was systematic, x1.42 at every look). **Open:** the requests-in-flight strata do not
-capture a server's arrival rate; a good canary on a pool smaller than its share is still
-rolled back at the 50 % step here (README, "Capacity": give the canary servers in
-proportion to the steps' shares). Candidates: stratify TTFT by the requests still awaiting
-their first token on the backend at the send (the prefill queue it waits behind), or hold a
-step whose share exceeds the canary pool's share of the model's capacity.
+effect was systematic, x1.42 at every look). The requests-in-flight strata do not capture a
+server's arrival rate: a good canary on a pool smaller than its share was rolled back at
+the 50 % step, a capacity problem and not a regression of the build.
+
+**Capacity holds (now).** A rollout never moves to a step that sends the canary more than
+1.25x its servers' share of the model's capacity (:mod:`gateway.traffic.rollout_capacity`):
+it holds at the step it passed, says why in ``/admin/rollouts``' ``held``, and moves on
+once a reload adds canary capacity. Measured 2026-12-03 on 2 shared cores (load average
+4-5, other sessions' tests running), default plan above:
+
+* good, ``--fleet 3+3`` (two runs): promoted through all five steps, 0 failed requests:
+  70.5 s, 3148 requests (TTFT P50 x0.78, x0.86, x0.98, x0.92, x1.10 at the five
+  decisions, none significant; step 2's ITL P50 x1.83 at p = 0.005, above the per-test
+  0.002); 68.0 s, 3319 requests (TTFT P50 x0.72, x0.76, x0.99, x0.92, x1.02).
+* good, ``--fleet 3+1`` (one run): steps 0-2 passed, then held at 25 % ("canary capacity
+  25 % (x1.25 = 31 %) < step 50 %"); the benchmark added a canary server (2 of 5), the
+  rollout moved to 50 %, held before 100 % ("canary capacity 2 backends < the baseline's 3
+  backends / 1.25"), a third canary server, promoted: 163.8 s, 7972 requests, 0 failed;
+  the 50 % step's TTFT P50 x1.01 (x1.42 before the holds, one canary server of four).
+* slow (TTFT x1.5), ``3+3``: rolled back at step 0 on TTFT (P50 x1.27, P99 x1.16 at
+  matched load, p = 2e-6) after 229.6 s; it served 54 of 9547 requests (0.6 %), within
+  the bound 135.5 (1 % of the requests + 40).
+* drifted (50 %), ``3+3``: rolled back at step 0 on calibration (12 of 12 probes failed)
+  after 3.9 s, before it served a request (0 of 150; bound 41.5).
 
 Run: ``python benchmarks/rollout_e2e.py`` (about 5 minutes on 2 idle cores; ``--cases
-good --repeat 3`` for the good canary alone, three times; ``--probe-interval-s`` for the
-calibration rounds' period). Writes ``benchmarks/results/rollout_e2e.json``: each run's
-decisions with their per-metric numbers (sample sizes, P50 / P99 ratios, p-values) and
-every distinct comparison seen while it ran (``looks``).
+good --repeat 3`` for the good canary alone, three times; ``--fleet 3+1`` for the holds;
+``--probe-interval-s`` for the calibration rounds' period). Writes
+``benchmarks/results/rollout_e2e.json``: each run's decisions with their per-metric
+numbers (sample sizes, P50 / P99 ratios, p-values), the operator's additions and every
+distinct comparison seen while it ran (``looks``).
 """
 
 from __future__ import annotations

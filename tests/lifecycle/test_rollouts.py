@@ -16,7 +16,9 @@ backend of four; a good canary runs on three backends against the baseline's one
 at the 100 % step each of its backends carries less than the baseline's did at 50 %): a
 backend with more concurrent requests queues longer (a prefill step stalls the batch), a
 difference of load, not of version, which a closed loop of clients on one machine would
-otherwise turn into a false regression.
+otherwise turn into a false regression. The gateway holds a step above the canary's
+capacity share (x1.25) itself: one canary backend of four holds at 25 % until a reload adds
+canary capacity (the last test).
 """
 
 from __future__ import annotations
