@@ -1,6 +1,9 @@
 """Canary rollouts end to end (issue 18's must-hold, with the DEFAULT steps 1, 5, 25, 50,
-100 %): a gateway under uvicorn in front of simulated vLLM servers (three baseline ``v1``
-backends, one canary ``v2`` backend), clients on the real ``openai`` SDK (six threads,
+100 %): a gateway under uvicorn in front of simulated vLLM servers (``--fleet 3+3``, the
+default: three baseline ``v1`` backends and three canary ``v2`` ones, so every step's share
+is within the canary's capacity; ``--fleet 3+1``: one canary backend, and the benchmark
+plays the operator, adding a spare canary server by a live reload each time the rollout
+holds for capacity), clients on the real ``openai`` SDK (six threads,
 chat completions, every other one streamed, a third in sticky sessions), a rollout started
 with ``POST /admin/rollouts``, the traffic run until it ends. Three canaries:
 
@@ -57,18 +60,37 @@ takes 50 % of the traffic, three times each baseline server's rate, and at the s
 of requests in flight at the send a request there more often waits behind another's 30 ms
 prefill step than behind a 4 ms decode step. The failing TTFT was seen in every look while
 the ITL sample filled and was acted on only once it was complete (the rule works; the
-effect was systematic, x1.42 at every look). **Open:** the requests-in-flight strata do not
-capture a server's arrival rate; a good canary on a pool smaller than its share is still
-rolled back at the 50 % step here (README, "Capacity": give the canary servers in
-proportion to the steps' shares). Candidates: stratify TTFT by the requests still awaiting
-their first token on the backend at the send (the prefill queue it waits behind), or hold a
-step whose share exceeds the canary pool's share of the model's capacity.
+effect was systematic, x1.42 at every look). The requests-in-flight strata do not capture a
+server's arrival rate: a good canary on a pool smaller than its share was rolled back at
+the 50 % step, a capacity problem and not a regression of the build.
+
+**Capacity holds (now).** A rollout never moves to a step that sends the canary more than
+1.25x its servers' share of the model's capacity (:mod:`gateway.traffic.rollout_capacity`):
+it holds at the step it passed, says why in ``/admin/rollouts``' ``held``, and moves on
+once a reload adds canary capacity. Measured 2026-12-03 on 2 shared cores (load average
+4-5, other sessions' tests running), default plan above:
+
+* good, ``--fleet 3+3`` (two runs): promoted through all five steps, 0 failed requests:
+  70.5 s, 3148 requests (TTFT P50 x0.78, x0.86, x0.98, x0.92, x1.10 at the five
+  decisions, none significant; step 2's ITL P50 x1.83 at p = 0.005, above the per-test
+  0.002); 68.0 s, 3319 requests (TTFT P50 x0.72, x0.76, x0.99, x0.92, x1.02).
+* good, ``--fleet 3+1`` (one run): steps 0-2 passed, then held at 25 % ("canary capacity
+  25 % (x1.25 = 31 %) < step 50 %"); the benchmark added a canary server (2 of 5), the
+  rollout moved to 50 %, held before 100 % ("canary capacity 2 backends < the baseline's 3
+  backends / 1.25"), a third canary server, promoted: 163.8 s, 7972 requests, 0 failed;
+  the 50 % step's TTFT P50 x1.01 (x1.42 before the holds, one canary server of four).
+* slow (TTFT x1.5), ``3+3``: rolled back at step 0 on TTFT (P50 x1.27, P99 x1.16 at
+  matched load, p = 2e-6) after 229.6 s; it served 54 of 9547 requests (0.6 %), within
+  the bound 135.5 (1 % of the requests + 40).
+* drifted (50 %), ``3+3``: rolled back at step 0 on calibration (12 of 12 probes failed)
+  after 3.9 s, before it served a request (0 of 150; bound 41.5).
 
 Run: ``python benchmarks/rollout_e2e.py`` (about 5 minutes on 2 idle cores; ``--cases
-good --repeat 3`` for the good canary alone, three times; ``--probe-interval-s`` for the
-calibration rounds' period). Writes ``benchmarks/results/rollout_e2e.json``: each run's
-decisions with their per-metric numbers (sample sizes, P50 / P99 ratios, p-values) and
-every distinct comparison seen while it ran (``looks``).
+good --repeat 3`` for the good canary alone, three times; ``--fleet 3+1`` for the holds;
+``--probe-interval-s`` for the calibration rounds' period). Writes
+``benchmarks/results/rollout_e2e.json``: each run's decisions with their per-metric
+numbers (sample sizes, P50 / P99 ratios, p-values), the operator's additions and every
+distinct comparison seen while it ran (``looks``).
 """
 
 from __future__ import annotations
@@ -82,6 +104,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -94,6 +117,10 @@ PLAN: dict[str, Any] = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps
                         "min_step_s": 0.5, "min_step_requests": 40, "recheck_s": 0.2,
                         "max_step_s": 900, "min_requests": 40, "min_samples": 20,
                         "calibration": {"interval_s": 0.1, "min_probes": 10}}
+FLEETS = {"3+3": (3, 3, 0), "3+1": (3, 1, 2)}
+"""Baseline servers, canary servers in the config at the start, spare canary servers the
+benchmark adds by a live reload (``POST /admin/config``), one each time the rollout holds
+for capacity (the operator's part)."""
 CANARIES: dict[str, dict[str, Any]] = {"good": {}, "slow (TTFT x1.5)": {"ttft_factor": 1.5},
                                        "drifted (50 %)": {"drift": 0.5}}
 
@@ -110,17 +137,31 @@ def _decision(h: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(name: str, release: dict[str, Any], plan: dict[str, Any],
+def _add_backend(gw: GatewayThread, backend: dict[str, Any]) -> None:
+    """The operator's part: a live reload that adds ``backend`` to the running config."""
+    data = gw.gateway.cfg.model_dump(mode="json")
+    data["backends"] = [*data["backends"], backend]
+    r = httpx.post(gw.url + "/admin/config", content=yaml.safe_dump(data), timeout=30)
+    r.raise_for_status()
+
+
+def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "3+3",
         timeout_s: float = 1200) -> dict[str, Any]:
-    """One rollout of ``plan`` to its end; its figures, every decision's numbers and the
-    comparisons seen while a step was due (``looks``: each distinct one, polled every
-    0.2 s, the same period as ``recheck_s``)."""
+    """One rollout of ``plan`` on ``fleet`` (:data:`FLEETS`) to its end; its figures,
+    every decision's numbers, the operator's additions (``added``: when, at which step,
+    the hold's reason) and the comparisons seen while a step was due (``looks``: each
+    distinct one, polled every 0.2 s, the same period as ``recheck_s``)."""
     servers = Servers()
+    n_base, n_canary, n_spare = FLEETS[fleet]
+    added: list[dict[str, Any]] = []
     try:
-        for a in ("a1", "a2", "a3"):
-            servers.add(a, "v1")
-        servers.add("b", "v2", **release)
-        with GatewayThread(config(servers.backends)) as gw:
+        for i in range(n_base):
+            servers.add(f"a{i + 1}", "v1")
+        for i in range(n_canary + n_spare):
+            servers.add(f"b{i + 1}", "v2", **release)
+        spares = servers.backends[n_base + n_canary:]
+        start = servers.backends[:n_base + n_canary]
+        with GatewayThread(config(start)) as gw:
             r = httpx.post(gw.url + "/admin/rollouts", json=plan, timeout=10)
             r.raise_for_status()
             t0 = time.monotonic()
@@ -140,6 +181,11 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any],
                         looks.append(look)
                     if snap["status"] != "running":
                         break
+                    if snap.get("held") and spares and not (
+                            added and added[-1]["step"] == snap["step"]):
+                        _add_backend(gw, spares.pop(0))
+                        added.append({"at_s": round(time.monotonic() - t0, 1),
+                                      "step": snap["step"], "held": snap["held"]})
                     time.sleep(0.2)
             finally:
                 traffic.stop()
@@ -148,7 +194,8 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any],
         servers.stop()
     served = snap["served"]
     total = served["baseline"] + served["canary"]
-    out = {"canary": name, "status": snap["status"], "seconds": round(took, 1),
+    out = {"canary": name, "fleet": fleet, "status": snap["status"],
+           "seconds": round(took, 1), "added": added,
            "decisions": [(h["step"], h["outcome"], h["reason"][:80]) for h in snap["history"]],
            "numbers": [_decision(h) for h in snap["history"]], "looks": looks,
            "requests": len(traffic.versions) + len(traffic.failures),
@@ -166,6 +213,9 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(c.split(" ")[0] for c in CANARIES),
                     help="comma-separated canaries to run (good, slow, drifted)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each canary")
+    ap.add_argument("--fleet", choices=sorted(FLEETS), default="3+3",
+                    help="baseline + canary servers at the start (3+1: a spare canary "
+                         "server added by a live reload at each capacity hold, two spares)")
     ap.add_argument("--probe-interval-s", type=float, default=None,
                     help="calibration.interval_s (default: the plan's 0.1 s)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON written")
@@ -174,22 +224,27 @@ def main() -> None:
     if args.probe_interval_s is not None:
         plan["calibration"]["interval_s"] = args.probe_interval_s
     wanted = args.cases.split(",")
-    rows = [run(name, release, plan) for name, release in CANARIES.items()
+    rows = [run(name, release, plan, args.fleet) for name, release in CANARIES.items()
             if name.split(" ")[0] in wanted for _ in range(args.repeat)]
     for r in rows:
         steps = " -> ".join(f"{s}:{o}" for s, o, _ in r["decisions"])
         bound = (f", bound {r['bound']} ({'within' if r['within_bound'] else 'OVER'})"
                  if "bound" in r else "")
-        print(f"{r['canary']:18} {r['status']:12} {r['seconds']:6.1f} s  {r['requests']} "
+        print(f"{r['canary']:18} [{r['fleet']}] {r['status']:12} {r['seconds']:6.1f} s  "
+              f"{r['requests']} "
               f"requests, {r['failed']} failed; canary served {r['canary_served']} of "
               f"{r['assigned']} ({(r['canary_share'] or 0) * 100:.1f} %){bound}\n"
               f"{'':18} steps: {steps}\n{'':18} last: {r['decisions'][-1][2]}")
+        for a in r["added"]:
+            print(f"{'':18} at {a['at_s']} s, step {a['step']} held ({a['held']}): "
+                  "a canary server added by a reload")
         for d in r["numbers"]:
             print(f"{'':18} step {d['step']} {d['outcome']}: " + "; ".join(
                 f"{k} P50 x{v['p50_ratio']:.3f} P99 x{v['p99_ratio']:.3f} p={v['p_value']:.3g}"
                 for k, v in d.items() if isinstance(v, dict) and "p50_ratio" in v))
     args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps({"plan": plan, "runs": rows}, indent=2))
+    args.out.write_text(json.dumps({"plan": plan, "fleet": args.fleet, "runs": rows},
+                                   indent=2))
     print(f"written: {args.out}")
 
 

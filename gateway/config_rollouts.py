@@ -120,7 +120,10 @@ class RolloutConfig(BaseModel):
     every ``recheck_s`` (10 s). ``min_samples`` (30) and ``min_requests`` (100): what each
     version's side of a step's window needs before its latencies and its error rate are
     compared (fewer: smaller steps at the cost of a weaker test; see
-    :class:`gateway.traffic.rollout_stats.Thresholds`)."""
+    :class:`gateway.traffic.rollout_stats.Thresholds`). A step that passed moves on only
+    when the next step fits the versions' routable capacity within ``capacity_slack``
+    (1.25), else it holds until a reload adds canary capacity
+    (:mod:`gateway.traffic.rollout_capacity`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -146,6 +149,12 @@ class RolloutConfig(BaseModel):
     min_requests: int = Field(
         100, ge=20, description="requests each version needs in a step's window before the "
         "error rates are compared (Thresholds.min_requests)")
+    capacity_slack: float = Field(
+        1.25, ge=1, allow_inf_nan=False, description="how far above the model's mean load "
+        "per unit of capacity a step may run the canary's servers: a step of share s moves "
+        "on only when s <= capacity_slack x the canary's share of the two versions' "
+        "routable capacity (the last step: capacity_slack x the canary's capacity >= the "
+        "baseline's), else it holds (gateway.traffic.rollout_capacity)")
     targeting: RolloutTargeting = Field(default_factory=RolloutTargeting)
     calibration: RolloutCalibration = Field(default_factory=RolloutCalibration)
 

@@ -22,8 +22,13 @@ their consequences. The decisions themselves are the pure state machine's
   was prefilled stalled this stream's decode, and is still in flight at its end),
   error (a 5xx, an in-band 5xx error, a stream cut by the backend or the gateway; a 4xx is
   the client's and a client hanging up is not the version's: not errors).
-* **Deciding** (:meth:`Rollouts.tick`, the ``rollouts`` control loop every
-  :data:`TICK_S`, and every assignment): each decision is counted
+* **Deciding** (:meth:`Rollouts.round`, the ``rollouts`` control loop every
+  :data:`TICK_S`, and every assignment): before each round the versions' routable
+  capacity is handed to the state machine (:meth:`Rollouts.capacity`), which holds a
+  passed step while the next one does not fit it
+  (:mod:`gateway.traffic.rollout_capacity`: ``held`` in ``/admin/rollouts``, one decision
+  ``hold`` with reason ``capacity``) and moves on once a reload adds canary backends (warm)
+  or moves baseline ones to the canary's ``model_version``; each decision is counted
   (``gateway_rollout_decisions_total{model,decision,reason}``), the step exported
   (``gateway_rollout_step{model}``) and logged in one line. A rollout that ended stays in
   the table with its last routing: **rolled back**, every request of the model goes to the
@@ -50,6 +55,7 @@ from gateway.fleet.fleet import Fleet
 from gateway.flow.context import RequestContext
 from gateway.metrics import GatewayMetrics
 from gateway.traffic.rollout import Rollout, RolloutPlan, StepRecord, Version
+from gateway.traffic.rollout_capacity import PoolCapacity, pool_capacity
 from gateway.traffic.rollout_stats import Thresholds
 
 log = logging.getLogger("gateway.rollouts")
@@ -82,15 +88,18 @@ def plan_of(cfg: RolloutConfig, rollout_id: str) -> RolloutPlan:
         thresholds=Thresholds(min_samples=cfg.min_samples, min_requests=cfg.min_requests,
                               min_calibration_probes=0 if cal.measure == "off"
                               else cal.min_probes),
-        rollout_id=rollout_id,
+        rollout_id=rollout_id, capacity_slack=cfg.capacity_slack,
     )
 
 
 def reason_label(rec: StepRecord) -> str:
     """The metric label of a decision's reason: ``ok`` (a pass or the promotion),
-    ``operator`` (no comparison: an abort), ``insufficient`` (a hold, or a rollback for
+    ``capacity`` (a passed step held for the next step's capacity), ``operator`` (no
+    comparison: an abort), ``insufficient`` (a hold, or a rollback for
     want of samples), else the failing metric (``ttft``, ``itl``, ``errors``,
     ``calibration``)."""
+    if rec.cause:
+        return rec.cause
     cmp = rec.comparison
     if cmp is None:
         return "operator"
@@ -163,6 +172,7 @@ class Rollouts:
         rid = uuid.uuid4().hex[:12]
         run = RolloutRun(cfg, Rollout(plan_of(cfg, rid), now, random.Random()), origin,
                          config_version, self.wall())
+        run.rollout.capacity = self.capacity(cfg)
         self.runs[cfg.model] = run
         self.metrics.rollout_step.labels(cfg.model).set(0)
         log.info("rollout %s of %s: started (%s) from %s to %s, steps %s", rid, cfg.model,
@@ -285,12 +295,22 @@ class Rollouts:
         now = self.clock()
         for run in list(self.runs.values()):
             if run.running:
+                run.rollout.capacity = self.capacity(run.cfg)
                 run.rollout.tick(now)
             if len(run.rollout.history) > run.handled:
                 self._handle(run)
         while self._config_rollbacks and self.on_config_rollback is not None:
             version, reason = self._config_rollbacks.pop(0)
             await self.on_config_rollback(version, reason)
+
+    def capacity(self, cfg: RolloutConfig) -> PoolCapacity:
+        """The routable capacity of ``cfg``'s two versions now
+        (:func:`gateway.traffic.rollout_capacity.pool_capacity` over the model's routable
+        backends: warm, breaker not open), refreshed before every round's decisions."""
+        return pool_capacity(((b.config.model_version, b.config.max_num_seqs)
+                              for b in self.fleet.backends
+                              if b.routable and _serves(b, cfg.model)),
+                             cfg.baseline, cfg.canary)
 
     def _handle(self, run: RolloutRun) -> None:
         """Count, export and log the decisions not handled yet."""
@@ -361,6 +381,7 @@ class Rollouts:
                                  float(st["started_unix"]),
                                  {str(k): int(v) for k, v in (st.get("fallbacks") or {}).items()})
                 run.rollout.resume(st["machine"], now)
+                run.rollout.capacity = self.capacity(cfg)
             except (KeyError, TypeError, ValueError) as e:
                 log.warning("rollout of %s not restored: its kept state is not one (%s)",
                             model, e)

@@ -35,6 +35,13 @@ has answered the minimum of probes and more than 2 % of them failed, the rollout
 back at once (wrong answers are not a regression to weigh against a sample size: a
 drifted canary would otherwise keep its share until ``min_step_requests``).
 
+**Capacity** (:mod:`gateway.traffic.rollout_capacity`): a step that passed moves on only
+when the next step fits the versions' capacity (``capacity``, set by the caller from the
+routable backends; None: unknown, never held): else the rollout holds at the step it
+passed (``held``: the reason; one ``hold`` record with ``cause="capacity"``), keeps its
+share, its calibration check and nothing else (the step was decided), and moves on at the
+first :meth:`Rollout.tick` at which the next step fits.
+
 At the last step (share 1.0) the baseline serves nothing; its side of the comparison is
 the previous step's baseline window (kept as the reference when a step passes).
 
@@ -63,6 +70,7 @@ from typing import Any, Literal
 
 from gateway.core.vocab import Prio
 from gateway.traffic.calibration_match import CalibrationMeasure, probe_matches
+from gateway.traffic.rollout_capacity import CAPACITY_SLACK, PoolCapacity, step_hold
 from gateway.traffic.rollout_stats import (
     Comparison,
     MetricResult,
@@ -77,7 +85,8 @@ from gateway.traffic.rollout_window import Side
 Version = Literal["baseline", "canary"]
 Status = Literal["running", "promoted", "rolled_back"]
 StepOutcome = Literal["pass", "hold", "promoted", "rolled_back"]
-"""A recorded decision: the step passed, held past ``max_step_s``, the rollout promoted or
+"""A recorded decision: the step passed, held (past ``max_step_s``, or passed and waiting
+for the next step's capacity: ``cause="capacity"``), the rollout promoted or
 rolled back (a failed comparison is recorded as ``rolled_back``, its comparison attached)."""
 
 DEFAULT_STEPS: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5, 1.0)
@@ -101,7 +110,9 @@ class RolloutPlan:
     a probe. ``max_window_samples`` (samples per side and latency metric, 10 000): a
     uniform reservoir (Vitter's algorithm R) bounds the memory and a comparison's sort.
     ``rollout_id``: salts the session hash, so successive rollouts start different sessions
-    on their canaries.
+    on their canaries. ``capacity_slack`` (1.25): how far above the model's mean load per
+    unit of capacity a step may run the canary's servers
+    (:mod:`gateway.traffic.rollout_capacity`).
     """
 
     model: str
@@ -120,6 +131,7 @@ class RolloutPlan:
     thresholds: Thresholds = field(default_factory=Thresholds)
     max_window_samples: int = 10_000
     rollout_id: str = ""
+    capacity_slack: float = CAPACITY_SLACK
 
     def __post_init__(self) -> None:
         s = self.steps
@@ -134,6 +146,8 @@ class RolloutPlan:
              and self.max_step_s >= self.min_step_s, ">= min_step_s"),
             ("min_step_requests", self.min_step_requests >= 1, ">= 1"),
             ("recheck_s", math.isfinite(self.recheck_s) and self.recheck_s > 0, "> 0 s"),
+            ("capacity_slack", math.isfinite(self.capacity_slack)
+             and self.capacity_slack >= 1, ">= 1"),
         ):
             if not ok:
                 raise ValueError(f"RolloutPlan.{name} must be {need}, "
@@ -155,8 +169,9 @@ class RolloutPlan:
 @dataclass(frozen=True)
 class StepRecord:
     """One decision of the rollout: ``at`` (the injected clock, seconds), the step index and
-    share, the ``outcome`` and its ``reason``, and the comparison it rests on (None for an
-    operator's rollback)."""
+    share, the ``outcome`` and its ``reason``, the comparison it rests on (None for an
+    operator's rollback), and its ``cause`` (``capacity`` for a hold for want of the
+    next step's capacity, else empty)."""
 
     at: float
     step: int
@@ -164,11 +179,12 @@ class StepRecord:
     outcome: StepOutcome
     reason: str
     comparison: Comparison | None = None
+    cause: str = ""
 
     def to_json(self) -> dict[str, object]:
         """A JSON-ready dict."""
         return {"at": self.at, "step": self.step, "share": self.share,
-                "outcome": self.outcome, "reason": self.reason,
+                "outcome": self.outcome, "reason": self.reason, "cause": self.cause,
                 "comparison": self.comparison.to_json() if self.comparison else None}
 
 
@@ -203,6 +219,10 @@ class Rollout:
         self._last_check: float | None = None
         self._reference: Side | None = None
         self.prior: list[dict[str, object]] = []  # decisions before a resume (JSON)
+        # the versions' routable capacity, set by the caller (None: unknown, never held)
+        self.capacity: PoolCapacity | None = None
+        self.held: str | None = None  # why a passed step waits for the next one's capacity
+        self._held_cmp: Comparison | None = None
         self._new_window()
 
     def _new_window(self) -> None:
@@ -321,6 +341,10 @@ class Rollout:
             cmp = combine([cal])
             self.last_comparison = cmp
             return self._roll_back(now, cmp.reason, cmp)
+        if self._held_cmp is not None:  # the step passed: waiting for the next one's room
+            if self._next_hold() is not None:
+                return None
+            return self._advance(now, self._held_cmp)
         elapsed = now - self.step_started_at
         due = (elapsed >= p.min_step_s
                and self._window["canary"].requests >= p.min_step_requests)
@@ -337,7 +361,11 @@ class Rollout:
         if cmp.decision == "fail" and (complete or timed_out):  # decided once (docstring)
             return self._roll_back(now, cmp.reason, cmp)
         if cmp.decision == "pass" and due:
-            return self._advance(now, cmp)
+            held = self._next_hold()
+            if held is None:
+                return self._advance(now, cmp)
+            self.held, self._held_cmp = held, cmp
+            return self._record(now, "hold", held, cmp, cause="capacity")
         if not timed_out:
             return None
         short = cmp.reason if cmp.decision == "insufficient" else (
@@ -361,9 +389,18 @@ class Rollout:
         cmp = combine([MetricResult(metric, "fail", reason)]) if metric else None
         return self._roll_back(now, reason, cmp)
 
+    def _next_hold(self) -> str | None:
+        """Why the next step does not fit the capacity (None: it does, or this is the
+        last step, or the capacity is unknown)."""
+        if self.capacity is None or self.step == len(self.plan.steps) - 1:
+            return None
+        return step_hold(self.plan.steps[self.step + 1], self.capacity, self.plan.canary,
+                         self.plan.capacity_slack)
+
     def _record(self, now: float, outcome: StepOutcome, reason: str,
-                cmp: Comparison | None) -> StepRecord:
-        rec = StepRecord(now, self.step, self.plan.steps[self.step], outcome, reason, cmp)
+                cmp: Comparison | None, cause: str = "") -> StepRecord:
+        rec = StepRecord(now, self.step, self.plan.steps[self.step], outcome, reason, cmp,
+                         cause)
         self.history.append(rec)
         return rec
 
@@ -385,6 +422,7 @@ class Rollout:
         self.step_started_at = now
         self._holding = False
         self._last_check = None
+        self.held = self._held_cmp = None
         self._new_window()
         return rec
 
@@ -398,8 +436,10 @@ class Rollout:
         """``/admin/rollouts``' view of this rollout (JSON-ready): model, versions, status,
         step and share, the step's age (seconds), requests served per version, the canary's
         share served (and before a rollback), calibration probes, the last comparison with
-        its numbers, the comparisons made so far (``looks``: a step acts on one) and the
-        decision history with times."""
+        its numbers, the comparisons made so far (``looks``: a step acts on one), ``held``
+        (why a passed step waits for the next one's capacity, else None), ``capacity``
+        (:meth:`gateway.traffic.rollout_capacity.PoolCapacity.to_json`, None: unknown) and
+        the decision history with times."""
         p = self.plan
         return {
             "model": p.model, "baseline": p.baseline, "canary": p.canary,
@@ -415,6 +455,8 @@ class Rollout:
                             "measure": p.calibration},
             "comparison": self.last_comparison.to_json() if self.last_comparison else None,
             "looks": self.looks,
+            "held": self.held if self.status == "running" else None,
+            "capacity": self.capacity.to_json() if self.capacity else None,
             "history": [*(dict(r) for r in self.prior),
                         *(r.to_json() for r in self.history)],
         }
@@ -464,5 +506,6 @@ class Rollout:
         self.history = []
         self._holding = False
         self._last_check = None
+        self.held = self._held_cmp = None
         self._reference = None
         self._new_window()

@@ -16,7 +16,9 @@ backend of four; a good canary runs on three backends against the baseline's one
 at the 100 % step each of its backends carries less than the baseline's did at 50 %): a
 backend with more concurrent requests queues longer (a prefill step stalls the batch), a
 difference of load, not of version, which a closed loop of clients on one machine would
-otherwise turn into a false regression.
+otherwise turn into a false regression. The gateway holds a step above the canary's
+capacity share (x1.25) itself: one canary backend of four holds at 25 % until a reload adds
+canary capacity (the last test).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def decisions(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for d in ("pass", "promoted", "rolled_back", "hold"):
         for reason in ("ok", "ttft", "itl", "errors", "calibration", "insufficient",
-                       "operator"):
+                       "operator", "capacity"):
             v = metric(s, "gateway_rollout_decisions_total", model=MODEL, decision=d,
                        reason=reason)
             if v:
@@ -473,3 +475,57 @@ def test_the_batcher_places_by_version_and_admin_routes_need_the_admin_key(
         assert traffic.failures == []
         after = {servers.version_of[fp] for fp in traffic.versions[seen + 2:]}
         assert after == {"v1"}, after  # rolled back: the batcher places on the baseline only
+
+
+def test_a_canary_held_at_the_step_above_its_capacity_moves_on_after_a_reload(
+    servers: Servers,
+) -> None:
+    """One canary backend of four carries 25 % (x1.25 slack: 31 %): the rollout passes
+    25 % and holds there instead of sending it 50 %; a reload adding a canary backend
+    (2 of 5: 40 % x 1.25 = 50 %) lets it move on, and it holds again before 100 % (2 canary
+    backends x 1.25 < the baseline's 3) until a reload moves a baseline backend to the
+    canary's version (3 x 1.25 >= 2)."""
+    for name in ("a1", "a2", "a3"):
+        servers.add(name, "v1")
+    servers.add("b1", "v2")
+    extra = servers.add("b2", "v2")
+    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.25, 0.5, 1.0],
+            **FAST_STEPS, "min_step_requests": 24, "min_requests": 24,
+            "calibration": {"measure": "off"}}  # smaller samples: three steps in seconds
+    backends = [b for b in servers.backends if b["id"] != "b2"]
+    with GatewayThread(config(backends)) as gw:
+        assert httpx.post(gw.url + "/admin/rollouts", json=plan, timeout=10).status_code == 201
+        traffic = Traffic(gw.url)
+        try:
+            assert wait_for(lambda: rollout(gw.url)["held"] is not None, 30, 0.1), \
+                rollout(gw.url)
+            snap = rollout(gw.url)
+            assert (snap["status"], snap["step"], snap["share"]) == ("running", 0, 0.25)
+            assert snap["held"] == ("canary capacity 25 % (x1.25 = 31 %) < step 50 %: add "
+                                    "backends with model_version v2"), snap["held"]
+            assert snap["capacity"]["backends"] == {"baseline": 3, "canary": 1}
+            assert decisions(gw.url) == {("hold", "capacity"): 1}  # none rolled back
+            cfg = gw.gateway.cfg.model_dump(mode="json")
+            added = [*cfg["backends"], {"id": "b2", "url": extra, "models": [MODEL],
+                                        "model_version": "v2"}]
+            r = httpx.post(gw.url + "/admin/config", timeout=10,
+                           content=_config_text(gw, backends=added))
+            assert r.status_code == 200, r.text
+            assert wait_for(lambda: rollout(gw.url)["step"] == 1, 20, 0.1), rollout(gw.url)
+            assert wait_for(lambda: rollout(gw.url)["held"] is not None, 30, 0.1), \
+                rollout(gw.url)
+            assert "step 100 %" in rollout(gw.url)["held"]
+            moved = [{**b, "model_version": "v2"} if b["id"] == "a3" else b for b in added]
+            r = httpx.post(gw.url + "/admin/config", timeout=10,
+                           content=_config_text(gw, backends=moved))
+            assert r.status_code == 200, r.text
+            assert wait_for(lambda: ended(gw.url), 30, 0.1), rollout(gw.url)
+        finally:
+            traffic.stop()
+        snap = rollout(gw.url)
+        assert snap["status"] == "promoted", snap["history"]
+        assert [(h["step"], h["outcome"]) for h in snap["history"]] == [
+            (0, "hold"), (0, "pass"), (1, "hold"), (1, "pass"), (2, "promoted")]
+        assert traffic.failures == []
+        assert decisions(gw.url) == {("hold", "capacity"): 2, ("pass", "ok"): 2,
+                                     ("promoted", "ok"): 1}
