@@ -141,7 +141,8 @@ def _add_backend(gw: GatewayThread, backend: dict[str, Any]) -> None:
     """The operator's part: a live reload that adds ``backend`` to the running config."""
     data = gw.gateway.cfg.model_dump(mode="json")
     data["backends"] = [*data["backends"], backend]
-    r = httpx.post(gw.url + "/admin/config", content=yaml.safe_dump(data), timeout=30)
+    r = httpx.post(gw.url + "/admin/config", content=yaml.safe_dump(data), timeout=30,
+                   headers={"content-type": "application/yaml"})
     r.raise_for_status()
 
 

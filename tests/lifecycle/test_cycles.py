@@ -455,7 +455,11 @@ def test_fast_restart_is_seen_from_the_new_process_not_after_the_hold(sims, lc_g
         t0 = time.monotonic()
         assert gw.gateway.cfg.lifecycle.restart_hold_s == 120
         ctl = gw.gateway.controller
-        gw.run(ctl.maintenance.long_cycle(gw.gateway.fleet.get("a"), "test"))
+        a_rec = gw.gateway.fleet.get("a")
+        # the start time the restart is told by: from a scrape before the hook runs
+        assert wait_for(lambda: a_rec.load is not None
+                        and a_rec.load.process_start_s is not None, timeout=10)
+        gw.run(ctl.maintenance.long_cycle(a_rec, "test"))
         wait_state(gw.url, "a", "warm", timeout=15)
         assert time.monotonic() - t0 < 30
         assert ("draining", "cold", "restarted") in history(gw.url, "a")

@@ -481,15 +481,19 @@ def test_a_canary_held_at_the_step_above_its_capacity_moves_on_after_a_reload(
     servers: Servers,
 ) -> None:
     """One canary backend of four carries 25 % (x1.25 slack: 31 %): the rollout passes
-    25 % and holds there instead of sending it 50 %; a reload adding a canary backend
-    (2 of 5: 40 % x 1.25 = 50 %) lets it move on, and it holds again before 100 % (2 canary
-    backends x 1.25 < the baseline's 3) until a reload moves a baseline backend to the
-    canary's version (3 x 1.25 >= 2)."""
+    20 % and holds there instead of sending it 50 %; a reload that adds a canary backend
+    and moves a baseline backend to the canary's version (3 of 5: 60 %) lets it move on to
+    50 % and on to 100 % (3 canary backends x 1.25 >= the baseline's 2). Each step's canary
+    servers carry no more per server than the baseline's (20 % on one against 80 % on
+    three; 50 % on three against 50 % on two): with one canary server against a pool of
+    three at equal load per server, the canary's TTFT is the worse by pooling (the
+    baseline's requests go to the least loaded of three), a capacity effect this test is
+    not about."""
     for name in ("a1", "a2", "a3"):
         servers.add(name, "v1")
     servers.add("b1", "v2")
     extra = servers.add("b2", "v2")
-    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.25, 0.5, 1.0],
+    plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.2, 0.5, 1.0],
             **FAST_STEPS, "min_step_requests": 24, "min_requests": 24,
             "calibration": {"measure": "off"}}  # smaller samples: three steps in seconds
     backends = [b for b in servers.backends if b["id"] != "b2"]
@@ -500,7 +504,7 @@ def test_a_canary_held_at_the_step_above_its_capacity_moves_on_after_a_reload(
             assert wait_for(lambda: rollout(gw.url)["held"] is not None, 30, 0.1), \
                 rollout(gw.url)
             snap = rollout(gw.url)
-            assert (snap["status"], snap["step"], snap["share"]) == ("running", 0, 0.25)
+            assert (snap["status"], snap["step"], snap["share"]) == ("running", 0, 0.2)
             assert snap["held"] == ("canary capacity 25 % (x1.25 = 31 %) < step 50 %: add "
                                     "backends with model_version v2"), snap["held"]
             assert snap["capacity"]["backends"] == {"baseline": 3, "canary": 1}
@@ -508,24 +512,18 @@ def test_a_canary_held_at_the_step_above_its_capacity_moves_on_after_a_reload(
             cfg = gw.gateway.cfg.model_dump(mode="json")
             added = [*cfg["backends"], {"id": "b2", "url": extra, "models": [MODEL],
                                         "model_version": "v2"}]
-            r = httpx.post(gw.url + "/admin/config", timeout=10,
-                           content=_config_text(gw, backends=added))
-            assert r.status_code == 200, r.text
-            assert wait_for(lambda: rollout(gw.url)["step"] == 1, 20, 0.1), rollout(gw.url)
-            assert wait_for(lambda: rollout(gw.url)["held"] is not None, 30, 0.1), \
-                rollout(gw.url)
-            assert "step 100 %" in rollout(gw.url)["held"]
             moved = [{**b, "model_version": "v2"} if b["id"] == "a3" else b for b in added]
             r = httpx.post(gw.url + "/admin/config", timeout=10,
+                           headers={"content-type": "application/yaml"},
                            content=_config_text(gw, backends=moved))
             assert r.status_code == 200, r.text
-            assert wait_for(lambda: ended(gw.url), 30, 0.1), rollout(gw.url)
+            assert wait_for(lambda: ended(gw.url), 40, 0.1), rollout(gw.url)
         finally:
             traffic.stop()
         snap = rollout(gw.url)
         assert snap["status"] == "promoted", snap["history"]
         assert [(h["step"], h["outcome"]) for h in snap["history"]] == [
-            (0, "hold"), (0, "pass"), (1, "hold"), (1, "pass"), (2, "promoted")]
+            (0, "hold"), (0, "pass"), (1, "pass"), (2, "promoted")]
         assert traffic.failures == []
-        assert decisions(gw.url) == {("hold", "capacity"): 2, ("pass", "ok"): 2,
+        assert decisions(gw.url) == {("hold", "capacity"): 1, ("pass", "ok"): 2,
                                      ("promoted", "ok"): 1}
