@@ -36,6 +36,9 @@ def two(redis_server: Any, sims: Callable[..., Sim]) -> Iterator[tuple[list[Gate
             gw.start(wait_ready=False)
         for gw in gws:
             gw.wait_ready(timeout=30, routable=len(backends))
+        for gw in gws:  # each sees the other live: a notice then reaches both
+            assert wait_for(lambda gw=gw: len(httpx.get(gw.url + "/admin/fleet", timeout=5)
+                                                 .json()["replicas"]) == 2, timeout=10)
         yield gws, backends, redis_server
     finally:
         for gw in gws:
