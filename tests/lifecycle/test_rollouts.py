@@ -354,8 +354,12 @@ def test_a_canarys_errors_count_though_retries_hide_them_from_clients(
     rollout is rolled back for it at its first step."""
     servers.add("a", "v1")
     servers.add("b", "v2", faults={"error_rate": 0.3})
+    # 80 requests a side (expected p ~ 5e-8 against the per-step level alpha / 2 steps):
+    # at 40 a side (p ~ 9e-5 expected) a canary whose breaker had shed part of its share
+    # passed step 0 in one CI run
     plan = {"model": MODEL, "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
-            **FAST_STEPS, "calibration": {"measure": "off"}}
+            **FAST_STEPS, "min_step_requests": 80, "min_requests": 80,
+            "calibration": {"measure": "off"}}
     with GatewayThread(config(servers.backends, rollouts=[plan])) as gw:
         snap, traffic = run_until_decided(gw)
         assert traffic.failures == []
