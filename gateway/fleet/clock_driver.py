@@ -40,11 +40,12 @@ from typing import Any
 import httpx
 
 from gateway.config import ThermalConfig
+from gateway.fleet.agent_calls import read_gpus, set_each
 from gateway.fleet.backend import Backend
 from gateway.metrics import GatewayMetrics
 from gateway.routing.clocks import CapChange, ClockController, GpuView, PowerShedGate
 from gateway.routing.power_limits import LimitChange, LimitView, PowerLimitController
-from gateway.routing.thermal import ThermalView
+from gateway.routing.thermal import ThermalTracker, ThermalView
 
 log = logging.getLogger("gateway.fleet.clocks")
 
@@ -62,6 +63,7 @@ class _Agent:
     reason: str | None = None  # the binding cap's reason, None while uncapped
     limit_reason: str | None = None  # "power" while a power limit is set
     limits_refused: bool = False  # the GPU's driver refused a power limit (503)
+    tracker: ThermalTracker | None = None  # the backend's GPU telemetry
 
 
 class ClockDriver:
@@ -86,6 +88,7 @@ class ClockDriver:
         self.limits = PowerLimitController(cfg.clocks)
         self.gate = PowerShedGate(cfg.power_shed_levels, cfg.clocks.power_shed_release)
         self._agents: dict[str, _Agent] = {}
+        self._answered: dict[str, float] = {}  # backend -> its agent's last answer (s)
         self._holds: Callable[[], bool] | None = None
         self._peer: Callable[[], PeerState | None] = lambda: None
         metrics.clock_control_owner.set(1)
@@ -158,24 +161,47 @@ class ClockDriver:
         if not self.controller.exhausted("", [b]):
             return False
         a = self._agents[b]
-        return not self.cfg.clocks.power_limits or a.limits_refused or self.limits.exhausted([b])
+        if not self.cfg.clocks.power_limits or a.limits_refused:
+            return True
+        if not self.limits.exhausted([b], self.clock()):
+            return False
+        # and the GPUs' telemetry shows the limit (DCGM_FI_DEV_POWER_MGMT_LIMIT): the draw
+        # read with it is the draw under it (an exporter without the field: the time alone)
+        limit = self.limits.limit_w(b)
+        seen = a.tracker.latest if a.tracker is not None else None
+        if limit is None or seen is None or seen.power_limit_w is None:
+            return True
+        return seen.power_limit_w <= limit * max(1, len(a.gpus)) + 1.0
+
+    def _out_of_reach(self, b: str) -> bool:
+        """Nothing to lower on ``b``: it has no control endpoint, or its agent has not
+        answered for ``thermal.stale_after_s`` (as its telemetry would count stale; a
+        moment's failure does not start shedding)."""
+        ok_at = self._answered.get(b)
+        return ok_at is None or self.clock() - ok_at >= self.cfg.stale_after_s
 
     def clocks_exhausted(self, backend_ids: Sequence[str]) -> bool:
-        """Whether every one of these backends is capped at the clock floor (a backend
-        without a control endpoint counts as such: nothing more to lower there): only then
-        is a hot one sent to cooldown."""
+        """Whether every one of these backends is capped at the clock floor (or out of
+        reach: :meth:`_out_of_reach`): only then is a hot one sent to cooldown."""
         if not self.driving:
             entries = self._peer_entries(backend_ids)
             return entries is None or all(e["floor"] for e in entries)
-        return self.controller.exhausted("", [b for b in backend_ids if b in self._agents])
+        return all(
+            self.controller.exhausted("", [b]) if b in self._agents else self._out_of_reach(b)
+            for b in backend_ids
+        )
 
     def exhausted(self, backend_ids: Sequence[str]) -> bool:
         """Whether both levers are spent on every one of these backends (clock caps at
-        their floor and power limits set): only then may power shedding start."""
+        their floor and power limits set, or out of reach): only then may power shedding
+        start."""
         if not self.driving:
             entries = self._peer_entries(backend_ids)
             return entries is None or all(e["exhausted"] for e in entries)
-        return all(self._exhausted_one(b) for b in backend_ids if b in self._agents)
+        return all(
+            self._exhausted_one(b) if b in self._agents else self._out_of_reach(b)
+            for b in backend_ids
+        )
 
     # ---- the round ----------------------------------------------------------------------------
     async def step(self, backends: Sequence[Backend], view: ThermalView) -> None:
@@ -186,11 +212,17 @@ class ClockDriver:
                 log.info("GPU clock control: another replica drives the caps now")
                 for gone in list(self._agents):
                     self._drop(gone)
+            self._answered.clear()
             return
         self.metrics.clock_control_owner.set(1)
         ctl = [b for b in backends if b.config.gpu_control_url is not None]
         for gone in set(self._agents) - {b.id for b in ctl}:
             self._drop(gone)
+        now = self.clock()
+        ids = {b.id for b in ctl}
+        self._answered = {b: t for b, t in self._answered.items() if b in ids}
+        for b in ctl:  # a new one has its grace from now
+            self._answered.setdefault(b.id, now)
         await asyncio.gather(*(self._read(b) for b in ctl))
         now = self.clock()
         gpus: list[GpuView] = []
@@ -234,51 +266,41 @@ class ClockDriver:
 
     async def _read(self, b: Backend) -> None:
         try:
-            r = await self.client().get(
-                f"{self._url(b)}/control", headers=self._headers, timeout=self.cfg.scrape_timeout_s
+            g = await read_gpus(
+                self.client(),
+                self._url(b),
+                self._headers,
+                self.cfg.scrape_timeout_s,
+                b.config.gpu_indices,
             )
-            r.raise_for_status()
-            wanted = b.config.gpu_indices
-            mine = [g for g in r.json()["gpus"] if wanted is None or g["index"] in wanted]
-            idx = tuple(int(g["index"]) for g in mine)
-            top = min(float(g["supported_clocks_mhz"][1]) for g in mine)
-            lo_w = max(float(g["power_limit_range_w"][0]) for g in mine)
-            hi_w = min(float(g["power_limit_range_w"][1]) for g in mine)
-            locks = [float(g["locked_clocks_mhz"][1]) for g in mine if g.get("locked_clocks_mhz")]
-            limits = [float(g["power_limit_w"]) for g in mine if g.get("power_limit_set")]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as e:
+        except (httpx.HTTPError, ValueError) as e:
             self._failed(b, "read", e)
             return
+        self._answered[b.id] = self.clock()
         a = self._agents.get(b.id)
         if a is None:  # first contact since this replica drives: adopt what is set
             a = self._agents[b.id] = _Agent()
-            if locks:
-                self.controller.adopt(b.id, min(locks) / top, top)
+            if g.locked_mhz is not None:
+                self.controller.adopt(b.id, g.locked_mhz / g.max_mhz, g.max_mhz)
                 a.reason = "power"
-            if limits:
-                self.limits.adopt(b.id, min(limits))
+            if g.limit_w is not None:
+                self.limits.adopt(b.id, g.limit_w)
                 a.limit_reason = "power"
-            if locks or limits:
+            if g.locked_mhz is not None or g.limit_w is not None:
                 log.info(
                     "backend %s: GPU control taken over with clocks capped at %s, power limit %s",
                     b.id,
-                    f"{min(locks):.0f} MHz" if locks else "none",
-                    f"{min(limits):.0f} W" if limits else "default",
+                    "none" if g.locked_mhz is None else f"{g.locked_mhz:.0f} MHz",
+                    "default" if g.limit_w is None else f"{g.limit_w:.0f} W",
                 )
-        a.gpus, a.max_mhz, a.min_w, a.max_w = idx, top, lo_w, max(lo_w, hi_w)
+        a.gpus, a.max_mhz, a.min_w, a.max_w = g.indices, g.max_mhz, g.min_w, g.max_w
+        a.tracker = b.thermal
 
     async def _send(self, b: Backend, change: CapChange) -> None:
         a = self._agents[b.id]
+        body = None if change.max_mhz is None else {"max_mhz": round(change.max_mhz)}
         try:
-            for i in a.gpus:
-                url = f"{self._url(b)}/control/gpus/{i}/clocks"
-                if change.max_mhz is None:
-                    r = await self.client().delete(url, headers=self._headers)
-                else:
-                    r = await self.client().post(
-                        url, json={"max_mhz": round(change.max_mhz)}, headers=self._headers
-                    )
-                r.raise_for_status()
+            await set_each(self.client(), self._url(b), self._headers, a.gpus, "clocks", body)
         except httpx.HTTPError as e:
             self._failed(b, "set", e)
             return
@@ -300,16 +322,9 @@ class ClockDriver:
         a = self._agents.get(b.id)
         if a is None:  # its clock call failed this round: read again next round
             return
+        body = None if change.watts is None else {"watts": round(change.watts)}
         try:
-            for i in a.gpus:
-                url = f"{self._url(b)}/control/gpus/{i}/power-limit"
-                if change.watts is None:
-                    r = await self.client().delete(url, headers=self._headers)
-                else:
-                    r = await self.client().post(
-                        url, json={"watts": round(change.watts)}, headers=self._headers
-                    )
-                r.raise_for_status()
+            await set_each(self.client(), self._url(b), self._headers, a.gpus, "power-limit", body)
         except httpx.HTTPStatusError as e:
             if e.response.status_code == 503 and change.watts is not None:
                 # the GPU's driver refuses power limits (no permission): no lever here

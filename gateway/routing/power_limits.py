@@ -31,15 +31,21 @@ clocks have been at their floor for ``interval_s`` (their last step's effect is 
 with the draw at or over ``domain_high_ratio``; while it stays there, a limit only ever moves
 down (the share is computed again: the uncontrolled draw may have grown). Below
 ``domain_low_ratio`` one backend's limits are cleared per ``interval_s`` (back to the GPU's
-default), the least bound first (lowest draw over its limits); between the two marks nothing
-moves. While any limit of a domain is set its clock caps do not step up (the last lever in
-is the first out: :meth:`PowerLimitController.holding`).
+default), the least bound first (lowest draw over its limits), and only when the domain
+would stay under ``domain_high_ratio`` with that backend back at the draw it had when its
+limits were set (so a load that has not fallen does not flip the limits off and on: a GPU
+under a limit that binds draws its limit, the draw sits near ``power_limit_ratio``, and a dip
+of a few percent must not release it); between the two marks nothing moves. While any limit of a domain is set its clock caps do not step up (the last lever in
+is the first out: :meth:`PowerLimitController.holding`). Limits count as spent
+(:meth:`PowerLimitController.exhausted`: shedding may start) once they have been set for
+``interval_s``, so their effect on the draw is seen before any request is refused.
 
 Everything takes time and readings as arguments (seconds, W); no I/O.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +88,8 @@ class PowerLimitController:
     def __init__(self, cfg: ClockControlConfig) -> None:
         self.cfg = cfg
         self._limits: dict[str, float] = {}  # backend -> per-GPU limit (W) set now
+        self._set_at: dict[str, float] = {}  # backend -> when its limit was first set
+        self._before_w: dict[str, float | None] = {}  # backend -> its draw then (W)
         self._domain_at: dict[str, float] = {}
         self._floor_since: dict[str, float] = {}
 
@@ -93,10 +101,12 @@ class PowerLimitController:
         """Every limited backend's per-GPU limit (W)."""
         return dict(self._limits)
 
-    def exhausted(self, members: Iterable[str]) -> bool:
-        """Whether every one of these backends has its power limit set (nothing more to do
-        here: power shedding may start)."""
-        return all(b in self._limits for b in members)
+    def exhausted(self, members: Iterable[str], now: float) -> bool:
+        """Whether every one of these backends has had its power limit set for at least
+        ``interval_s`` at ``now`` (seconds: the limits' effect is seen in the draw): nothing
+        more to do here, power shedding may start."""
+        due = now - self.cfg.interval_s + _EPS
+        return all(self._set_at.get(b, math.inf) <= due for b in members)
 
     def holding(self, domains: Mapping[str, Iterable[str]]) -> set[str]:
         """The domains (name -> member backends) with a limit set on any member: their
@@ -107,10 +117,13 @@ class PowerLimitController:
         """A limit found set on ``backend_id``'s GPUs (W) when this controller starts to
         drive them (another gateway replica set it): kept, and cleared by the rule."""
         self._limits[backend_id] = watts
+        self._set_at[backend_id] = -math.inf
 
     def forget(self, backend_id: str) -> None:
         """Drop a backend that left the fleet (or whose agent stopped answering)."""
         self._limits.pop(backend_id, None)
+        self._set_at.pop(backend_id, None)
+        self._before_w.pop(backend_id, None)
 
     def decide(
         self,
@@ -154,16 +167,26 @@ class PowerLimitController:
                 before = self._limits.get(v.backend_id)
                 if before is None or w < before - _EPS:
                     self._limits[v.backend_id] = w
+                    self._set_at.setdefault(v.backend_id, now)
+                    if before is None:
+                        self._before_w[v.backend_id] = v.power_w
                     out.append(LimitChange(v.backend_id, w, before, "power"))
             if out:
                 self._domain_at[name] = now
             return out
         if ratio < cfg.domain_low_ratio:
-            limited = [v for v in members if v.backend_id in self._limits]
+            high_w = cfg.domain_high_ratio * dom.budget_w
+            limited = [
+                v
+                for v in members
+                if v.backend_id in self._limits and self._after_release_w(v, dom) < high_w
+            ]
             if not limited:
                 return []
             v = min(limited, key=lambda v: (self._bound(v), v.backend_id))
             before = self._limits.pop(v.backend_id)
+            self._set_at.pop(v.backend_id, None)
+            self._before_w.pop(v.backend_id, None)
             self._domain_at[name] = now
             return [LimitChange(v.backend_id, None, before, "release")]
         return []
@@ -177,6 +200,15 @@ class PowerLimitController:
         gpus = sum(v.gpus for v in members)
         target = self.cfg.power_limit_ratio * dom.budget_w
         return max(0.0, target - uncontrolled_w) / max(1, gpus)
+
+    def _after_release_w(self, v: LimitView, dom: DomainStatus) -> float:
+        """The domain's draw (W) were ``v``'s limits cleared: its draw back to what it was
+        when they were set (unknown, e.g. an adopted limit: up to the limits)."""
+        now_w = v.power_w or 0.0
+        before = self._before_w.get(v.backend_id)
+        if before is None:
+            before = self._limits[v.backend_id] * v.gpus
+        return dom.draw_w - now_w + max(now_w, before)
 
     def _bound(self, v: LimitView) -> float:
         """Draw over the backend's limits (1: the limits bind); 0 without a reading."""
