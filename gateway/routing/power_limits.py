@@ -35,10 +35,12 @@ default), the least bound first (lowest draw over its limits), and only when the
 would stay under ``domain_high_ratio`` with that backend back at the draw it had when its
 limits were set (so a load that has not fallen does not flip the limits off and on: a GPU
 under a limit that binds draws its limit, the draw sits near ``power_limit_ratio``, and a dip
-of a few percent must not release it); between the two marks nothing moves. While any limit of a domain is set its clock caps do not step up (the last lever in
-is the first out: :meth:`PowerLimitController.holding`). Limits count as spent
+of a few percent must not release it); between the two marks nothing moves. While any limit
+of a domain is set its clock caps do not step up (the last lever in is the first out:
+:meth:`PowerLimitController.holding`). Limits count as spent
 (:meth:`PowerLimitController.exhausted`: shedding may start) once they have been set for
-``interval_s``, so their effect on the draw is seen before any request is refused.
+``interval_s``; the driver also waits until the GPUs' telemetry shows them, so their effect
+on the draw is seen before any request is refused.
 
 Everything takes time and readings as arguments (seconds, W); no I/O.
 """
