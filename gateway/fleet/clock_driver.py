@@ -136,8 +136,12 @@ class ClockDriver:
             state = self._peer()
             return None if state is None else state.get(backend_id)
         a = self._agents.get(backend_id)
-        if a is None:
-            return None
+        if a is None:  # an agent not answering now: spent once out of reach
+            if backend_id not in self._answered:
+                return None
+            gone = self._out_of_reach(backend_id)
+            return {"max_mhz": None, "reason": None, "limit_w": None, "limit_reason": None,
+                    "floor": gone, "exhausted": gone}  # fmt: skip
         return {
             "max_mhz": self.controller.cap_mhz(backend_id),
             "reason": a.reason,
@@ -151,7 +155,7 @@ class ClockDriver:
         """Every driven backend's cap, limit and whether each lever is spent (published to
         the other replicas in fleet mode)."""
         out: dict[str, Mapping[str, Any]] = {}
-        for b in self._agents:
+        for b in self._answered:
             e = self.entry(b)
             if e is not None:
                 out[b] = e

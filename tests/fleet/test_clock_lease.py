@@ -59,7 +59,7 @@ def test_one_replica_drives_a_killed_holder_is_taken_over_and_a_dead_store_leave
     coord = {"redis_url": redis_server.url, "sync_interval_s": 0.1, "lease_ttl_s": TTL_S}
     base = gateway_config([backend], thermal=thermal,
                           coordination={**coord, "replica_id": "doomed"})
-    proc, url = _serve_subprocess(tmp_path, base.model_dump(mode="json", exclude_none=True))
+    proc, _url = _serve_subprocess(tmp_path, base.model_dump(mode="json", exclude_none=True))
     r2: GatewayThread | None = None
     try:
         # the first replica takes the lease and caps the idle GPU
@@ -119,3 +119,38 @@ def test_one_replica_drives_a_killed_holder_is_taken_over_and_a_dead_store_leave
             proc.kill()
         if r2 is not None:
             r2.stop()
+
+
+def test_a_replica_that_stops_hands_the_lease_over_at_once(
+    redis_server: RedisServer, sims: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two in-process replicas with the default 10-s lease TTL: exactly one drives; the holder
+    stops (a rolling restart) and gives the lease back, so the other drives within a couple
+    of sync rounds, long before the TTL would have run out."""
+    monkeypatch.setenv("LLM_GATEWAY_AGENT_TOKEN", TOKEN)
+    a = sims("A", gpu={"control_token": TOKEN, "tick_s": 0.1})
+    backend = {"id": "a", "url": a.url, "gpu_metrics_url": a.url + "/gpu/metrics",
+               "gpu_control_url": a.url}
+    thermal = {**THERMAL, "clocks": {"enabled": True, "interval_s": 0.2,
+                                     "efficient_ratio": 0.7, "efficient_after_s": 0.0}}
+    reps = []
+    try:
+        for rid in ("r1", "r2"):
+            gw = GatewayThread(gateway_config([backend], thermal=thermal, coordination={
+                "redis_url": redis_server.url, "replica_id": rid, "sync_interval_s": 0.1}))
+            reps.append(gw)
+            gw.start(wait_ready=False)
+            gw.wait_ready(timeout=30, routable=1)
+        assert wait_for(lambda: sorted(owner(gw) for gw in reps) == [0.0, 1.0], 10)
+        assert wait_for(lambda: locked(a) is not None, 10)
+        holder, other = reps if owner(reps[0]) == 1 else reps[::-1]
+        holder.stop()
+        stopped = time.monotonic()
+        assert wait_for(lambda: owner(other) == 1, 10, interval=0.05)
+        took_s = time.monotonic() - stopped
+        print(f"holder stopped: the other drives after {took_s:.2f} s (lease TTL 10 s)")
+        assert took_s < 5.0, took_s
+        assert locked(a) is not None and locked(a)[1] == pytest.approx(CAP_MHZ, abs=1)
+    finally:
+        for gw in reps:
+            gw.stop()
