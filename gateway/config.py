@@ -948,10 +948,12 @@ class ClockControlConfig(_Strict):
     def _ordered(self) -> ClockControlConfig:
         if not self.domain_low_ratio < self.domain_high_ratio:
             raise ValueError("domain_low_ratio must be below domain_high_ratio")
-        if not self.domain_low_ratio < self.power_limit_ratio < self.domain_high_ratio:
+        band = self.domain_low_ratio < self.power_limit_ratio < self.domain_high_ratio
+        if self.power_limits and not band:
             raise ValueError(
                 "power_limit_ratio must lie between domain_low_ratio and domain_high_ratio "
-                "(limits that bind must neither release themselves nor call for more)"
+                "(limits that bind must neither release themselves nor call for more); set it "
+                "inside the band, or power_limits: false"
             )
         if not self.hot_margin_c < self.release_margin_c:
             raise ValueError("hot_margin_c must be below release_margin_c")

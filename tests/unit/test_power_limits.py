@@ -149,3 +149,5 @@ def test_config_puts_the_limit_target_inside_the_band() -> None:
         ClockControlConfig(power_limit_ratio=0.9)
     with pytest.raises(ValueError, match="power_limit_ratio"):
         ClockControlConfig(power_limit_ratio=0.7)
+    # a band moved without limits in use still loads
+    ClockControlConfig(domain_low_ratio=0.85, domain_high_ratio=0.95, power_limits=False)
