@@ -929,11 +929,32 @@ class ClockControlConfig(_Strict):
         description="power shedding stops only when the domain's draw / budget is this much "
         "below the level that started it (hysteresis)",
     )
+    power_limits: bool = Field(
+        True,
+        description="after the clocks: once a domain's clock caps sit at their floor and its "
+        "draw is still over domain_high_ratio, set its GPUs' power limits to their share of "
+        "the budget (gateway/routing/power_limits.py) before any request is shed for power",
+    )
+    power_limit_ratio: float = Field(
+        0.78,
+        gt=0,
+        le=1,
+        description="domain draw / budget the power limits aim at (the budget split over the "
+        "domain's GPUs): inside the clocks' hysteresis band, so limits that bind do not "
+        "release themselves, and under the lowest power_shed_levels (0.8), so they do not shed",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ClockControlConfig:
         if not self.domain_low_ratio < self.domain_high_ratio:
             raise ValueError("domain_low_ratio must be below domain_high_ratio")
+        band = self.domain_low_ratio < self.power_limit_ratio < self.domain_high_ratio
+        if self.power_limits and not band:
+            raise ValueError(
+                "power_limit_ratio must lie between domain_low_ratio and domain_high_ratio "
+                "(limits that bind must neither release themselves nor call for more); set it "
+                "inside the band, or power_limits: false"
+            )
         if not self.hot_margin_c < self.release_margin_c:
             raise ValueError("hot_margin_c must be below release_margin_c")
         if self.efficient_ratio < self.floor_ratio:
@@ -1413,11 +1434,16 @@ class BackendConfig(_Strict):
         return self
 
 
+TEMPLATED_URLS = ("gpu_metrics_url", "gpu_control_url")
+"""The discovery template's URL fields in which ``{host}`` and ``{node}`` are filled in."""
+
+
 class BackendTemplate(_Strict):
     """What every discovered backend gets that discovery cannot see (the fields of a
-    ``backends:`` entry other than ``id``, ``url`` and placement). In ``gpu_metrics_url``,
-    ``{host}`` is replaced by the endpoint's address and ``{node}`` by its node's name (a
-    dcgm-exporter DaemonSet behind a per-node address, or an agent sidecar)."""
+    ``backends:`` entry other than ``id``, ``url`` and placement). In ``gpu_metrics_url``
+    and ``gpu_control_url``, ``{host}`` is replaced by the endpoint's address and ``{node}``
+    by its node's name (a dcgm-exporter DaemonSet behind a per-node address, or an agent
+    sidecar)."""
 
     models: list[str] | None = None
     api_key_env: str | None = None
@@ -1425,6 +1451,11 @@ class BackendTemplate(_Strict):
     max_num_seqs: int | None = Field(None, ge=1)
     role: BackendRole = BackendRole.PRIMARY
     gpu_metrics_url: str | None = None
+    gpu_control_url: str | None = Field(
+        None,
+        description="as backends[].gpu_control_url, with the same '{host}' / '{node}' "
+        "substitution as gpu_metrics_url (an agent sidecar, or a per-node agent)",
+    )
     gpu_indices: list[int] | None = None
     power_domain: str | None = None
     capacity_type: Literal["on-demand", "spot"] = Field(
@@ -1548,15 +1579,16 @@ class DiscoveryConfig(_Strict):
         sample address and node, so a bad template fails at load instead of leaving every
         discovered endpoint out of the fleet)."""
         t = self.template
-        if self.source == "dns" and t.gpu_metrics_url and "{node}" in t.gpu_metrics_url:
-            raise ValueError(
-                "template.gpu_metrics_url: DNS records name no node, so '{node}' cannot be "
-                "filled in: use '{host}' (the endpoint's address)"
-            )
         fields = t.model_dump(exclude_none=True)
-        if t.gpu_metrics_url is not None:
-            fields["gpu_metrics_url"] = t.gpu_metrics_url.replace(
-                "{host}", "192.0.2.1").replace("{node}", "node-1")
+        for name in TEMPLATED_URLS:
+            url = getattr(t, name)
+            if self.source == "dns" and url and "{node}" in url:
+                raise ValueError(
+                    f"template.{name}: DNS records name no node, so '{{node}}' cannot be "
+                    "filled in: use '{host}' (the endpoint's address)"
+                )
+            if url is not None:
+                fields[name] = url.replace("{host}", "192.0.2.1").replace("{node}", "node-1")
         try:
             BackendConfig.model_validate(
                 {**fields, "id": "template", "url": "http://192.0.2.1:8000"}

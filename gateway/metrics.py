@@ -785,6 +785,26 @@ class GatewayMetrics:
             ["backend"],
             registry=r,
         )
+        self.power_limits = Counter(
+            "gateway_power_limits",
+            "GPU power limits set or cleared through the backend's agent once its domain's "
+            "clock caps sit at their floor (issue 21), by reason (power, release)",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.power_limit_w = Gauge(
+            "gateway_power_limit_w",
+            "The power limit the gateway set on each of the backend's GPUs (W; 0: the GPU's "
+            "default)",
+            ["backend"],
+            registry=r,
+        )
+        self.clock_control_owner = Gauge(
+            "gateway_clock_control_owner",
+            "1 while this replica drives the fleet's GPU clock caps and power limits (fleet "
+            "mode: the clock lease holder; one replica: always), else 0",
+            registry=r,
+        )
         self.clock_control_errors = Counter(
             "gateway_clock_control_errors",
             "Failed calls to a backend's GPU control endpoint",

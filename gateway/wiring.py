@@ -20,6 +20,7 @@ from gateway.config import ClientKey, ConfigError, GatewayConfig
 from gateway.coord.affinity import SharedResponses
 from gateway.coord.autoscale import SharedAutoscale
 from gateway.coord.capacity import CapacityShares
+from gateway.coord.clock_lease import ClockLease
 from gateway.coord.coordination import Coordination
 from gateway.coord.notices import SharedNotices
 from gateway.coord.protection import SharedProtection
@@ -159,6 +160,11 @@ def build_gateway(
         # coolings and breaker trips shared
         protection = SharedProtection(coord.link, fleet, metrics, clock)
         coord.add_part("protection", protection.sync, protection.resync)
+        if controller.gpu.clocks is not None:  # one replica drives GPU clocks and limits
+            lease = ClockLease(
+                coord.link, controller.gpu.clocks, cfg.coordination.lease_ttl_s, clock
+            )
+            coord.add_part("clocks", lease.sync, stop=lease.stop)
     thermal_aware = cfg.thermal.enabled and (controller.gpu.active or cfg.power_domains)
     router = build_policy(
         cfg.routing,

@@ -140,6 +140,7 @@ def gpu_summary(gw: Gateway, b: Backend, now: float) -> dict[str, Any]:
         "recent_xid_errors": b.gpu_health.recent_xids(now),
         "error": b.gpu_error,
         "clock_cap": None if clocks is None else clocks.summary(b.id),
+        "power_cap": None if clocks is None else clocks.power_summary(b.id),
     }
 
 

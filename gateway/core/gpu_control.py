@@ -25,7 +25,9 @@ DELETE      ``/control/gpus/{i}/power-limit``      back to the default limit
 ==========  =====================================  ===============================================
 
 A GPU's state: ``{"index", "locked_clocks_mhz": [min, max] | null, "power_limit_w",
-"supported_clocks_mhz": [min, max], "power_limit_range_w": [min, max], "default_power_limit_w"}``;
+"power_limit_set", "supported_clocks_mhz": [min, max], "power_limit_range_w": [min, max],
+"default_power_limit_w"}`` (``locked_clocks_mhz`` and ``power_limit_set``: what this service
+set, so a gateway replica taking over the control finds the caps another one left);
 the answer to every route is ``{"gpus": [...], "revert_after_s": s}``. Errors are the
 OpenAI error shape (400 bad body, 401 no or wrong token, 404 no such GPU or route, 503 the
 driver refused).
@@ -118,6 +120,7 @@ class ControlService:
                     "index": i,
                     "locked_clocks_mhz": list(lock) if lock else None,
                     "power_limit_w": a.power_limit_w(i),
+                    "power_limit_set": i in self.limited,
                     "supported_clocks_mhz": [lim.min_mhz, lim.max_mhz],
                     "power_limit_range_w": [lim.min_power_w, lim.max_power_w],
                     "default_power_limit_w": lim.default_power_w,

@@ -25,7 +25,8 @@ With ``thermal.clocks.enabled`` (issue 21) each round also runs the clock contro
 (:class:`gateway.fleet.clock_driver.ClockDriver`) before the triggers: a warm backend whose
 clock cap is not yet at its floor is capped rather than sent to cooldown, and power shedding
 (:meth:`GpuMonitor.power_level`) starts only when the caps of the candidates' GPUs are at
-their floor, with hysteresis (:class:`gateway.routing.clocks.PowerShedGate`).
+their floor and their power limits are set (:mod:`gateway.routing.power_limits`), with
+hysteresis (:class:`gateway.routing.clocks.PowerShedGate`).
 
 A backend without ``gpu_metrics_url`` has no tracker: its tier is ``unknown`` by design
 and it is routed as before thermal awareness (it is never scraped, never counted unknown).
@@ -219,7 +220,7 @@ class GpuMonitor:
             st = self.view.status(b.id, now)
             if not cooldown_due(b.state, st, self.cfg) or self.busy(b):
                 continue
-            if self.clocks is not None and not self.clocks.exhausted([b.id]):
+            if self.clocks is not None and not self.clocks.clocks_exhausted([b.id]):
                 continue  # clocks first: capped, not drained, until its cap is at the floor
             if self.request_cooldown(b.id, "thermal", rest_done=self.rest_done(b)):
                 self.metrics.thermal_cooldowns.labels(b.id).inc()

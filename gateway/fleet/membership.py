@@ -8,9 +8,10 @@ turns it into actions (its module docstring has the rules), applied here:
 
 * **add**: a :class:`~gateway.config.BackendConfig` from ``discovery.template`` plus the
   endpoint's id, url, zone, node, pod and namespace (``{host}`` / ``{node}`` substituted in
-  the template's ``gpu_metrics_url``; zone, capacity type and instance type from the node
-  watch when it knows the node), added with :meth:`Fleet.add`: ``cold``, so the probe loop,
-  warm-up and slow start bring it in before it gets traffic;
+  the template's ``gpu_metrics_url`` and ``gpu_control_url``; zone, capacity type and
+  instance type from the node watch when it knows the node), added with
+  :meth:`Fleet.add`: ``cold``, so the probe loop, warm-up and slow start bring it in
+  before it gets traffic;
 * **leave**: drained through :meth:`gateway.fleet.drain.Drains.leave` (held ``leaving``, no
   new requests, in-flight ones finish). A terminating endpoint that still serves is never
   cut; one that stopped serving or is gone gets ``lifecycle.drain_deadline_s`` (60 s), after
@@ -38,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from gateway.config import BackendConfig, DiscoveryConfig, LifecycleConfig
+from gateway.config import TEMPLATED_URLS, BackendConfig, DiscoveryConfig, LifecycleConfig
 from gateway.core.listening import url_host
 from gateway.core.urls import redacted_url
 from gateway.core.vocab import BackendState
@@ -414,19 +415,22 @@ class Membership:
         t = self.cfg.template
         node = self._nodes.get(e.node) if e.node is not None else None
         fields = t.model_dump(exclude_none=True)
-        gpu = t.gpu_metrics_url
-        if gpu is not None and "{node}" in gpu and not e.node:
-            # an EndpointSlice endpoint's nodeName is optional: without it the backend is
-            # still served, only without GPU telemetry (thermal state unknown)
-            fields.pop("gpu_metrics_url", None)
-            log.warning(
-                "discovery (%s): endpoint %s names no node: no gpu_metrics_url (the "
-                "template's needs {node}); thermal state unknown", self.source_name, e.id,
-            )
-        elif gpu is not None:
-            fields["gpu_metrics_url"] = gpu.replace("{host}", url_host(e.host)).replace(
-                "{node}", e.node or ""
-            )
+        for name in TEMPLATED_URLS:  # gpu_metrics_url, gpu_control_url
+            url = getattr(t, name)
+            if url is not None and "{node}" in url and not e.node:
+                # an EndpointSlice endpoint's nodeName is optional: without it the backend
+                # is still served, only without GPU telemetry (thermal state unknown) or
+                # without GPU control (no clock caps or power limits)
+                fields.pop(name, None)
+                log.warning(
+                    "discovery (%s): endpoint %s names no node: no %s (the template's needs "
+                    "{node}); %s", self.source_name, e.id, name,
+                    "thermal state unknown" if name == "gpu_metrics_url" else "no GPU control",
+                )
+            elif url is not None:
+                fields[name] = url.replace("{host}", url_host(e.host)).replace(
+                    "{node}", e.node or ""
+                )
         fields.update(id=e.id, url=e.url)
         for key, value in (
             ("zone", e.zone or (node.zone if node else None)),

@@ -29,8 +29,10 @@ clock, and applies the lowest, never below ``floor_ratio``
   efficiency cap at once would jump the domain's draw over its budget).
 
 :meth:`ClockController.exhausted` says whether every GPU of a domain is at the floor: only
-then may power shedding start. :class:`PowerShedGate` adds the hysteresis power shedding
-lacked: once on, a class is shed until the draw falls ``power_shed_release`` below its level.
+then are its GPUs' power limits set (:mod:`gateway.routing.power_limits`), and only once
+those are set too may power shedding start. :class:`PowerShedGate` adds the hysteresis
+power shedding lacked: once on, a class is shed until the draw falls ``power_shed_release``
+below its level.
 
 Everything takes time and readings as arguments (seconds, °C, W); no I/O.
 """
@@ -38,7 +40,7 @@ Everything takes time and readings as arguments (seconds, °C, W); no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.config import ClockControlConfig
@@ -127,11 +129,25 @@ class ClockController:
         self._caps.pop(backend_id, None)
         self._max_mhz.pop(backend_id, None)
 
+    def adopt(self, backend_id: str, share: float, max_mhz: float) -> None:
+        """A cap found on ``backend_id``'s GPUs (``share`` of ``max_mhz``) when this
+        controller starts to drive them (another gateway replica set it): kept as its power
+        cap, so the next step moves on from it instead of jumping back to full clock."""
+        share = min(1.0, max(self.cfg.floor_ratio, share))
+        self._max_mhz[backend_id] = max_mhz
+        self._caps[backend_id] = _Caps(power=share, applied=share)
+
     def decide(
-        self, now: float, gpus: Sequence[GpuView], domains: Mapping[str, DomainStatus]
+        self,
+        now: float,
+        gpus: Sequence[GpuView],
+        domains: Mapping[str, DomainStatus],
+        hold: Collection[str] = (),
     ) -> list[CapChange]:
         """One control step at ``now`` (seconds): update the caps from ``gpus`` and the
-        domains' draw and budget; return the caps that changed."""
+        domains' draw and budget; return the caps that changed. ``hold``: domains whose
+        power caps must not step up now (their GPUs' power limits are still set:
+        :meth:`gateway.routing.power_limits.PowerLimitController.holding`)."""
         cfg = self.cfg
         for g in gpus:
             self._max_mhz[g.backend_id] = g.max_mhz
@@ -156,7 +172,10 @@ class ClockController:
         for name, members in by_domain.items():
             dom = domains.get(name)
             if dom is not None and dom.budget_w > 0:
-                self._power_step(now, name, members, dom.draw_w / dom.budget_w)
+                ratio = dom.draw_w / dom.budget_w
+                if name in hold and ratio < cfg.domain_low_ratio:
+                    continue  # the power limits are released first
+                self._power_step(now, name, members, ratio)
         return self._apply(gpus)
 
     # -- the three caps

@@ -44,6 +44,9 @@ REFUSED = {
     "template-node-dns": (
         DNS % ('"127.0.0.1"', ', template: {gpu_metrics_url: "http://{node}:9400/"}'),
         "DNS records name no node"),
+    "template-control-node-dns": (
+        DNS % ('"127.0.0.1"', ', template: {gpu_control_url: "http://{node}:9401"}'),
+        "template.gpu_control_url: DNS records name no node"),
     "template-power-domain": (DNS % ('"127.0.0.1"', ", template: {power_domain: rack9}"),
                               "power_domain 'rack9'"),
     "template-key-env": (DNS % ('"127.0.0.1"', ", template: {api_key_env: GW_TEST_UNSET}"),

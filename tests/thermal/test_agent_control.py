@@ -89,8 +89,11 @@ def test_sets_and_clears_clocks_and_power_limit_within_the_gpus_range(
     r = httpx.post(f"{agent}/control/gpus/0/power-limit", json={"watts": 50}, headers=AUTH)
     assert r.status_code == 200 and driver.fake.gpus[0].limit_mw == 200_000  # its minimum
     assert r.json()["gpus"][0]["power_limit_w"] == 200.0
+    # what the service set is said, so a gateway replica taking over adopts it
+    assert [g["power_limit_set"] for g in r.json()["gpus"]] == [True, False]
     assert httpx.delete(f"{agent}/control/gpus/1/clocks", headers=AUTH).status_code == 200
-    assert httpx.delete(f"{agent}/control/gpus/0/power-limit", headers=AUTH).status_code == 200
+    r = httpx.delete(f"{agent}/control/gpus/0/power-limit", headers=AUTH)
+    assert r.status_code == 200 and not r.json()["gpus"][0]["power_limit_set"]
     assert driver.locked[1] is None and driver.fake.gpus[0].limit_mw == 700_000
     # the DCGM metrics are still served on the same port
     assert "DCGM_FI_DEV_SM_CLOCK{" in httpx.get(f"{agent}/metrics").text

@@ -1,0 +1,220 @@
+"""Power limits after the clocks, before shedding (issue 21): the second lever (pure).
+
+When a power domain's clock caps all sit at their floor
+(:meth:`gateway.routing.clocks.ClockController.exhausted`) and its draw is still over
+``domain_high_ratio`` of the budget, the gateway sets each of the domain's GPUs' power limit
+(what ``nvmlDeviceSetPowerManagementLimit`` does: the GPU's firmware then holds its draw
+under the limit by lowering its clocks further, down to the bottom of its DVFS range) before
+it refuses any request for power. Only when the limits are set too may power shedding
+start (:class:`gateway.routing.clocks.PowerShedGate`).
+
+**The rule: the domain's budget split over its GPUs.** Each GPU the gateway controls gets
+
+    limit_w = (power_limit_ratio x budget_w - draw of the domain's uncontrolled GPUs)
+              / number of controlled GPUs
+
+clamped to the GPU's own range (``power_limit_range_w`` of ``GET /control``, i.e.
+``nvmlDeviceGetPowerManagementLimitConstraints``). This is the power capping of the power
+oversubscription literature: POLCA (Patel et al., "Characterizing Power Management
+Opportunities for LLMs in the Cloud", ASPLOS 2024) caps GPU power once frequency locking no
+longer keeps a row under its budget, and TAPAS (Stojkovic et al., ASPLOS 2025) caps the
+GPUs of a row at their share of its budget; the fleet simulator's facility does the same
+with the whole budget (``budget / GPUs``, :mod:`gateway.sim.fleet`). The gateway aims at
+``power_limit_ratio`` (0.78) of the budget instead, so it acts before the facility does, and
+at a draw inside the clocks' hysteresis band (above ``domain_low_ratio``: limits that bind
+do not release themselves; below the lowest ``power_shed_levels``, 0.8: limits that bind do
+not shed). The draw the limits cannot reach (GPUs without a control endpoint) is taken off
+the budget first.
+
+**Steps and hysteresis** (one change per domain per ``interval_s``): limits are set once the
+clocks have been at their floor for ``interval_s`` (their last step's effect is seen first)
+with the draw at or over ``domain_high_ratio``; while it stays there, a limit only ever moves
+down (the share is computed again: the uncontrolled draw may have grown). Below
+``domain_low_ratio`` one backend's limits are cleared per ``interval_s`` (back to the GPU's
+default), the least bound first (lowest draw over its limits), and only when the domain
+would stay under ``domain_high_ratio`` with that backend back at the draw it had when its
+limits were set (so a load that has not fallen does not flip the limits off and on: a GPU
+under a limit that binds draws its limit, the draw sits near ``power_limit_ratio``, and a dip
+of a few percent must not release it); between the two marks nothing moves. While any limit
+of a domain is set its clock caps do not step up (the last lever in is the first out:
+:meth:`PowerLimitController.holding`). Limits count as spent
+(:meth:`PowerLimitController.exhausted`: shedding may start) once they have been set for
+``interval_s``; the driver also waits until the GPUs' telemetry shows them, so their effect
+on the draw is seen before any request is refused.
+
+Everything takes time and readings as arguments (seconds, W); no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gateway.config import ClockControlConfig
+from gateway.routing.thermal import DomainStatus
+
+_EPS = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class LimitView:
+    """What the power-limit rule reads of one backend: its power domain, its GPUs under the
+    gateway's control (``gpus``), the power-limit range all of them accept (W: the highest
+    bottom and the lowest top of ``power_limit_range_w``) and its draw now (W, all its GPUs;
+    None: no fresh reading)."""
+
+    backend_id: str
+    domain: str | None
+    gpus: int
+    min_w: float
+    max_w: float
+    power_w: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitChange:
+    """One backend's power limit set or cleared: ``watts`` is per GPU (None: cleared, back to
+    the default); ``reason`` ``power`` (set) or ``release``."""
+
+    backend_id: str
+    watts: float | None
+    previous_w: float | None
+    reason: str
+
+
+class PowerLimitController:
+    """The power limits of every backend (module docstring). Call :meth:`decide` once per GPU
+    telemetry round, after the clock controller; apply the :class:`LimitChange` list."""
+
+    def __init__(self, cfg: ClockControlConfig) -> None:
+        self.cfg = cfg
+        self._limits: dict[str, float] = {}  # backend -> per-GPU limit (W) set now
+        self._set_at: dict[str, float] = {}  # backend -> when its limit was first set
+        self._before_w: dict[str, float | None] = {}  # backend -> its draw then (W)
+        self._domain_at: dict[str, float] = {}
+        self._floor_since: dict[str, float] = {}
+
+    def limit_w(self, backend_id: str) -> float | None:
+        """The per-GPU limit set on ``backend_id`` now (W), None when none."""
+        return self._limits.get(backend_id)
+
+    def limits(self) -> dict[str, float]:
+        """Every limited backend's per-GPU limit (W)."""
+        return dict(self._limits)
+
+    def exhausted(self, members: Iterable[str], now: float) -> bool:
+        """Whether every one of these backends has had its power limit set for at least
+        ``interval_s`` at ``now`` (seconds: the limits' effect is seen in the draw): nothing
+        more to do here, power shedding may start."""
+        due = now - self.cfg.interval_s + _EPS
+        return all(self._set_at.get(b, math.inf) <= due for b in members)
+
+    def holding(self, domains: Mapping[str, Iterable[str]]) -> set[str]:
+        """The domains (name -> member backends) with a limit set on any member: their
+        clock caps must not step up before the limits are cleared."""
+        return {d for d, members in domains.items() if any(b in self._limits for b in members)}
+
+    def adopt(self, backend_id: str, watts: float) -> None:
+        """A limit found set on ``backend_id``'s GPUs (W) when this controller starts to
+        drive them (another gateway replica set it): kept, and cleared by the rule."""
+        self._limits[backend_id] = watts
+        self._set_at[backend_id] = -math.inf
+
+    def forget(self, backend_id: str) -> None:
+        """Drop a backend that left the fleet (or whose agent stopped answering)."""
+        self._limits.pop(backend_id, None)
+        self._set_at.pop(backend_id, None)
+        self._before_w.pop(backend_id, None)
+
+    def decide(
+        self,
+        now: float,
+        views: Sequence[LimitView],
+        domains: Mapping[str, DomainStatus],
+        clocks_floor: Mapping[str, bool],
+    ) -> list[LimitChange]:
+        """One step at ``now`` (seconds) over the backends ``views`` (those with a control
+        endpoint); ``clocks_floor``: per domain, whether its clock caps are all at their
+        floor. Returns the limits that changed."""
+        by_domain: dict[str, list[LimitView]] = {}
+        for v in views:
+            if v.domain is not None and v.gpus > 0:
+                by_domain.setdefault(v.domain, []).append(v)
+        out: list[LimitChange] = []
+        for name, members in sorted(by_domain.items()):
+            dom = domains.get(name)
+            if dom is None or dom.budget_w <= 0:
+                continue
+            out.extend(self._step(now, name, members, dom, clocks_floor.get(name, False)))
+        return out
+
+    def _step(
+        self, now: float, name: str, members: list[LimitView], dom: DomainStatus, floor: bool
+    ) -> list[LimitChange]:
+        cfg = self.cfg
+        ratio = dom.draw_w / dom.budget_w
+        over = ratio >= cfg.domain_high_ratio
+        if not (over and floor):
+            self._floor_since.pop(name, None)
+        elif name not in self._floor_since:
+            self._floor_since[name] = now
+        if now - self._domain_at.get(name, -1e18) < cfg.interval_s - _EPS:
+            return []
+        if over and floor and now - self._floor_since[name] >= cfg.interval_s - _EPS:
+            share = self.share_w(members, dom)
+            out = []
+            for v in members:
+                w = min(v.max_w, max(v.min_w, share))
+                before = self._limits.get(v.backend_id)
+                if before is None or w < before - _EPS:
+                    self._limits[v.backend_id] = w
+                    self._set_at.setdefault(v.backend_id, now)
+                    if before is None:
+                        self._before_w[v.backend_id] = v.power_w
+                    out.append(LimitChange(v.backend_id, w, before, "power"))
+            if out:
+                self._domain_at[name] = now
+            return out
+        if ratio < cfg.domain_low_ratio:
+            high_w = cfg.domain_high_ratio * dom.budget_w
+            limited = [
+                v
+                for v in members
+                if v.backend_id in self._limits and self._after_release_w(v, dom) < high_w
+            ]
+            if not limited:
+                return []
+            v = min(limited, key=lambda v: (self._bound(v), v.backend_id))
+            before = self._limits.pop(v.backend_id)
+            self._set_at.pop(v.backend_id, None)
+            self._before_w.pop(v.backend_id, None)
+            self._domain_at[name] = now
+            return [LimitChange(v.backend_id, None, before, "release")]
+        return []
+
+    def share_w(self, members: Sequence[LimitView], dom: DomainStatus) -> float:
+        """Each controlled GPU's share of the domain's budget (W; module docstring): the
+        target draw less the draw of the domain's uncontrolled GPUs, over the controlled
+        GPUs (not yet clamped to a GPU's range)."""
+        controlled_w = sum(v.power_w or 0.0 for v in members)
+        uncontrolled_w = max(0.0, dom.draw_w - controlled_w)
+        gpus = sum(v.gpus for v in members)
+        target = self.cfg.power_limit_ratio * dom.budget_w
+        return max(0.0, target - uncontrolled_w) / max(1, gpus)
+
+    def _after_release_w(self, v: LimitView, dom: DomainStatus) -> float:
+        """The domain's draw (W) were ``v``'s limits cleared: its draw back to what it was
+        when they were set (unknown, e.g. an adopted limit: up to the limits)."""
+        now_w = v.power_w or 0.0
+        before = self._before_w.get(v.backend_id)
+        if before is None:
+            before = self._limits[v.backend_id] * v.gpus
+        return dom.draw_w - now_w + max(now_w, before)
+
+    def _bound(self, v: LimitView) -> float:
+        """Draw over the backend's limits (1: the limits bind); 0 without a reading."""
+        limit = self._limits.get(v.backend_id)
+        if limit is None or v.power_w is None or limit <= 0:
+            return 0.0
+        return v.power_w / (limit * v.gpus)

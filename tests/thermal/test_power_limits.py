@@ -1,0 +1,98 @@
+"""Power limits after the clocks, end to end (issue 21): the real gateway under uvicorn, two
+simulated vLLM backends whose simulated H100s obey locked clocks and power limits and serve
+the agent's control endpoint, one power domain whose budget their load exceeds even with
+every clock at its floor, and the ``openai`` SDK as the client. The gateway caps the clocks
+to their floor, then sets each GPU's power limit to its share of the budget (78% of 600 W
+over two GPUs: 234 W), brings the domain under its budget with no 429, and clears the
+limits once the load is gone."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import openai
+import pytest
+
+from tests.lifecycle.support import Sim, admin, metric_samples, metric_sum, sdk, sdk_kwargs
+from tests.support.scripted import wait_for
+from tests.support.servers import GatewayThread
+from tests.thermal.test_clock_caps import TOKEN, domain
+
+BUDGET_W = 600.0  # two loaded H100s draw about 1,000 W uncapped, about 650 W at half clock
+SHARE_W = 0.78 * BUDGET_W / 2  # thermal.clocks.power_limit_ratio's default
+
+
+def test_clocks_at_their_floor_then_power_limits_bring_the_domain_under_budget_with_no_429(
+    sims: Callable[..., Sim],
+    th_gateway: Callable[..., GatewayThread],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LLM_GATEWAY_AGENT_TOKEN", TOKEN)
+    gpu = {"control_token": TOKEN, "tick_s": 0.1}
+    a, b = sims("a", max_num_seqs=8, gpu=gpu), sims("b", max_num_seqs=8, gpu=gpu)
+    gw = th_gateway(
+        [
+            {
+                "id": s.name,
+                "url": s.url,
+                "gpu_metrics_url": s.url + "/gpu/metrics",
+                "gpu_control_url": s.url,
+                "power_domain": "r1",
+            }
+            for s in (a, b)
+        ],
+        power_domains=[{"name": "r1", "budget_w": BUDGET_W}],
+        thermal={"clocks": {"enabled": True, "interval_s": 0.2, "step_ratio": 0.25}},
+    )
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:  # keeps every batch slot of both backends busy
+        client = sdk(gw.url).with_options(max_retries=0)
+        while not stop.is_set():
+            try:
+                r = client.chat.completions.with_raw_response.create(**sdk_kwargs(max_tokens=60))
+                statuses.append(r.http_response.status_code)
+            except openai.APIStatusError as e:  # a 429 is recorded, not retried
+                statuses.append(e.status_code)
+
+    def limited_under_budget() -> bool:
+        gpus = [admin(gw.url, s.name)["gpu"] for s in (a, b)]
+        limited = all(
+            g["clock_cap"]["max_mhz"] == pytest.approx(990.0, abs=1)  # the floor: half clock
+            and g["power_cap"]["limit_w"] == pytest.approx(SHARE_W, abs=1)
+            and g["power_cap"]["reason"] == "power"
+            and g["power_limit_w"] == pytest.approx(SHARE_W, abs=1)  # the GPU reports it
+            for g in gpus
+        )
+        return limited and domain(gw)["draw_w"] < BUDGET_W
+
+    workers = [threading.Thread(target=load, daemon=True) for _ in range(16)]
+    for w in workers:
+        w.start()
+    try:
+        assert wait_for(lambda: domain(gw)["draw_w"] > BUDGET_W, timeout=20)
+        assert wait_for(limited_under_budget, timeout=30)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=30)
+    assert statuses and set(statuses) == {200}  # no 429: clocks and limits, not shedding
+    m = metric_samples(gw.url)
+    assert metric_sum(m, "gateway_power_limits_total", reason="power") == 2
+    assert metric_sum(m, "gateway_admission_rejections_total", layer="power") == 0
+
+    # the load gone, the draw falls under the low mark: the limits are cleared (back to
+    # the GPU's default, 700 W), one backend per interval, then the clocks step back up
+    def released() -> bool:
+        gpus = [admin(gw.url, s.name)["gpu"] for s in (a, b)]
+        return all(
+            g["power_cap"]["limit_w"] is None and g["power_limit_w"] == pytest.approx(700.0)
+            and g["clock_cap"]["max_mhz"] is None
+            for g in gpus
+        )
+
+    assert wait_for(released, timeout=30)
+    m = metric_samples(gw.url)
+    assert metric_sum(m, "gateway_power_limits_total", reason="release") == 2
