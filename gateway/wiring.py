@@ -285,6 +285,7 @@ def build_gateway(
 
     fleet.on_change(membership_changed)
     rollouts = Rollouts(metrics, fleet, clock, controller.wall)
+    controller.maintenance.use_rollouts(rollouts.running_versions)  # rollout_hold
     status = StatusRecorder(cfg.status, fleet, accounting, metrics, clock, controller.wall,
                             rollouts)
     controller.state.listen(status.on_transition)  # drains, unhealthy: the status page

@@ -125,6 +125,7 @@ class FleetController:
             self.endpoints, self.calibrator, self.hooks, metrics,
             scheduled_rest=self.gpu.scheduled_rest_done, clock=clock,
         )
+        self.state.listen(self.maintenance.back_in_service)  # no cycle right after a return
         self.membership = Membership(
             cfg.discovery, cfg.lifecycle, fleet, self.drains, metrics, clock
         )

@@ -12,7 +12,6 @@ procedures, metric series).
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -24,7 +23,13 @@ from gateway.config import (
     ThermalConfig,
 )
 from gateway.fleet.backend import Backend
-from gateway.fleet.cycles import initial_cycle_clock, never_due
+from gateway.fleet.cycles import (
+    SPREAD_SLOTS,
+    initial_cycle_clock,
+    joined_cycle_clock,
+    never_due,
+    spread_slot,
+)
 from gateway.fleet.gpu_health import GpuHealth
 from gateway.routing.thermal import ThermalTracker
 from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
@@ -32,10 +37,6 @@ from gateway.traffic.breaker import BreakerConfig, CircuitBreaker
 # What happened to the backend a membership listener is called with.
 Change = Literal["added", "removed"]
 MembershipListener = Callable[[Backend, Change], None]
-
-# Cycle-clock slots a discovered backend's first due times are spread over (by a hash of
-# its id: stable, and uniform over each period however many come and go).
-_SPREAD_SLOTS = 1024
 
 
 class Fleet:
@@ -73,10 +74,13 @@ class Fleet:
             self.backends.append(b)
             self._by_id[c.id] = b
 
-    def _build(self, c: BackendConfig, index: int, count: int, now: float) -> Backend:
+    def _build(
+        self, c: BackendConfig, index: int, count: int, now: float, joined: bool = False
+    ) -> Backend:
         """One backend, whole: breaker, cycle clock (slot ``index`` of ``count`` of each
-        period), GPU trackers when it has a ``gpu_metrics_url``, cold-start timer from
-        ``now``."""
+        period; ``joined``: it joins a running gateway, so no cycle is due within a full
+        period, :func:`~gateway.fleet.cycles.joined_cycle_clock`), GPU trackers when it has
+        a ``gpu_metrics_url``, cold-start timer from ``now``."""
         thermal = self._thermal
         monitored = thermal is not None and c.gpu_metrics_url is not None
         lifecycle = self._lifecycle
@@ -85,9 +89,11 @@ class Fleet:
             models=tuple(c.models or ()),
             breaker=CircuitBreaker(self._breaker, self._clock),
             cycles=(
-                initial_cycle_clock(index, count, now, lifecycle)
-                if lifecycle is not None
-                else never_due()
+                never_due()
+                if lifecycle is None
+                else joined_cycle_clock(index, count, now, lifecycle)
+                if joined
+                else initial_cycle_clock(index, count, now, lifecycle)
             ),
             thermal=ThermalTracker(thermal) if monitored and thermal else None,
             gpu_health=(
@@ -107,15 +113,17 @@ class Fleet:
 
     def add(self, config: BackendConfig) -> Backend:
         """Add a backend built whole from ``config`` (as at start: breaker, cycle clock with
-        its first due times spread over each period by a hash of its id, GPU trackers when
+        its first due times one full period after now plus its slot's share of the next,
+        slot by a hash of its id (it was just started: no cycle within a period of
+        joining, :func:`~gateway.fleet.cycles.joined_cycle_clock`), GPU trackers when
         it has a ``gpu_metrics_url``, cold-start timer from now), state ``cold``: the probe
         loop finds it, warm-up and slow start apply before it gets traffic. Raises
         ``ValueError`` for an id already in the fleet and ``ConfigError`` for an unset
         ``api_key_env``."""
         if config.id in self._by_id:
             raise ValueError(f"backend {config.id} is already in the fleet")
-        slot = zlib.crc32(config.id.encode()) % _SPREAD_SLOTS
-        b = self._build(config, slot, _SPREAD_SLOTS, self._clock())
+        slot = spread_slot(config.id)
+        b = self._build(config, slot, SPREAD_SLOTS, self._clock(), joined=True)
         self.backends = [*self.backends, b]  # a new list: a loop iterating the old one is safe
         self._by_id[config.id] = b
         self.version += 1

@@ -15,7 +15,9 @@ Maintenance cycles (seed 000), all periods configurable (:class:`LifecycleConfig
 
 When each cycle is due is :mod:`gateway.fleet.cycles`' arithmetic. :func:`may_take_out`
 keeps at most ``max_unavailable`` backends of a model out of rotation and never its last
-warm one (Kubernetes' ``maxUnavailable`` with the percentage rounded down, at least 1). A
+warm one (Kubernetes' ``maxUnavailable`` with the percentage rounded down, at least 1);
+while a canary rollout of the model runs, never the last routable backend of either of its
+versions either (:func:`rollout_hold`: the rollout's comparison and calibration need both). A
 scheduled cycle that takes a backend out also waits until the others can carry the load
 (:func:`can_carry_without`): maintenance never costs capacity the load needs; it is
 deferred to the next quiet moment instead.
@@ -132,15 +134,57 @@ def max_unavailable(model_backends: int, cfg: LifecycleConfig) -> int:
     return max(1, math.floor(0.25 * model_backends))
 
 
-def may_take_out(backend: Backend, fleet: Sequence[Backend], cfg: LifecycleConfig) -> bool:
+RolloutVersions = Mapping[str, tuple[str, str]]
+"""Each model with a running canary rollout: its ``(baseline, canary)`` ``model_version``s
+(:meth:`gateway.flow.rollouts.Rollouts.running_versions`)."""
+
+
+def rollout_hold(
+    backend: Backend, fleet: Sequence[Backend], rollouts: RolloutVersions
+) -> str | None:
+    """Why ``backend`` must stay in rotation for a running rollout, or None.
+
+    While a rollout of a model ``backend`` serves runs, and ``backend``'s ``model_version``
+    is its baseline or its canary, ``backend`` is held when it is the last *routable*
+    backend (warm, breaker not open) of that version of the model: taking it out would send
+    the version's requests to the other one (fallbacks) and skip its calibration, spoiling
+    the comparison the rollout decides on. A backend not routable itself adds nothing and is
+    not held."""
+    version = backend.config.model_version
+    if version is None or not backend.routable:
+        return None
+    for model in backend.models:
+        pair = rollouts.get(model)
+        if pair is None or version not in pair:
+            continue
+        if not any(
+            b is not backend and b.routable and model in b.models
+            and b.config.model_version == version
+            for b in fleet
+        ):
+            side = "canary" if version == pair[1] else "baseline"
+            return f"last routable {side} backend ({version}) of {model} while its rollout runs"
+    return None
+
+
+def may_take_out(
+    backend: Backend,
+    fleet: Sequence[Backend],
+    cfg: LifecycleConfig,
+    rollouts: RolloutVersions | None = None,
+) -> bool:
     """Whether a maintenance cycle may take ``backend`` out of rotation now.
 
     For every model it serves: after taking it out, at least one *other* backend of the
     model must be warm, and no more than :func:`max_unavailable` of the model's backends may
     be out of rotation (any state but ``warm`` counts as out: draining, cooldown, warming,
-    cold, unhealthy). Only a warm backend is taken out.
+    cold, unhealthy). Only a warm backend is taken out. With ``rollouts`` (the running
+    rollouts' versions), never the last routable backend of a version under rollout
+    (:func:`rollout_hold`).
     """
     if backend.state is not S.WARM or not backend.models:
+        return False
+    if rollouts and rollout_hold(backend, fleet, rollouts) is not None:
         return False
     for model in backend.models:
         peers = [b for b in fleet if model in b.models]

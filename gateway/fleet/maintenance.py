@@ -39,7 +39,15 @@ from gateway.fleet import lifecycle
 from gateway.fleet.backend import Backend
 from gateway.fleet.calibrator import Calibrator
 from gateway.fleet.clients import ControlClients
-from gateway.fleet.cycles import CycleKind, cycle_started, due_cycle
+from gateway.fleet.cycles import (
+    SPREAD_SLOTS,
+    CycleKind,
+    back_from_outage,
+    came_back,
+    cycle_started,
+    due_cycle,
+    spread_slot,
+)
 from gateway.fleet.drain import Drains
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.hooks import BackendHooks
@@ -52,7 +60,7 @@ from gateway.fleet.leases import (
 )
 from gateway.fleet.probes import ProbeEndpoints, app_probe
 from gateway.fleet.procedures import Procedures
-from gateway.fleet.records import Deferral
+from gateway.fleet.records import Deferral, Transition
 from gateway.fleet.state import FleetState
 from gateway.metrics import GatewayMetrics
 
@@ -96,6 +104,7 @@ class Maintenance:
         self.scheduled_rest = scheduled_rest
         self.clock = clock
         self._forecast_rps: Callable[[str], float | None] | None = None
+        self._rollouts: Callable[[], lifecycle.RolloutVersions] | None = None
         self._stall: dict[str, asyncio.Task[None]] = {}  # the running stall probe of each
         self.leases: MaintenanceLeases = LocalLeases()
 
@@ -109,6 +118,16 @@ class Maintenance:
         backend out."""
         self._forecast_rps = forecast_rps
 
+    def use_rollouts(self, running: Callable[[], lifecycle.RolloutVersions]) -> None:
+        """Ask ``running`` (owned by the rollouts, :meth:`gateway.flow.rollouts.Rollouts
+        .running_versions`) which versions are under rollout before a cycle takes a backend
+        out: the last routable backend of either is held (:func:`lifecycle.rollout_hold`)."""
+        self._rollouts = running
+
+    def rollout_versions(self) -> lifecycle.RolloutVersions:
+        """The running rollouts' ``(baseline, canary)`` per model (empty without any)."""
+        return {} if self._rollouts is None else self._rollouts()
+
     async def stop(self) -> None:
         """Cancel the running stall probes and wait for them to end."""
         tasks, self._stall = list(self._stall.values()), {}
@@ -121,6 +140,15 @@ class Maintenance:
         task = self._stall.pop(backend.id, None)
         if task is not None:
             task.cancel()
+
+    def back_in_service(self, backend: Backend, t: Transition) -> None:
+        """A :class:`FleetState` listener: a backend warm again after an outage (a restart,
+        a crash, a preemption: :func:`~gateway.fleet.cycles.back_from_outage`) was just
+        started and warmed up, so no cycle is due within a full period of now
+        (:func:`~gateway.fleet.cycles.came_back`, staggered by its slot)."""
+        if t.to_state is S.WARM and back_from_outage(backend.history):
+            came_back(backend.cycles, spread_slot(backend.id), SPREAD_SLOTS, self.clock(),
+                      backend.requests_served, self.cfg.lifecycle)
 
     def _stalling(self, b: Backend) -> bool:
         task = self._stall.get(b.id)
@@ -156,12 +184,15 @@ class Maintenance:
             if kind is None:
                 continue
             if kind is not CycleKind.SHORT:
-                if not lifecycle.may_take_out(b, self.fleet.backends, lc):
-                    continue  # staggered: it stays due and starts when allowed
-                why = lifecycle.can_carry_without(
-                    b, self.fleet.backends, self.demand(), lc.carry_utilization,
-                    now, self.cfg.telemetry.stale_after_s,
-                )
+                rollouts = self.rollout_versions()
+                why = lifecycle.rollout_hold(b, self.fleet.backends, rollouts)
+                if why is None:
+                    if not lifecycle.may_take_out(b, self.fleet.backends, lc, rollouts):
+                        continue  # staggered: it stays due and starts when allowed
+                    why = lifecycle.can_carry_without(
+                        b, self.fleet.backends, self.demand(), lc.carry_utilization,
+                        now, self.cfg.telemetry.stale_after_s,
+                    )
                 if why is not None:
                     self._defer(b, kind, why, now)
                     if now >= b.cycles.next_short:  # the engine probe is not held back
@@ -492,7 +523,7 @@ class Maintenance:
         if backend is None or self.procedures.busy(backend) or backend.state is not S.WARM:
             return False
         if not force and not lifecycle.may_take_out(
-            backend, self.fleet.backends, self.cfg.lifecycle
+            backend, self.fleet.backends, self.cfg.lifecycle, self.rollout_versions()
         ):
             return False
         if self.leases.shared:  # the lease first (a store call): the cycle starts once granted

@@ -312,6 +312,13 @@ class Rollouts:
                               if b.routable and _serves(b, cfg.model)),
                              cfg.baseline, cfg.canary)
 
+    def running_versions(self) -> dict[str, tuple[str, str]]:
+        """``(baseline, canary)`` of each model whose rollout runs now: what maintenance
+        reads (:meth:`gateway.fleet.maintenance.Maintenance.use_rollouts`) so a cycle never
+        takes out the last routable backend of either version (read-only: the runs stay
+        this object's)."""
+        return {m: (r.cfg.baseline, r.cfg.canary) for m, r in self.runs.items() if r.running}
+
     def _handle(self, run: RolloutRun) -> None:
         """Count, export and log the decisions not handled yet."""
         model = run.cfg.model
