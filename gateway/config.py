@@ -474,7 +474,12 @@ class ProxyConfig(_Strict):
 
 
 class CycleConfig(_Strict):
-    """One maintenance cycle's period (seconds; 0 disables it)."""
+    """One maintenance cycle's period (seconds; 0 disables it): each backend runs it once per
+    period. Backends the gateway starts with are first due within the first period, spread
+    by config order; a backend that joins later (a reload, discovery, the autoscaler) or is
+    warm again after an outage (a restart, a crash) was just started, so it is first due one
+    full period after that plus its share of the next, by a hash of its id
+    (:func:`gateway.fleet.cycles.joined_cycle_clock`)."""
 
     every_s: float = Field(..., ge=0)
 
@@ -542,7 +547,8 @@ class LifecycleConfig(_Strict):
     Defaults: short every 5 min (probe only), medium every 30 min or 10,000 requests, long
     every 4 h. Per model at most ``max_unavailable`` backends are out of rotation at once
     (default: 1 or 25% of the model's backends, whichever is larger), and never its last warm
-    backend.
+    backend; while a canary rollout of the model runs, never the last routable backend of
+    its baseline or canary version either (the cycle is deferred, with its reason).
     """
 
     warmup_batch_shapes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
