@@ -400,7 +400,8 @@ async def cooldown_backend(backend_id: str, request: Request) -> Response:
             409,
             f"Backend '{backend_id}' cannot start a cooldown now: it is "
             f"{b.state.value}{' and busy' if gw.controller.busy(b) else ''}, or "
-            "taking it out would leave its model without enough warm backends "
+            "taking it out would leave its model without enough warm backends, or a "
+            "running rollout of it without a routable backend of one of its versions "
             '(send {"force": true} to override).',
             code="invalid_state",
         )
@@ -435,7 +436,8 @@ def _cooldown_refused(gw: Gateway, b: Backend, force: bool) -> str:
     why = head + (
         "another replica holds its maintenance lease, or taking it out would exceed "
         "lifecycle.max_unavailable or leave its model without enough warm backends, "
-        "counted over the whole fleet"
+        "counted over the whole fleet, or a running rollout of it without a routable "
+        "backend of one of its versions"
     )
     return why + ("." if force else ' (send {"force": true} to override staggering).')
 
