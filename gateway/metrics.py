@@ -601,7 +601,8 @@ class GatewayMetrics:
         self.cycle_deferrals = Counter(
             "gateway_maintenance_deferrals",
             "Due maintenance cycles held back because the other backends could not carry "
-            "the load (outcome deferred), and those skipped to their next period after "
+            "the load or a running rollout needs the backend, the last routable one of its "
+            "version (outcome deferred), and those skipped to their next period after "
             "lifecycle.max_defer_s (outcome skipped)",
             ["backend", "cycle", "outcome"],
             registry=r,
