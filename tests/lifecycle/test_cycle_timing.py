@@ -4,6 +4,8 @@ under uvicorn in front of simulated vLLM servers):
 * a backend a reload adds (here ``a2b``, at stagger slot 0, the slot that used to come due
   1/1024 of a period after joining) is not cycled within the first period of joining, and
   is cycled once that period is over (the schedule still runs);
+* a backend back from a long cycle's restart is not cycled again within a period of its
+  return (its next long cycle used to come due one period after the cycle *started*);
 * while a canary rollout runs, its only canary backend is not taken out for a due medium
   cycle: the cycle is deferred (counted, and shown with its reason in ``/admin/backends``),
   no request falls back to the baseline, and the cycle runs once the rollout ends.
@@ -11,8 +13,10 @@ under uvicorn in front of simulated vLLM servers):
 
 from __future__ import annotations
 
+import sys
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -62,6 +66,42 @@ def test_a_backend_a_reload_adds_is_not_cycled_within_its_first_period(sims, lc_
     assert wait_for(lambda: _medium_cycles(gw.url, "a2b") >= 1, PERIOD_S + 4, 0.1), \
         history(gw.url, "a2b")
     assert ("warm", "draining", "cooldown_scheduled") in history(gw.url, "a2b")
+
+
+def _hook_command(path: Path) -> list[str]:
+    """A restart hook that appends ``<backend_id>`` to ``path`` (and restarts nothing)."""
+    code = "import sys; open(sys.argv[1], 'a').write(sys.argv[2] + '\\n')"
+    return [sys.executable, "-c", code, str(path), "{backend_id}"]
+
+
+def test_a_backend_back_from_a_restart_is_not_cycled_again_within_a_period(
+    sims, lc_gateway, tmp_path: Path
+):
+    """Long cycle every 3 s: "a" first due 1.5 s after the start (slot 0 of 2). Its restart
+    (drain, hook, cold, probes, warming, warm) takes about a second; it used to come due
+    again 3 s after the cycle *started*, so about 2 s after it was back."""
+    every = 3.0
+    a, b = sims("a"), sims("b")
+    hooks = tmp_path / "restarts.txt"
+    gw = lc_gateway({"a": a.url, "b": b.url},
+                    lifecycle={"long": {"every_s": every}, "check_interval_s": 0.1,
+                               "restart_hold_s": 0.5,
+                               "restart_hook": {"command": _hook_command(hooks)}})
+
+    def back() -> bool:
+        h = history(gw.url, "a")
+        return ("draining", "cold", "restarted") in h and h[-1][1] == "warm"
+
+    assert wait_for(back, 10, 0.05), history(gw.url, "a")
+    returned = time.monotonic()
+    restarts = len(history(gw.url, "a"))
+    while time.monotonic() < returned + every - 0.5:
+        h = history(gw.url, "a")
+        assert len(h) == restarts and h[-1][1] == "warm", h  # nothing since its return
+        time.sleep(0.05)
+    # and the schedule goes on: its next long cycle within two periods of the return
+    assert wait_for(lambda: hooks.read_text().split().count("a") >= 2, every + 3, 0.1), \
+        history(gw.url, "a")
 
 
 def _ask(url: str, n: int) -> None:
