@@ -146,12 +146,23 @@ def _add_backend(gw: GatewayThread, backend: dict[str, Any]) -> None:
     r.raise_for_status()
 
 
+def _window(gw: GatewayThread) -> dict[str, Any]:
+    """The current step's samples per version and metric, ``[values (s), strata]`` (the
+    diagnostics of a first-step decision: the window is kept at a rollback and at a
+    capacity hold)."""
+    r = gw.gateway.rollouts.runs[MODEL].rollout
+    return {v: {"ttft": list(map(list, side.ttft.pairs)), "itl": list(map(list, side.itl.pairs))}
+            for v, side in r._window.items()}
+
+
 def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "3+3",
-        timeout_s: float = 1200) -> dict[str, Any]:
+        timeout_s: float = 1200, first_decision: bool = False) -> dict[str, Any]:
     """One rollout of ``plan`` on ``fleet`` (:data:`FLEETS`) to its end; its figures,
     every decision's numbers, the operator's additions (``added``: when, at which step,
     the hold's reason) and the comparisons seen while a step was due (``looks``: each
-    distinct one, polled every 0.2 s, the same period as ``recheck_s``)."""
+    distinct one, polled every 0.2 s, the same period as ``recheck_s``).
+    ``first_decision``: stop at the first step's decision (status ``running`` after a
+    pass: the step passed)."""
     servers = Servers()
     n_base, n_canary, n_spare = FLEETS[fleet]
     added: list[dict[str, Any]] = []
@@ -180,7 +191,7 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "
                          "reason": (cmp or {}).get("reason", ""), "comparison": cmp})}
                     if cmp and (not looks or looks[-1] != look):
                         looks.append(look)
-                    if snap["status"] != "running":
+                    if snap["status"] != "running" or (first_decision and snap["history"]):
                         break
                     if snap.get("held") and spares and not (
                             added and added[-1]["step"] == snap["step"]):
@@ -191,6 +202,7 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "
             finally:
                 traffic.stop()
             took = time.monotonic() - t0
+            samples = _window(gw) if first_decision else None
     finally:
         servers.stop()
     served = snap["served"]
@@ -203,8 +215,10 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "
            "failed": len(traffic.failures), "failures": traffic.failures[:3],
            "canary_served": served["canary"], "assigned": total,
            "canary_share": round(served["canary"] / total, 4) if total else None}
+    if samples is not None:
+        out["samples"] = samples
     if snap["status"] == "rolled_back" and snap["history"][-1]["step"] == 0:
-        out["bound"] = round(STEPS[0] * total + plan["min_step_requests"], 1)
+        out["bound"] = round(plan["steps"][0] * total + plan["min_step_requests"], 1)
         out["within_bound"] = served["canary"] <= out["bound"]
     return out
 
@@ -219,13 +233,27 @@ def main() -> None:
                          "server added by a live reload at each capacity hold, two spares)")
     ap.add_argument("--probe-interval-s", type=float, default=None,
                     help="calibration.interval_s (default: the plan's 0.1 s)")
+    ap.add_argument("--steps", default=None,
+                    help="the plan's steps, comma-separated shares (default 0.01,...,1.0); "
+                         "e.g. 0.25,1.0 with --fleet 3+1: one canary server of four at "
+                         "the 25 %% step, the same load per server as the baseline's")
+    ap.add_argument("--min-step-s", type=float, default=None,
+                    help="the plan's min_step_s (default 0.5 s); longer: larger samples")
+    ap.add_argument("--first-decision", action="store_true",
+                    help="end each run at its first step's decision (a false-rollback "
+                         "rate of that step over --repeat runs)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON written")
     args = ap.parse_args()
     plan = copy.deepcopy(PLAN)
     if args.probe_interval_s is not None:
         plan["calibration"]["interval_s"] = args.probe_interval_s
+    if args.min_step_s is not None:
+        plan["min_step_s"] = args.min_step_s
+    if args.steps:
+        plan["steps"] = [float(x) for x in args.steps.split(",")]
     wanted = args.cases.split(",")
-    rows = [run(name, release, plan, args.fleet) for name, release in CANARIES.items()
+    rows = [run(name, release, plan, args.fleet, first_decision=args.first_decision)
+            for name, release in CANARIES.items()
             if name.split(" ")[0] in wanted for _ in range(args.repeat)]
     for r in rows:
         steps = " -> ".join(f"{s}:{o}" for s, o, _ in r["decisions"])
@@ -243,6 +271,12 @@ def main() -> None:
             print(f"{'':18} step {d['step']} {d['outcome']}: " + "; ".join(
                 f"{k} P50 x{v['p50_ratio']:.3f} P99 x{v['p99_ratio']:.3f} p={v['p_value']:.3g}"
                 for k, v in d.items() if isinstance(v, dict) and "p50_ratio" in v))
+    for name in dict.fromkeys(r["canary"] for r in rows):
+        mine = [r for r in rows if r["canary"] == name]
+        back = sum(r["status"] == "rolled_back" for r in mine)
+        first = sum(r["status"] == "rolled_back" and r["decisions"][-1][0] == 0 for r in mine)
+        print(f"{name}: rolled back in {back} of {len(mine)} runs ({first} at the first "
+              "step)")
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps({"plan": plan, "fleet": args.fleet, "runs": rows},
                                    indent=2))

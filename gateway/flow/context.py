@@ -95,6 +95,7 @@ class Opened:
     framer: EventFramer | None
     sent_at: float = 0.0  # time.perf_counter() when this attempt was sent upstream
     load: int = 0  # the backend's requests in flight when it was sent (this one included)
+    prefill_load: int = 0  # its Backend.prefill_load then (this one included)
 
 
 @dataclass(slots=True)

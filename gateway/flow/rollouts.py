@@ -254,13 +254,14 @@ class Rollouts:
 
     def observe(self, ctx: RequestContext, backend: Backend | None, error: bool,
                 ttft_s: float | None = None, itl_s: float | None = None,
-                load: int = 0, itl_load: int | None = None) -> None:
+                load: int = 0, itl_load: int | None = None, prefill_load: int = 0) -> None:
         """A finished request that was assigned a version (``ctx.version``): observed on
         the version of ``backend``, the one that served it (None: none did, the assigned
         one), and counted as a fallback when that is not the assigned one (the share per
         version is ``gateway_requests_total``'s ``version`` label, counted at the edge).
-        ``load`` / ``itl_load``: the backend's requests in flight the TTFT / the ITL met
-        (:meth:`gateway.traffic.rollout.Rollout.observe`)."""
+        ``load`` / ``itl_load``: the backend's requests in flight the TTFT / the ITL met,
+        ``prefill_load``: its requests before their first token at the send, this one
+        included (:meth:`gateway.traffic.rollout.Rollout.observe`)."""
         run = self.runs.get(ctx.model)
         if run is None or ctx.version is None:
             return
@@ -277,7 +278,7 @@ class Rollouts:
             self.metrics.rollout_fallbacks.labels(ctx.model, ctx.version).inc()
             run.fallbacks[ctx.version] = run.fallbacks.get(ctx.version, 0) + 1
         run.rollout.observe(side, None if error else ttft_s, None if error else itl_s, error,
-                            load, itl_load)
+                            load, itl_load, prefill_load)
 
     def observe_failure(self, ctx: RequestContext, status: int) -> None:
         """A request with a version that ended without a backend's answer to relay as

@@ -59,6 +59,35 @@ def load_stratum(in_flight: int) -> int:
     return math.ceil(math.log2(in_flight)) + 1
 
 
+PREFILL_EXACT = 4
+"""Prefill loads up to this are strata of their own (1, 2, 3, 4); above it, powers of two
+(5-8, 9-16, ...): each request waiting ahead of a new one's first token adds a whole
+prefill to its TTFT, so at small counts one more is a large step (module docstring)."""
+
+STRATA_BASE = 100
+"""A combined stratum is ``prefill class x STRATA_BASE + load class`` (both classes are far
+below it: a load class is ``ceil(log2(n)) + 1``, 33 for four billion requests)."""
+
+
+def prefill_class(prefill_load: int) -> int:
+    """The class of a prefill load (the backend's requests not yet past their first token
+    when this one was sent, this one included; :attr:`gateway.fleet.backend.Backend
+    .prefill_load`): 0 when unknown (<= 0), the count itself up to :data:`PREFILL_EXACT`,
+    then ``PREFILL_EXACT + ceil(log2(n)) - 2`` (5-8 -> 5, 9-16 -> 6, ...)."""
+    if prefill_load <= 0:
+        return 0
+    if prefill_load <= PREFILL_EXACT:
+        return prefill_load
+    return PREFILL_EXACT + math.ceil(math.log2(prefill_load)) - 2
+
+
+def ttft_stratum(load: int, prefill_load: int = 0) -> int:
+    """The stratum of a TTFT sample (module docstring): the prefill load's class and the
+    requests in flight's (:func:`load_stratum`), combined (:data:`STRATA_BASE`); the load's
+    class alone when the prefill load is unknown (0)."""
+    return prefill_class(prefill_load) * STRATA_BASE + load_stratum(load)
+
+
 def by_stratum(values: Sequence[float], strata: Sequence[int]) -> dict[int, list[float]]:
     """``values`` grouped by their stratum (parallel sequences)."""
     out: dict[int, list[float]] = defaultdict(list)
