@@ -150,8 +150,11 @@ def _window(gw: GatewayThread) -> dict[str, Any]:
     """The current step's samples per version and metric, ``[values (s), strata]`` (the
     diagnostics of a first-step decision: the window is kept at a rollback and at a
     capacity hold)."""
-    r = gw.gateway.rollouts.runs[MODEL].rollout
-    return {v: {"ttft": list(map(list, side.ttft.pairs)), "itl": list(map(list, side.itl.pairs))}
+    rollouts = gw.gateway.rollouts
+    assert rollouts is not None
+    r = rollouts.runs[MODEL].rollout
+    return {v: {"ttft": [side.ttft.values, side.ttft.strata],
+                "itl": [side.itl.values, side.itl.strata]}
             for v, side in r._window.items()}
 
 

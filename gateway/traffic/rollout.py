@@ -181,8 +181,10 @@ class Rollout:
         """One finished request of ``version``: its TTFT and mean ITL in seconds (None when
         it has none: an error before the first token, a one-token answer), whether it
         failed, and its backend's requests in flight when it was sent (``load``; 0:
-        unknown), whose stratum its TTFT is compared in
-        (:mod:`gateway.traffic.rollout_strata`); its ITL's stratum is ``itl_load`` (the
+        unknown) and requests before their first token that its own met (``prefill_load``,
+        this one included; 0: unknown), whose stratum its TTFT is compared in
+        (:func:`gateway.traffic.rollout_strata.ttft_stratum`); its ITL's stratum is
+        ``itl_load`` (the
         load its decode met: the larger of ``load`` and the requests in flight when the
         stream ended; None: ``load``), since a prefill admitted while it decoded stalls
         every step of it (vLLM without chunked prefill; :mod:`gateway.sim.engine`), and a

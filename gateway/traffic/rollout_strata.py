@@ -11,8 +11,35 @@ and rolled back a good one carrying twice the baseline's per-server load
 
 So each latency sample carries its **stratum**: the serving backend's requests in flight
 when the attempt was sent (this one included), in powers of two (:func:`load_stratum`: 1,
-2, 3-4, 5-8, ...; 0 when unknown). The comparison uses only the strata both versions have
-samples in:
+2, 3-4, 5-8, ...; 0 when unknown); a TTFT's stratum also has its **prefill load**
+(:func:`ttft_stratum`, :func:`prefill_class`: exact to 4, then powers of two).
+
+*Why a TTFT needs the prefill load.* In vLLM without chunked prefill a step runs every
+request's next token plus the whole prefill of every request it admits (the cost model of
+:mod:`gateway.sim.engine`, after Vidur, Agrawal et al. 2024), so a request's first token
+waits for the prefills ahead of it and those admitted with it, while requests already
+decoding cost it one short step each. Requests in flight count both alike. A version
+served by one server of a pool of four (a 25 % step on one canary server beside three
+baseline ones, the same load per server) is not compared like with like at equal requests
+in flight: the router sends each baseline request to the least loaded of three servers,
+away from one that was just sent a request, while every canary request goes to the one
+canary server, whatever it is doing. End to end (``benchmarks/rollout_e2e.py --fleet 3+1
+--steps 0.25,0.5,0.75,0.9,1.0 --min-step-s 15 --first-decision``) a good canary was rolled
+back at that step in 5 of 10 runs on TTFT P50 x1.15-1.28 at matched in-flight strata (p
+~1e-5); within one in-flight stratum the canary's requests waited behind more prefills.
+The prefill load is the backend's requests sent and not yet past their first token
+(:attr:`gateway.fleet.backend.Backend.prefill_load`; a stream's first events, a
+non-stream's whole answer, which the gateway cannot see earlier; calibration rounds count
+one), this one included, at the larger of the send and its own first token: a request sent
+there after this one and admitted with it (same step) lengthens its first token as much as
+one ahead of it, and the canary's one server meets all of those where the baseline's router
+spreads them (at the send alone: 1 of 10 rolled back, P50 x1.15 left within a stratum; with
+the larger: 0 of 8). Counted at the first token it also takes in requests that came after
+this one's prefill and did not delay it; a slower build waits longer and meets more of
+them, so it is compared a little higher than its own load (a conservative tilt, measured:
+TTFT x1.5 on the same fleet is still rolled back at that step, see docs/architecture.md).
+
+The comparison uses only the strata both versions have samples in:
 
 * **the test**: van Elteren's stratified Wilcoxon-Mann-Whitney test (van Elteren 1960; the
   standard test for a shift within strata, e.g. Lehmann, *Nonparametrics*, ch. 3): per

@@ -97,17 +97,17 @@ class Cut:
 
 
 def test_a_backends_prefill_load_counts_each_attempt_once_until_its_answer_or_end() -> None:
-    b = Backend(BackendConfig(id="b1", url="http://127.0.0.1:1", models=["m"]))
+    b = Backend(BackendConfig.model_validate({"id": "b1", "url": "http://h:1"}))
     a, c = Cut(), Cut()
-    b.attempt_started(a, 1, 0, 0.0, "m")  # type: ignore[arg-type]
-    b.attempt_started(c, 1, 0, 0.0, None)  # type: ignore[arg-type]
+    b.attempt_started(a, 1, 0, 0.0, "m")
+    b.attempt_started(c, 1, 0, 0.0, None)
     assert b.prefill_load == 2 and b.in_flight == 2
-    b.answer_started(a, 0.1)  # type: ignore[arg-type]
+    b.answer_started(a, 0.1)
     assert b.prefill_load == 1 and b.in_flight == 2  # decoding: in flight, not prefilling
-    b.answer_started(a, 0.2)  # type: ignore[arg-type]  # a second answer start: no effect
+    b.answer_started(a, 0.2)  # a second answer start: no effect
     assert b.prefill_load == 1
-    b.attempt_ended(c, 1, 0)  # type: ignore[arg-type]  # failed before its answer
-    b.attempt_ended(a, 1, 0)  # type: ignore[arg-type]
+    b.attempt_ended(c, 1, 0)  # failed before its answer
+    b.attempt_ended(a, 1, 0)
     assert b.prefill_load == 0 and b.in_flight == 0
     b.round_started()
     assert b.prefill_load == 1 and b.in_flight == 1
