@@ -6,7 +6,7 @@ fields change only through its own methods:
 * the request path's (:meth:`Backend.attempt_started`, :meth:`~Backend.answer_started`,
   :meth:`~Backend.attempt_ended`, :meth:`~Backend.heard`, :meth:`~Backend.cool_until`,
   :meth:`~Backend.count_served`, :meth:`~Backend.take`, :meth:`~Backend.give_back`,
-  :meth:`~Backend.round_started`, :meth:`~Backend.round_ended`, :meth:`~Backend.note_error`);
+  :meth:`~Backend.calibration_round`, :meth:`~Backend.note_error`);
 * the control loops' observations (:meth:`~Backend.scraped`, :meth:`~Backend.models_listed`,
   :meth:`~Backend.count_probe`, calibration and GPU results, ...);
 * the control-plane record (state, holds, drains, maintenance markers, deferrals, config
@@ -180,16 +180,11 @@ class Backend:
         self.in_flight -= places
         self.pooled_extra -= pooled_extra
 
-    def round_started(self) -> None:
-        """A calibration round runs here (:mod:`gateway.flow.rollout_probes`): one
-        sequence in flight (:meth:`take`) and one request before its first token."""
-        self.take(1, 0)
-        self.probing += 1
-
-    def round_ended(self) -> None:
-        """Undo :meth:`round_started` (once per round)."""
-        self.probing -= 1
-        self.give_back(1, 0)
+    def calibration_round(self, delta: int) -> None:
+        """A rollout's calibration round starts here (``delta`` 1) or ends (-1, once): one
+        sequence in flight and one request before its first token (:attr:`prefill_load`)."""
+        (self.take if delta > 0 else self.give_back)(1, 0)
+        self.probing += delta
 
     # ---- the request path's writes (gateway.flow: the lease, attempts, relay) ---------
     def attempt_started(
@@ -231,11 +226,9 @@ class Backend:
 
     @property
     def prefill_load(self) -> int:
-        """Requests here whose first token the gateway has not seen (count): attempts sent
-        and not yet answered (a stream's first events, a non-stream's whole body; a set of
-        cut handles, so an attempt counts once and leaves at its answer, end or failure)
-        plus calibration rounds running (:attr:`probing`). A new request's TTFT waits
-        behind their prefills (:mod:`gateway.traffic.rollout_strata`)."""
+        """Requests here before their first token as the gateway sees it (a stream's first
+        events, a non-stream's whole body; each attempt once, out at its answer, end or
+        failure) plus calibration rounds (:mod:`gateway.traffic.rollout_strata`)."""
         return len(self.unanswered) + self.probing
 
     def heard(self, now: float) -> None:

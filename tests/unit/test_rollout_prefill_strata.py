@@ -109,7 +109,7 @@ def test_a_backends_prefill_load_counts_each_attempt_once_until_its_answer_or_en
     b.attempt_ended(c, 1, 0)  # failed before its answer
     b.attempt_ended(a, 1, 0)
     assert b.prefill_load == 0 and b.in_flight == 0
-    b.round_started()
+    b.calibration_round(1)
     assert b.prefill_load == 1 and b.in_flight == 1
-    b.round_ended()
+    b.calibration_round(-1)
     assert b.prefill_load == 0 and b.in_flight == 0
