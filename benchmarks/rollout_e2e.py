@@ -85,6 +85,22 @@ once a reload adds canary capacity. Measured 2026-12-03 on 2 shared cores (load 
 * drifted (50 %), ``3+3``: rolled back at step 0 on calibration (12 of 12 probes failed)
   after 3.9 s, before it served a request (0 of 150; bound 41.5).
 
+**One canary server of four at 25 % (the same load per server), the first step alone.**
+``--fleet 3+1 --steps 0.25,0.5,0.75,0.9,1.0 --min-step-s 15 --first-decision --repeat
+10``: the 25 % step is the first (five steps: the default plan's alpha per test), 15 s
+long (about 120 canary and 350 baseline TTFTs), and the run ends at its decision (a pass
+is a capacity hold before 50 %), the window's samples kept in the JSON (``samples``).
+Measured 2026-12-03 on 2 shared cores (other sessions' work on them): with TTFT strata
+by requests in flight alone, a good canary was rolled back in 5 of 10 runs (TTFT P50
+x1.15-1.28 at matched load, p 5e-6 to 1e-5) and in 1 of 10 in a second series on a busier
+host (fewer samples; P50 x1.08-1.36, median x1.19, p down to 0.00015): 6 of 20; within
+one stratum (2 in flight) the canary's requests were ~15 % slower, having waited behind
+more prefills (:mod:`gateway.traffic.rollout_strata`). With the prefill load in the TTFT
+strata: 0 of 10 (P50 x0.94-1.12, median x1.02, smallest p 0.002 against the per-test
+0.00067) and 0 of 8 in an earlier series: 0 of 18; TTFT x1.5 (``--cases slow``) was
+rolled back at that step in 5 of 5. The ITL strata (in flight at the send and at the end)
+showed no such bias there (canary / baseline medians x0.95-1.03 per stratum).
+
 Run: ``python benchmarks/rollout_e2e.py`` (about 5 minutes on 2 idle cores; ``--cases
 good --repeat 3`` for the good canary alone, three times; ``--fleet 3+1`` for the holds;
 ``--probe-interval-s`` for the calibration rounds' period). Writes

@@ -25,19 +25,22 @@ in flight: the router sends each baseline request to the least loaded of three s
 away from one that was just sent a request, while every canary request goes to the one
 canary server, whatever it is doing. End to end (``benchmarks/rollout_e2e.py --fleet 3+1
 --steps 0.25,0.5,0.75,0.9,1.0 --min-step-s 15 --first-decision``) a good canary was rolled
-back at that step in 5 of 10 runs on TTFT P50 x1.15-1.28 at matched in-flight strata (p
-~1e-5); within one in-flight stratum the canary's requests waited behind more prefills.
+back at that step in 6 of 20 runs on TTFT P50 x1.08-1.36 at matched in-flight strata (p
+down to 5e-6); within one in-flight stratum the canary's requests waited behind more
+prefills.
 The prefill load is the backend's requests sent and not yet past their first token
 (:attr:`gateway.fleet.backend.Backend.prefill_load`; a stream's first events, a
 non-stream's whole answer, which the gateway cannot see earlier; calibration rounds count
 one), this one included, at the larger of the send and its own first token: a request sent
 there after this one and admitted with it (same step) lengthens its first token as much as
-one ahead of it, and the canary's one server meets all of those where the baseline's router
-spreads them (at the send alone: 1 of 10 rolled back, P50 x1.15 left within a stratum; with
-the larger: 0 of 8). Counted at the first token it also takes in requests that came after
-this one's prefill and did not delay it; a slower build waits longer and meets more of
-them, so it is compared a little higher than its own load (a conservative tilt, measured:
-TTFT x1.5 on the same fleet is still rolled back at that step, see docs/architecture.md).
+one ahead of it, and the canary's one server meets all of those where the baseline's
+router spreads them (at the send alone: 1 of 10 rolled back, x1.15 left within a stratum;
+with the larger: 0 of 18, P50 median x1.02). Counted at the first token it also takes in
+requests that came after this one's prefill and did not delay it; a slower build waits
+longer and meets more of them, so it is compared against a baseline at a little more load:
+a tilt in the slower build's favour, measured: TTFT x1.5 on the same fleet is still rolled
+back at that step (5 of 5; docs/architecture.md). With chunked prefill (vLLM v1's default)
+a prefill is spread over steps and the effect is smaller, but its direction the same.
 
 The comparison uses only the strata both versions have samples in:
 
