@@ -107,8 +107,8 @@ async def settle(rounds: int = 20) -> None:
 
 def assert_nothing_held(gw: Gateway) -> None:
     """Every hold of every request is given back: backend slots and counts (the prefill
-    load too), watchdog handles, breaker half-open slots, admission tickets, batcher reservations and merge
-    windows, and every upstream response released or closed."""
+    load too), watchdog handles, breaker half-open slots, admission tickets, batcher
+    reservations and merge windows, and every upstream response released or closed."""
     for b in gw.fleet:
         assert (b.in_flight, b.pooled_extra) == (0, 0), f"{b.id} in flight"
         assert not b.active, f"{b.id}: drain handles left"
