@@ -16,10 +16,11 @@ their consequences. The decisions themselves are the pure state machine's
 * **Observing** (:meth:`Rollouts.observe`): a finished request on its serving backend's
   version: TTFT (seconds from the attempt's send to the first event of a stream, to the
   whole answer of a non-stream: the backend's own, the gateway's queue excluded, which both
-  versions share) at the backend's requests in flight when it was sent, ITL (a stream's
-  mean time between the events after its first, seconds) at the larger of that and the
-  backend's requests in flight when the stream ended (a request that arrived meanwhile and
-  was prefilled stalled this stream's decode, and is still in flight at its end),
+  versions share) at the backend's requests in flight when it was sent and its prefill
+  load (``Opened.prefill_load``), ITL (a stream's mean time between the events after its
+  first, seconds) at the larger of that load and the backend's requests in flight when the
+  stream ended (a request that arrived meanwhile and was prefilled stalled this stream's
+  decode, and is still in flight at its end),
   error (a 5xx, an in-band 5xx error, a stream cut by the backend or the gateway; a 4xx is
   the client's and a client hanging up is not the version's: not errors).
 * **Deciding** (:meth:`Rollouts.round`, the ``rollouts`` control loop every
