@@ -109,6 +109,7 @@ class ClockDriver:
                     st.temp_c,
                     load.running if load is not None else 0.0,
                     load.waiting if load is not None else 0.0,
+                    st.power_w,
                 )
             )
         changes = self.controller.decide(now, gpus, view.domains)
