@@ -99,9 +99,7 @@ def at_facility_cap(r: PolicyResult) -> list[str]:
 def peak_diagnosis(gw: PolicyResult, lr: PolicyResult) -> str:
     """Why ``gw`` (load_thermal) has no lower peak domain power than ``lr``, in words."""
     gd, ld = at_facility_cap(gw), at_facility_cap(lr)
-    head = (
-        f"{gw.policy} {gw.peak_domain_power_w:.0f} W, {lr.policy} {lr.peak_domain_power_w:.0f} W"
-    )
+    head = f"{gw.policy} {gw.peak_domain_power_w:.0f} W, {lr.policy} {lr.peak_domain_power_w:.0f} W"
     if gd and ld:
         return (
             f"{head}: both reach the facility cap (budget {max(gw.domain_budget_w.values()):.0f}"
