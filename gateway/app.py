@@ -132,10 +132,11 @@ def create_app(
         if cfg.reload.watch and config_path is not None:  # the config file, re-read on change
             gw.controller.add_loop("config_watch", cfg.reload.watch_interval_s,
                                    gw.reloader.watch_round)
+        # a restart: ended rollouts and rollouts where they were, then the config's entries
+        gw.reloader.restore_at_start("rollouts")
         _start_rollouts(gw)
         if gw.status is not None:  # the status page's per-minute hour and incidents
             gw.controller.add_loop("status", cfg.status.tick_s, gw.status.round)
-        gw.reloader.restore_at_start("rollouts")  # a restart: rollouts where they were
         if cfg.reload.state_dir is not None:
             reloader = gw.reloader
 

@@ -94,12 +94,16 @@ class ReloadResult:
     snapshot: Snapshot | None
     added: list[str] = field(default_factory=list)
     leaving: list[str] = field(default_factory=list)
+    rollouts: list[dict[str, Any]] = field(default_factory=list)
 
     def view(self) -> dict[str, Any]:
-        """JSON for the admin API."""
+        """JSON for the admin API: ``applied``, ``unchanged``, ``version``, what changed
+        and ``rollouts``: each ``rollouts:`` entry of the config, started or not and why
+        (:meth:`gateway.flow.rollouts.Rollouts.sync`)."""
         s = self.snapshot
         return {"applied": s is not None, "unchanged": self.plan.empty,
-                "version": s.version if s else None, **self.plan.summary()}
+                "version": s.version if s else None, **self.plan.summary(),
+                "rollouts": self.rollouts}
 
 
 class Reloader:
@@ -224,7 +228,10 @@ class Reloader:
             self._reread_secrets(new)
             log.info("config (%s): no change (secrets from files and the environment read "
                      "again)", source)
-            return ReloadResult(plan, None)
+            # an entry whose rollout was cleared (DELETE /admin/rollouts) starts again
+            same = (gw.rollouts.sync(new.rollouts, self.version)
+                    if gw.rollouts is not None else [])
+            return ReloadResult(plan, None, rollouts=same)
         if plan.touches("backends") and gw.rollouts is not None:
             for run in gw.rollouts.runs.values():  # a running rollout keeps both versions
                 stopped = run.origin == "config" and run.cfg not in new.rollouts
@@ -277,8 +284,9 @@ class Reloader:
             policy = getattr(gw.router, "inner", gw.router)  # under spot steering
             if isinstance(policy, LoadThermalPolicy):
                 policy.reweight(new.routing.weights)
-        if plan.touches("rollouts") and gw.rollouts is not None:
-            gw.rollouts.sync(new.rollouts, snap.version)  # started / stopped
+        report: list[dict[str, Any]] = []
+        if gw.rollouts is not None:  # every apply: started / stopped / not started and why
+            report = gw.rollouts.sync(new.rollouts, snap.version)
         gw.cfg = new
         self._reread_secrets(new)
         self._set_version(snap.version)
@@ -287,7 +295,7 @@ class Reloader:
         log.info("config (%s): version %d applied: %d field(s) changed; backends added %s, "
                  "draining %s, changed %s", source, snap.version, len(plan.changed),
                  added or "none", leaving or "none", plan.changed_backends or "none")
-        return ReloadResult(plan, snap, added, leaving)
+        return ReloadResult(plan, snap, added, leaving, report)
 
     # ---- the ways in --------------------------------------------------------------------
     def _read(self, text: str, where: str, source: str) -> GatewayConfig:
@@ -363,6 +371,10 @@ class Reloader:
             if done:
                 log.info("config: rollback to version %d: restored %s", target.version,
                          ", ".join(done))
+            for item in result.rollouts:  # taken up from the snapshot: not a fresh start
+                if f"rollout of {item['model']}" in done:
+                    item.update(code="restored", reason=f"restored from version "
+                                f"{target.version}'s kept state")
         return result
 
     async def kept(self) -> list[Snapshot]:
