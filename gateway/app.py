@@ -194,7 +194,8 @@ def _start_rollouts(gw: Gateway) -> None:
     assert rollouts is not None and reloader is not None and gw.rollout_probes is not None
     last = reloader.history.last
 
-    async def return_config(started_in: int | None, reason: str) -> None:
+    async def return_config(started_in: int | None, reason: str,
+                            failed: dict[str, Any]) -> None:
         target = None  # the config before the running one
         try:
             if started_in is not None:  # kept: the fleet's in fleet mode
@@ -204,7 +205,7 @@ def _start_rollouts(gw: Gateway) -> None:
                               "kept; the config stays as it is", reason, started_in)
                     return
                 target = before[-1]
-            result = await reloader.rollback(target)
+            result = await reloader.rollback(target, failed)
         except ReloadRefused as e:
             log.error("rollout rolled back (%s): the config was not returned: %s", reason,
                       e.problem)

@@ -176,11 +176,16 @@ class Reloader:
             log.error("config history: cannot write to %s: %s", self.history.dir, e)
 
     async def apply(self, new: GatewayConfig, source: str, from_file: str | None = None,
-                    version: int | None = None, seen: int | None = None) -> ReloadResult:
+                    version: int | None = None, seen: int | None = None,
+                    failed: dict[str, Any] | None = None) -> ReloadResult:
         """Apply ``new`` (validated) as the module docstring says (``from_file``: the digest
         of the config file it was read from, which a restart then resumes from;
         ``version``: the fleet's version of a config from the store, ``source`` ``fleet``;
-        ``seen``: the running version the change was made on, if known). Raises
+        ``seen``: the running version the change was made on, if known; ``failed``: the
+        failed rollout an automatic rollback returns from, a
+        :class:`gateway.flow.rollout_ledger.Ended` as JSON: recorded in the ledger before
+        the config's entries are started and in the snapshot's summary as
+        ``rollout_failed``, so that in fleet mode every replica records it). Raises
         :class:`ReloadConflict` when ``seen`` is not the running version,
         :class:`ReloadRefused` when it cannot (nothing changed then), and
         :class:`ReloadUnpublished` in fleet mode when the shared store does not take it."""
@@ -193,7 +198,7 @@ class Reloader:
                     "on it", param="version")
             try:
                 result = await self._apply(new, source, from_file or self.file_digest,
-                                           version)
+                                           version, failed)
             except ReloadRefused:
                 self.gw.metrics.config_reloads.labels(source, "refused").inc()
                 raise
@@ -217,9 +222,12 @@ class Reloader:
             b.refresh_key()
 
     async def _apply(self, new: GatewayConfig, source: str, from_file: str | None,
-                     version: int | None) -> ReloadResult:
+                     version: int | None, failed: dict[str, Any] | None) -> ReloadResult:
         gw = self.gw
         plan = plan_reload(gw.cfg, new)
+        if failed is not None and gw.rollouts is not None:  # blocks its canary here too
+            gw.rollouts.ledger.load([failed])
+        summary = {**plan.summary(), **({"rollout_failed": failed} if failed else {})}
         if not plan.ok:
             raise ReloadRefused(
                 "these fields cannot change while the gateway runs: "
@@ -258,10 +266,10 @@ class Reloader:
             raise ReloadRefused(str(e), plan, named_field(str(e))) from None
         data = new.model_dump(mode="json")
         if self.fleet is not None and version is None:  # fleet mode: the store first
-            version = await self.fleet.publish(data, source, plan)
+            version = await self.fleet.publish(data, source, plan, summary)
         self.checkpoint()  # the state of the config left, for a rollback to it
         try:
-            snap = self.history.record(data, source, from_file, plan.summary(), self.wall(),
+            snap = self.history.record(data, source, from_file, summary, self.wall(),
                                        version, capture(gw.controller, gw.rollouts))
         except OSError as e:
             if self.fleet is not None:  # published: the sync round tries it again
@@ -337,9 +345,11 @@ class Reloader:
         self.file_digest = read  # the file now is what runs
         return result
 
-    async def rollback(self, version: int | None) -> ReloadResult:
+    async def rollback(self, version: int | None,
+                       failed: dict[str, Any] | None = None) -> ReloadResult:
         """Return to the kept snapshot ``version`` (None: the one before the running one;
-        fleet mode: the fleet's kept configs, :meth:`kept`). Raises :class:`ReloadRefused`
+        fleet mode: the fleet's kept configs, :meth:`kept`); ``failed``: the failed
+        rollout of an automatic rollback (:meth:`apply`). Raises :class:`ReloadRefused`
         when there is none, or it cannot apply live."""
         snaps = await self.kept()
         if version is None:
@@ -364,7 +374,7 @@ class Reloader:
             raise ReloadRefused(str(e), param=first_field(str(e))) from None
         own = self.history.get(target.version)  # fleet mode: this replica's own copy
         state = own.state if own is not None and own.state else target.state
-        result = await self.apply(new, "rollback")  # (may drop the oldest kept: target)
+        result = await self.apply(new, "rollback", failed=failed)  # (may drop target)
         if state:
             done = restore(self.gw.controller if self.fleet is None else None,
                            self.gw.rollouts, state, at_start=False, returned=result.added)

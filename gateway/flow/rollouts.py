@@ -47,6 +47,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from gateway.config_rollouts import RolloutConfig, version_problem
@@ -83,8 +84,10 @@ class Rollouts:
         self.ledger = Ledger()  # the ended rollouts (gateway.flow.rollout_ledger)
         # set by the app: return the config to the version before ``config_version``
         # (None: the one before the running one), ``reason`` for the log
-        self.on_config_rollback: Callable[[int | None, str], Awaitable[None]] | None = None
-        self._config_rollbacks: list[tuple[int | None, str]] = []
+        # and the failed rollout's ledger record (JSON: recorded with the config returned)
+        self.on_config_rollback: Callable[[int | None, str, dict[str, Any]],
+                                          Awaitable[None]] | None = None
+        self._config_rollbacks: list[tuple[int | None, str, dict[str, Any]]] = []
 
     # ---- starting and stopping ----------------------------------------------------------
     def version_problem(self, cfg: RolloutConfig) -> str | None:
@@ -273,8 +276,8 @@ class Rollouts:
             if len(run.rollout.history) > run.handled:
                 self._handle(run)
         while self._config_rollbacks and self.on_config_rollback is not None:
-            version, reason = self._config_rollbacks.pop(0)
-            await self.on_config_rollback(version, reason)
+            version, reason, failed = self._config_rollbacks.pop(0)
+            await self.on_config_rollback(version, reason, failed)
 
     def capacity(self, cfg: RolloutConfig) -> PoolCapacity:
         """The routable capacity of ``cfg``'s two versions now
@@ -298,15 +301,18 @@ class Rollouts:
                     "served %.2f%% of requests", r.plan.rollout_id, model, rec.step,
                     rec.share * 100, rec.outcome, label, rec.reason,
                     r.canary_share_served * 100)
+            if rec.outcome not in ("rolled_back", "promoted"):
+                continue
+            ended = Ended(r.plan.rollout_id, model, run.cfg.baseline, run.cfg.canary,
+                          run.origin, run.config_version, rec.outcome, rec.reason, label,
+                          rec.step, run.started_unix,
+                          round(self.wall() - (self.clock() - rec.at), 3),
+                          blocks=rec.outcome == "rolled_back" and not run.stopped_by_config)
+            self.ledger.add(ended)
             if (rec.outcome == "rolled_back" and label != "operator"
                     and run.origin == "config"):
-                self._config_rollbacks.append((run.config_version, rec.reason))
-            if rec.outcome in ("rolled_back", "promoted"):
-                self.ledger.add(Ended(
-                    r.plan.rollout_id, model, run.cfg.baseline, run.cfg.canary, run.origin,
-                    run.config_version, rec.outcome, rec.reason, label, rec.step,
-                    run.started_unix, round(self.wall() - (self.clock() - rec.at), 3),
-                    blocks=rec.outcome == "rolled_back" and not run.stopped_by_config))
+                self._config_rollbacks.append((run.config_version, rec.reason,
+                                               asdict(ended)))
         run.handled = len(r.history)
         self._export_step(run)
 
