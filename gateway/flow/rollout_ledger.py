@@ -87,6 +87,10 @@ class Ledger:
     def add(self, rec: Ended) -> None:
         """Keep ``rec`` (a rollout that just ended; one with the same ``id`` is replaced)."""
         self.records = [r for r in self.records if r.id != rec.id] + [rec]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the oldest beyond :data:`KEEP`, non-blocking ones first."""
         while len(self.records) > KEEP:
             drop = next((r for r in self.records if not r.blocking), self.records[0])
             self.records.remove(drop)
@@ -133,7 +137,7 @@ class Ledger:
                 known.add(rec.id)
                 n += 1
         self.records.sort(key=lambda r: r.ended_unix)
-        del self.records[:-KEEP]
+        self._trim()
         return n
 
     def view(self) -> list[dict[str, Any]]:
