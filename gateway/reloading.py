@@ -37,16 +37,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import ConfigError, GatewayConfig, check_secrets, config_from_mapping
-from gateway.config_diff import ReloadPlan, plan_reload
+from gateway.config_diff import plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
 from gateway.config_rollouts import version_problem
 from gateway.core.urls import redacted_url
-from gateway.reload_errors import ReloadConflict, ReloadRefused, ReloadUnpublished
+from gateway.reload_errors import ReloadConflict, ReloadRefused, ReloadResult, ReloadUnpublished
 from gateway.reload_input import (
     InvalidConfig,
     first_field,
@@ -83,27 +82,6 @@ class Reloadable(Protocol):
     rollouts: Rollouts | None
 
     def reconfigure_auth(self, new: GatewayConfig) -> None: ...
-
-
-@dataclass
-class ReloadResult:
-    """An applied (or unchanged) config: its snapshot (None when nothing changed) and the
-    plan."""
-
-    plan: ReloadPlan
-    snapshot: Snapshot | None
-    added: list[str] = field(default_factory=list)
-    leaving: list[str] = field(default_factory=list)
-    rollouts: list[dict[str, Any]] = field(default_factory=list)
-
-    def view(self) -> dict[str, Any]:
-        """JSON for the admin API: ``applied``, ``unchanged``, ``version``, what changed
-        and ``rollouts``: each ``rollouts:`` entry of the config, started or not and why
-        (:meth:`gateway.flow.rollouts.Rollouts.sync`)."""
-        s = self.snapshot
-        return {"applied": s is not None, "unchanged": self.plan.empty,
-                "version": s.version if s else None, **self.plan.summary(),
-                "rollouts": self.rollouts}
 
 
 class Reloader:

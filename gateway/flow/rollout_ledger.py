@@ -32,7 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.config_rollouts import RolloutConfig
+    from gateway.flow.rollout_run import RolloutRun
 
 KEEP = 20
 """Ended rollouts kept (records): a page of recent history; the oldest beyond it drop
@@ -148,3 +152,31 @@ class Ledger:
 def identity_of(model: str, baseline: str, canary: str) -> Identity:
     """A rollout's identity (module docstring)."""
     return (model, baseline, canary)
+
+
+def why_not_started(have: RolloutRun | None, c: RolloutConfig,
+                    ledger: Ledger) -> tuple[str | None, str]:
+    """Why the config entry ``c`` is not started now (:meth:`gateway.flow.rollouts.Rollouts
+    .sync`; ``have``: the model's rollout, if any): a code and a reason that says what
+    starts it, or ``(None, "")`` when it starts."""
+    model = c.model
+    if have is not None and have.cfg == c and have.running:
+        return "running", f"rollout {have.rollout.plan.rollout_id} of the entry runs"
+    blocked = ledger.blocking(identity_of(model, c.baseline, c.canary))
+    if blocked is not None:
+        return "rolled_back", (
+            f"canary {c.canary} rolled back against {c.baseline} (rollout {blocked.id}, "
+            f"{blocked.label}: {blocked.reason}); a canary that failed is not started "
+            f"again by a config: DELETE /admin/rollouts/{model} lifts that, then apply "
+            "the config again (or POST /admin/rollouts)")
+    if have is not None and have.cfg == c:
+        return have.rollout.status, (
+            f"the entry's rollout {have.rollout.plan.rollout_id} ended "
+            f"({have.rollout.status}); DELETE /admin/rollouts/{model} forgets it, then "
+            "apply the config again to run it again")
+    if have is not None and have.running:
+        return "admin_running", (
+            f"rollout {have.rollout.plan.rollout_id} started by the admin API runs "
+            f"(from {have.cfg.baseline} to {have.cfg.canary}); abort it first "
+            f"(POST /admin/rollouts/{model}/abort), then apply the config again")
+    return None, ""

@@ -54,7 +54,7 @@ from gateway.config_rollouts import RolloutConfig, version_problem
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
 from gateway.flow.context import RequestContext
-from gateway.flow.rollout_ledger import Ended, Ledger, identity_of
+from gateway.flow.rollout_ledger import Ended, Ledger, identity_of, why_not_started
 from gateway.flow.rollout_run import Origin, RolloutRun, plan_of, reason_label
 from gateway.metrics import GatewayMetrics
 from gateway.traffic.rollout import Rollout
@@ -179,7 +179,7 @@ class Rollouts:
                                   "changed", blocks=False)
         report: list[dict[str, Any]] = []
         for model, c in wanted.items():
-            code, reason = self._why_not(c)
+            code, reason = why_not_started(self.runs.get(model), c, self.ledger)
             if code is None:
                 run = self.start(c, "config", config_version)
                 code, reason = "started", f"rollout {run.rollout.plan.rollout_id} started"
@@ -189,32 +189,6 @@ class Rollouts:
             report.append({"model": model, "baseline": c.baseline, "canary": c.canary,
                            "started": code == "started", "code": code, "reason": reason})
         return report
-
-    def _why_not(self, c: RolloutConfig) -> tuple[str | None, str]:
-        """Why the config entry ``c`` is not started now (:meth:`sync`): a code and a
-        reason, or (None, "") when it starts."""
-        model = c.model
-        have = self.runs.get(model)
-        if have is not None and have.cfg == c and have.running:
-            return "running", f"rollout {have.rollout.plan.rollout_id} of the entry runs"
-        blocked = self.ledger.blocking(identity_of(model, c.baseline, c.canary))
-        if blocked is not None:
-            return "rolled_back", (
-                f"canary {c.canary} rolled back against {c.baseline} (rollout {blocked.id}, "
-                f"{blocked.label}: {blocked.reason}); a canary that failed is not started "
-                f"again by a config: DELETE /admin/rollouts/{model} lifts that, then apply "
-                "the config again (or POST /admin/rollouts)")
-        if have is not None and have.cfg == c:
-            return have.rollout.status, (
-                f"the entry's rollout {have.rollout.plan.rollout_id} ended "
-                f"({have.rollout.status}); DELETE /admin/rollouts/{model} forgets it, then "
-                "apply the config again to run it again")
-        if have is not None and have.running:
-            return "admin_running", (
-                f"rollout {have.rollout.plan.rollout_id} started by the admin API runs "
-                f"(from {have.cfg.baseline} to {have.cfg.canary}); abort it first "
-                f"(POST /admin/rollouts/{model}/abort), then apply the config again")
-        return None, ""
 
     # ---- the request path ---------------------------------------------------------------
     def assign(self, ctx: RequestContext, client_key: str | None) -> None:
