@@ -85,6 +85,22 @@ once a reload adds canary capacity. Measured 2026-12-03 on 2 shared cores (load 
 * drifted (50 %), ``3+3``: rolled back at step 0 on calibration (12 of 12 probes failed)
   after 3.9 s, before it served a request (0 of 150; bound 41.5).
 
+**One canary server of four at 25 % (the same load per server), the first step alone.**
+``--fleet 3+1 --steps 0.25,0.5,0.75,0.9,1.0 --min-step-s 15 --first-decision --repeat
+10``: the 25 % step is the first (five steps: the default plan's alpha per test), 15 s
+long (about 120 canary and 350 baseline TTFTs), and the run ends at its decision (a pass
+is a capacity hold before 50 %), the window's samples kept in the JSON (``samples``).
+Measured 2026-12-03 on 2 shared cores (other sessions' work on them): with TTFT strata
+by requests in flight alone, a good canary was rolled back in 5 of 10 runs (TTFT P50
+x1.15-1.28 at matched load, p 5e-6 to 1e-5) and in 1 of 10 in a second series on a busier
+host (fewer samples; P50 x1.08-1.36, median x1.19, p down to 0.00015): 6 of 20; within
+one stratum (2 in flight) the canary's requests were ~15 % slower, having waited behind
+more prefills (:mod:`gateway.traffic.rollout_strata`). With the prefill load in the TTFT
+strata: 0 of 10 (P50 x0.94-1.12, median x1.02, smallest p 0.002 against the per-test
+0.00067) and 0 of 8 in an earlier series: 0 of 18; TTFT x1.5 (``--cases slow``) was
+rolled back at that step in 5 of 5. The ITL strata (in flight at the send and at the end)
+showed no such bias there (canary / baseline medians x0.95-1.03 per stratum).
+
 Run: ``python benchmarks/rollout_e2e.py`` (about 5 minutes on 2 idle cores; ``--cases
 good --repeat 3`` for the good canary alone, three times; ``--fleet 3+1`` for the holds;
 ``--probe-interval-s`` for the calibration rounds' period). Writes
@@ -146,12 +162,26 @@ def _add_backend(gw: GatewayThread, backend: dict[str, Any]) -> None:
     r.raise_for_status()
 
 
+def _window(gw: GatewayThread) -> dict[str, Any]:
+    """The current step's samples per version and metric, ``[values (s), strata]`` (the
+    diagnostics of a first-step decision: the window is kept at a rollback and at a
+    capacity hold)."""
+    rollouts = gw.gateway.rollouts
+    assert rollouts is not None
+    r = rollouts.runs[MODEL].rollout
+    return {v: {"ttft": [side.ttft.values, side.ttft.strata],
+                "itl": [side.itl.values, side.itl.strata]}
+            for v, side in r._window.items()}
+
+
 def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "3+3",
-        timeout_s: float = 1200) -> dict[str, Any]:
+        timeout_s: float = 1200, first_decision: bool = False) -> dict[str, Any]:
     """One rollout of ``plan`` on ``fleet`` (:data:`FLEETS`) to its end; its figures,
     every decision's numbers, the operator's additions (``added``: when, at which step,
     the hold's reason) and the comparisons seen while a step was due (``looks``: each
-    distinct one, polled every 0.2 s, the same period as ``recheck_s``)."""
+    distinct one, polled every 0.2 s, the same period as ``recheck_s``).
+    ``first_decision``: stop at the first step's decision (status ``running`` after a
+    pass: the step passed)."""
     servers = Servers()
     n_base, n_canary, n_spare = FLEETS[fleet]
     added: list[dict[str, Any]] = []
@@ -180,7 +210,7 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "
                          "reason": (cmp or {}).get("reason", ""), "comparison": cmp})}
                     if cmp and (not looks or looks[-1] != look):
                         looks.append(look)
-                    if snap["status"] != "running":
+                    if snap["status"] != "running" or (first_decision and snap["history"]):
                         break
                     if snap.get("held") and spares and not (
                             added and added[-1]["step"] == snap["step"]):
@@ -191,6 +221,7 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "
             finally:
                 traffic.stop()
             took = time.monotonic() - t0
+            samples = _window(gw) if first_decision else None
     finally:
         servers.stop()
     served = snap["served"]
@@ -203,8 +234,10 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "
            "failed": len(traffic.failures), "failures": traffic.failures[:3],
            "canary_served": served["canary"], "assigned": total,
            "canary_share": round(served["canary"] / total, 4) if total else None}
+    if samples is not None:
+        out["samples"] = samples
     if snap["status"] == "rolled_back" and snap["history"][-1]["step"] == 0:
-        out["bound"] = round(STEPS[0] * total + plan["min_step_requests"], 1)
+        out["bound"] = round(plan["steps"][0] * total + plan["min_step_requests"], 1)
         out["within_bound"] = served["canary"] <= out["bound"]
     return out
 
@@ -219,13 +252,27 @@ def main() -> None:
                          "server added by a live reload at each capacity hold, two spares)")
     ap.add_argument("--probe-interval-s", type=float, default=None,
                     help="calibration.interval_s (default: the plan's 0.1 s)")
+    ap.add_argument("--steps", default=None,
+                    help="the plan's steps, comma-separated shares (default 0.01,...,1.0); "
+                         "e.g. 0.25,1.0 with --fleet 3+1: one canary server of four at "
+                         "the 25 %% step, the same load per server as the baseline's")
+    ap.add_argument("--min-step-s", type=float, default=None,
+                    help="the plan's min_step_s (default 0.5 s); longer: larger samples")
+    ap.add_argument("--first-decision", action="store_true",
+                    help="end each run at its first step's decision (a false-rollback "
+                         "rate of that step over --repeat runs)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON written")
     args = ap.parse_args()
     plan = copy.deepcopy(PLAN)
     if args.probe_interval_s is not None:
         plan["calibration"]["interval_s"] = args.probe_interval_s
+    if args.min_step_s is not None:
+        plan["min_step_s"] = args.min_step_s
+    if args.steps:
+        plan["steps"] = [float(x) for x in args.steps.split(",")]
     wanted = args.cases.split(",")
-    rows = [run(name, release, plan, args.fleet) for name, release in CANARIES.items()
+    rows = [run(name, release, plan, args.fleet, first_decision=args.first_decision)
+            for name, release in CANARIES.items()
             if name.split(" ")[0] in wanted for _ in range(args.repeat)]
     for r in rows:
         steps = " -> ".join(f"{s}:{o}" for s, o, _ in r["decisions"])
@@ -243,6 +290,12 @@ def main() -> None:
             print(f"{'':18} step {d['step']} {d['outcome']}: " + "; ".join(
                 f"{k} P50 x{v['p50_ratio']:.3f} P99 x{v['p99_ratio']:.3f} p={v['p_value']:.3g}"
                 for k, v in d.items() if isinstance(v, dict) and "p50_ratio" in v))
+    for name in dict.fromkeys(r["canary"] for r in rows):
+        mine = [r for r in rows if r["canary"] == name]
+        back = sum(r["status"] == "rolled_back" for r in mine)
+        first = sum(r["status"] == "rolled_back" and r["decisions"][-1][0] == 0 for r in mine)
+        print(f"{name}: rolled back in {back} of {len(mine)} runs ({first} at the first "
+              "step)")
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps({"plan": plan, "fleet": args.fleet, "runs": rows},
                                    indent=2))

@@ -22,9 +22,19 @@ Prints the table and the reductions of load_thermal against each baseline next t
 (max temperature -17%, peak power -23%, thermal throttling -97%, power throttling -99%),
 checks issue 5's "must hold" against least_request (>= 97% fewer throttling events, lower
 max temperature and peak domain power, goodput within 2%) and issue 21's for ``clocks``
-(:data:`CLOCKS_BARS`) and says which held. Energy per output token is the run's GPU energy
+(:func:`clocks_bars`) and says which held. Energy per output token is the run's GPU energy
 over the output tokens of the requests completed. Writes
 ``benchmarks/results/thermal.json`` (and ``--plot PNG``).
+
+Exit status: 0 when every check holds; 1 when an issue-21 bar fails (the gateway's answer to
+power and heat today: clocks first); 2 when only issue 5's checks fail. Issue 5's bars are
+on ``load_thermal``, routing alone, and one of them cannot hold under the DVFS physics:
+when every rack is full at once (the day's peak bursts), both ``load_thermal`` and
+``least_request`` reach their domains' budgets, the facility caps them there (a domain
+over its budget for one second is held to it for ``facility_cap_hold_s``), and the
+highest 60-s mean of both is the budget plus the second that tripped the cap -- equal, so
+"lower peak domain power" fails. The benchmark prints that diagnosis when it is the
+reason, and keeps the bar (a distinct status, not a pass).
 
 Run: ``python benchmarks/thermal.py`` (``--hours 1`` for a quick look).
 """
@@ -78,6 +88,27 @@ def clocks_bars(ck: PolicyResult, lr: PolicyResult, lt: PolicyResult) -> dict[st
         >= 0.10,
         "refused for power <= a tenth of load_thermal's": ck.rejected <= 0.1 * lt.rejected,
     }
+
+
+def at_facility_cap(r: PolicyResult) -> list[str]:
+    """The domains whose highest 60-s mean draw reached their budget in run ``r`` (the
+    facility's cap then holds them there, so that mean cannot rise much above it)."""
+    return [d for d, w in r.peak_domain_w.items() if w >= r.domain_budget_w[d] - 1.0]
+
+
+def peak_diagnosis(gw: PolicyResult, lr: PolicyResult) -> str:
+    """Why ``gw`` (load_thermal) has no lower peak domain power than ``lr``, in words."""
+    gd, ld = at_facility_cap(gw), at_facility_cap(lr)
+    head = f"{gw.policy} {gw.peak_domain_power_w:.0f} W, {lr.policy} {lr.peak_domain_power_w:.0f} W"
+    if gd and ld:
+        return (
+            f"{head}: both reach the facility cap (budget {max(gw.domain_budget_w.values()):.0f}"
+            f" W) in {', '.join(gd)} / {', '.join(ld)} ({gw.power_cap_events} / "
+            f"{lr.power_cap_events} power-cap events), so both peaks are the budget plus the "
+            "second that tripped the cap: routing alone cannot lower a peak every rack reaches "
+            "at once (clock caps can: issue 21)"
+        )
+    return f"{head}: not at the facility cap; the routing itself does not lower the peak"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print("[bold]issue 5, must hold (load_thermal vs least_request):[/bold]")
     for name, ok in checks.items():
         console.print(f"  {'held  ' if ok else 'FAILED'}  {name}")
+    if not checks["lower peak domain power"]:
+        console.print(f"    why: {peak_diagnosis(gw, lr)}")
     ck = by[CLOCKS]
     bars = clocks_bars(ck, lr, gw)
     console.print(
@@ -193,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         write_plot(results, args.plot)
         console.print(f"wrote {args.plot}")
-    # a failed must-hold fails the command
-    return 0 if all(checks.values()) and all(bars.values()) else 1
+    # a failed must-hold fails the command: 1 for issue 21's bars, 2 for issue 5's alone
+    if not all(bars.values()):
+        return 1
+    return 0 if all(checks.values()) else 2
 
 
 if __name__ == "__main__":

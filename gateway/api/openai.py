@@ -360,7 +360,8 @@ async def model_response(
     answered(metrics, endpoint, model, answer.status, started, answer.version)
     if rollouts is not None and ctx.version is not None:  # TTFT: the whole answer's time
         ttft = time.perf_counter() - opened.sent_at if answer.status < 400 else None
-        rollouts.observe(ctx, opened.backend, answer.status >= 500, ttft, load=opened.load)
+        rollouts.observe(ctx, opened.backend, answer.status >= 500, ttft, load=opened.load,
+                         prefill_load=opened.prefill_load)
     return _render_answer(answer, idh, rid, ctx.ratelimit)
 
 
@@ -467,7 +468,8 @@ def _observed(
                 itl = (ended - first_sent_at) / gaps
         backend = opened.backend if framer is framer0 else None
         rollouts.observe(ctx, backend, error, ttft, itl, load=opened.load,
-                         itl_load=max(opened.load, ended_load))
+                         itl_load=max(opened.load, ended_load),
+                         prefill_load=opened.prefill_load)
 
     return done
 

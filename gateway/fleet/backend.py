@@ -6,7 +6,7 @@ fields change only through its own methods:
 * the request path's (:meth:`Backend.attempt_started`, :meth:`~Backend.answer_started`,
   :meth:`~Backend.attempt_ended`, :meth:`~Backend.heard`, :meth:`~Backend.cool_until`,
   :meth:`~Backend.count_served`, :meth:`~Backend.take`, :meth:`~Backend.give_back`,
-  :meth:`~Backend.note_error`);
+  :meth:`~Backend.calibration_round`, :meth:`~Backend.note_error`);
 * the control loops' observations (:meth:`~Backend.scraped`, :meth:`~Backend.models_listed`,
   :meth:`~Backend.count_probe`, calibration and GPU results, ...);
 * the control-plane record (state, holds, drains, maintenance markers, deferrals, config
@@ -93,6 +93,10 @@ class Backend:
     # Cut handles of the requests waiting here for their answer's start (nothing of it has
     # reached the client: safe to re-send elsewhere), with each one's model.
     awaiting: dict[Cuttable, str] = field(default_factory=dict)
+    # Cut handles of every attempt sent here whose answer has not started (its prefill not
+    # known done), and calibration rounds running here: :attr:`prefill_load`.
+    unanswered: set[Cuttable] = field(default_factory=set)
+    probing: int = 0
     # What it owes the control plane and when it was last heard from (the hung watchdog,
     # gateway.fleet.liveness); ``suspected``: silent long enough that new requests go
     # elsewhere when another backend can take them.
@@ -176,6 +180,12 @@ class Backend:
         self.in_flight -= places
         self.pooled_extra -= pooled_extra
 
+    def calibration_round(self, delta: int) -> None:
+        """A rollout's calibration round starts here (``delta`` 1) or ends (-1, once): one
+        sequence in flight and one request before its first token (:attr:`prefill_load`)."""
+        (self.take if delta > 0 else self.give_back)(1, 0)
+        self.probing += delta
+
     # ---- the request path's writes (gateway.flow: the lease, attempts, relay) ---------
     def attempt_started(
         self,
@@ -195,6 +205,7 @@ class Backend:
             self.busy_since = now
         self.take(places, pooled_extra)
         self.active.add(cut)
+        self.unanswered.add(cut)
         if resendable_model is not None:
             self.awaiting[cut] = resendable_model
 
@@ -202,14 +213,23 @@ class Backend:
         """The attempt's answer start came back (a whole body or a stream's first events) at
         monotonic ``now``: the backend is alive, and the request can no longer be re-sent."""
         self.awaiting.pop(cut, None)
+        self.unanswered.discard(cut)
         self.last_answer_at = now
         self.liveness.heard(now)
 
     def attempt_ended(self, cut: Cuttable, places: int, pooled_extra: int) -> None:
         """Undo :meth:`attempt_started` (exactly once per attempt, by the request's lease)."""
         self.awaiting.pop(cut, None)
+        self.unanswered.discard(cut)
         self.give_back(places, pooled_extra)
         self.active.discard(cut)
+
+    @property
+    def prefill_load(self) -> int:
+        """Requests here before their first token as the gateway sees it (a stream's first
+        events, a non-stream's whole body; each attempt once, out at its answer, end or
+        failure) plus calibration rounds (:mod:`gateway.traffic.rollout_strata`)."""
+        return len(self.unanswered) + self.probing
 
     def heard(self, now: float) -> None:
         """The backend answered something (an error status, a stream chunk) at ``now``."""

@@ -247,6 +247,7 @@ class ClockDriver:
                     st.temp_c,
                     load.running if load is not None else 0.0,
                     load.waiting if load is not None else 0.0,
+                    st.power_w,
                 )
             )
             if domain is not None:

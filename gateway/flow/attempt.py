@@ -86,6 +86,8 @@ async def send_attempt(
     waiting_first_byte = True
     sent_at = time.perf_counter()
     load = backend.in_flight  # its load as this attempt meets it (a canary's comparison)
+    prefill = backend.prefill_load  # the prefills ahead of it, this one's included; at
+    # its answer, the larger with those that came after it (Opened.prefill_load)
     try:
         async with asyncio.timeout(proxy.ttfb_timeout_s) as timer:
             resp = await transport.send(backend, ctx.upstream, backend.api_key)
@@ -93,7 +95,8 @@ async def send_attempt(
             if ctx.stream and status == 200 and resp.content_type == EVENT_STREAM:
                 framer = EventFramer()
                 first = await _first_events(backend, resp, framer)
-                return Opened(backend, resp, first, framer, sent_at, load)
+                return Opened(backend, resp, first, framer, sent_at, load,
+                              max(prefill, backend.prefill_load))
             waiting_first_byte = False
             limit = proxy.max_error_body_bytes if status >= 400 else None
             body = await _read_body(resp, timer, proxy.idle_timeout_s, limit)
@@ -130,7 +133,8 @@ async def send_attempt(
                     body,
                     response_headers(resp, id_header),
                 )
-            return Opened(backend, resp, body, None, sent_at, load)
+            return Opened(backend, resp, body, None, sent_at, load,
+                          max(prefill, backend.prefill_load))
     except TimeoutError:
         if resp is not None:
             resp.close()

@@ -95,6 +95,9 @@ class Opened:
     framer: EventFramer | None
     sent_at: float = 0.0  # time.perf_counter() when this attempt was sent upstream
     load: int = 0  # the backend's requests in flight when it was sent (this one included)
+    # Backend.prefill_load, the larger of at the send and at the answer's start (this one
+    # included): the prefills its first token waited for (gateway.traffic.rollout_strata)
+    prefill_load: int = 0
 
 
 @dataclass(slots=True)

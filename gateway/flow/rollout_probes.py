@@ -80,18 +80,20 @@ class RolloutProbes:
     async def _answers(self, backend: Backend, model: str, only: str | None = None
                        ) -> Answers:
         """The calibration answers of ``backend``, counted in its requests in flight while
-        the round runs (:meth:`gateway.fleet.backend.Backend.take`: one sequence; the
+        the round runs (:meth:`gateway.fleet.backend.Backend.calibration_round`: one sequence; the
         prompts are asked one after another), so that a request sent there meanwhile sees
         the load it meets: the router weighs it, and the rollout compares that request's
         latencies in the right load stratum (:mod:`gateway.traffic.rollout_strata`). A
         round loads a version's pool unevenly: the canary's one server answers as many
         probes as the whole baseline pool, and uncounted they made a good canary look
-        slower at "matched" load (module docstring)."""
-        backend.take(1, 0)
+        slower at "matched" load (module docstring). The round also counts as one request
+        waiting for its first token (:attr:`gateway.fleet.backend.Backend.prefill_load`):
+        its prompts are prefilled one after another."""
+        backend.calibration_round(1)
         try:
             return await self.calibrator.answers(backend, model, only=only)
         finally:
-            backend.give_back(1, 0)
+            backend.calibration_round(-1)
 
     async def probe(self, run: RolloutRun) -> int:
         """One round for ``run``: returns the canary probes scored (0 when skipped)."""

@@ -16,10 +16,11 @@ their consequences. The decisions themselves are the pure state machine's
 * **Observing** (:meth:`Rollouts.observe`): a finished request on its serving backend's
   version: TTFT (seconds from the attempt's send to the first event of a stream, to the
   whole answer of a non-stream: the backend's own, the gateway's queue excluded, which both
-  versions share) at the backend's requests in flight when it was sent, ITL (a stream's
-  mean time between the events after its first, seconds) at the larger of that and the
-  backend's requests in flight when the stream ended (a request that arrived meanwhile and
-  was prefilled stalled this stream's decode, and is still in flight at its end),
+  versions share) at the backend's requests in flight when it was sent and its prefill
+  load (``Opened.prefill_load``), ITL (a stream's mean time between the events after its
+  first, seconds) at the larger of that load and the backend's requests in flight when the
+  stream ended (a request that arrived meanwhile and was prefilled stalled this stream's
+  decode, and is still in flight at its end),
   error (a 5xx, an in-band 5xx error, a stream cut by the backend or the gateway; a 4xx is
   the client's and a client hanging up is not the version's: not errors).
 * **Deciding** (:meth:`Rollouts.round`, the ``rollouts`` control loop every
@@ -204,13 +205,14 @@ class Rollouts:
 
     def observe(self, ctx: RequestContext, backend: Backend | None, error: bool,
                 ttft_s: float | None = None, itl_s: float | None = None,
-                load: int = 0, itl_load: int | None = None) -> None:
+                load: int = 0, itl_load: int | None = None, prefill_load: int = 0) -> None:
         """A finished request that was assigned a version (``ctx.version``): observed on
         the version of ``backend``, the one that served it (None: none did, the assigned
         one), and counted as a fallback when that is not the assigned one (the share per
         version is ``gateway_requests_total``'s ``version`` label, counted at the edge).
-        ``load`` / ``itl_load``: the backend's requests in flight the TTFT / the ITL met
-        (:meth:`gateway.traffic.rollout.Rollout.observe`)."""
+        ``load`` / ``itl_load``: the backend's requests in flight the TTFT / the ITL met,
+        ``prefill_load``: its requests before their first token at the send, this one
+        included (:meth:`gateway.traffic.rollout.Rollout.observe`)."""
         run = self.runs.get(ctx.model)
         if run is None or ctx.version is None:
             return
@@ -227,7 +229,7 @@ class Rollouts:
             self.metrics.rollout_fallbacks.labels(ctx.model, ctx.version).inc()
             run.fallbacks[ctx.version] = run.fallbacks.get(ctx.version, 0) + 1
         run.rollout.observe(side, None if error else ttft_s, None if error else itl_s, error,
-                            load, itl_load)
+                            load, itl_load, prefill_load)
 
     def observe_failure(self, ctx: RequestContext, status: int) -> None:
         """A request with a version that ended without a backend's answer to relay as

@@ -19,7 +19,13 @@ clock, and applies the lowest, never below ``floor_ratio``
   lower clock slows decode least), the hottest on a tie; how many in proportion to how far
   the draw is from the high mark to the budget (one just above the mark, every GPU of the
   domain at or over the budget). Below ``domain_low_ratio`` one capped GPU steps back up,
-  the most prefill-heavy first. Between the two nothing moves (hysteresis both ways).
+  the most prefill-heavy first. Between the two (hysteresis both ways) only a capped GPU
+  with requests *waiting* steps up -- the most prefill-heavy, one per step -- and only while
+  the domain's draw plus that step's rise stays under the high mark: the rise is bounded by
+  the GPU's draw times ``((f + step) / f)^3 - 1`` (dynamic power ``C V^2 f`` with ``V``
+  following ``f`` at the top of the DVFS range; the static and memory shares do not rise, so
+  the real rise is lower). A queue is prefill to come, which a capped clock slows as
+  ``1/f`` (GreenLLM), so the headroom the band leaves goes to the GPUs that need clock.
 * **thermal** (per GPU, one step per ``interval_s``): from ``hot_c - hot_margin_c`` the cap
   steps down, below ``hot_c - release_margin_c`` it steps back up.
 * **efficiency**: a backend with no request waiting for ``efficient_after_s`` runs at
@@ -52,8 +58,8 @@ _EPS = 1e-9
 @dataclass(frozen=True, slots=True)
 class GpuView:
     """What the controller reads of one backend: its power domain, its GPUs' maximum SM
-    clock (MHz), its hottest GPU's temperature (°C; None: no fresh sample), and its queue
-    (vLLM ``num_requests_running`` / ``num_requests_waiting``)."""
+    clock (MHz), its hottest GPU's temperature (°C; None: no fresh sample), its queue
+    (vLLM ``num_requests_running`` / ``num_requests_waiting``) and its GPUs' draw (W)."""
 
     backend_id: str
     domain: str | None
@@ -61,6 +67,7 @@ class GpuView:
     temp_c: float | None
     running: float
     waiting: float
+    power_w: float | None = None  # its GPUs' draw now (W); None: unknown (no band release)
 
     @property
     def decode_share(self) -> float:
@@ -175,7 +182,7 @@ class ClockController:
                 ratio = dom.draw_w / dom.budget_w
                 if name in hold and ratio < cfg.domain_low_ratio:
                     continue  # the power limits are released first
-                self._power_step(now, name, members, ratio)
+                self._power_step(now, name, members, dom.draw_w, dom.budget_w)
         return self._apply(gpus)
 
     # -- the three caps
@@ -191,11 +198,14 @@ class ClockController:
             c.thermal = min(1.0, c.thermal + cfg.step_ratio)
             c.thermal_at = now
 
-    def _power_step(self, now: float, name: str, members: list[GpuView], ratio: float) -> None:
+    def _power_step(
+        self, now: float, name: str, members: list[GpuView], draw_w: float, budget_w: float
+    ) -> None:
         cfg = self.cfg
         if now - self._domain_at.get(name, -1e18) < cfg.interval_s - _EPS:
             return
         caps = self._caps
+        ratio = draw_w / budget_w
         if ratio >= cfg.domain_high_ratio:
             movable = [g for g in members if caps[g.backend_id].applied > cfg.floor_ratio + _EPS]
             if not movable:
@@ -215,6 +225,34 @@ class ClockController:
             g = min(capped, key=lambda g: (g.decode_share, g.temp_c or 0.0, g.backend_id))
             c = caps[g.backend_id]
             c.power = min(1.0, c.power + cfg.step_ratio)
+            self._domain_at[name] = now
+        else:
+            self._band_release(now, name, members, draw_w, budget_w)
+
+    def _band_release(
+        self, now: float, name: str, members: list[GpuView], draw_w: float, budget_w: float
+    ) -> None:
+        """Inside the band: step up the most prefill-heavy power-capped GPU with requests
+        waiting, if its rise (bounded as in the module docstring) keeps the domain under
+        the high mark."""
+        cfg = self.cfg
+        queued = [
+            g
+            for g in members
+            if g.waiting > 0
+            and g.power_w is not None
+            and self._caps[g.backend_id].power < min(1.0, self._caps[g.backend_id].thermal)
+        ]
+        if not queued:
+            return
+        g = min(queued, key=lambda g: (g.decode_share, g.temp_c or 0.0, g.backend_id))
+        c = self._caps[g.backend_id]
+        f = max(_EPS, c.applied)
+        up = min(1.0, c.power + cfg.step_ratio)
+        assert g.power_w is not None
+        rise = g.power_w * ((max(f, up) / f) ** 3 - 1.0)
+        if draw_w + rise < cfg.domain_high_ratio * budget_w:
+            c.power = up
             self._domain_at[name] = now
 
     def _apply(self, gpus: Sequence[GpuView]) -> list[CapChange]:

@@ -244,6 +244,7 @@ class SimulatedGateway:
                 temp_c=self.statuses[b.id].temp_c,
                 running=b.load.running if b.load is not None else 0.0,
                 waiting=b.load.waiting if b.load is not None else 0.0,
+                power_w=self.statuses[b.id].power_w,
             )
             for b, g in zip(self.backends, view.gpus, strict=True)
         ]

@@ -60,139 +60,40 @@ canary; later steps apply to everyone.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from gateway.core.vocab import Prio
-from gateway.traffic.calibration_match import CalibrationMeasure, probe_matches
-from gateway.traffic.rollout_capacity import CAPACITY_SLACK, PoolCapacity, step_hold
+from gateway.traffic.calibration_match import probe_matches
+from gateway.traffic.rollout_capacity import PoolCapacity, step_hold
+from gateway.traffic.rollout_plan import (
+    DEFAULT_STEPS,
+    RolloutPlan,
+    Status,
+    StepOutcome,
+    StepRecord,
+    Version,
+    unit_hash,
+)
+from gateway.traffic.rollout_state import parse_state
 from gateway.traffic.rollout_stats import (
     Comparison,
     MetricResult,
-    Thresholds,
     combine,
     compare_calibration,
     compare_errors,
 )
-from gateway.traffic.rollout_strata import compare_latency_matched, load_stratum
+from gateway.traffic.rollout_strata import (
+    compare_latency_matched,
+    load_stratum,
+    ttft_stratum,
+)
 from gateway.traffic.rollout_window import Side
 
-Version = Literal["baseline", "canary"]
-Status = Literal["running", "promoted", "rolled_back"]
-StepOutcome = Literal["pass", "hold", "promoted", "rolled_back"]
-"""A recorded decision: the step passed, held (past ``max_step_s``, or passed and waiting
-for the next step's capacity: ``cause="capacity"``), the rollout promoted or
-rolled back (a failed comparison is recorded as ``rolled_back``, its comparison attached)."""
-
-DEFAULT_STEPS: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5, 1.0)
-"""The canary's share of the model's traffic at each step (the issue's default)."""
-
-
-@dataclass(frozen=True)
-class RolloutPlan:
-    """What a rollout does (the lead's config / ``POST /admin/rollouts`` maps onto it).
-
-    ``model``: the model name clients ask for; ``baseline`` / ``canary``: the two
-    ``model_version`` values. ``steps``: canary shares (fractions of the model's traffic),
-    strictly increasing in (0, 1], ending at 1.0. ``min_step_s`` (seconds, 300: several
-    calibration rounds and long enough for a cold prefix cache to warm) and
-    ``min_step_requests`` (canary requests observed, 100: the error test's ``min_requests``)
-    must both be met before a step is compared; ``max_step_s`` (seconds, 3600) ends a step
-    whose comparison is still ``insufficient`` by ``on_insufficient`` (module docstring);
-    ``recheck_s`` (seconds, 10): how often an insufficient comparison is retried.
-    ``target_keys`` / ``target_priorities`` / ``targeted_steps``: the first
-    ``targeted_steps`` steps only for those requests. ``calibration``: the match measure of
-    a probe. ``max_window_samples`` (samples per side and latency metric, 10 000): a
-    uniform reservoir (Vitter's algorithm R) bounds the memory and a comparison's sort.
-    ``rollout_id``: salts the session hash, so successive rollouts start different sessions
-    on their canaries. ``capacity_slack`` (1.25): how far above the model's mean load per
-    unit of capacity a step may run the canary's servers
-    (:mod:`gateway.traffic.rollout_capacity`).
-    """
-
-    model: str
-    baseline: str
-    canary: str
-    steps: tuple[float, ...] = DEFAULT_STEPS
-    min_step_s: float = 300.0
-    min_step_requests: int = 100
-    max_step_s: float = 3600.0
-    recheck_s: float = 10.0
-    on_insufficient: Literal["rollback", "hold"] = "rollback"
-    target_keys: frozenset[str] = frozenset()
-    target_priorities: frozenset[Prio] = frozenset()
-    targeted_steps: int = 0
-    calibration: CalibrationMeasure = "exact"
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    max_window_samples: int = 10_000
-    rollout_id: str = ""
-    capacity_slack: float = CAPACITY_SLACK
-
-    def __post_init__(self) -> None:
-        s = self.steps
-        if not s or any(not (0.0 < x <= 1.0) for x in s) or s[-1] != 1.0 or any(
-            b <= a for a, b in itertools.pairwise(s)
-        ):
-            raise ValueError("RolloutPlan.steps must be strictly increasing shares in (0, 1] "
-                             f"ending at 1.0, got {list(s)!r}")
-        for name, ok, need in (
-            ("min_step_s", math.isfinite(self.min_step_s) and self.min_step_s >= 0, ">= 0 s"),
-            ("max_step_s", math.isfinite(self.max_step_s)
-             and self.max_step_s >= self.min_step_s, ">= min_step_s"),
-            ("min_step_requests", self.min_step_requests >= 1, ">= 1"),
-            ("recheck_s", math.isfinite(self.recheck_s) and self.recheck_s > 0, "> 0 s"),
-            ("capacity_slack", math.isfinite(self.capacity_slack)
-             and self.capacity_slack >= 1, ">= 1"),
-        ):
-            if not ok:
-                raise ValueError(f"RolloutPlan.{name} must be {need}, "
-                                 f"got {getattr(self, name)!r}")
-        if not 0 <= self.targeted_steps < len(s):
-            raise ValueError("RolloutPlan.targeted_steps must be in [0, len(steps) - 1] (the "
-                             f"last step is for everyone), got {self.targeted_steps!r}")
-        if self.targeted_steps and not (self.target_keys or self.target_priorities):
-            raise ValueError("RolloutPlan.targeted_steps needs target_keys or "
-                             "target_priorities")
-        if self.max_window_samples < self.thresholds.min_samples:
-            raise ValueError("RolloutPlan.max_window_samples must be >= "
-                             f"thresholds.min_samples, got {self.max_window_samples!r}")
-        if self.baseline == self.canary:
-            raise ValueError("RolloutPlan.canary must differ from baseline, "
-                             f"both are {self.canary!r}")
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One decision of the rollout: ``at`` (the injected clock, seconds), the step index and
-    share, the ``outcome`` and its ``reason``, the comparison it rests on (None for an
-    operator's rollback), and its ``cause`` (``capacity`` for a hold for want of the
-    next step's capacity, else empty)."""
-
-    at: float
-    step: int
-    share: float
-    outcome: StepOutcome
-    reason: str
-    comparison: Comparison | None = None
-    cause: str = ""
-
-    def to_json(self) -> dict[str, object]:
-        """A JSON-ready dict."""
-        return {"at": self.at, "step": self.step, "share": self.share,
-                "outcome": self.outcome, "reason": self.reason, "cause": self.cause,
-                "comparison": self.comparison.to_json() if self.comparison else None}
-
-
-def unit_hash(salt: str, key: str) -> float:
-    """A stable point in [0, 1) for ``key`` (BLAKE2b, the same in every process)."""
-    digest = hashlib.blake2b(f"{salt}\x00{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64
-
+__all__ = ["DEFAULT_STEPS", "Rollout", "RolloutPlan", "Status", "StepOutcome", "StepRecord",
+           "Version", "unit_hash"]
 
 class Rollout:
     """The state machine of one model's rollout (module docstring). Call :meth:`assign`
@@ -275,12 +176,15 @@ class Rollout:
         return "canary" if self._rng.random() < share else "baseline"
 
     def observe(self, version: Version, ttft_s: float | None, itl_s: float | None,
-                error: bool, load: int = 0, itl_load: int | None = None) -> None:
+                error: bool, load: int = 0, itl_load: int | None = None,
+                prefill_load: int = 0) -> None:
         """One finished request of ``version``: its TTFT and mean ITL in seconds (None when
         it has none: an error before the first token, a one-token answer), whether it
         failed, and its backend's requests in flight when it was sent (``load``; 0:
-        unknown), whose stratum its TTFT is compared in
-        (:mod:`gateway.traffic.rollout_strata`); its ITL's stratum is ``itl_load`` (the
+        unknown) and requests before their first token that its own met (``prefill_load``,
+        this one included; 0: unknown), whose stratum its TTFT is compared in
+        (:func:`gateway.traffic.rollout_strata.ttft_stratum`); its ITL's stratum is
+        ``itl_load`` (the
         load its decode met: the larger of ``load`` and the requests in flight when the
         stream ended; None: ``load``), since a prefill admitted while it decoded stalls
         every step of it (vLLM without chunked prefill; :mod:`gateway.sim.engine`), and a
@@ -291,11 +195,10 @@ class Rollout:
         side = self._window[version]
         side.requests += 1
         side.errors += int(error)
-        stratum = load_stratum(load)
         if ttft_s is not None and math.isfinite(ttft_s):
-            side.ttft.add(ttft_s, stratum)
+            side.ttft.add(ttft_s, ttft_stratum(load, prefill_load))
         if itl_s is not None and math.isfinite(itl_s):
-            side.itl.add(itl_s, stratum if itl_load is None else load_stratum(itl_load))
+            side.itl.add(itl_s, load_stratum(load if itl_load is None else itl_load))
 
     def observe_calibration(self, reference: str | Sequence[float],
                             answer: str | Sequence[float]) -> bool:
@@ -419,12 +322,17 @@ class Rollout:
         if self._window["baseline"].requests >= self.plan.thresholds.min_requests:
             self._reference = self._window["baseline"]
         self.step += 1
-        self.step_started_at = now
+        self._fresh_step(now)
+        return rec
+
+    def _fresh_step(self, started_at: float) -> None:
+        """The current step (re)starts at ``started_at``: no hold, no look yet, a new
+        window."""
+        self.step_started_at = started_at
         self._holding = False
         self._last_check = None
         self.held = self._held_cmp = None
         self._new_window()
-        return rec
 
     @property
     def canary_share_served(self) -> float:
@@ -482,30 +390,10 @@ class Rollout:
         window of samples (the old samples are not kept: a step decides on what it sees
         after the resume). Its decisions so far are shown before new ones. Raises
         ``KeyError`` / ``ValueError`` / ``TypeError`` for a state that is not one."""
-        status = state["status"]
-        if status not in ("running", "promoted", "rolled_back"):
-            raise ValueError(f"rollout status {status!r}")
-        step = int(state["step"])
-        if not 0 <= step < len(self.plan.steps):
-            raise ValueError(f"rollout step {step} of {len(self.plan.steps)}")
-        served = state.get("served") or {}
-        history = state.get("history") or []
-        if not isinstance(served, Mapping) or not isinstance(history, list):
-            raise TypeError("rollout state: served must be an object, history a list")
-        sb = state.get("share_before_rollback")
-        prior = [{**r, "at": now + float(r["at"])} for r in history]
-        self.status = status
-        self.step = step
-        self.step_started_at = now - max(0.0, float(state.get("step_age_s") or 0.0))
-        self.served = {"baseline": int(served.get("baseline", 0)),
-                       "canary": int(served.get("canary", 0))}
-        self.share_before_rollback = None if sb is None else float(sb)
-        self.probes = int(state.get("probes") or 0)
-        self.probe_failures = int(state.get("probe_failures") or 0)
-        self.prior = prior
-        self.history = []
-        self._holding = False
-        self._last_check = None
-        self.held = self._held_cmp = None
+        r = parse_state(state, len(self.plan.steps), now)
+        self.status, self.step, self.step_started_at = r.status, r.step, r.step_started_at
+        self.served, self.share_before_rollback = r.served, r.share_before_rollback
+        self.probes, self.probe_failures = r.probes, r.probe_failures
+        self.prior, self.history = r.prior, []
         self._reference = None
-        self._new_window()
+        self._fresh_step(r.step_started_at)

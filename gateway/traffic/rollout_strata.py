@@ -11,8 +11,38 @@ and rolled back a good one carrying twice the baseline's per-server load
 
 So each latency sample carries its **stratum**: the serving backend's requests in flight
 when the attempt was sent (this one included), in powers of two (:func:`load_stratum`: 1,
-2, 3-4, 5-8, ...; 0 when unknown). The comparison uses only the strata both versions have
-samples in:
+2, 3-4, 5-8, ...; 0 when unknown); a TTFT's stratum also has its **prefill load**
+(:func:`ttft_stratum`, :func:`prefill_class`: exact to 4, then powers of two).
+
+*Why a TTFT needs the prefill load.* In vLLM without chunked prefill a step runs every
+request's next token plus the whole prefill of every request it admits (the cost model of
+:mod:`gateway.sim.engine`, after Vidur, Agrawal et al. 2024), so a request's first token
+waits for the prefills ahead of it and those admitted with it, while requests already
+decoding cost it one short step each. Requests in flight count both alike. A version
+served by one server of a pool of four (a 25 % step on one canary server beside three
+baseline ones, the same load per server) is not compared like with like at equal requests
+in flight: the router sends each baseline request to the least loaded of three servers,
+away from one that was just sent a request, while every canary request goes to the one
+canary server, whatever it is doing. End to end (``benchmarks/rollout_e2e.py --fleet 3+1
+--steps 0.25,0.5,0.75,0.9,1.0 --min-step-s 15 --first-decision``) a good canary was rolled
+back at that step in 6 of 20 runs on TTFT P50 x1.08-1.36 at matched in-flight strata (p
+down to 5e-6); within one in-flight stratum the canary's requests waited behind more
+prefills.
+The prefill load is the backend's requests sent and not yet past their first token
+(:attr:`gateway.fleet.backend.Backend.prefill_load`; a stream's first events, a
+non-stream's whole answer, which the gateway cannot see earlier; calibration rounds count
+one), this one included, at the larger of the send and its own first token: a request sent
+there after this one and admitted with it (same step) lengthens its first token as much as
+one ahead of it, and the canary's one server meets all of those where the baseline's
+router spreads them (at the send alone: 1 of 10 rolled back, x1.15 left within a stratum;
+with the larger: 0 of 18, P50 median x1.02). Counted at the first token it also takes in
+requests that came after this one's prefill and did not delay it; a slower build waits
+longer and meets more of them, so it is compared against a baseline at a little more load:
+a tilt in the slower build's favour, measured: TTFT x1.5 on the same fleet is still rolled
+back at that step (5 of 5; docs/architecture.md). With chunked prefill (vLLM v1's default)
+a prefill is spread over steps and the effect is smaller, but its direction the same.
+
+The comparison uses only the strata both versions have samples in:
 
 * **the test**: van Elteren's stratified Wilcoxon-Mann-Whitney test (van Elteren 1960; the
   standard test for a shift within strata, e.g. Lehmann, *Nonparametrics*, ch. 3): per
@@ -57,6 +87,35 @@ def load_stratum(in_flight: int) -> int:
     if in_flight <= 0:
         return 0
     return math.ceil(math.log2(in_flight)) + 1
+
+
+PREFILL_EXACT = 4
+"""Prefill loads up to this are strata of their own (1, 2, 3, 4); above it, powers of two
+(5-8, 9-16, ...): each request waiting ahead of a new one's first token adds a whole
+prefill to its TTFT, so at small counts one more is a large step (module docstring)."""
+
+STRATA_BASE = 100
+"""A combined stratum is ``prefill class x STRATA_BASE + load class`` (both classes are far
+below it: a load class is ``ceil(log2(n)) + 1``, 33 for four billion requests)."""
+
+
+def prefill_class(prefill_load: int) -> int:
+    """The class of a prefill load (the backend's requests not yet past their first token
+    when this one was sent, this one included; :attr:`gateway.fleet.backend.Backend
+    .prefill_load`): 0 when unknown (<= 0), the count itself up to :data:`PREFILL_EXACT`,
+    then ``PREFILL_EXACT + ceil(log2(n)) - 2`` (5-8 -> 5, 9-16 -> 6, ...)."""
+    if prefill_load <= 0:
+        return 0
+    if prefill_load <= PREFILL_EXACT:
+        return prefill_load
+    return PREFILL_EXACT + math.ceil(math.log2(prefill_load)) - 2
+
+
+def ttft_stratum(load: int, prefill_load: int = 0) -> int:
+    """The stratum of a TTFT sample (module docstring): the prefill load's class and the
+    requests in flight's (:func:`load_stratum`), combined (:data:`STRATA_BASE`); the load's
+    class alone when the prefill load is unknown (0)."""
+    return prefill_class(prefill_load) * STRATA_BASE + load_stratum(load)
 
 
 def by_stratum(values: Sequence[float], strata: Sequence[int]) -> dict[int, list[float]]:

@@ -106,13 +106,14 @@ async def settle(rounds: int = 20) -> None:
 
 
 def assert_nothing_held(gw: Gateway) -> None:
-    """Every hold of every request is given back: backend slots and counts, watchdog
-    handles, breaker half-open slots, admission tickets, batcher reservations and merge
-    windows, and every upstream response released or closed."""
+    """Every hold of every request is given back: backend slots and counts (the prefill
+    load too), watchdog handles, breaker half-open slots, admission tickets, batcher
+    reservations and merge windows, and every upstream response released or closed."""
     for b in gw.fleet:
         assert (b.in_flight, b.pooled_extra) == (0, 0), f"{b.id} in flight"
         assert not b.active, f"{b.id}: drain handles left"
         assert not b.awaiting, f"{b.id}: hung-watchdog handles left"
+        assert b.prefill_load == 0, f"{b.id}: {b.prefill_load} left before a first token"
         assert b.breaker.half_open_in_flight == 0, f"{b.id}: half-open slot held"
     assert gw.gate.scheduler.in_flight == 0, "admission ticket not released"
     if gw.batching is not None:

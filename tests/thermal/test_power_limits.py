@@ -8,16 +8,14 @@ limits once the load is gone."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
-import openai
 import pytest
 
-from tests.lifecycle.support import Sim, admin, metric_samples, metric_sum, sdk, sdk_kwargs
+from tests.lifecycle.support import Sim, admin, metric_samples, metric_sum
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread
-from tests.thermal.test_clock_caps import TOKEN, domain
+from tests.thermal.clock_support import controlled_domain, domain, full_load
 
 BUDGET_W = 600.0  # two loaded H100s draw about 1,000 W uncapped, about 650 W at half clock
 SHARE_W = 0.78 * BUDGET_W / 2  # thermal.clocks.power_limit_ratio's default
@@ -28,34 +26,8 @@ def test_clocks_at_their_floor_then_power_limits_bring_the_domain_under_budget_w
     th_gateway: Callable[..., GatewayThread],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("LLM_GATEWAY_AGENT_TOKEN", TOKEN)
-    gpu = {"control_token": TOKEN, "tick_s": 0.1}
-    a, b = sims("a", max_num_seqs=8, gpu=gpu), sims("b", max_num_seqs=8, gpu=gpu)
-    gw = th_gateway(
-        [
-            {
-                "id": s.name,
-                "url": s.url,
-                "gpu_metrics_url": s.url + "/gpu/metrics",
-                "gpu_control_url": s.url,
-                "power_domain": "r1",
-            }
-            for s in (a, b)
-        ],
-        power_domains=[{"name": "r1", "budget_w": BUDGET_W}],
-        thermal={"clocks": {"enabled": True, "interval_s": 0.2, "step_ratio": 0.25}},
-    )
+    a, b, gw = controlled_domain(sims, th_gateway, monkeypatch, BUDGET_W, step_ratio=0.25)
     statuses: list[int] = []
-    stop = threading.Event()
-
-    def load() -> None:  # keeps every batch slot of both backends busy
-        client = sdk(gw.url).with_options(max_retries=0)
-        while not stop.is_set():
-            try:
-                r = client.chat.completions.with_raw_response.create(**sdk_kwargs(max_tokens=60))
-                statuses.append(r.http_response.status_code)
-            except openai.APIStatusError as e:  # a 429 is recorded, not retried
-                statuses.append(e.status_code)
 
     def limited_under_budget() -> bool:
         gpus = [admin(gw.url, s.name)["gpu"] for s in (a, b)]
@@ -68,16 +40,9 @@ def test_clocks_at_their_floor_then_power_limits_bring_the_domain_under_budget_w
         )
         return limited and domain(gw)["draw_w"] < BUDGET_W
 
-    workers = [threading.Thread(target=load, daemon=True) for _ in range(16)]
-    for w in workers:
-        w.start()
-    try:
+    with full_load(gw, statuses):
         assert wait_for(lambda: domain(gw)["draw_w"] > BUDGET_W, timeout=20)
         assert wait_for(limited_under_budget, timeout=30)
-    finally:
-        stop.set()
-        for w in workers:
-            w.join(timeout=30)
     assert statuses and set(statuses) == {200}  # no 429: clocks and limits, not shedding
     m = metric_samples(gw.url)
     assert metric_sum(m, "gateway_power_limits_total", reason="power") == 2

@@ -15,8 +15,14 @@ CFG = ClockControlConfig(
 MAX = 2000.0
 
 
-def gpu(bid: str, running: float = 8, waiting: float = 1, temp: float | None = 60.0) -> GpuView:
-    return GpuView(bid, "rack", MAX, temp, running, waiting)
+def gpu(
+    bid: str,
+    running: float = 8,
+    waiting: float = 1,
+    temp: float | None = 60.0,
+    power: float | None = None,
+) -> GpuView:
+    return GpuView(bid, "rack", MAX, temp, running, waiting, power)
 
 
 def rack(draw: float, budget: float = 1000.0) -> dict[str, DomainStatus]:
@@ -60,6 +66,26 @@ def test_hysteresis_holds_between_the_marks_and_releases_below_the_low_one() -> 
     assert [(x.backend_id, x.max_mhz, x.reason) for x in ch] == [("prefill", None, "release")]
     ch = c.decide(12.0, gpus, rack(700.0))
     assert [x.backend_id for x in ch] == ["decode"]
+
+
+def test_in_the_band_a_queued_gpu_steps_up_only_while_the_domain_has_room_for_it() -> None:
+    """Inside the band only a power-capped GPU with requests waiting steps up, one step per
+    interval, and only if its bounded rise keeps the domain under the high mark."""
+    c = ClockController(CFG, hot_c=85.0)
+    for t in (0.0, 2.0):
+        c.decide(t, [gpu("q"), gpu("d")], rack(1100.0))  # both capped at 0.8
+    queued = gpu("q", running=8, waiting=3, power=150.0)
+    decoding = gpu("d", running=8, waiting=0, power=150.0)
+    # q's rise is bounded by 150 W * ((0.9 / 0.8)^3 - 1) = 64 W: 800 + 64 > 850, no room
+    assert c.decide(4.0, [queued, decoding], rack(800.0)) == []
+    ch = c.decide(6.0, [queued, decoding], rack(780.0))  # 780 + 64 < 850: q steps up
+    assert [(x.backend_id, x.max_mhz, x.reason) for x in ch] == [("q", 1800.0, "power")]
+    assert c.decide(7.0, [queued, decoding], rack(780.0)) == []  # one step per interval
+    idle = gpu("q", waiting=0, power=150.0)
+    assert c.decide(8.0, [idle, decoding], rack(760.0)) == []  # no queue: band holds
+    unknown = gpu("q", waiting=3, power=None)
+    assert c.decide(10.0, [unknown, decoding], rack(760.0)) == []  # no draw known: holds
+    assert c.caps() == {"q": pytest.approx(0.9), "d": pytest.approx(0.8)}
 
 
 def test_a_warm_gpu_is_capped_under_hot_c_and_released_once_cool() -> None:
