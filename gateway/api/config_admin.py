@@ -145,6 +145,10 @@ async def post_rollback(request: Request) -> JSONResponse:
     if body.strip():
         try:
             data = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise Refusal(400, "The body must be JSON: {\"version\": N}, or empty: "
+                          f"{e.msg} at line {e.lineno}, column {e.colno}.",
+                          code="invalid_request", param="version") from None
         except ValueError:
             raise Refusal(400, "The body must be JSON: {\"version\": N}, or empty.",
                           code="invalid_request", param="version") from None

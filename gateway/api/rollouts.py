@@ -64,7 +64,10 @@ async def _json(request: Request) -> object:
         return None
     try:
         return json.loads(body)
-    except ValueError:
+    except json.JSONDecodeError as e:  # JSON's own error, where it is
+        raise Refusal(400, f"The body must be a JSON object: not valid JSON: {e.msg} at line "
+                      f"{e.lineno}, column {e.colno}.", code="invalid_rollout") from None
+    except ValueError:  # not UTF-8
         raise Refusal(400, "The body must be a JSON object.", code="invalid_rollout") from None
 
 

@@ -202,3 +202,9 @@ def test_a_malformed_json_config_gets_a_json_error(servers: Servers) -> None:
         assert err["code"] == "invalid_config" and err["type"], err
         assert "not valid JSON" in err["message"] and "line 1, column 15" in err["message"]
         assert "YAML" not in err["message"], err
+        # the other admin bodies that are JSON say where, too
+        for path in ("/admin/rollouts", "/admin/config/rollback"):
+            r = httpx.post(gw.url + path, content=b'{"model": }',
+                           headers={"content-type": "application/json"}, timeout=10)
+            assert r.status_code == 400, r.text
+            assert "line 1, column 11" in r.json()["error"]["message"], (path, r.text)
