@@ -132,10 +132,11 @@ def create_app(
         if cfg.reload.watch and config_path is not None:  # the config file, re-read on change
             gw.controller.add_loop("config_watch", cfg.reload.watch_interval_s,
                                    gw.reloader.watch_round)
+        # a restart: ended rollouts and rollouts where they were, then the config's entries
+        gw.reloader.restore_at_start("rollouts")
         _start_rollouts(gw)
         if gw.status is not None:  # the status page's per-minute hour and incidents
             gw.controller.add_loop("status", cfg.status.tick_s, gw.status.round)
-        gw.reloader.restore_at_start("rollouts")  # a restart: rollouts where they were
         if cfg.reload.state_dir is not None:
             reloader = gw.reloader
 
@@ -193,7 +194,8 @@ def _start_rollouts(gw: Gateway) -> None:
     assert rollouts is not None and reloader is not None and gw.rollout_probes is not None
     last = reloader.history.last
 
-    async def return_config(started_in: int | None, reason: str) -> None:
+    async def return_config(started_in: int | None, reason: str,
+                            failed: dict[str, Any]) -> None:
         target = None  # the config before the running one
         try:
             if started_in is not None:  # kept: the fleet's in fleet mode
@@ -203,7 +205,7 @@ def _start_rollouts(gw: Gateway) -> None:
                               "kept; the config stays as it is", reason, started_in)
                     return
                 target = before[-1]
-            result = await reloader.rollback(target)
+            result = await reloader.rollback(target, failed)
         except ReloadRefused as e:
             log.error("rollout rolled back (%s): the config was not returned: %s", reason,
                       e.problem)

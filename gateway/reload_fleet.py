@@ -11,7 +11,9 @@ One :class:`FleetReload` per replica in fleet mode, bound to the reloader by
   .FleetConfig.sync`, with each fleet version not seen yet): the fleet's config with this
   replica's own ``server``, ``coordination`` and ``reload`` sections
   (:func:`gateway.coord.config_sync.with_local`) applied as source ``fleet`` under the
-  fleet's version; one that runs here already is only numbered alike
+  fleet's version (an automatic rollback's ``rollout_failed`` recorded here too: the
+  failed canary is blocked on every replica, :mod:`gateway.flow.rollout_ledger`); one
+  that runs here already is only numbered alike
   (:meth:`gateway.reloading.Reloader.number_as`); refused (a field that cannot change live,
   an unset ``key_env``): the running config stays, the refusal is logged and published in
   the heartbeat (``config_refused``); a config file that is not the fleet's is said;
@@ -61,7 +63,8 @@ class Applier(Protocol):
     def path(self) -> Path | None: ...
 
     async def apply(self, new: GatewayConfig, source: str, from_file: str | None = None,
-                    version: int | None = None, seen: int | None = None) -> object: ...
+                    version: int | None = None, seen: int | None = None,
+                    failed: dict[str, Any] | None = None) -> object: ...
 
     def number_as(self, version: int) -> None: ...
 
@@ -89,12 +92,14 @@ class FleetReload:
         self.store.ran(r.version, {b.id: str(b.url) for b in r.gw.cfg.backends}, refused,
                        differs)
 
-    async def publish(self, data: dict[str, Any], source: str, plan: ReloadPlan) -> int:
-        """Write the config ``data`` (JSON) changed here (``source``, what ``plan`` changes)
-        to the store as the fleet's next version, returned. Raises
+    async def publish(self, data: dict[str, Any], source: str, plan: ReloadPlan,
+                      summary: dict[str, Any] | None = None) -> int:
+        """Write the config ``data`` (JSON) changed here (``source``, what ``plan`` changes;
+        ``summary``: the snapshot's, default the plan's) to the store as the fleet's next
+        version, returned. Raises
         :class:`gateway.reloading.ReloadUnpublished` while the store does not answer."""
         try:
-            published = await self.store.publish(data, source, plan.summary(),
+            published = await self.store.publish(data, source, summary or plan.summary(),
                                                   self.reloader.version)
         except CoordinationUnavailable as e:
             raise ReloadUnpublished(
@@ -136,7 +141,9 @@ class FleetReload:
         try:
             new = config_from_mapping(with_local(snap.config, running),
                                       f"the fleet's config version {snap.version}")
-            await r.apply(new, "fleet", version=snap.version)
+            failed = snap.summary.get("rollout_failed")  # a replica's rollout that failed
+            await r.apply(new, "fleet", version=snap.version,
+                          failed=failed if isinstance(failed, dict) else None)
         except (ReloadRefused, ConfigError) as e:
             problem = e.problem if isinstance(e, ReloadRefused) else str(e)
             log.error("config (fleet): the fleet's config version %d not applied on this "

@@ -11,7 +11,9 @@ A snapshot's ``state`` (JSON, :func:`capture`) holds:
   ``restarting`` holds (waiting for a restart hook's effect) are not kept: they end with
   the restart they wait for;
 * ``rollouts``: every model's canary rollout (:meth:`gateway.flow.rollouts.Rollouts.state`:
-  its config, status, step, decisions).
+  its config, status, step, decisions);
+* ``ended``: the ended rollouts (:class:`gateway.flow.rollout_ledger.Ledger`: each one's
+  outcome, reason and time, and whether it blocks its canary from config starts).
 
 When it is captured (:class:`gateway.reloading.Reloader`): with each new snapshot (the state
 it starts from), again for the running snapshot when the next config replaces it (so a
@@ -24,13 +26,19 @@ under the same id gets nothing):
 
 * **at start** (the last kept snapshot: a restart): baselines are given back to the
   backends that have none (the reference survives the restart instead of being whatever
-  the backend answers first after it), holds are put back with the time they had left, and
-  rollouts are taken up where they were (:meth:`gateway.flow.rollouts.Rollouts.restore`);
+  the backend answers first after it), holds are put back with the time they had left, the
+  ended rollouts are taken up, and rollouts are taken up where they were
+  (:meth:`gateway.flow.rollouts.Rollouts.restore`) *before* the config's ``rollouts:``
+  entries are started (an entry whose model's rollout is restored, or whose canary
+  failed, is then not started again: :meth:`gateway.flow.rollouts.Rollouts.sync`);
 * **at a rollback** to a kept snapshot: its baselines replace the running ones (the
   reference of the config returned to, not one taken under the config left), its holds are
   put back only on the backends the rollback brings back (a backend kept through the
   rollback keeps the hold an operator gave or released since: holds are operator intent,
-  not config), and its rollouts are taken up for models that have none or a fresh one.
+  not config), and its rollouts are taken up for models that have none, a fresh one or
+  one that ended without a failure; a failed rollout stays (every request to its
+  baseline) and a kept running rollout of a failed canary is not taken up. The ended
+  rollouts are the running gateway's, never an older snapshot's.
 
 In fleet mode the shared store is the fleet's authority for holds and baselines
 (:mod:`gateway.coord.operator`): only rollouts are restored from a snapshot there.
@@ -96,7 +104,8 @@ class KeptState:
         """A restart's return to the state kept with the last snapshot (the running config's
         own, or the one before an edited file; :func:`restore`): ``phase`` ``backends``
         (baselines and holds: before the first probe round; not in fleet mode, whose shared
-        store keeps them) or ``rollouts`` (once the config's rollouts have been started).
+        store keeps them) or ``rollouts`` (the ended rollouts and the rollouts, before the
+        config's entries are started).
         Never raises."""
         last = self.history.last
         if last is None or not last.state:
@@ -147,7 +156,8 @@ def capture(controller: FleetController, rollouts: Rollouts | None) -> dict[str,
             left = None if b.hold_until is None else max(0.0, b.hold_until - now)
             holds[b.id] = {"url": url, "kind": b.hold, "left_s": left}
     return {"calibration": calibration, "holds": holds,
-            "rollouts": rollouts.state() if rollouts is not None else {}}
+            "rollouts": rollouts.state() if rollouts is not None else {},
+            "ended": rollouts.ledger.state() if rollouts is not None else []}
 
 
 def restore(controller: FleetController | None, rollouts: Rollouts | None,
@@ -166,6 +176,11 @@ def restore(controller: FleetController | None, rollouts: Rollouts | None,
         back = None if at_start else set(returned)
         done += _holds(controller, state.get("holds") or {}, back)
     if rollouts is not None:
+        ended = state.get("ended") or []
+        if at_start and isinstance(ended, list):
+            n = rollouts.ledger.load(e for e in ended if isinstance(e, Mapping))
+            if n:
+                done.append(f"{n} ended rollout(s)")
         saved = state.get("rollouts") or {}
         if isinstance(saved, Mapping):
             done += [f"rollout of {m}" for m in rollouts.restore(saved)]

@@ -37,16 +37,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.config import ConfigError, GatewayConfig, check_secrets, config_from_mapping
-from gateway.config_diff import ReloadPlan, plan_reload
+from gateway.config_diff import plan_reload
 from gateway.config_history import ConfigHistory, Snapshot, digest
 from gateway.config_rollouts import version_problem
 from gateway.core.urls import redacted_url
-from gateway.reload_errors import ReloadConflict, ReloadRefused, ReloadUnpublished
+from gateway.reload_errors import ReloadConflict, ReloadRefused, ReloadResult, ReloadUnpublished
 from gateway.reload_input import (
     InvalidConfig,
     first_field,
@@ -83,23 +82,6 @@ class Reloadable(Protocol):
     rollouts: Rollouts | None
 
     def reconfigure_auth(self, new: GatewayConfig) -> None: ...
-
-
-@dataclass
-class ReloadResult:
-    """An applied (or unchanged) config: its snapshot (None when nothing changed) and the
-    plan."""
-
-    plan: ReloadPlan
-    snapshot: Snapshot | None
-    added: list[str] = field(default_factory=list)
-    leaving: list[str] = field(default_factory=list)
-
-    def view(self) -> dict[str, Any]:
-        """JSON for the admin API."""
-        s = self.snapshot
-        return {"applied": s is not None, "unchanged": self.plan.empty,
-                "version": s.version if s else None, **self.plan.summary()}
 
 
 class Reloader:
@@ -172,11 +154,16 @@ class Reloader:
             log.error("config history: cannot write to %s: %s", self.history.dir, e)
 
     async def apply(self, new: GatewayConfig, source: str, from_file: str | None = None,
-                    version: int | None = None, seen: int | None = None) -> ReloadResult:
+                    version: int | None = None, seen: int | None = None,
+                    failed: dict[str, Any] | None = None) -> ReloadResult:
         """Apply ``new`` (validated) as the module docstring says (``from_file``: the digest
         of the config file it was read from, which a restart then resumes from;
         ``version``: the fleet's version of a config from the store, ``source`` ``fleet``;
-        ``seen``: the running version the change was made on, if known). Raises
+        ``seen``: the running version the change was made on, if known; ``failed``: the
+        failed rollout an automatic rollback returns from, a
+        :class:`gateway.flow.rollout_ledger.Ended` as JSON: recorded in the ledger before
+        the config's entries are started and in the snapshot's summary as
+        ``rollout_failed``, so that in fleet mode every replica records it). Raises
         :class:`ReloadConflict` when ``seen`` is not the running version,
         :class:`ReloadRefused` when it cannot (nothing changed then), and
         :class:`ReloadUnpublished` in fleet mode when the shared store does not take it."""
@@ -189,7 +176,7 @@ class Reloader:
                     "on it", param="version")
             try:
                 result = await self._apply(new, source, from_file or self.file_digest,
-                                           version)
+                                           version, failed)
             except ReloadRefused:
                 self.gw.metrics.config_reloads.labels(source, "refused").inc()
                 raise
@@ -213,9 +200,12 @@ class Reloader:
             b.refresh_key()
 
     async def _apply(self, new: GatewayConfig, source: str, from_file: str | None,
-                     version: int | None) -> ReloadResult:
+                     version: int | None, failed: dict[str, Any] | None) -> ReloadResult:
         gw = self.gw
         plan = plan_reload(gw.cfg, new)
+        if failed is not None and gw.rollouts is not None:  # blocks its canary here too
+            gw.rollouts.ledger.load([failed])
+        summary = {**plan.summary(), **({"rollout_failed": failed} if failed else {})}
         if not plan.ok:
             raise ReloadRefused(
                 "these fields cannot change while the gateway runs: "
@@ -224,7 +214,10 @@ class Reloader:
             self._reread_secrets(new)
             log.info("config (%s): no change (secrets from files and the environment read "
                      "again)", source)
-            return ReloadResult(plan, None)
+            # an entry whose rollout was cleared (DELETE /admin/rollouts) starts again
+            same = (gw.rollouts.sync(new.rollouts, self.version)
+                    if gw.rollouts is not None else [])
+            return ReloadResult(plan, None, rollouts=same)
         if plan.touches("backends") and gw.rollouts is not None:
             for run in gw.rollouts.runs.values():  # a running rollout keeps both versions
                 stopped = run.origin == "config" and run.cfg not in new.rollouts
@@ -251,10 +244,10 @@ class Reloader:
             raise ReloadRefused(str(e), plan, named_field(str(e))) from None
         data = new.model_dump(mode="json")
         if self.fleet is not None and version is None:  # fleet mode: the store first
-            version = await self.fleet.publish(data, source, plan)
+            version = await self.fleet.publish(data, source, plan, summary)
         self.checkpoint()  # the state of the config left, for a rollback to it
         try:
-            snap = self.history.record(data, source, from_file, plan.summary(), self.wall(),
+            snap = self.history.record(data, source, from_file, summary, self.wall(),
                                        version, capture(gw.controller, gw.rollouts))
         except OSError as e:
             if self.fleet is not None:  # published: the sync round tries it again
@@ -277,8 +270,9 @@ class Reloader:
             policy = getattr(gw.router, "inner", gw.router)  # under spot steering
             if isinstance(policy, LoadThermalPolicy):
                 policy.reweight(new.routing.weights)
-        if plan.touches("rollouts") and gw.rollouts is not None:
-            gw.rollouts.sync(new.rollouts, snap.version)  # started / stopped
+        report: list[dict[str, Any]] = []
+        if gw.rollouts is not None:  # every apply: started / stopped / not started and why
+            report = gw.rollouts.sync(new.rollouts, snap.version)
         gw.cfg = new
         self._reread_secrets(new)
         self._set_version(snap.version)
@@ -287,7 +281,7 @@ class Reloader:
         log.info("config (%s): version %d applied: %d field(s) changed; backends added %s, "
                  "draining %s, changed %s", source, snap.version, len(plan.changed),
                  added or "none", leaving or "none", plan.changed_backends or "none")
-        return ReloadResult(plan, snap, added, leaving)
+        return ReloadResult(plan, snap, added, leaving, report)
 
     # ---- the ways in --------------------------------------------------------------------
     def _read(self, text: str, where: str, source: str) -> GatewayConfig:
@@ -329,9 +323,11 @@ class Reloader:
         self.file_digest = read  # the file now is what runs
         return result
 
-    async def rollback(self, version: int | None) -> ReloadResult:
+    async def rollback(self, version: int | None,
+                       failed: dict[str, Any] | None = None) -> ReloadResult:
         """Return to the kept snapshot ``version`` (None: the one before the running one;
-        fleet mode: the fleet's kept configs, :meth:`kept`). Raises :class:`ReloadRefused`
+        fleet mode: the fleet's kept configs, :meth:`kept`); ``failed``: the failed
+        rollout of an automatic rollback (:meth:`apply`). Raises :class:`ReloadRefused`
         when there is none, or it cannot apply live."""
         snaps = await self.kept()
         if version is None:
@@ -356,13 +352,17 @@ class Reloader:
             raise ReloadRefused(str(e), param=first_field(str(e))) from None
         own = self.history.get(target.version)  # fleet mode: this replica's own copy
         state = own.state if own is not None and own.state else target.state
-        result = await self.apply(new, "rollback")  # (may drop the oldest kept: target)
+        result = await self.apply(new, "rollback", failed=failed)  # (may drop target)
         if state:
             done = restore(self.gw.controller if self.fleet is None else None,
                            self.gw.rollouts, state, at_start=False, returned=result.added)
             if done:
                 log.info("config: rollback to version %d: restored %s", target.version,
                          ", ".join(done))
+            for item in result.rollouts:  # taken up from the snapshot: not a fresh start
+                if f"rollout of {item['model']}" in done:
+                    item.update(code="restored", reason=f"restored from version "
+                                f"{target.version}'s kept state")
         return result
 
     async def kept(self) -> list[Snapshot]:

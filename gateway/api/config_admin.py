@@ -2,11 +2,15 @@
 :mod:`gateway.api.admin`):
 
 * ``GET /admin/config``: the running config (inline keys shown as ``***``) and its version;
-* ``POST /admin/config``: a new config as the body, YAML or JSON (any content type: JSON is
-  YAML), or ``GET /admin/config``'s body posted back (edited): ``{"version": N, "config":
-  {...}}`` is read as its ``config`` (:func:`gateway.reload_input.read_view`); applied live
+* ``POST /admin/config``: a new config as the body, YAML or JSON (JSON is YAML; a body sent
+  as ``Content-Type: application/json`` must be valid JSON, its error reported as JSON's
+  with line and column), or ``GET /admin/config``'s body posted back (edited):
+  ``{"version": N, "config": {...}}`` is read as its ``config``
+  (:func:`gateway.reload_input.read_view`); applied live
   (:mod:`gateway.reloading`): 200 with what changed (``applied``, ``version``, ``changed``,
-  ``backends_added`` / ``_removed`` / ``_changed``); 400 in OpenAI's error shape when it is
+  ``backends_added`` / ``_removed`` / ``_changed``) and ``rollouts``: each entry of the
+  config's ``rollouts:``, ``started`` or not, with a ``code`` and the ``reason``
+  (:meth:`gateway.flow.rollouts.Rollouts.sync`); 400 in OpenAI's error shape when it is
   not applied (``code``: ``invalid_config``, a body that is not a valid config, ``param``
   the first field named; ``config_refused``, fields that cannot change while the gateway
   runs, each named in the message); 409 ``config_conflict`` (``param`` ``version``) when
@@ -84,11 +88,28 @@ async def post_config(request: Request) -> JSONResponse:
     except UnicodeDecodeError:
         raise Refusal(400, "The config body is not UTF-8 text (YAML or JSON).",
                       code="invalid_config") from None
+    if _is_json(request.headers.get("content-type", "")):
+        try:  # said to be JSON: its errors are JSON's, not YAML's (YAML reads it after)
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            gw.metrics.config_reloads.labels("admin", "invalid").inc()
+            raise Refusal(400, f"Config not applied (the running config is unchanged): the "
+                          f"body is not valid JSON (Content-Type: application/json): "
+                          f"{e.msg} at line {e.lineno}, column {e.colno}",
+                          code="invalid_config") from None
     try:
         result = await reloader.apply_text(text, "admin")
     except ReloadRefused as e:
         raise _refused(gw, e) from None
     return JSONResponse(result.view())
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether a ``Content-Type`` names JSON (``application/json``, ``application/*+json``;
+    RFC 6839 section 3.1), parameters ignored."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
 
 
 async def get_history(request: Request) -> JSONResponse:
@@ -124,6 +145,10 @@ async def post_rollback(request: Request) -> JSONResponse:
     if body.strip():
         try:
             data = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise Refusal(400, "The body must be JSON: {\"version\": N}, or empty: "
+                          f"{e.msg} at line {e.lineno}, column {e.colno}.",
+                          code="invalid_request", param="version") from None
         except ValueError:
             raise Refusal(400, "The body must be JSON: {\"version\": N}, or empty.",
                           code="invalid_request", param="version") from None

@@ -1,7 +1,10 @@
 """The canary rollouts' admin routes (issue 18), guarded like every admin route
 (``auth.admin_key``, :mod:`gateway.api.admin`):
 
-* ``GET /admin/rollouts``: ``{"data": [...]}``, each rollout's snapshot
+* ``GET /admin/rollouts``: ``{"data": [...], "ended": [...]}``: ``ended`` lists the recent
+  ended rollouts, newest first, each with its outcome, reason, time and whether it blocks
+  its canary from config starts (:mod:`gateway.flow.rollout_ledger`: kept after the
+  rollout leaves ``data``, replaced or cleared); ``data`` each rollout's snapshot
   (:meth:`gateway.flow.rollouts.Rollouts.view`: status, step and shares, requests served per
   version and the canary's share, calibration probes, the last comparison with its numbers,
   every decision with its time, fallbacks, where it came from); times on the wall clock
@@ -18,8 +21,10 @@
   model to the baseline from now on; ``{"reason": "..."}`` optional); 409 when it has
   ended, 404 when there is none.
 * ``DELETE /admin/rollouts/{model}``: forget an ended rollout (its last routing: all to the
-  baseline, or all to the canary), the model routed as without a rollout again; 409 while
-  it runs, 404 when there is none.
+  baseline, or all to the canary), the model routed as without a rollout again, and lift
+  the model's blocks (a config entry of a canary that failed starts at the next apply of
+  the config: the operator's explicit ask); 409 while it runs, 404 when there is neither
+  a rollout nor a block.
 """
 
 from __future__ import annotations
@@ -59,7 +64,10 @@ async def _json(request: Request) -> object:
         return None
     try:
         return json.loads(body)
-    except ValueError:
+    except json.JSONDecodeError as e:  # JSON's own error, where it is
+        raise Refusal(400, f"The body must be a JSON object: not valid JSON: {e.msg} at line "
+                      f"{e.lineno}, column {e.colno}.", code="invalid_rollout") from None
+    except ValueError:  # not UTF-8
         raise Refusal(400, "The body must be a JSON object.", code="invalid_rollout") from None
 
 
@@ -81,7 +89,10 @@ def _views(rollouts: Rollouts) -> list[dict[str, Any]]:
 
 
 async def list_rollouts(request: Request) -> JSONResponse:
-    return JSONResponse({"data": _views(_rollouts(_gateway(request)))})
+    rollouts = _rollouts(_gateway(request))
+    ended = [{**e, "started_at": iso_utc(e["started_unix"]), "ended_at": iso_utc(e["ended_unix"])}
+             for e in rollouts.ledger.view()]
+    return JSONResponse({"data": _views(rollouts), "ended": ended})
 
 
 async def start_rollout(request: Request) -> JSONResponse:
@@ -143,15 +154,17 @@ async def clear_rollout(model: str, request: Request) -> JSONResponse:
     gw = _gateway(request)
     rollouts = _rollouts(gw)
     try:
-        run = rollouts.clear(model)
+        run, lifted = rollouts.clear(model)
     except ValueError as e:
         raise Refusal(409, f"{e} (POST /admin/rollouts/{model}/abort).", param="model",
                       code="rollout_running") from None
-    if run is None:
+    if run is None and not lifted:
         raise Refusal(404, f"No rollout of {model!r} to clear.", param="model",
                       code="rollout_not_found")
-    return JSONResponse({"model": model, "cleared": run.rollout.plan.rollout_id,
-                         "status": run.rollout.status})
+    return JSONResponse({"model": model,
+                         "cleared": run.rollout.plan.rollout_id if run else None,
+                         "status": run.rollout.status if run else None,
+                         "unblocked": lifted})
 
 
 def install_routes(app: FastAPI) -> None:

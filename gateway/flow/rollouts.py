@@ -36,7 +36,9 @@ their consequences. The decisions themselves are the pure state machine's
   baseline; **promoted**, to the canary, until another rollout of the model replaces it.
   A rollback of a rollout that came from the config also returns the config to the
   snapshot before the one that started it (``on_config_rollback``, wired by the app to
-  :meth:`gateway.reloading.Reloader.rollback`).
+  :meth:`gateway.reloading.Reloader.rollback`); the failed rollout stays the model's
+  (every request to its baseline) and its canary is not started again by a config
+  (:mod:`gateway.flow.rollout_ledger`, which keeps every ended rollout for the admin view).
 """
 
 from __future__ import annotations
@@ -46,18 +48,18 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict
+from typing import Any
 
 from gateway.config_rollouts import RolloutConfig, version_problem
-from gateway.core.vocab import Prio
 from gateway.fleet.backend import Backend
 from gateway.fleet.fleet import Fleet
 from gateway.flow.context import RequestContext
+from gateway.flow.rollout_ledger import Ended, Ledger, identity_of, why_not_started
+from gateway.flow.rollout_run import Origin, RolloutRun, plan_of, reason_label
 from gateway.metrics import GatewayMetrics
-from gateway.traffic.rollout import Rollout, RolloutPlan, StepRecord, Version
+from gateway.traffic.rollout import Rollout
 from gateway.traffic.rollout_capacity import PoolCapacity, pool_capacity
-from gateway.traffic.rollout_stats import Thresholds
 
 log = logging.getLogger("gateway.rollouts")
 
@@ -66,79 +68,6 @@ TICK_S = 0.25
 assignment): a pure computation per running rollout, cheap at any rate; it bounds how late
 a decision is made when the model's traffic stops."""
 
-Origin = Literal["config", "admin"]
-
-_METRIC_REASON = {"ttft": "ttft", "itl": "itl", "error_rate": "errors",
-                  "calibration": "calibration"}
-
-
-def plan_of(cfg: RolloutConfig, rollout_id: str) -> RolloutPlan:
-    """The pure :class:`RolloutPlan` of a validated rollout config (calibration ``off``: no
-    probe is required, the calibration metric passes)."""
-    cal = cfg.calibration
-    t = cfg.targeting
-    return RolloutPlan(
-        model=cfg.model, baseline=cfg.baseline, canary=cfg.canary, steps=tuple(cfg.steps),
-        min_step_s=cfg.min_step_s, min_step_requests=cfg.min_step_requests,
-        max_step_s=cfg.max_step_s, recheck_s=cfg.recheck_s,
-        on_insufficient=cfg.on_insufficient,
-        target_keys=frozenset(t.client_keys),
-        target_priorities=frozenset({Prio.LOW}) if t.low_priority else frozenset(),
-        targeted_steps=t.steps,
-        calibration="exact" if cal.measure == "off" else cal.measure,
-        thresholds=Thresholds(min_samples=cfg.min_samples, min_requests=cfg.min_requests,
-                              min_calibration_probes=0 if cal.measure == "off"
-                              else cal.min_probes),
-        rollout_id=rollout_id, capacity_slack=cfg.capacity_slack,
-    )
-
-
-def reason_label(rec: StepRecord) -> str:
-    """The metric label of a decision's reason: ``ok`` (a pass or the promotion),
-    ``capacity`` (a passed step held for the next step's capacity), ``operator`` (no
-    comparison: an abort), ``insufficient`` (a hold, or a rollback for
-    want of samples), else the failing metric (``ttft``, ``itl``, ``errors``,
-    ``calibration``)."""
-    if rec.cause:
-        return rec.cause
-    cmp = rec.comparison
-    if cmp is None:
-        return "operator"
-    if rec.outcome in ("pass", "promoted"):
-        return "ok"
-    for m in cmp.metrics:
-        if m.decision == "fail":
-            return _METRIC_REASON.get(m.metric, m.metric)
-    return "insufficient"
-
-
-@dataclass
-class RolloutRun:
-    """One rollout in the gateway: its config, the pure state machine, where it came from
-    (``config`` or ``admin``), the config version that started it (None: unknown), the Unix
-    time it started, fallbacks per assigned version (requests), when its next calibration
-    round is due (monotonic seconds), and how many of its decisions were handled."""
-
-    cfg: RolloutConfig
-    rollout: Rollout
-    origin: Origin
-    config_version: int | None
-    started_unix: float
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    next_probe_at: float = 0.0
-    handled: int = 0
-
-    def side(self, version: str | None) -> Version | None:
-        """``baseline`` / ``canary`` for a ``model_version`` of this rollout, else None."""
-        if version == self.cfg.canary:
-            return "canary"
-        if version == self.cfg.baseline:
-            return "baseline"
-        return None
-
-    @property
-    def running(self) -> bool:
-        return self.rollout.status == "running"
 
 
 class Rollouts:
@@ -153,10 +82,13 @@ class Rollouts:
         self.clock = clock
         self.wall = wall
         self.runs: dict[str, RolloutRun] = {}
+        self.ledger = Ledger()  # the ended rollouts (gateway.flow.rollout_ledger)
         # set by the app: return the config to the version before ``config_version``
         # (None: the one before the running one), ``reason`` for the log
-        self.on_config_rollback: Callable[[int | None, str], Awaitable[None]] | None = None
-        self._config_rollbacks: list[tuple[int | None, str]] = []
+        # and the failed rollout's ledger record (JSON: recorded with the config returned)
+        self.on_config_rollback: Callable[[int | None, str, dict[str, Any]],
+                                          Awaitable[None]] | None = None
+        self._config_rollbacks: list[tuple[int | None, str, dict[str, Any]]] = []
 
     # ---- starting and stopping ----------------------------------------------------------
     def version_problem(self, cfg: RolloutConfig) -> str | None:
@@ -168,8 +100,12 @@ class Rollouts:
     def start(self, cfg: RolloutConfig, origin: Origin,
               config_version: int | None = None) -> RolloutRun:
         """Start a rollout of ``cfg`` (replacing an ended one of the model; the caller
-        refuses when one is running)."""
+        refuses when one is running). An ``admin`` start is the operator's explicit ask:
+        it lifts the blocks of its identity (:mod:`gateway.flow.rollout_ledger`)."""
         now = self.clock()
+        if origin == "admin":
+            self.ledger.clear(self.wall(), "POST /admin/rollouts", cfg.model,
+                              identity_of(cfg.model, cfg.baseline, cfg.canary))
         rid = uuid.uuid4().hex[:12]
         run = RolloutRun(cfg, Rollout(plan_of(cfg, rid), now, random.Random()), origin,
                          config_version, self.wall())
@@ -180,12 +116,15 @@ class Rollouts:
                  origin, cfg.baseline, cfg.canary, cfg.steps)
         return run
 
-    def abort(self, model: str, reason: str) -> RolloutRun | None:
+    def abort(self, model: str, reason: str, blocks: bool = True) -> RolloutRun | None:
         """An operator's rollback of ``model``'s running rollout (every request to the
-        baseline from now on); None when none runs. The config is not returned."""
+        baseline from now on); None when none runs. The config is not returned.
+        ``blocks``: whether its identity is blocked from config starts (False: stopped
+        because its config entry went or changed, :meth:`sync`)."""
         run = self.runs.get(model)
         if run is None or not run.running:
             return None
+        run.stopped_by_config = not blocks
         run.rollout.rollback(self.clock(), reason)
         self._handle(run)
         return run
@@ -200,46 +139,57 @@ class Rollouts:
         run.rollout.rollback(self.clock(), reason, metric="calibration")
         self._handle(run)
 
-    def clear(self, model: str) -> RolloutRun | None:
+    def clear(self, model: str) -> tuple[RolloutRun | None, list[str]]:
         """Forget ``model``'s ended rollout (its last routing: every request to the baseline
         after a rollback, to the canary after a promotion): the model is routed as without
-        a rollout again. Returns it; None when there is none. Raises ``ValueError`` while it
-        runs (abort it first)."""
+        a rollout again, and the model's blocks are lifted (the operator's explicit ask: a
+        config entry of the model starts at the next apply; :mod:`gateway.flow
+        .rollout_ledger`). Returns it (None: none) and the ids of the ended rollouts
+        whose blocks were lifted.
+        Raises ``ValueError`` while it runs (abort it first)."""
         run = self.runs.get(model)
-        if run is None:
-            return None
-        if run.running:
+        if run is not None and run.running:
             raise ValueError(f"the rollout of {model} is running: abort it first")
+        lifted = self.ledger.clear(self.wall(), "DELETE /admin/rollouts", model)
+        if lifted:
+            log.info("rollout of %s: the blocks of rollouts %s lifted by the operator: a "
+                     "config entry of the model starts at the next apply", model, lifted)
+        if run is None:
+            return None, lifted
         del self.runs[model]
         self.metrics.rollout_step.remove(model)
         log.info("rollout %s of %s: cleared (%s): the model is routed as without a rollout",
                  run.rollout.plan.rollout_id, model, run.rollout.status)
-        return run
+        return run, lifted
 
-    def sync(self, configs: Sequence[RolloutConfig], config_version: int | None) -> None:
-        """The config's ``rollouts:`` (at start and at each reload that changes them): a
-        rollout of the config whose entry is gone or changed is stopped (rolled back, reason
-        ``operator``); a new or changed entry starts one (``config_version``: the config
-        version that starts it)."""
+    def sync(self, configs: Sequence[RolloutConfig],
+             config_version: int | None) -> list[dict[str, Any]]:
+        """The config's ``rollouts:`` (at start and at every apply of a config, changed or
+        not): a rollout of the config whose entry is gone or changed is stopped (rolled
+        back, reason ``operator``, not blocking); an entry is started (``config_version``:
+        the config version that starts it) unless the model's rollout is that entry
+        already (running, or promoted), one started by the admin API runs, or its
+        identity is blocked by a failure (:mod:`gateway.flow.rollout_ledger`). Returns one
+        item per entry: ``model``, ``baseline``, ``canary``, ``started``, ``code``
+        (``started``, ``running``, ``rolled_back``, ``promoted``, ``admin_running``) and
+        ``reason`` (what to do to start it)."""
         wanted = {c.model: c for c in configs}
         for model, run in list(self.runs.items()):
             if run.origin == "config" and wanted.get(model) != run.cfg:
                 self.abort(model, "operator: the rollout's config entry was removed or "
-                                  "changed")
+                                  "changed", blocks=False)
+        report: list[dict[str, Any]] = []
         for model, c in wanted.items():
-            have = self.runs.get(model)
-            if have is not None and have.cfg == c:
-                if not have.running:
-                    log.info("rollout of %s: the config's entry is the rollout that ended "
-                             "(%s): not started again; change the entry, or clear it "
-                             "(DELETE /admin/rollouts/%s) and apply the config again",
-                             model, have.rollout.status, model)
-                continue
-            if have is not None and have.running:  # started by the admin API: left alone
-                log.warning("rollout of %s: the config's entry not started: one started by "
-                            "the admin API runs", model)
-                continue
-            self.start(c, "config", config_version)
+            code, reason = why_not_started(self.runs.get(model), c, self.ledger)
+            if code is None:
+                run = self.start(c, "config", config_version)
+                code, reason = "started", f"rollout {run.rollout.plan.rollout_id} started"
+            elif code != "running":
+                log.warning("rollout of %s from %s to %s: the config's entry not started: "
+                            "%s", model, c.baseline, c.canary, reason)
+            report.append({"model": model, "baseline": c.baseline, "canary": c.canary,
+                           "started": code == "started", "code": code, "reason": reason})
+        return report
 
     # ---- the request path ---------------------------------------------------------------
     def assign(self, ctx: RequestContext, client_key: str | None) -> None:
@@ -302,8 +252,8 @@ class Rollouts:
             if len(run.rollout.history) > run.handled:
                 self._handle(run)
         while self._config_rollbacks and self.on_config_rollback is not None:
-            version, reason = self._config_rollbacks.pop(0)
-            await self.on_config_rollback(version, reason)
+            version, reason, failed = self._config_rollbacks.pop(0)
+            await self.on_config_rollback(version, reason, failed)
 
     def capacity(self, cfg: RolloutConfig) -> PoolCapacity:
         """The routable capacity of ``cfg``'s two versions now
@@ -334,9 +284,18 @@ class Rollouts:
                     "served %.2f%% of requests", r.plan.rollout_id, model, rec.step,
                     rec.share * 100, rec.outcome, label, rec.reason,
                     r.canary_share_served * 100)
+            if rec.outcome not in ("rolled_back", "promoted"):
+                continue
+            ended = Ended(r.plan.rollout_id, model, run.cfg.baseline, run.cfg.canary,
+                          run.origin, run.config_version, rec.outcome, rec.reason, label,
+                          rec.step, run.started_unix,
+                          round(self.wall() - (self.clock() - rec.at), 3),
+                          blocks=rec.outcome == "rolled_back" and not run.stopped_by_config)
+            self.ledger.add(ended)
             if (rec.outcome == "rolled_back" and label != "operator"
                     and run.origin == "config"):
-                self._config_rollbacks.append((run.config_version, rec.reason))
+                self._config_rollbacks.append((run.config_version, rec.reason,
+                                               asdict(ended)))
         run.handled = len(r.history)
         self._export_step(run)
 
@@ -364,11 +323,14 @@ class Rollouts:
     def restore(self, states: Mapping[str, Mapping[str, Any]]) -> list[str]:
         """Take up the rollouts of ``states`` (:meth:`state`, from a kept snapshot) where
         they belong: a model's rollout is restored when none runs here (none known, or the
-        one known has ended), or when the one running is the same config entry that has not
-        decided anything yet (the one :meth:`sync` just started for it at a restart or a
-        rollback); one whose versions
-        the fleet no longer serves, or that does not parse, is skipped (logged). Returns
-        the models restored."""
+        one known has ended without blocking its identity: promoted, or stopped because
+        its config entry went), or when the one running is the same config entry that has
+        not decided anything yet (the one :meth:`sync` just started for it at a
+        rollback). A rollout that ended blocking (a failure, an abort) stays: every request
+        of its model to its baseline; a kept *running* rollout whose identity is blocked
+        is not taken up (:mod:`gateway.flow.rollout_ledger`). One whose versions the fleet
+        no longer serves, or that does not parse, is skipped (logged). Returns the models
+        restored."""
         now = self.clock()
         out: list[str] = []
         for model, st in states.items():
@@ -379,6 +341,14 @@ class Rollouts:
                     raise ValueError(f"origin {st['origin']!r}")
                 if have is not None and have.running and (
                         have.cfg != cfg or have.rollout.history or have.rollout.prior):
+                    continue
+                if have is not None and self.ledger.blocks_run(have.rollout.plan.rollout_id):
+                    continue  # a failure's routing stays: every request to its baseline
+                blocked = self.ledger.blocking(identity_of(model, cfg.baseline, cfg.canary))
+                if blocked is not None and st["machine"].get("status") == "running":
+                    log.warning("rollout %s of %s not restored: its canary %s rolled back "
+                                "in rollout %s (%s)", st["id"], model, cfg.canary,
+                                blocked.id, blocked.reason)
                     continue
                 if self.version_problem(cfg) is not None:
                     log.warning("rollout of %s not restored: %s", model,

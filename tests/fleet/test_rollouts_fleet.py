@@ -68,3 +68,53 @@ def test_a_config_rollout_reaches_every_replica_and_its_rollback_returns_the_fle
     finally:
         for gw in made:
             gw.stop()
+
+
+def test_a_canary_that_failed_on_one_replica_is_started_again_on_none(
+    servers: Servers, redis_server: Any,
+) -> None:
+    """Traffic only through r1: r1's rollout fails (calibration), r2's cannot decide. The
+    fleet's config returns; the same config posted again (to r2) starts the canary on no
+    replica: r1 recorded the failure, r2 took it from the returned config's
+    ``rollout_failed``."""
+    servers.add("a", "v1")
+    servers.add("b", "v2", drift=0.5)
+    made: list[GatewayThread] = []
+    try:
+        for rid in ("r1", "r2"):
+            coord = {"redis_url": redis_server.url, "replica_id": rid, "sync_interval_s": 0.1}
+            gw = GatewayThread(config(servers.backends, coordination=coord))
+            made.append(gw)
+            gw.start(wait_ready=False)
+            gw.wait_ready(timeout=30)
+        r1, r2 = made
+        plan = {"model": "m1", "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
+                **FAST_STEPS, "calibration": {"interval_s": 0.1, "min_probes": 3}}
+        data = r1.gateway.cfg.model_dump(mode="json")
+        data["rollouts"] = [plan]
+        r = httpx.post(r1.url + "/admin/config", content=yaml.safe_dump(data).encode(),
+                       headers={"content-type": "application/yaml"}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert wait_for(lambda: all(_rollouts(gw) for gw in made), 10)  # both run it
+        traffic = Traffic(r1.url, clients=4)
+        try:
+            assert wait_for(lambda: all(gw.gateway.cfg.rollouts == [] for gw in made), 60)
+        finally:
+            traffic.stop()
+        assert traffic.failures == []
+        again = r2.gateway.cfg.model_dump(mode="json")  # r2's own coordination section
+        again["rollouts"] = [plan]
+        r = httpx.post(r2.url + "/admin/config", content=yaml.safe_dump(again).encode(),
+                       headers={"content-type": "application/yaml"}, timeout=10)
+        assert r.status_code == 200, r.text
+        (item,) = r.json()["rollouts"]
+        assert not item["started"] and item["code"] == "rolled_back", item
+        assert wait_for(lambda: all(gw.gateway.cfg.rollouts for gw in made), 10)
+        for gw in made:
+            (snap,) = _rollouts(gw)
+            assert snap["status"] == "rolled_back", snap
+            ended = httpx.get(gw.url + "/admin/rollouts", timeout=10).json()["ended"]
+            assert any(e["blocking"] and e["canary"] == "v2" for e in ended), ended
+    finally:
+        for gw in made:
+            gw.stop()
