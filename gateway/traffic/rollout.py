@@ -10,25 +10,27 @@ the canary's answers to fixed prompts do not depend on its share):
 
 * ``pass``: the next step, with a fresh window (the last step passed: ``promoted``);
 * ``fail``: ``rolled_back``, with the failing metric's reason;
-* ``insufficient`` (some metric still lacks its sample): checked again every
-  ``recheck_s`` until ``max_step_s``; then, by
-  default (``on_insufficient="rollback"``), ``rolled_back`` with reason
-  ``insufficient ...``: a canary that cannot be verified does not keep its traffic
-  indefinitely, the baseline is the version known to be good, and the reason says that it
-  was not a regression. ``"hold"`` keeps the step (and its growing window) until the
-  comparison decides, for models whose traffic is too thin for any bound on time.
+* ``insufficient`` (some metric still lacks its sample) or ``inconclusive`` (some metric's
+  observed effect is over its gate but not significant: a step passes only on evidence,
+  :mod:`gateway.traffic.rollout_stats`): checked again every ``recheck_s`` on the growing
+  window until ``max_step_s``; then, by default (``on_insufficient="rollback"``, for
+  both), ``rolled_back`` with reason ``insufficient ...`` / ``inconclusive ...`` (the
+  record's ``cause`` ``inconclusive``): a canary that cannot be verified does not keep its
+  traffic indefinitely, the baseline is the version known to be good, and the reason says
+  that no regression was proven. ``"hold"`` keeps the step (and its growing window) until
+  the comparison decides, for models whose traffic is too thin for any bound on time.
 
 **A step is decided once.** Its comparison counts at the first look, once the step is due,
 in which every metric has its sample (none ``insufficient``): pass or fail, and that is the
-step's verdict. A metric that fails while another still waits for samples (ITL, which only
-streams give, or a load stratum not yet matched) is shown in ``/admin/rollouts`` but not
-acted on: re-testing a growing sample every ``recheck_s`` and acting on the first
-significant look is optional stopping ("peeking"), whose false-positive rate exceeds the
-nominal alpha with every look (Armitage, McPherson & Rowe 1969; Johari et al. 2017,
-"Peeking at A/B tests"). Deciding at one fixed point keeps a good canary's chance of failing
-a step at ``thresholds.alpha`` at most. Past ``max_step_s`` a failing metric is acted on
-whatever the others lack (the step is over). With ``on_insufficient="hold"`` the looks go
-on past ``max_step_s`` on a growing window: the price of a verdict at any time.
+step's verdict (an ``inconclusive`` look decides nothing: the step looks again, on more
+samples, only while an effect over a gate is unproven). A metric that fails while another
+still waits for samples (ITL, which only streams give, or a load stratum not yet matched)
+is shown in ``/admin/rollouts`` but not acted on: re-testing a growing sample every
+``recheck_s`` and acting on the first significant look is optional stopping ("peeking"),
+whose false-positive rate exceeds the nominal alpha with every look (Armitage, McPherson &
+Rowe 1969; Johari et al. 2017, "Peeking at A/B tests"). Past ``max_step_s`` a failing
+metric is acted on whatever the others lack (the step is over). With
+``on_insufficient="hold"`` the looks go on past ``max_step_s`` on a growing window.
 
 Calibration is also checked on its own at every :meth:`tick`, due or not: once the canary
 has answered the minimum of probes and more than 2 % of them failed, the rollout is rolled
@@ -184,12 +186,10 @@ class Rollout:
         unknown) and requests before their first token that its own met (``prefill_load``,
         this one included; 0: unknown), whose stratum its TTFT is compared in
         (:func:`gateway.traffic.rollout_strata.ttft_stratum`); its ITL's stratum is
-        ``itl_load`` (the
-        load its decode met: the larger of ``load`` and the requests in flight when the
-        stream ended; None: ``load``), since a prefill admitted while it decoded stalls
-        every step of it (vLLM without chunked prefill; :mod:`gateway.sim.engine`), and a
-        one-server canary pool meets every one of its arrivals where a larger baseline pool
-        spreads them. Ignored once the rollout has ended."""
+        ``itl_load`` (the load its decode met: the larger of ``load`` and the requests in
+        flight when the stream ended; None: ``load``), since a prefill admitted while it
+        decoded stalls every step of it (vLLM without chunked prefill), and a one-server
+        canary pool meets all its arrivals. Ignored once the rollout has ended."""
         if self.status != "running":
             return
         side = self._window[version]
@@ -271,16 +271,19 @@ class Rollout:
             return self._record(now, "hold", held, cmp, cause="capacity")
         if not timed_out:
             return None
-        short = cmp.reason if cmp.decision == "insufficient" else (
+        why = "inconclusive" if cmp.decision == "inconclusive" else "insufficient"
+        short = cmp.reason if cmp.decision in ("insufficient", "inconclusive") else (
             f"{self._window['canary'].requests} canary requests, "
             f"{p.min_step_requests} needed")
+        cause = "inconclusive" if why == "inconclusive" else ""  # the metric's reason label
         if p.on_insufficient == "rollback":
-            return self._roll_back(now, f"insufficient after {p.max_step_s:g} s: {short}",
-                                   cmp)
+            return self._roll_back(now, f"{why} after {p.max_step_s:g} s: {short}", cmp,
+                                   cause)
         if self._holding:
             return None
         self._holding = True
-        return self._record(now, "hold", f"holding past {p.max_step_s:g} s: {short}", cmp)
+        return self._record(now, "hold", f"holding past {p.max_step_s:g} s: {short}", cmp,
+                            cause)
 
     def rollback(self, now: float, reason: str, metric: str | None = None
                  ) -> StepRecord | None:
@@ -307,8 +310,9 @@ class Rollout:
         self.history.append(rec)
         return rec
 
-    def _roll_back(self, now: float, reason: str, cmp: Comparison | None) -> StepRecord:
-        rec = self._record(now, "rolled_back", reason, cmp)
+    def _roll_back(self, now: float, reason: str, cmp: Comparison | None,
+                   cause: str = "") -> StepRecord:
+        rec = self._record(now, "rolled_back", reason, cmp, cause)
         self.share_before_rollback = self.canary_share_served
         self.status = "rolled_back"
         return rec
