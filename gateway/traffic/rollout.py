@@ -222,16 +222,34 @@ class Rollout:
         baseline served fewer than ``min_requests``: the last step), each test at
         ``alpha / steps`` of the plan's thresholds (:meth:`Thresholds.per_step`)."""
         th = self.plan.thresholds.per_step(len(self.plan.steps))
-        base = self._window["baseline"]
-        if base.requests < th.min_requests and self._reference is not None:
-            base = self._reference
-        can = self._window["canary"]
+        base, can = self._baseline(), self._window["canary"]
         return combine([
             compare_calibration(self.probes, self.probe_failures, th),
             compare_latency_matched("ttft", base.ttft.pairs, can.ttft.pairs, th),
             compare_latency_matched("itl", base.itl.pairs, can.itl.pairs, th, base.requests),
             compare_errors(base.errors, base.requests, can.errors, can.requests, th),
         ])
+
+    def _baseline(self) -> Side:
+        """The baseline side of the comparison: the window's, or the reference (the last
+        passed step's) while the window's served fewer than ``min_requests``."""
+        base = self._window["baseline"]
+        if base.requests < self.plan.thresholds.min_requests and self._reference is not None:
+            return self._reference
+        return base
+
+    def _settled(self, cmp: Comparison) -> Comparison | None:
+        """``cmp`` as a pass (None: it is not one). At the last step against the fixed
+        reference baseline (which serves nothing, so cannot grow) ``inconclusive`` passes:
+        waiting cannot resolve a gate read off a fixed sample (a P99 low by chance stays
+        low), and the canary passed the step before against a live baseline."""
+        if cmp.decision == "pass":
+            return cmp
+        if (cmp.decision == "inconclusive" and self.step == len(self.plan.steps) - 1
+                and self._baseline() is self._reference):
+            return Comparison("pass", "inconclusive against the previous step's fixed "
+                              f"baseline, passed (it cannot grow): {cmp.reason}", cmp.metrics)
+        return None
 
     def tick(self, now: float) -> StepRecord | None:
         """Decide the current step if it is due (module docstring); returns the record of
@@ -263,12 +281,13 @@ class Rollout:
         complete = all(m.decision != "insufficient" for m in cmp.metrics)
         if cmp.decision == "fail" and (complete or timed_out):  # decided once (docstring)
             return self._roll_back(now, cmp.reason, cmp)
-        if cmp.decision == "pass" and due:
+        passed = self._settled(cmp)
+        if passed is not None and due:
             held = self._next_hold()
             if held is None:
-                return self._advance(now, cmp)
-            self.held, self._held_cmp = held, cmp
-            return self._record(now, "hold", held, cmp, cause="capacity")
+                return self._advance(now, passed)
+            self.held, self._held_cmp = held, passed
+            return self._record(now, "hold", held, passed, cause="capacity")
         if not timed_out:
             return None
         why = "inconclusive" if cmp.decision == "inconclusive" else "insufficient"
