@@ -68,6 +68,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.core.vocab import Prio
+from gateway.traffic import rollout_view
 from gateway.traffic.calibration_match import probe_matches
 from gateway.traffic.rollout_capacity import PoolCapacity, step_hold
 from gateway.traffic.rollout_plan import (
@@ -364,47 +365,13 @@ class Rollout:
         return self.served["canary"] / total if total else 0.0
 
     def snapshot(self, now: float) -> dict[str, object]:
-        """``/admin/rollouts``' view of this rollout (JSON-ready): model, versions, status,
-        step and share, the step's age (seconds), requests served per version, the canary's
-        share served (and before a rollback), calibration probes, the last comparison with
-        its numbers, the comparisons made so far (``looks``: a step acts on one), ``held``
-        (why a passed step waits for the next one's capacity, else None), ``capacity``
-        (:meth:`gateway.traffic.rollout_capacity.PoolCapacity.to_json`, None: unknown) and
-        the decision history with times."""
-        p = self.plan
-        return {
-            "model": p.model, "baseline": p.baseline, "canary": p.canary,
-            "status": self.status, "step": self.step, "steps": list(p.steps),
-            "share": self.share, "started_at": self.started_at,
-            "step_age_s": now - self.step_started_at if self.status == "running" else None,
-            "targeted": self.step < p.targeted_steps and self.status == "running",
-            "served": dict(self.served),
-            "step_served": dict(self._step_assigned),
-            "canary_share_served": self.canary_share_served,
-            "share_before_rollback": self.share_before_rollback,
-            "calibration": {"probes": self.probes, "failures": self.probe_failures,
-                            "measure": p.calibration},
-            "comparison": self.last_comparison.to_json() if self.last_comparison else None,
-            "looks": self.looks,
-            "held": self.held if self.status == "running" else None,
-            "capacity": self.capacity.to_json() if self.capacity else None,
-            "history": [*(dict(r) for r in self.prior),
-                        *(r.to_json() for r in self.history)],
-        }
+        """``/admin/rollouts``' view of this rollout (JSON-ready;
+        :func:`gateway.traffic.rollout_view.snapshot`)."""
+        return rollout_view.snapshot(self, now)
 
     def state(self, now: float) -> dict[str, Any]:
-        """What a resume needs (JSON-ready; kept with the config snapshots, issue 18): the
-        status, the step and its age (seconds), requests served per version, the share
-        before a rollback, the calibration probe counts and the decisions (their ``at``
-        made relative: seconds before ``now``, negative)."""
-        history: list[dict[str, Any]] = self.snapshot(now)["history"]  # type: ignore[assignment]
-        return {
-            "status": self.status, "step": self.step,
-            "step_age_s": now - self.step_started_at,
-            "served": dict(self.served), "share_before_rollback": self.share_before_rollback,
-            "probes": self.probes, "probe_failures": self.probe_failures,
-            "history": [{**r, "at": float(r["at"]) - now} for r in history],
-        }
+        """What a resume needs (JSON-ready; :func:`gateway.traffic.rollout_view.state`)."""
+        return rollout_view.state(self, now)
 
     def resume(self, state: Mapping[str, Any], now: float) -> None:
         """Take up a rollout from :meth:`state` (a restart, a config rollback): an ended one
