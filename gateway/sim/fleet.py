@@ -57,9 +57,7 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from gateway.sim.batch import BatchEngine, SimRequest
 from gateway.sim.fleet_gateway import (
@@ -70,6 +68,7 @@ from gateway.sim.fleet_gateway import (
     SimulatedGateway,
     routing_policy,
 )
+from gateway.sim.fleet_result import PolicyResult, Series, quantile
 from gateway.sim.fleet_spec import FLEET_ENGINE, FleetSpec, RackSpec, capacity_rps
 from gateway.sim.thermal import Cooling, GpuThermal, prefill_time_factor, step_time_factor
 from gateway.sim.thermal import utilisation as power_utilisation
@@ -88,86 +87,6 @@ __all__ = [  # the simulator's entry point: its parts are re-exported here
     "capacity_rps",
     "simulate",
 ]
-
-
-# ---- results ---------------------------------------------------------------------------------
-@dataclass
-class Series:
-    """Sampled every ``record_every_s``: time (s), per domain its hottest GPU (°C) at that
-    moment and its mean summed draw over the window (W)."""
-
-    t: list[float] = field(default_factory=list)
-    max_temp_c: dict[str, list[float]] = field(default_factory=dict)
-    draw_w: dict[str, list[float]] = field(default_factory=dict)
-
-
-@dataclass
-class PolicyResult:
-    """One policy's run (units in the field names)."""
-
-    policy: str
-    duration_s: float
-    arrived: int
-    completed: int
-    rejected: int
-    good: int
-    goodput_rps: float
-    slo_attainment: float
-    ttft_p50_s: float
-    ttft_p99_s: float
-    tpot_p50_s: float
-    max_temp_c: float
-    time_above_hot_s: float
-    throttle_events: int
-    throttle_time_s: float
-    peak_domain_w: dict[str, float]
-    peak_domain_instant_w: dict[str, float]
-    domain_budget_w: dict[str, float]
-    power_cap_events: int
-    power_capped_s: float
-    cooldowns: int
-    cooldowns_completed: int
-    clock_caps_set: int
-    clock_caps_released: int
-    energy_kwh: float
-    output_tokens: int
-    mean_utilisation: float
-    max_temp_by_domain_c: dict[str, float]
-    series: Series = field(default_factory=Series, repr=False)
-
-    @property
-    def peak_domain_power_w(self) -> float:
-        """The highest mean draw over ``record_every_s`` (60 s) any domain reached (W)."""
-        return max(self.peak_domain_w.values(), default=0.0)
-
-    @property
-    def energy_per_token_j(self) -> float:
-        """GPU energy per output token of the requests completed (J/token): the whole run's
-        GPU energy (idle included) over the output tokens of finished requests."""
-        return self.energy_kwh * 3.6e6 / self.output_tokens if self.output_tokens else math.nan
-
-    @property
-    def peak_domain_instant_power_w(self) -> float:
-        """The highest 1-s draw any domain reached (W); saturates at the domain's nameplate
-        (GPUs x TDP) as soon as all its GPUs are busy at once for a second."""
-        return max(self.peak_domain_instant_w.values(), default=0.0)
-
-    def as_dict(self, with_series: bool = False) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "series"}
-        d["peak_domain_power_w"] = self.peak_domain_power_w
-        d["peak_domain_instant_power_w"] = self.peak_domain_instant_power_w
-        d["energy_per_token_j"] = self.energy_per_token_j
-        if with_series:
-            s = self.series
-            d["series"] = {"t": s.t, "max_temp_c": s.max_temp_c, "draw_w": s.draw_w}
-        return d
-
-
-def _quantile(sorted_vals: Sequence[float], q: float) -> float:
-    if not sorted_vals:
-        return math.nan
-    k = min(len(sorted_vals) - 1, max(0, math.ceil(q * len(sorted_vals)) - 1))
-    return sorted_vals[k]
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -380,12 +299,14 @@ def simulate(
         arrived=arrived,
         completed=completed,
         rejected=rejected,
+        rejected_power=gateway.refused_power,
+        rejected_load=gateway.refused_load,
         good=good,
         goodput_rps=good / duration_s if duration_s > 0 else 0.0,
         slo_attainment=good / arrived if arrived else 1.0,
-        ttft_p50_s=_quantile(ttft_sorted, 0.50),
-        ttft_p99_s=_quantile(ttft_sorted, 0.99),
-        tpot_p50_s=_quantile(tpot_sorted, 0.50),
+        ttft_p50_s=quantile(ttft_sorted, 0.50),
+        ttft_p99_s=quantile(ttft_sorted, 0.99),
+        tpot_p50_s=quantile(tpot_sorted, 0.50),
         max_temp_c=max(max_temp),
         time_above_hot_s=sum(g.time_above_s for g in gpus),
         throttle_events=sum(g.throttle_events for g in gpus),
