@@ -13,13 +13,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.config import (
-    AdmissionConfig,
-    BackendConfig,
-    ClockControlConfig,
-    RoutingConfig,
-    RoutingPolicy,
-)
+from gateway.config import BackendConfig, ClockControlConfig, RoutingConfig, RoutingPolicy
 from gateway.core.samples import GpuSample, LoadSample
 from gateway.core.vocab import BackendState, Prio
 from gateway.fleet.backend import Backend
@@ -75,8 +69,8 @@ class SimulatedGateway:
     ``routing.policy`` value). With ``load_thermal`` the gateway's thermal machinery runs
     too (GPU telemetry, :func:`gateway.routing.thermal.choose` as the policy's thermal hook,
     power admission, thermal cooldowns by :mod:`gateway.routing.cooldown`), and so does
-    the live gateway's resource-layer admission with its defaults (:meth:`load_refused`:
-    ``admission`` defaults to :class:`AdmissionConfig` ()); the simple policies stand for a
+    the live gateway's resource-layer admission (:meth:`load_refused`, with
+    ``spec.admission``: the gateway's defaults unless set); the simple policies stand for a
     plain router in front of the same fleet, without any of it.
 
     The loop drives: ``pick`` (backend index, or None to reject), ``dispatched`` /
@@ -91,7 +85,6 @@ class SimulatedGateway:
         spec: FleetSpec,
         policy: RoutingPolicy,
         clocks: ClockControlConfig | None = None,
-        admission: AdmissionConfig | None = None,
     ) -> None:
         self.spec = spec
         self.cfg = spec.thermal
@@ -133,7 +126,7 @@ class SimulatedGateway:
         self._shed_level: float | None = None
         self.cooldowns = 0
         self.returned = 0
-        self.admission = admission if admission is not None else AdmissionConfig()
+        self.admission = spec.admission
         self.refused_load = 0  # resource layer: predicted queue wait over the SLO
         self.refused_power = 0  # power layer: domains' draw over thermal.power_shed_levels
         # Clock control (``clocks``): the controller, the caps to apply (backend index ->
