@@ -26,9 +26,14 @@ implementation (:func:`gateway.routing.policies.build_policy`), driven by
   samples scraped every ``load_scrape_s`` (0.5 s, as ``telemetry.scrape_interval_s``) into
   :class:`gateway.core.samples.LoadSample`, GPU telemetry every ``gpu_scrape_s`` (2 s, as
   ``thermal.scrape_interval_s``; temperatures read as whole °C like DCGM) into
-  :class:`gateway.routing.thermal.ThermalTracker`; per request
-  :func:`gateway.traffic.admission.shed` on :func:`gateway.routing.thermal.power_pressure`
-  (power admission), :func:`gateway.routing.thermal.choose` (tiers, trend, power caps,
+  :class:`gateway.routing.thermal.ThermalTracker`; per request the live gateway's default
+  admission, its resource layer first (the queue wait a new request would meet on the
+  least-loaded backend, :meth:`gateway.traffic.capacity.ServiceModel.predicted_wait` over
+  the service rate each backend's :class:`~gateway.traffic.capacity.ServiceModel` learns
+  from the load scrapes, shed at ``admission.shed_levels`` x ``slo.ttft_s``:
+  :class:`gateway.config.AdmissionConfig` defaults, 4 s for the simulator's
+  normal-priority requests), then :func:`gateway.traffic.admission.shed` on
+  :func:`gateway.routing.thermal.power_pressure` (power admission), :func:`gateway.routing.thermal.choose` (tiers, trend, power caps,
   domain budgets) as the thermal hook of :class:`gateway.routing.policy.LoadThermalPolicy`
   (load score + penalties, slow start); and the thermal cooldown: a backend that
   :func:`gateway.routing.cooldown.cooldown_due` names drains when
@@ -37,19 +42,23 @@ implementation (:func:`gateway.routing.policies.build_policy`), driven by
   :func:`gateway.routing.cooldown.rest_over` (below ``resume_c`` and at least
   ``cooldown_s``, or ``max_cooldown_s``), then returns warm through the slow-start ramp.
 
-The simple policies stand for a plain router in front of the same fleet: no GPU telemetry,
-power admission or cooldowns (the live gateway runs those whatever its ``routing.policy``).
+The simple policies stand for a plain router in front of the same fleet: no queue-wait or
+power admission, GPU telemetry or cooldowns (the live gateway runs those whatever its
+``routing.policy``). Not modelled: the gateway's own scheduler queue (``max_in_flight``,
+``max_queue_wait_s``) and entry rate limits (none by default).
 
 Modules: :mod:`gateway.sim.fleet_spec` (:class:`FleetSpec`: racks, engine, periods),
-:mod:`gateway.sim.fleet_gateway` (:class:`SimulatedGateway`), this one (the event loop
-:func:`simulate` and its :class:`PolicyResult`; the public names of all three).
+:mod:`gateway.sim.fleet_gateway` (:class:`SimulatedGateway`), :mod:`gateway.sim.fleet_result`
+(:class:`PolicyResult`), this one (the event loop :func:`simulate`; the public names of all).
 
 Reported per policy (:class:`PolicyResult`): max GPU temperature, GPU-seconds above
 ``hot_c``, thermal-throttling events (entries into throttling, summed over GPUs) and
 throttled GPU-seconds, peak draw per domain (highest mean over ``record_every_s`` = 60 s,
 what provisioning and breakers see; the 1-s peak is kept too but saturates at nameplate),
 power-cap events, goodput (requests meeting the TTFT and mean-ITL SLOs, per second of the
-run; rejected and unfinished requests do not count), P50/P99 TTFT, cooldowns.
+run; rejected and unfinished requests do not count), SLO attainment (of all arrivals, and
+of the requests served), P50/P99 TTFT of the served, cooldowns, requests refused (for power
+and for load apart).
 """
 
 from __future__ import annotations
