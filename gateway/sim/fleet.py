@@ -33,7 +33,8 @@ implementation (:func:`gateway.routing.policies.build_policy`), driven by
   from the load scrapes, shed at ``admission.shed_levels`` x ``slo.ttft_s``:
   :class:`gateway.config.AdmissionConfig` defaults, 4 s for the simulator's
   normal-priority requests), then :func:`gateway.traffic.admission.shed` on
-  :func:`gateway.routing.thermal.power_pressure` (power admission), :func:`gateway.routing.thermal.choose` (tiers, trend, power caps,
+  :func:`gateway.routing.thermal.power_pressure` (power admission),
+  :func:`gateway.routing.thermal.choose` (tiers, trend, power caps,
   domain budgets) as the thermal hook of :class:`gateway.routing.policy.LoadThermalPolicy`
   (load score + penalties, slow start); and the thermal cooldown: a backend that
   :func:`gateway.routing.cooldown.cooldown_due` names drains when
