@@ -36,8 +36,9 @@ time, and only when the domain would stay under ``domain_high_ratio`` with that 
 back at the draw it had when its limits were set (so a load that has not fallen does not
 flip the limits off and on: a GPU under a limit that binds draws its limit, the draw sits
 near ``power_limit_ratio``, and a dip of a few percent must not release it); between the
-two marks nothing moves. While any limit of a domain is set its clock caps do not step up (the last lever in is the first out:
-:meth:`PowerLimitController.holding`). Limits count as spent
+two marks nothing moves. While any limit of a domain is set its clock caps do not step up
+(the last lever in is the first out: :meth:`PowerLimitController.holding`). Limits count as
+spent
 (:meth:`PowerLimitController.exhausted`: shedding may start) once they have been set for
 ``interval_s``; the driver also waits until the GPUs' telemetry shows them, so their effect
 on the draw is seen before any request is refused.
