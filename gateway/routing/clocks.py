@@ -180,7 +180,7 @@ class ClockController:
             c.efficiency = cfg.efficient_ratio if idle else 1.0
             dom = domains.get(g.domain) if g.domain is not None else None
             if lifted and dom is not None and dom.budget_w > 0:
-                if self._mean_w(g.domain, dom.draw_w) / dom.budget_w >= cfg.domain_low_ratio:
+                if self._mean_w(dom.name, dom.draw_w) / dom.budget_w >= cfg.domain_low_ratio:
                     # a domain with little headroom: the power cap takes over the clock,
                     # so the lift comes a step at a time and a burst cannot jump the draw
                     c.power = min(c.power, c.applied)
