@@ -44,10 +44,12 @@ class DrawWindow:
         q = self._samples.get(key)
         return sum(w for _, w in q) / len(q) if q else None
 
-    def peak(self, key: str) -> float | None:
-        """Highest of ``key``'s samples in the window (W); None without any."""
+    def peak(self, key: str, since: float = -float("inf")) -> float | None:
+        """Highest of ``key``'s samples in the window (W), those taken at or after ``since``
+        (seconds) only; None without any."""
         q = self._samples.get(key)
-        return max(w for _, w in q) if q else None
+        ws = [w for t, w in q if t >= since - _EPS] if q else []
+        return max(ws) if ws else None
 
     def forget(self, key: str) -> None:
         """Drop ``key``'s samples (a backend that left the fleet)."""

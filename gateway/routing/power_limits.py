@@ -50,8 +50,10 @@ on the domain's mean draw of the window; the release reads the domain with each 
 backend at its window's highest reading (the uncontrolled GPUs at their mean), so one low
 reading (a GPU sampled between two engine steps) neither crosses the low mark nor shrinks
 the load a release would bring back; the draw "before the limit" is the backend's highest
-reading of the window when the limit was set. A limit, once set, is held at least
-``min_hold_intervals x interval_s`` (5 rounds) before it may be released.
+reading of the window when the limit was set, of those since its clocks sat at their floor
+(what it would draw again, its clocks held there, were the limit cleared). A limit, once
+set, is held at least ``min_hold_intervals x interval_s`` (5 rounds) before it may be
+released.
 
 Everything takes time and readings as arguments (seconds, W); no I/O.
 """
@@ -199,8 +201,10 @@ class PowerLimitController:
                 if before is None or w < before - _EPS:
                     self._limits[v.backend_id] = w
                     self._set_at.setdefault(v.backend_id, now)
-                    if before is None:  # the highest draw of the window: the load's own
-                        self._before_w[v.backend_id] = self._draw.peak(_backend_key(v.backend_id))
+                    if before is None:  # the window's highest draw at the clock floor
+                        self._before_w[v.backend_id] = self._draw.peak(
+                            _backend_key(v.backend_id), since=self._floor_since[name]
+                        )
                     out.append(LimitChange(v.backend_id, w, before, "power"))
             if out:
                 self._domain_at[name] = now
