@@ -51,7 +51,10 @@ backend at its window's highest reading (the uncontrolled GPUs at their mean), s
 reading (a GPU sampled between two engine steps) neither crosses the low mark nor shrinks
 the load a release would bring back; the draw "before the limit" is the backend's highest
 reading of the window when the limit was set, of those since its clocks sat at their floor
-(what it would draw again, its clocks held there, were the limit cleared). A limit, once
+(what it would draw again, its clocks held there, were the limit cleared); a backend whose
+highest reading reaches :data:`BINDING_SHARE` of its limits is still held by them (its
+demand, the limit hides, may have grown as load moved between backends) and is not
+released. A limit, once
 set, is held at least ``min_hold_intervals x interval_s`` (5 rounds) before it may be
 released.
 
@@ -69,6 +72,12 @@ from gateway.routing.draw_window import DrawWindow
 from gateway.routing.thermal import DomainStatus
 
 _EPS = 1e-6
+
+BINDING_SHARE = 0.95
+"""A backend whose highest reading of the window reaches this share of its limits (all its
+GPUs) is held by them: its demand is at least the limit, and what it would draw released
+is unknown, so it is not released (the limit is met to within a few percent: a GPU's power
+capping holds the mean draw at the limit; telemetry adds the noise)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +229,7 @@ class PowerLimitController:
                 for v in members
                 if v.backend_id in self._limits
                 and self._set_at.get(v.backend_id, -math.inf) <= held_since
+                and self._peak_w(v) < BINDING_SHARE * self._limits[v.backend_id] * v.gpus
                 and self._after_release_w(v, settled_w) < high_w
             ]
             if not limited:

@@ -80,14 +80,15 @@ def test_a_limit_only_moves_down_while_over_and_is_rate_limited() -> None:
 
 def test_hysteresis_holds_in_the_band_and_releases_one_least_bound_backend_per_interval() -> None:
     p = PowerLimitController(CFG)
-    p.decide(0.0, [view("a"), view("b")], rack(900.0), {"rack": True})
-    p.decide(2.0, [view("a"), view("b")], rack(900.0), {"rack": True})  # 390 W each
+    hot = [view("a", 450.0), view("b", 450.0)]  # all of the domain's draw
+    p.decide(0.0, hot, rack(900.0), {"rack": True})
+    p.decide(2.0, hot, rack(900.0), {"rack": True})  # 390 W each
     # the limits bind: 780 W (78%) sits inside the band: nothing moves
     bound = [view("a", 390.0), view("b", 390.0)]
     assert p.decide(4.0, bound, rack(780.0), {"rack": True}) == []
     assert p.decide(6.0, bound, rack(760.0), {"rack": False}) == []
     # demand fell: below 75%, b draws least of its limit: cleared first, then a
-    fell = [view("a", 380.0), view("b", 300.0)]
+    fell = [view("a", 360.0), view("b", 300.0)]  # both under 95% of their limits
     ch = p.decide(8.0, fell, rack(680.0), {"rack": True})
     assert [(c.backend_id, c.watts, c.reason) for c in ch] == [("b", None, "release")]
     assert p.decide(9.0, fell, rack(680.0), {"rack": True}) == []
@@ -126,9 +127,10 @@ def test_clock_caps_do_not_step_up_while_a_limit_of_their_domain_is_set() -> Non
         t += 2.0
         assert t < 30
     low = rack(600.0)
+    fallen = [view("a", 150.0), view("b", 150.0)]  # under their limits (200 W)
     for _ in range(2):  # two rounds: each clears one backend's limit, no clock moves
         assert clocks.decide(t, gpus, low, limits.holding(members)) == []
-        assert len(limits.decide(t, views, low, {"rack": True})) == 1
+        assert len(limits.decide(t, fallen, low, {"rack": True})) == 1
         t += 2.0
     ch = clocks.decide(t, gpus, low, limits.holding(members))
     assert [c.reason for c in ch] == ["power"] and ch[0].max_mhz == pytest.approx(1500.0)
@@ -219,3 +221,17 @@ def test_the_draw_before_a_limit_is_the_windows_highest() -> None:
     bound = [view("a", 273.0), view("b", 250.0)]  # 523 W: 75% of 700 W, under the low mark
     for t in range(3, 30):
         assert p.decide(float(t), bound, rack(510.0, 700.0), {"rack": True}) == []
+
+
+def test_a_backend_held_at_its_limit_is_not_released_when_load_moves_to_it() -> None:
+    """Load moves between two limited backends (390 W limits): b falls to 150 W, a sits at
+    its limit. The domain (540 W) is under the low mark, a's draw before its limit (450 W)
+    would fit, but a's demand hidden under its limit may be more: a is not released; b,
+    well under its limit, is."""
+    p = PowerLimitController(CFG)
+    p.decide(0.0, [view("a", 450.0), view("b", 450.0)], rack(900.0), {"rack": True})
+    p.decide(2.0, [view("a", 450.0), view("b", 450.0)], rack(900.0), {"rack": True})
+    moved = [view("a", 390.0), view("b", 150.0)]
+    ch = p.decide(4.0, moved, rack(540.0), {"rack": True})
+    assert [(c.backend_id, c.reason) for c in ch] == [("b", "release")]
+    assert p.decide(6.0, moved, rack(540.0), {"rack": True}) == []
