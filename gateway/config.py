@@ -941,6 +941,19 @@ class ClockControlConfig(_Strict):
         "draw is still over domain_high_ratio, set its GPUs' power limits to their share of "
         "the budget (gateway/routing/power_limits.py) before any request is shed for power",
     )
+    smooth_intervals: int = Field(
+        3,
+        ge=1,
+        description="the clock and power-limit rules decide on the domain's mean draw over the "
+        "last smooth_intervals x interval_s (gateway/routing/draw_window.py): one noisy "
+        "sample under a mark does not move a lever",
+    )
+    min_hold_intervals: int = Field(
+        5,
+        ge=1,
+        description="a power limit, once set, stays set at least min_hold_intervals x "
+        "interval_s before it may be released (no set/release flapping)",
+    )
     power_limit_ratio: float = Field(
         0.78,
         gt=0,

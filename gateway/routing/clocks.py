@@ -40,6 +40,11 @@ those are set too may power shedding start. :class:`PowerShedGate` adds the hyst
 power shedding lacked: once on, a class is shed until the draw falls ``power_shed_release``
 below its level.
 
+**Smoothed draw** (issue 21): the power steps read the domain's draw over a window of
+``smooth_intervals x interval_s`` (:class:`gateway.routing.draw_window.DrawWindow`), not
+one sample: down on the window's mean over the high mark; up (below the low mark, or the
+band's step) only on the window's highest reading, so one low sample moves no clock up.
+
 Everything takes time and readings as arguments (seconds, °C, W); no I/O.
 """
 
@@ -50,6 +55,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.config import ClockControlConfig
+from gateway.routing.draw_window import DrawWindow
 from gateway.routing.thermal import DomainStatus
 
 _EPS = 1e-9
@@ -107,6 +113,8 @@ class ClockController:
         self._caps: dict[str, _Caps] = {}
         self._domain_at: dict[str, float] = {}
         self._max_mhz: dict[str, float] = {}
+        # each domain's draw over smooth_intervals x interval_s (W; module docstring)
+        self._draw = DrawWindow(cfg.smooth_intervals * cfg.interval_s)
 
     def share(self, backend_id: str) -> float:
         """The cap applied to ``backend_id`` now (share of its max SM clock; 1: none)."""
@@ -156,6 +164,11 @@ class ClockController:
         power caps must not step up now (their GPUs' power limits are still set:
         :meth:`gateway.routing.power_limits.PowerLimitController.holding`)."""
         cfg = self.cfg
+        seen = {g.domain for g in gpus if g.domain is not None}
+        for name in sorted(seen):
+            dom = domains.get(name)
+            if dom is not None and dom.budget_w > 0:
+                self._draw.add(name, now, dom.draw_w)
         for g in gpus:
             self._max_mhz[g.backend_id] = g.max_mhz
             c = self._caps.setdefault(g.backend_id, _Caps())
@@ -167,7 +180,7 @@ class ClockController:
             c.efficiency = cfg.efficient_ratio if idle else 1.0
             dom = domains.get(g.domain) if g.domain is not None else None
             if lifted and dom is not None and dom.budget_w > 0:
-                if dom.draw_w / dom.budget_w >= cfg.domain_low_ratio:
+                if self._mean_w(dom.name, dom.draw_w) / dom.budget_w >= cfg.domain_low_ratio:
                     # a domain with little headroom: the power cap takes over the clock,
                     # so the lift comes a step at a time and a burst cannot jump the draw
                     c.power = min(c.power, c.applied)
@@ -179,11 +192,18 @@ class ClockController:
         for name, members in by_domain.items():
             dom = domains.get(name)
             if dom is not None and dom.budget_w > 0:
-                ratio = dom.draw_w / dom.budget_w
-                if name in hold and ratio < cfg.domain_low_ratio:
+                peak_w = self._draw.peak(name)
+                high_w = dom.draw_w if peak_w is None else peak_w
+                if name in hold and high_w < cfg.domain_low_ratio * dom.budget_w:
                     continue  # the power limits are released first
-                self._power_step(now, name, members, dom.draw_w, dom.budget_w)
+                mean_w = self._mean_w(name, dom.draw_w)
+                self._power_step(now, name, members, mean_w, high_w, dom.budget_w)
         return self._apply(gpus)
+
+    def _mean_w(self, name: str, draw_w: float) -> float:
+        """The domain's mean draw over the window (W; ``draw_w``, the reading, without)."""
+        mean = self._draw.mean(name)
+        return draw_w if mean is None else mean
 
     # -- the three caps
     def _thermal_step(self, now: float, g: GpuView, c: _Caps) -> None:
@@ -199,8 +219,18 @@ class ClockController:
             c.thermal_at = now
 
     def _power_step(
-        self, now: float, name: str, members: list[GpuView], draw_w: float, budget_w: float
+        self,
+        now: float,
+        name: str,
+        members: list[GpuView],
+        draw_w: float,
+        peak_w: float,
+        budget_w: float,
     ) -> None:
+        """One power step of domain ``name``: ``draw_w`` is its mean draw over the window,
+        ``peak_w`` its highest reading there (W): down on the mean over the high mark, up
+        only when even the highest reading is under the low mark (or, in the band, leaves
+        room under the high mark)."""
         cfg = self.cfg
         if now - self._domain_at.get(name, -1e18) < cfg.interval_s - _EPS:
             return
@@ -218,7 +248,7 @@ class ClockController:
                 c = caps[g.backend_id]
                 c.power = max(cfg.floor_ratio, min(c.power, c.applied) - cfg.step_ratio)
             self._domain_at[name] = now
-        elif ratio < cfg.domain_low_ratio:
+        elif peak_w < cfg.domain_low_ratio * budget_w:
             capped = [g for g in members if caps[g.backend_id].power < 1.0]
             if not capped:
                 return
@@ -226,15 +256,15 @@ class ClockController:
             c = caps[g.backend_id]
             c.power = min(1.0, c.power + cfg.step_ratio)
             self._domain_at[name] = now
-        else:
-            self._band_release(now, name, members, draw_w, budget_w)
+        elif ratio < cfg.domain_high_ratio:
+            self._band_release(now, name, members, peak_w, budget_w)
 
     def _band_release(
         self, now: float, name: str, members: list[GpuView], draw_w: float, budget_w: float
     ) -> None:
         """Inside the band: step up the most prefill-heavy power-capped GPU with requests
-        waiting, if its rise (bounded as in the module docstring) keeps the domain under
-        the high mark."""
+        waiting, if its rise (bounded as in the module docstring) keeps the domain (``draw_w``:
+        its highest reading of the window) under the high mark."""
         cfg = self.cfg
         queued = [
             g

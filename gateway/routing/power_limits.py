@@ -31,16 +31,32 @@ clocks have been at their floor for ``interval_s`` (their last step's effect is 
 with the draw at or over ``domain_high_ratio``; while it stays there, a limit only ever moves
 down (the share is computed again: the uncontrolled draw may have grown). Below
 ``domain_low_ratio`` one backend's limits are cleared per ``interval_s`` (back to the GPU's
-default), the least bound first (lowest draw over its limits), and only when the domain
-would stay under ``domain_high_ratio`` with that backend back at the draw it had when its
-limits were set (so a load that has not fallen does not flip the limits off and on: a GPU
-under a limit that binds draws its limit, the draw sits near ``power_limit_ratio``, and a dip
-of a few percent must not release it); between the two marks nothing moves. While any limit
-of a domain is set its clock caps do not step up (the last lever in is the first out:
-:meth:`PowerLimitController.holding`). Limits count as spent
+default), the least bound first (lowest mean draw over its limits), once held their minimum
+time, and only when the domain would stay under ``domain_high_ratio`` with that backend
+back at the draw it had when its limits were set (so a load that has not fallen does not
+flip the limits off and on: a GPU under a limit that binds draws its limit, the draw sits
+near ``power_limit_ratio``, and a dip of a few percent must not release it); between the
+two marks nothing moves. While any limit of a domain is set its clock caps do not step up
+(the last lever in is the first out: :meth:`PowerLimitController.holding`). Limits count as
+spent
 (:meth:`PowerLimitController.exhausted`: shedding may start) once they have been set for
 ``interval_s``; the driver also waits until the GPUs' telemetry shows them, so their effect
 on the draw is seen before any request is refused.
+
+**Smoothed draws and a minimum hold** (no set/release flapping; issue 21): every decision
+reads the draws over a window of ``smooth_intervals x interval_s`` (3 rounds by default,
+:class:`gateway.routing.draw_window.DrawWindow`), not one sample: the high mark is tested
+on the domain's mean draw of the window; the release reads the domain with each controlled
+backend at its window's highest reading (the uncontrolled GPUs at their mean), so one low
+reading (a GPU sampled between two engine steps) neither crosses the low mark nor shrinks
+the load a release would bring back; the draw "before the limit" is the backend's highest
+reading of the window when the limit was set, of those since its clocks sat at their floor
+(what it would draw again, its clocks held there, were the limit cleared); a backend whose
+highest reading reaches :data:`BINDING_SHARE` of its limits is still held by them (its
+demand, the limit hides, may have grown as load moved between backends) and is not
+released. A limit, once
+set, is held at least ``min_hold_intervals x interval_s`` (5 rounds) before it may be
+released.
 
 Everything takes time and readings as arguments (seconds, W); no I/O.
 """
@@ -52,9 +68,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.config import ClockControlConfig
+from gateway.routing.draw_window import DrawWindow
 from gateway.routing.thermal import DomainStatus
 
 _EPS = 1e-6
+
+BINDING_SHARE = 0.95
+"""A backend whose highest reading of the window reaches this share of its limits (all its
+GPUs) is held by them: its demand is at least the limit, and what it would draw released
+is unknown, so it is not released (the limit is met to within a few percent: a GPU's power
+capping holds the mean draw at the limit; telemetry adds the noise)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +117,8 @@ class PowerLimitController:
         self._before_w: dict[str, float | None] = {}  # backend -> its draw then (W)
         self._domain_at: dict[str, float] = {}
         self._floor_since: dict[str, float] = {}
+        # draws of the domains and backends over smooth_intervals x interval_s (W)
+        self._draw = DrawWindow(cfg.smooth_intervals * cfg.interval_s)
 
     def limit_w(self, backend_id: str) -> float | None:
         """The per-GPU limit set on ``backend_id`` now (W), None when none."""
@@ -126,6 +151,7 @@ class PowerLimitController:
         self._limits.pop(backend_id, None)
         self._set_at.pop(backend_id, None)
         self._before_w.pop(backend_id, None)
+        self._draw.forget(_backend_key(backend_id))
 
     def decide(
         self,
@@ -141,19 +167,33 @@ class PowerLimitController:
         for v in views:
             if v.domain is not None and v.gpus > 0:
                 by_domain.setdefault(v.domain, []).append(v)
+                if v.power_w is not None:
+                    self._draw.add(_backend_key(v.backend_id), now, v.power_w)
         out: list[LimitChange] = []
         for name, members in sorted(by_domain.items()):
             dom = domains.get(name)
             if dom is None or dom.budget_w <= 0:
                 continue
+            self._draw.add(_domain_key(name), now, dom.draw_w)
             out.extend(self._step(now, name, members, dom, clocks_floor.get(name, False)))
         return out
+
+    def domain_draw_w(self, name: str, dom: DomainStatus) -> float:
+        """The domain's draw the rule decides on (W): its mean over the window (module
+        docstring; the reading now when none is recorded)."""
+        mean = self._draw.mean(_domain_key(name))
+        return dom.draw_w if mean is None else mean
+
+    def _mean_w(self, v: LimitView) -> float | None:
+        """The backend's mean draw over the window (W; None: no reading)."""
+        return self._draw.mean(_backend_key(v.backend_id))
 
     def _step(
         self, now: float, name: str, members: list[LimitView], dom: DomainStatus, floor: bool
     ) -> list[LimitChange]:
         cfg = self.cfg
-        ratio = dom.draw_w / dom.budget_w
+        draw_w = self.domain_draw_w(name, dom)
+        ratio = draw_w / dom.budget_w
         over = ratio >= cfg.domain_high_ratio
         if not (over and floor):
             self._floor_since.pop(name, None)
@@ -162,7 +202,7 @@ class PowerLimitController:
         if now - self._domain_at.get(name, -1e18) < cfg.interval_s - _EPS:
             return []
         if over and floor and now - self._floor_since[name] >= cfg.interval_s - _EPS:
-            share = self.share_w(members, dom)
+            share = self.share_w(members, draw_w, dom.budget_w)
             out = []
             for v in members:
                 w = min(v.max_w, max(v.min_w, share))
@@ -170,18 +210,27 @@ class PowerLimitController:
                 if before is None or w < before - _EPS:
                     self._limits[v.backend_id] = w
                     self._set_at.setdefault(v.backend_id, now)
-                    if before is None:
-                        self._before_w[v.backend_id] = v.power_w
+                    if before is None:  # the window's highest draw at the clock floor
+                        self._before_w[v.backend_id] = self._draw.peak(
+                            _backend_key(v.backend_id), since=self._floor_since[name]
+                        )
                     out.append(LimitChange(v.backend_id, w, before, "power"))
             if out:
                 self._domain_at[name] = now
             return out
-        if ratio < cfg.domain_low_ratio:
+        settled_w = self._settled_w(members, draw_w)
+        if settled_w < cfg.domain_low_ratio * dom.budget_w:
+            # under the low mark with every backend at its window's highest reading: a dip
+            # of one reading (a GPU read between two engine steps) releases nothing
             high_w = cfg.domain_high_ratio * dom.budget_w
+            held_since = now - cfg.min_hold_intervals * cfg.interval_s + _EPS
             limited = [
                 v
                 for v in members
-                if v.backend_id in self._limits and self._after_release_w(v, dom) < high_w
+                if v.backend_id in self._limits
+                and self._set_at.get(v.backend_id, -math.inf) <= held_since
+                and self._peak_w(v) < BINDING_SHARE * self._limits[v.backend_id] * v.gpus
+                and self._after_release_w(v, settled_w) < high_w
             ]
             if not limited:
                 return []
@@ -193,28 +242,50 @@ class PowerLimitController:
             return [LimitChange(v.backend_id, None, before, "release")]
         return []
 
-    def share_w(self, members: Sequence[LimitView], dom: DomainStatus) -> float:
-        """Each controlled GPU's share of the domain's budget (W; module docstring): the
-        target draw less the draw of the domain's uncontrolled GPUs, over the controlled
-        GPUs (not yet clamped to a GPU's range)."""
-        controlled_w = sum(v.power_w or 0.0 for v in members)
-        uncontrolled_w = max(0.0, dom.draw_w - controlled_w)
+    def share_w(self, members: Sequence[LimitView], draw_w: float, budget_w: float) -> float:
+        """Each controlled GPU's share of the domain's budget ``budget_w`` (W; module
+        docstring): the target draw less the draw of the domain's uncontrolled GPUs (the
+        domain's ``draw_w`` less the controlled backends' window means), over the
+        controlled GPUs (not yet clamped to a GPU's range)."""
+        controlled_w = sum(self._mean_w(v) or 0.0 for v in members)
+        uncontrolled_w = max(0.0, draw_w - controlled_w)
         gpus = sum(v.gpus for v in members)
-        target = self.cfg.power_limit_ratio * dom.budget_w
+        target = self.cfg.power_limit_ratio * budget_w
         return max(0.0, target - uncontrolled_w) / max(1, gpus)
 
-    def _after_release_w(self, v: LimitView, dom: DomainStatus) -> float:
-        """The domain's draw (W) were ``v``'s limits cleared: its draw back to what it was
-        when they were set (unknown, e.g. an adopted limit: up to the limits)."""
-        now_w = v.power_w or 0.0
+    def _peak_w(self, v: LimitView) -> float:
+        """The backend's highest draw of the window (W; 0 without a reading)."""
+        return self._draw.peak(_backend_key(v.backend_id)) or 0.0
+
+    def _settled_w(self, members: Sequence[LimitView], draw_w: float) -> float:
+        """The domain's draw (W) the release rule reads: the draw of its uncontrolled GPUs
+        (the window mean ``draw_w`` less the members' means) plus each member's highest
+        reading of the window."""
+        means = sum(self._mean_w(v) or 0.0 for v in members)
+        return max(0.0, draw_w - means) + sum(self._peak_w(v) for v in members)
+
+    def _after_release_w(self, v: LimitView, settled_w: float) -> float:
+        """The domain's draw (W; ``settled_w``: :meth:`_settled_w`) were ``v``'s limits
+        cleared: the backend's draw back to the window maximum it had when they were set
+        (unknown, e.g. an adopted limit: up to the limits)."""
+        now_w = self._peak_w(v)
         before = self._before_w.get(v.backend_id)
         if before is None:
             before = self._limits[v.backend_id] * v.gpus
-        return dom.draw_w - now_w + max(now_w, before)
+        return settled_w - now_w + max(now_w, before)
 
     def _bound(self, v: LimitView) -> float:
-        """Draw over the backend's limits (1: the limits bind); 0 without a reading."""
+        """Mean draw over the backend's limits (1: the limits bind); 0 without a reading."""
         limit = self._limits.get(v.backend_id)
-        if limit is None or v.power_w is None or limit <= 0:
+        mean = self._mean_w(v)
+        if limit is None or mean is None or limit <= 0:
             return 0.0
-        return v.power_w / (limit * v.gpus)
+        return mean / (limit * v.gpus)
+
+
+def _domain_key(name: str) -> str:
+    return "domain:" + name
+
+
+def _backend_key(backend_id: str) -> str:
+    return "backend:" + backend_id

@@ -238,6 +238,20 @@ class Engine:
             busy_time_s=self._busy,
         )
 
+    def busy_time_until(self, now: float) -> float:
+        """Seconds the engine has been busy up to ``now``, the elapsed part of a step still
+        running included and the part still ahead of ``now`` excluded (``busy_time_s``
+        counts a step's whole duration when it starts): what a GPU utilisation sampler
+        (DCGM's share of time a kernel ran) sees at ``now``."""
+        busy = self._busy
+        if self._step_end is not None:
+            busy -= max(0.0, self._step_end - max(now, self._step_start))
+        return busy
+
+    def step_batch(self) -> int:
+        """Sequences in the step running now (0: no step running)."""
+        return len(self._step_batch) if self._step_end is not None else 0
+
     def drain_finished(self) -> list[RequestMetrics]:
         """Return and forget the metrics of requests finished since the last call.
 

@@ -71,7 +71,7 @@ class SimGpus:
         ]
         self._t = now
         stats = engine.stats()
-        self._busy = stats.busy_time_s
+        self._busy = engine.busy_time_until(now)
         self._steps = stats.steps_total
         self._tokens = stats.generation_tokens_total
         self._xid_seen = 0
@@ -100,13 +100,18 @@ class SimGpus:
         dt = now - self._t
         stats = self.engine.stats()
         if dt >= self.cfg.tick_s / 2:  # shorter intervals would make the busy share noisy
-            busy = min(1.0, max(0.0, (stats.busy_time_s - self._busy) / dt))
+            # Busy time up to now, the elapsed part of a step still running included: a
+            # slow step (a low clock) spans several ticks, each of which it kept busy.
+            busy_s = self.engine.busy_time_until(now)
+            busy = min(1.0, max(0.0, (busy_s - self._busy) / dt))
             self.busy = busy
-            # Mean batch over the interval: tokens generated per engine step.
+            # Mean batch over the interval: tokens generated per engine step ended in it;
+            # no step ended (one long step spans the tick): the batch of the step running.
             steps = stats.steps_total - self._steps
-            batch = (stats.generation_tokens_total - self._tokens) / steps if steps else 0.0
+            tokens = stats.generation_tokens_total - self._tokens
+            batch = tokens / max(1, steps) if tokens else float(self.engine.step_batch())
             occ = batch / self.engine.params.max_num_seqs
-            self._busy = stats.busy_time_s
+            self._busy = busy_s
             self._steps = stats.steps_total
             self._tokens = stats.generation_tokens_total
             self._t = now

@@ -58,7 +58,11 @@ SXM) the driver lowers the SM clock to ``throttle_clock`` (60%) of its maximum u
 reads below ``throttle_release_c`` (84 °C; hardware hysteresis, 3 K here). Every entry
 counts as one throttling event. The clock also drops when the demanded power exceeds the
 power limit (the GPU's own power capping; a facility may lower that limit:
-:attr:`GpuThermal.power_limit_w`). A slower clock slows the engine's steps: see
+:attr:`GpuThermal.power_limit_w`), but never below the GPU's lowest supported SM clock
+(``min_sm_clock_mhz``, :func:`min_clock`): a limit under what that clock draws at the load
+(NVML accepts any limit in ``[min_power_limit_w, tdp_w]``; a fully loaded simulated H100 at
+210 MHz draws about 300 W) leaves the GPU at its minimum clock, drawing over the limit by
+what that clock needs, as a real GPU does. A slower clock slows the engine's steps: see
 :func:`step_time_factor`.
 
 Faults: a cooling failure multiplies ``R_th`` (a failed fan or a CRAC unit: the GPU heats to
@@ -171,15 +175,23 @@ def dynamic_share(clock: float, spec: GpuSpec) -> float:
 
 
 def clock_for_share(share: float, spec: GpuSpec) -> float:
-    """The SM clock share at which :func:`dynamic_share` equals ``share`` (the inverse; 0.05
-    at least, the lowest clock the model runs)."""
+    """The SM clock share at which :func:`dynamic_share` equals ``share`` (the inverse), never
+    below :func:`min_clock` (the GPU's lowest supported SM clock: a share the DVFS range
+    cannot reach gives that minimum, and the GPU then draws what it draws there)."""
     m = spec.uncore_share
     if share >= 1.0:
         return 1.0
     sm = (share - m) / (1.0 - m) if m < 1.0 else 1.0  # f v(f)^2
     vf = spec.v_floor
     f = sm ** (1.0 / 3.0) if sm >= vf**3 else sm / (vf * vf)
-    return min(1.0, max(0.05, f))
+    return min(1.0, max(min_clock(spec), f))
+
+
+def min_clock(spec: GpuSpec) -> float:
+    """The lowest SM clock share the GPU runs at: ``min_sm_clock_mhz / max_sm_clock_mhz``
+    (the bottom of ``nvmlDeviceGetSupportedGraphicsClocks``; H100 SXM: 210 / 1980 MHz).
+    Neither a power limit nor a clock lock takes a real GPU below it."""
+    return spec.min_sm_clock_mhz / spec.max_sm_clock_mhz
 
 
 def prefill_time_factor(clock: float, spec: GpuSpec) -> float:
@@ -320,9 +332,13 @@ class GpuThermal:
         dyn = (s.tdp_w - s.idle_w) * util
         capped = False
         if dyn > 0 and s.idle_w + dyn * dynamic_share(clock, s) > self.power_limit_w:
+            # the firmware lowers the clock until the draw meets the limit, but never below
+            # the GPU's minimum clock: a limit under what that clock draws at this load
+            # leaves the GPU at its minimum, drawing over the limit (NVML clamps the limit
+            # to [min_power_limit_w, tdp_w]; the model can load a GPU past it there)
             clock = min(clock, clock_for_share((self.power_limit_w - s.idle_w) / dyn, s))
             capped = True
-        return clock, capped
+        return max(min_clock(s), clock), capped
 
     def demand_w(self, util: float, clock: float) -> float:
         """Draw (W) at utilisation ``util`` and clock share ``clock`` (:func:`dynamic_share`)."""

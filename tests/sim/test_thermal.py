@@ -179,3 +179,37 @@ def test_gpu_faults_inject_xid_ecc_and_cooling_failure() -> None:
     text = render_dcgm(gpus)
     assert 'DCGM_FI_DEV_XID_ERRORS{gpu="1",' in text and "} 48\n" in text
     assert 'DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{gpu="1",' in text
+
+
+def test_a_power_limit_below_what_the_minimum_clock_draws_leaves_the_gpu_at_that_clock() -> None:
+    """A 200 W limit on a fully loaded H100 (the bottom of NVML's range): the firmware lowers
+    the clock to the GPU's minimum, 210 MHz, never below; the draw is what that clock needs
+    (over the limit), the least the GPU can draw at that load."""
+    g = GpuThermal()
+    assert g.set_power_limit(200.0) == 200.0
+    g.advance(1.0, 1.0)
+    assert g.power_capped and g.sm_clock_mhz == pytest.approx(210.0)
+    at_min = g.demand_w(1.0, 210.0 / 1980.0)
+    assert g.power_w == pytest.approx(at_min) and g.power_w > 200.0
+    g.advance(2.0, 0.4)  # a lighter load: the limit is met above the minimum clock
+    assert g.sm_clock_mhz > 210.0 and g.power_w == pytest.approx(200.0)
+
+
+def test_gpu_utilisation_counts_an_engine_step_still_running() -> None:
+    """Steps slower than the tick (a low clock): every tick inside a step reads busy, not
+    the idle draw, and the batch of the running step sets the draw."""
+    eng = Engine(EngineParams(max_num_seqs=8))
+    gpus = SimGpus(GpuConfig(tick_s=0.1), eng)
+    for i in range(8):
+        eng.submit(EngineRequest(f"r{i}", [1, 2, 3, 4], max_tokens=500), 0.0)
+    eng.advance(0.0)
+    eng.slowdown = 50.0  # each decode step now spans many ticks
+    idle_w = gpus.gpus[0].spec.idle_w
+    t, lows = 0.0, 0
+    while t < 20.0:
+        t = round(t + 0.1, 6)
+        eng.advance(t)
+        gpus.tick(t)
+        eng.slowdown = 50.0  # the tick sets it from the clock; keep the steps slow
+        lows += gpus.busy < 0.99 or gpus.gpus[0].power_w < idle_w + 100
+    assert lows == 0

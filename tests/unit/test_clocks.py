@@ -9,8 +9,11 @@ from gateway.config import ClockControlConfig, ThermalConfig
 from gateway.routing.clocks import ClockController, GpuView, PowerShedGate
 from gateway.routing.thermal import DomainStatus
 
+# One sample per decision: the tests of the steps, the order and the marks; the window
+# (the default, smooth_intervals 3) has its own test below.
 CFG = ClockControlConfig(
-    enabled=True, interval_s=2.0, step_ratio=0.1, floor_ratio=0.5, efficient_after_s=0.0
+    enabled=True, interval_s=2.0, step_ratio=0.1, floor_ratio=0.5, efficient_after_s=0.0,
+    smooth_intervals=1,
 )
 MAX = 2000.0
 
@@ -124,3 +127,25 @@ def test_config_orders_its_marks() -> None:
     with pytest.raises(ValueError, match="domain_low_ratio"):
         ClockControlConfig(domain_low_ratio=0.9, domain_high_ratio=0.8)
     assert ThermalConfig().clocks.enabled is False  # off unless asked for
+
+
+def test_a_single_low_reading_steps_no_clock_up() -> None:
+    """Default window (3 rounds): caps at 0.8 on a domain drawing 80% (in the band), one
+    reading at 60% (under the low mark) moves nothing up; a draw that stays under the low
+    mark for the whole window does."""
+    cfg = ClockControlConfig(
+        enabled=True, interval_s=2.0, step_ratio=0.1, floor_ratio=0.5, efficient_after_s=0.0
+    )
+    c = ClockController(cfg, hot_c=85.0)
+    gpus = [gpu("a", waiting=0), gpu("b", waiting=0)]
+    c.adopt("a", 0.8, MAX)
+    c.adopt("b", 0.8, MAX)
+    t = 0.0
+    for draw in (800.0, 800.0, 800.0, 600.0, 800.0, 810.0, 600.0, 800.0):
+        assert c.decide(t, gpus, rack(draw)) == []
+        t += 2.0
+    ups = []
+    for _ in range(4):
+        ups += c.decide(t, gpus, rack(600.0))
+        t += 2.0
+    assert ups and ups[0].max_mhz is not None and ups[0].max_mhz > 1600.0 - 1e-6
