@@ -22,7 +22,7 @@ CLOCKS, POWER = "/control/gpus/0/clocks", "/control/gpus/0/power-limit"
 
 @pytest.fixture(params=["agent", "sim"])
 def endpoint(
-    request: pytest.FixtureRequest, sims: Callable[..., Sim]  # noqa: F811
+    request: pytest.FixtureRequest, sims: Callable[..., Sim]
 ) -> Iterator[str]:
     """The base URL of a control endpoint with the token :data:`TOKEN`."""
     if request.param == "sim":

@@ -15,7 +15,6 @@ from gateway.sim.asgi import error_response, json_response
 from gateway.sim.gpu import render_dcgm
 from gateway.sim.state import SimState
 
-
 _METHODS = ("GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS")
 """Every method the control route takes (the service answers 405 to those it does not serve)."""
 
