@@ -340,21 +340,15 @@ class ClockDriver:
         body = None if w is None else {"watts": in_range(w, a.min_w, a.max_w)}
         try:
             await set_each(self.client(), self._url(b), self._headers, a.gpus, "power-limit", body)
-        except httpx.HTTPStatusError as e:
-            if e.response.status_code == 503 and change.watts is not None:
+        except httpx.HTTPError as e:
+            if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 503 and w:
                 # the GPU's driver refuses power limits (no permission): no lever here
                 self.metrics.clock_control_errors.labels(b.id).inc()
-                log.warning(
-                    "backend %s: power limit refused by the GPU's driver: %s",
-                    b.id,
-                    e.response.text[:200],
-                )
+                why = e.response.text[:200]
+                log.warning("backend %s: power limit refused by the GPU's driver: %s", b.id, why)
                 a.limits_refused = True
                 self.limits.forget(b.id)
                 return
-            self._failed(b, "power limit", e)
-            return
-        except httpx.HTTPError as e:
             self._failed(b, "power limit", e)
             return
         self.failures.answered(b.id, "power limit")
