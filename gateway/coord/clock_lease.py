@@ -20,9 +20,9 @@ so when the holder dies the lease lapses within the TTL, another replica takes i
 sync round and calls the agents at its next GPU round (``thermal.scrape_interval_s``): at
 most TTL + one sync round + one GPU round after the death, about 12 s with the defaults
 (10 + 0.25 + 2; well inside the agents' 60-s revert), adopts the caps the agents report
-and moves on from them; and when the store fails, no replica drives after the TTL, no agent is contacted, and every agent reverts its
-GPUs 60 s after the last contact: no GPU stays capped by accident. Meanwhile the replicas
-shed as without clocks (no fresh state: nothing more can be lowered), and no request fails
+and moves on from them; and when the store fails, no replica drives after the TTL, no
+agent is contacted, and every agent reverts its GPUs 60 s after the last contact: no GPU
+stays capped by accident. Meanwhile the replicas shed as without clocks (no fresh state: nothing more can be lowered), and no request fails
 for the store. A replica that stops gives the lease back (another takes over at once).
 """
 
