@@ -22,8 +22,9 @@ most TTL + one sync round + one GPU round after the death, about 12 s with the d
 (10 + 0.25 + 2; well inside the agents' 60-s revert), adopts the caps the agents report
 and moves on from them; and when the store fails, no replica drives after the TTL, no
 agent is contacted, and every agent reverts its GPUs 60 s after the last contact: no GPU
-stays capped by accident. Meanwhile the replicas shed as without clocks (no fresh state: nothing more can be lowered), and no request fails
-for the store. A replica that stops gives the lease back (another takes over at once).
+stays capped by accident. Meanwhile the replicas shed as without clocks (no fresh state:
+nothing more can be lowered), and no request fails for the store. A replica that stops gives
+the lease back (another takes over at once).
 """
 
 from __future__ import annotations
