@@ -111,10 +111,12 @@ def main() -> None:
     ap.add_argument("--step-requests", type=int, default=100, help="min_step_requests")
     ap.add_argument("--stream-share", type=float, default=1.0,
                     help="share of requests streamed (only those have an ITL sample)")
-    ap.add_argument("--profile", choices=("default", "e2e"), default="default",
+    ap.add_argument("--profile", choices=("default", "e2e", "trial"), default="default",
                     help="e2e: rollout_e2e.py's short steps (min_step_s 0.5, 40 requests, "
                     "min_samples 20, min_requests 40, recheck_s 0.2) at 60 requests/s, half "
-                    "streamed: a step is looked at every 0.2 s until its ITL sample is in")
+                    "streamed: a step is looked at every 0.2 s until its ITL sample is in; "
+                    "trial: issue 18's trial (steps 10/50/100 %%, min_step_s 10, 20 "
+                    "requests / samples a side) at 7 requests/s")
     ap.add_argument("--scenarios", default="",
                     help="comma-separated scenario names (default: all)")
     args = ap.parse_args()
@@ -123,6 +125,11 @@ def main() -> None:
                            min_step_requests=40, recheck_s=0.2, max_step_s=900,
                            thresholds=Thresholds(min_samples=20, min_requests=40))
         traffic = Traffic(rate_rps=60.0, stream_share=0.5, probe_interval_s=0.1)
+    elif args.profile == "trial":
+        plan = RolloutPlan(model="m", baseline="v1", canary="v2", steps=(0.1, 0.5, 1.0),
+                           min_step_s=10, min_step_requests=20,
+                           thresholds=Thresholds(min_samples=20, min_requests=20))
+        traffic = Traffic(rate_rps=7.0)
     else:
         plan = RolloutPlan(model="m", baseline="v1", canary="v2", min_step_s=args.step_s,
                            min_step_requests=args.step_requests)
@@ -155,7 +162,8 @@ def main() -> None:
               f"(promoted in {_fmt(good['promotion_median_s'], '.0f')} s, median; "
               f"{good['looks_mean']:.1f} comparisons a rollout, 1 acted on a step)")
     print(f"({time.perf_counter() - started:.1f} s)")
-    out = RESULTS_E2E_PROFILE if args.profile == "e2e" else RESULTS
+    out = {"e2e": RESULTS_E2E_PROFILE, "trial": RESULTS.with_name("rollout_trial.json")}.get(
+        args.profile, RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "plan": {"steps": list(plan.steps), "min_step_s": plan.min_step_s,

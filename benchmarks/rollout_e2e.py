@@ -175,13 +175,14 @@ def _window(gw: GatewayThread) -> dict[str, Any]:
 
 
 def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "3+3",
-        timeout_s: float = 1200, first_decision: bool = False) -> dict[str, Any]:
+        timeout_s: float = 1200, first_decision: bool = False,
+        pause_s: float = 0.0) -> dict[str, Any]:
     """One rollout of ``plan`` on ``fleet`` (:data:`FLEETS`) to its end; its figures,
     every decision's numbers, the operator's additions (``added``: when, at which step,
     the hold's reason) and the comparisons seen while a step was due (``looks``: each
     distinct one, polled every 0.2 s, the same period as ``recheck_s``).
     ``first_decision``: stop at the first step's decision (status ``running`` after a
-    pass: the step passed)."""
+    pass: the step passed). ``pause_s``: each client's pause after an answer (seconds)."""
     servers = Servers()
     n_base, n_canary, n_spare = FLEETS[fleet]
     added: list[dict[str, Any]] = []
@@ -196,7 +197,7 @@ def run(name: str, release: dict[str, Any], plan: dict[str, Any], fleet: str = "
             r = httpx.post(gw.url + "/admin/rollouts", json=plan, timeout=10)
             r.raise_for_status()
             t0 = time.monotonic()
-            traffic = Traffic(gw.url, clients=6)
+            traffic = Traffic(gw.url, clients=6, pause_s=pause_s)
             snap: dict[str, Any] = {}
             looks: list[dict[str, Any]] = []
             try:
@@ -261,6 +262,12 @@ def main() -> None:
     ap.add_argument("--first-decision", action="store_true",
                     help="end each run at its first step's decision (a false-rollback "
                          "rate of that step over --repeat runs)")
+    for name in ("min_step_requests", "min_samples", "min_requests"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                        help=f"the plan's {name} (default {PLAN[name]})")
+    ap.add_argument("--pause-s", type=float, default=0.0,
+                    help="each of the 6 clients' pause after an answer (seconds): 0.8 gives "
+                         "~7 requests/s, the issue-18 trial's rate")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON written")
     args = ap.parse_args()
     plan = copy.deepcopy(PLAN)
@@ -268,10 +275,14 @@ def main() -> None:
         plan["calibration"]["interval_s"] = args.probe_interval_s
     if args.min_step_s is not None:
         plan["min_step_s"] = args.min_step_s
+    for name in ("min_step_requests", "min_samples", "min_requests"):
+        if getattr(args, name) is not None:
+            plan[name] = getattr(args, name)
     if args.steps:
         plan["steps"] = [float(x) for x in args.steps.split(",")]
     wanted = args.cases.split(",")
-    rows = [run(name, release, plan, args.fleet, first_decision=args.first_decision)
+    rows = [run(name, release, plan, args.fleet, first_decision=args.first_decision,
+                pause_s=args.pause_s)
             for name, release in CANARIES.items()
             if name.split(" ")[0] in wanted for _ in range(args.repeat)]
     for r in rows:

@@ -475,7 +475,8 @@ class GatewayMetrics:
             "gateway_rollout_decisions",
             "Canary rollout decisions by model, decision (pass, hold, promoted, "
             "rolled_back) and reason (ok; ttft, itl, errors, calibration: the metric that "
-            "failed; insufficient: not enough samples by max_step_s; operator: an abort or "
+            "failed; insufficient: not enough samples by max_step_s; inconclusive: an effect over "
+            "a gate still not significant by max_step_s; operator: an abort or "
             "the config entry removed; capacity: a passed step held, once per hold, until the "
             "next step fits the versions' routable capacity)",
             ["model", "decision", "reason"],

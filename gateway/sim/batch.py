@@ -97,6 +97,7 @@ class BatchEngine:
         self.busy_s = 0.0
         self.occupancy_s = 0.0  # integral of running / max_num_seqs over busy time
         self.tokens_out = 0
+        self.finished = 0  # requests completed (vLLM's ``vllm:request_success_total``)
         self.on_first_token: Callable[[SimRequest], None] | None = None
 
     # ------------------------------------------------------------------ state
@@ -193,6 +194,7 @@ class BatchEngine:
         self._prompt_running -= req.prompt_tokens
         self._vstart_running -= req.v_start
         self.tokens_out += req.output_tokens
+        self.finished += 1
 
     def _admit(self, t: float) -> None:
         p = self.params

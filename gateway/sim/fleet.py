@@ -26,9 +26,15 @@ implementation (:func:`gateway.routing.policies.build_policy`), driven by
   samples scraped every ``load_scrape_s`` (0.5 s, as ``telemetry.scrape_interval_s``) into
   :class:`gateway.core.samples.LoadSample`, GPU telemetry every ``gpu_scrape_s`` (2 s, as
   ``thermal.scrape_interval_s``; temperatures read as whole °C like DCGM) into
-  :class:`gateway.routing.thermal.ThermalTracker`; per request
-  :func:`gateway.traffic.admission.shed` on :func:`gateway.routing.thermal.power_pressure`
-  (power admission), :func:`gateway.routing.thermal.choose` (tiers, trend, power caps,
+  :class:`gateway.routing.thermal.ThermalTracker`; per request the live gateway's default
+  admission, its resource layer first (the queue wait a new request would meet on the
+  least-loaded backend, :meth:`gateway.traffic.capacity.ServiceModel.predicted_wait` over
+  the service rate each backend's :class:`~gateway.traffic.capacity.ServiceModel` learns
+  from the load scrapes, shed at ``admission.shed_levels`` x ``slo.ttft_s``:
+  :class:`gateway.config.AdmissionConfig` defaults, 4 s for the simulator's
+  normal-priority requests), then :func:`gateway.traffic.admission.shed` on
+  :func:`gateway.routing.thermal.power_pressure` (power admission),
+  :func:`gateway.routing.thermal.choose` (tiers, trend, power caps,
   domain budgets) as the thermal hook of :class:`gateway.routing.policy.LoadThermalPolicy`
   (load score + penalties, slow start); and the thermal cooldown: a backend that
   :func:`gateway.routing.cooldown.cooldown_due` names drains when
@@ -37,19 +43,23 @@ implementation (:func:`gateway.routing.policies.build_policy`), driven by
   :func:`gateway.routing.cooldown.rest_over` (below ``resume_c`` and at least
   ``cooldown_s``, or ``max_cooldown_s``), then returns warm through the slow-start ramp.
 
-The simple policies stand for a plain router in front of the same fleet: no GPU telemetry,
-power admission or cooldowns (the live gateway runs those whatever its ``routing.policy``).
+The simple policies stand for a plain router in front of the same fleet: no queue-wait or
+power admission, GPU telemetry or cooldowns (the live gateway runs those whatever its
+``routing.policy``). Not modelled: the gateway's own scheduler queue (``max_in_flight``,
+``max_queue_wait_s``) and entry rate limits (none by default).
 
 Modules: :mod:`gateway.sim.fleet_spec` (:class:`FleetSpec`: racks, engine, periods),
-:mod:`gateway.sim.fleet_gateway` (:class:`SimulatedGateway`), this one (the event loop
-:func:`simulate` and its :class:`PolicyResult`; the public names of all three).
+:mod:`gateway.sim.fleet_gateway` (:class:`SimulatedGateway`), :mod:`gateway.sim.fleet_result`
+(:class:`PolicyResult`), this one (the event loop :func:`simulate`; the public names of all).
 
 Reported per policy (:class:`PolicyResult`): max GPU temperature, GPU-seconds above
 ``hot_c``, thermal-throttling events (entries into throttling, summed over GPUs) and
 throttled GPU-seconds, peak draw per domain (highest mean over ``record_every_s`` = 60 s,
 what provisioning and breakers see; the 1-s peak is kept too but saturates at nameplate),
 power-cap events, goodput (requests meeting the TTFT and mean-ITL SLOs, per second of the
-run; rejected and unfinished requests do not count), P50/P99 TTFT, cooldowns.
+run; rejected and unfinished requests do not count), SLO attainment (of all arrivals, and
+of the requests served), P50/P99 TTFT of the served, cooldowns, requests refused (for power
+and for load apart).
 """
 
 from __future__ import annotations
@@ -57,9 +67,7 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from gateway.sim.batch import BatchEngine, SimRequest
 from gateway.sim.fleet_gateway import (
@@ -70,6 +78,7 @@ from gateway.sim.fleet_gateway import (
     SimulatedGateway,
     routing_policy,
 )
+from gateway.sim.fleet_result import PolicyResult, Series, quantile
 from gateway.sim.fleet_spec import FLEET_ENGINE, FleetSpec, RackSpec, capacity_rps
 from gateway.sim.thermal import Cooling, GpuThermal, prefill_time_factor, step_time_factor
 from gateway.sim.thermal import utilisation as power_utilisation
@@ -88,86 +97,6 @@ __all__ = [  # the simulator's entry point: its parts are re-exported here
     "capacity_rps",
     "simulate",
 ]
-
-
-# ---- results ---------------------------------------------------------------------------------
-@dataclass
-class Series:
-    """Sampled every ``record_every_s``: time (s), per domain its hottest GPU (°C) at that
-    moment and its mean summed draw over the window (W)."""
-
-    t: list[float] = field(default_factory=list)
-    max_temp_c: dict[str, list[float]] = field(default_factory=dict)
-    draw_w: dict[str, list[float]] = field(default_factory=dict)
-
-
-@dataclass
-class PolicyResult:
-    """One policy's run (units in the field names)."""
-
-    policy: str
-    duration_s: float
-    arrived: int
-    completed: int
-    rejected: int
-    good: int
-    goodput_rps: float
-    slo_attainment: float
-    ttft_p50_s: float
-    ttft_p99_s: float
-    tpot_p50_s: float
-    max_temp_c: float
-    time_above_hot_s: float
-    throttle_events: int
-    throttle_time_s: float
-    peak_domain_w: dict[str, float]
-    peak_domain_instant_w: dict[str, float]
-    domain_budget_w: dict[str, float]
-    power_cap_events: int
-    power_capped_s: float
-    cooldowns: int
-    cooldowns_completed: int
-    clock_caps_set: int
-    clock_caps_released: int
-    energy_kwh: float
-    output_tokens: int
-    mean_utilisation: float
-    max_temp_by_domain_c: dict[str, float]
-    series: Series = field(default_factory=Series, repr=False)
-
-    @property
-    def peak_domain_power_w(self) -> float:
-        """The highest mean draw over ``record_every_s`` (60 s) any domain reached (W)."""
-        return max(self.peak_domain_w.values(), default=0.0)
-
-    @property
-    def energy_per_token_j(self) -> float:
-        """GPU energy per output token of the requests completed (J/token): the whole run's
-        GPU energy (idle included) over the output tokens of finished requests."""
-        return self.energy_kwh * 3.6e6 / self.output_tokens if self.output_tokens else math.nan
-
-    @property
-    def peak_domain_instant_power_w(self) -> float:
-        """The highest 1-s draw any domain reached (W); saturates at the domain's nameplate
-        (GPUs x TDP) as soon as all its GPUs are busy at once for a second."""
-        return max(self.peak_domain_instant_w.values(), default=0.0)
-
-    def as_dict(self, with_series: bool = False) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "series"}
-        d["peak_domain_power_w"] = self.peak_domain_power_w
-        d["peak_domain_instant_power_w"] = self.peak_domain_instant_power_w
-        d["energy_per_token_j"] = self.energy_per_token_j
-        if with_series:
-            s = self.series
-            d["series"] = {"t": s.t, "max_temp_c": s.max_temp_c, "draw_w": s.draw_w}
-        return d
-
-
-def _quantile(sorted_vals: Sequence[float], q: float) -> float:
-    if not sorted_vals:
-        return math.nan
-    k = min(len(sorted_vals) - 1, max(0, math.ceil(q * len(sorted_vals)) - 1))
-    return sorted_vals[k]
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -380,12 +309,14 @@ def simulate(
         arrived=arrived,
         completed=completed,
         rejected=rejected,
+        rejected_power=gateway.refused_power,
+        rejected_load=gateway.refused_load,
         good=good,
         goodput_rps=good / duration_s if duration_s > 0 else 0.0,
         slo_attainment=good / arrived if arrived else 1.0,
-        ttft_p50_s=_quantile(ttft_sorted, 0.50),
-        ttft_p99_s=_quantile(ttft_sorted, 0.99),
-        tpot_p50_s=_quantile(tpot_sorted, 0.50),
+        ttft_p50_s=quantile(ttft_sorted, 0.50),
+        ttft_p99_s=quantile(ttft_sorted, 0.99),
+        tpot_p50_s=quantile(tpot_sorted, 0.50),
         max_temp_c=max(max_temp),
         time_above_hot_s=sum(g.time_above_s for g in gpus),
         throttle_events=sum(g.throttle_events for g in gpus),

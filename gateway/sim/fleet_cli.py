@@ -53,32 +53,34 @@ FLEET_THERMAL = ThermalConfig(
         enabled=True, efficient_ratio=0.9, hot_margin_c=6.0, release_margin_c=9.0
     ),
 )
-"""The thermal settings the gateway's policy (``load_thermal``) runs with in the fleet
-simulator (see README, "Fleet simulator"). Penalties are in load-score units; with
-:data:`FLEET_WEIGHTS` one request running on a 32-slot backend scores 2/32 = 0.0625, so a
-warm backend (>= 75 °C, or cool but predicted from its trend to reach ``hot_c`` within a
-minute) is avoided until the cooler ones run about 2-3 more requests, and a domain above 90%
-of its budget until the others run 16 more; admission sheds only once every candidate's
-domain is at its budget. Hot backends (>= 85 °C) drain and rest as configured by default.
-The ``clocks`` policy's controller (issue 21): warm GPUs capped from 79 °C (``hot_margin_c``
-6), released below 76 °C; an idle backend (no queue for 10 s) at 90% of its clock. Measured
-with ``python benchmarks/thermal.py [--seed N]`` (24 h) against least_request -- seed 1:
-peak domain power -16.2%, max temperature -9.0%, energy per token -14.4%, no power-cap
-event, throttling or refusal, goodput x0.9797 (the 0.98 bar missed by 0.0003); seed 2:
--16.4%, -9.0%, -14.4%, x0.9825; seed 3: -16.2%, -9.7%, -14.4%, x0.9871 (every bar held).
-Frontiers on seed 1: over ``efficient_ratio``, 1.0 (off): goodput x0.980, energy -3.3%;
-0.9: x0.9797, -14.4%; 0.8: x0.972, -24.8%. Over ``domain_high_ratio`` (the share of the
-budget the power caps hold; ``domain_low_ratio`` 0.1 below): 0.85: peak -16.3%, x0.9797;
-0.90: -11.3%, x0.984; 0.95: -5.3%, x0.988. The misses are TTFT queueing (over 98% waited
-more than the 2-s SLO before admission) in the day's peak bursts (11:00-19:00), where every
-policy overloads the fleet; least_request runs its racks at the facility cap (the budget),
-so 15% below it is about 3% less capacity at a full batch (clock about 0.89: prefill ``1/f``).
-Why so light: at 70% load the cool racks sit close to their power budgets, so every request
-steered off a warm GPU raises a cool rack's draw; stronger steering (warm 0.6 and 0.02 per
-°C of predicted temperature above the coolest were tried) gave more facility power caps and
-lower goodput in simulation, and the gateway's defaults (8 for warm: eight *queued*
-requests; 0.1 per °C) pile queues on the cool backends (``benchmarks/thermal.py
---with-defaults`` shows by how much)."""
+"""The thermal settings the gateway's policy (``load_thermal``) runs with in the fleet simulator
+(see README, "Fleet simulator"). Penalties are in load-score units; with :data:`FLEET_WEIGHTS`
+one request running on a 32-slot backend scores 2/32 = 0.0625, so a warm backend (>= 75 °C, or
+cool but predicted from its trend to reach ``hot_c`` within a minute) is avoided until the cooler
+ones run about 2-3 more requests, and a domain above 90% of its budget until the others run 16
+more; power admission sheds only once every candidate's domain is at its budget (the resource
+layer, which sheds by predicted queue wait, runs with the gateway's defaults:
+``FleetSpec.admission``). Hot backends (>= 85 °C) drain and rest as configured by default. The
+``clocks`` policy's controller (issue 21): warm GPUs capped from 79 °C (``hot_margin_c`` 6),
+released below 76 °C; an idle backend (no queue for 10 s) at 90% of its clock. Measured with
+``python benchmarks/thermal.py [--seed N]`` (24 h) against least_request -- seed 1: peak domain
+power -16.2%, max temperature -9.0%, energy per token -14.3%, no power-cap event, throttling or
+refusal for power, 4,244 refused for load (the resource layer, in the bursts), goodput x1.0199
+(every bar held; docs/architecture.md, "Clocks before shedding", has the other seeds). Before the
+simulator modelled the resource layer (no refusal at all): seed 1 x0.9797 (the 0.98 bar missed by
+0.0003), seed 2 x0.9825, seed 3 x0.9871; the frontiers and misses below are from then. Frontiers
+on seed 1: over ``efficient_ratio``, 1.0 (off): goodput x0.980, energy -3.3%; 0.9: x0.9797,
+-14.4%; 0.8: x0.972, -24.8%. Over ``domain_high_ratio`` (the share of the budget the power caps
+hold; ``domain_low_ratio`` 0.1 below): 0.85: peak -16.3%, x0.9797; 0.90: -11.3%, x0.984; 0.95:
+-5.3%, x0.988. The misses are TTFT queueing (over 98% waited more than the 2-s SLO before
+admission) in the day's peak bursts (11:00-19:00), where every policy overloads the fleet;
+least_request runs its racks at the facility cap (the budget), so 15% below it is about 3% less
+capacity at a full batch (clock about 0.89: prefill ``1/f``). Why so light: at 70% load the cool
+racks sit close to their power budgets, so every request steered off a warm GPU raises a cool
+rack's draw; stronger steering (warm 0.6 and 0.02 per °C of predicted temperature above the
+coolest were tried) gave more facility power caps and lower goodput in simulation, and the
+gateway's defaults (8 for warm: eight *queued* requests; 0.1 per °C) pile queues on the cool
+backends (``benchmarks/thermal.py --with-defaults`` shows by how much)."""
 
 FLEET_WEIGHTS = RoutingWeights(waiting=1.0, running=2.0, kv_cache=0.1)
 """Load-score weights for the simulated fleet: with 32 slots and long requests the batch

@@ -1,5 +1,6 @@
 """The gateway's decisions over the simulated fleet (:class:`SimulatedGateway`): the routing
-package's policies, and with ``load_thermal`` the gateway's GPU telemetry, power admission
+package's policies, and with ``load_thermal`` the gateway's resource-layer admission (shed
+by predicted queue wait, on by default in the live gateway), GPU telemetry, power admission
 and thermal cooldowns, on :class:`gateway.fleet.backend.Backend` records; with ``clocks``
 (:data:`CLOCKS`) the same plus the clock controller (:mod:`gateway.routing.clocks`, issue 21:
 clock caps before shedding and instead of cooldowns). Pure, simulated time;
@@ -20,7 +21,7 @@ from gateway.fleet.lifecycle import apply_transition, may_take_out
 from gateway.routing.clocks import ClockController, GpuView, PowerShedGate
 from gateway.routing.cooldown import cooldown_due, rest_over
 from gateway.routing.policies import Policy, build_policy
-from gateway.routing.policy import C
+from gateway.routing.policy import C, estimated_load
 from gateway.routing.thermal import (
     UNMONITORED,
     DomainStatus,
@@ -34,7 +35,7 @@ from gateway.routing.thermal import (
 from gateway.sim.batch import BatchEngine, SimRequest
 from gateway.sim.fleet_spec import FleetSpec
 from gateway.sim.thermal import GpuThermal
-from gateway.traffic.admission import Saturation, shed
+from gateway.traffic.admission import Saturation, pool_wait, shed, wait_level
 
 POLICIES: tuple[str, ...] = tuple(
     p.value
@@ -67,17 +68,23 @@ class SimulatedGateway:
     built by :func:`gateway.routing.policies.build_policy` from the policy's name (a
     ``routing.policy`` value). With ``load_thermal`` the gateway's thermal machinery runs
     too (GPU telemetry, :func:`gateway.routing.thermal.choose` as the policy's thermal hook,
-    power admission, thermal cooldowns by :mod:`gateway.routing.cooldown`); the simple
-    policies stand for a plain router in front of the same fleet, without it.
+    power admission, thermal cooldowns by :mod:`gateway.routing.cooldown`), and so does
+    the live gateway's resource-layer admission (:meth:`load_refused`, with
+    ``spec.admission``: the gateway's defaults unless set); the simple policies stand for a
+    plain router in front of the same fleet, without any of it.
 
     The loop drives: ``pick`` (backend index, or None to reject), ``dispatched`` /
     ``finished`` (in-flight bookkeeping), ``scrape_load`` / ``scrape_gpus`` (telemetry
     ticks), ``control`` (lifecycle tick); ``cooldowns`` taken and ``returned`` from them
-    are counted.
+    are counted, and so are requests refused for load (``refused_load``) and for power
+    (``refused_power``).
     """
 
     def __init__(
-        self, spec: FleetSpec, policy: RoutingPolicy, clocks: ClockControlConfig | None = None
+        self,
+        spec: FleetSpec,
+        policy: RoutingPolicy,
+        clocks: ClockControlConfig | None = None,
     ) -> None:
         self.spec = spec
         self.cfg = spec.thermal
@@ -119,7 +126,9 @@ class SimulatedGateway:
         self._shed_level: float | None = None
         self.cooldowns = 0
         self.returned = 0
-        self.shed = 0
+        self.admission = spec.admission
+        self.refused_load = 0  # resource layer: predicted queue wait over the SLO
+        self.refused_power = 0  # power layer: domains' draw over thermal.power_shed_levels
         # Clock control (``clocks``): the controller, the caps to apply (backend index ->
         # MHz, None: release) and the counts of caps set and released.
         self.clocks = (
@@ -148,15 +157,39 @@ class SimulatedGateway:
         if not cands:
             return None
         if self.thermal_aware:
+            if self.load_refused(now):
+                self.refused_load += 1
+                return None
             if self._choice is None:
                 self._refresh_choice()
             if self._shed_level is not None and shed(
                 Prio.NORMAL, Saturation(self._shed_level), self.cfg.power_shed_levels
             ):
-                self.shed += 1
+                self.refused_power += 1
                 return None
         b = self.policy.pick(cands)
         return None if b is None else self._index[b.id]
+
+    def load_refused(self, now: float) -> bool:
+        """The live gateway's resource layer (``saturation`` in :mod:`gateway.flow.admission`,
+        checked before the power layer): the queue wait a new request would
+        meet on the least-loaded routable backend (:func:`pool_wait`), each backend's from
+        its last load scrape corrected by in-flight changes since (:func:`estimated_load`)
+        over the service rate its :class:`gateway.traffic.capacity.ServiceModel` learned
+        from the scrapes (:meth:`~gateway.traffic.capacity.ServiceModel.predicted_wait`),
+        in units of ``slo.ttft_s`` (:func:`wait_level`); True when a normal-priority
+        request (all the simulator's) is shed at it (``admission.shed_levels``, default 2:
+        a predicted wait of 4 s with the 2 s SLO). Always False with admission disabled."""
+        a = self.admission
+        if not a.enabled:
+            return False
+        stale = self.spec.telemetry.stale_after_s
+        waits = []
+        for b in self._routable:
+            waiting, running, _kv = estimated_load(b, now, stale)
+            waits.append(b.service.predicted_wait(waiting, running))
+        level = wait_level(pool_wait(waits), self.spec.slo.ttft_s)
+        return shed(Prio.NORMAL, level, a.shed_levels)
 
     def _thermal_choice(self, candidates: Sequence[C], now: float) -> ThermalChoice[C]:
         """The policy's thermal hook: :func:`choose` over the current telemetry, cached."""
@@ -200,11 +233,18 @@ class SimulatedGateway:
 
     # -- telemetry
     def scrape_load(self, now: float, view: FleetView) -> None:
-        """Load telemetry tick: each engine's queue, batch and KV use as a LoadSample."""
+        """Load telemetry tick: each engine's queue, batch, KV use and completions
+        (``vllm:request_success_total``, which the service model learns from) as a
+        LoadSample."""
         for b, e in zip(self.backends, view.engines, strict=True):
             b.scraped(
                 LoadSample(
-                    float(e.num_waiting), float(e.num_running), e.kv_usage(), now, b.in_flight
+                    float(e.num_waiting),
+                    float(e.num_running),
+                    e.kv_usage(),
+                    now,
+                    b.in_flight,
+                    finished_total=float(e.finished),
                 ),
                 now,
             )

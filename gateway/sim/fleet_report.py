@@ -37,10 +37,11 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("power-cap events", "power_cap_events", "{:d}"),
     ("goodput (req/s)", "goodput_rps", "{:.3f}"),
     ("SLO attainment", "slo_attainment", "{:.2%}"),
+    ("SLO attainment of served", "served_slo_attainment", "{:.2%}"),
     ("TTFT P50 (s)", "ttft_p50_s", "{:.3f}"),
     ("TTFT P99 (s)", "ttft_p99_s", "{:.3f}"),
     ("mean ITL P50 (s)", "tpot_p50_s", "{:.4f}"),
-    ("requests done / rejected", "_done_rejected", "{}"),
+    ("requests done / refused (power / load)", "_done_rejected", "{}"),
     ("cooldowns taken", "cooldowns", "{:d}"),
     ("energy (kWh)", "energy_kwh", "{:.1f}"),
     ("energy per output token (J)", "energy_per_token_j", "{:.3f}"),
@@ -49,7 +50,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
 
 def _value(r: PolicyResult, key: str) -> Any:
     if key == "_done_rejected":
-        return f"{r.completed} / {r.rejected}"
+        return f"{r.completed} / {r.rejected} ({r.rejected_power} / {r.rejected_load})"
     return getattr(r, key)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.config import (
+    AdmissionConfig,
     LifecycleConfig,
     RoutingWeights,
     SLOConfig,
@@ -52,6 +53,9 @@ class FleetSpec:
     once its 1-s draw exceeded its budget (an assumption: rack power-capping controllers,
     e.g. Meta's Dynamo, Wu et al. ISCA 2016, act within seconds and hold caps for tens of
     seconds). ``record_every_s``: period of the time series and of the power averages.
+    ``admission``: the gateway's admission settings, of which the simulator's gateway runs
+    the resource layer (shed by predicted queue wait; the live gateway's defaults unless
+    given) with ``load_thermal`` and ``clocks``.
     """
 
     racks: tuple[RackSpec, ...]
@@ -62,6 +66,7 @@ class FleetSpec:
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     weights: RoutingWeights = field(default_factory=RoutingWeights)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     physics_dt_s: float = 1.0
     gpu_scrape_s: float = 2.0
     facility_cap_hold_s: float = 30.0

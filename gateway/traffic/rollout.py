@@ -10,25 +10,27 @@ the canary's answers to fixed prompts do not depend on its share):
 
 * ``pass``: the next step, with a fresh window (the last step passed: ``promoted``);
 * ``fail``: ``rolled_back``, with the failing metric's reason;
-* ``insufficient`` (some metric still lacks its sample): checked again every
-  ``recheck_s`` until ``max_step_s``; then, by
-  default (``on_insufficient="rollback"``), ``rolled_back`` with reason
-  ``insufficient ...``: a canary that cannot be verified does not keep its traffic
-  indefinitely, the baseline is the version known to be good, and the reason says that it
-  was not a regression. ``"hold"`` keeps the step (and its growing window) until the
-  comparison decides, for models whose traffic is too thin for any bound on time.
+* ``insufficient`` (some metric still lacks its sample) or ``inconclusive`` (some metric's
+  observed effect is over its gate but not significant: a step passes only on evidence,
+  :mod:`gateway.traffic.rollout_stats`): checked again every ``recheck_s`` on the growing
+  window until ``max_step_s``; then, by default (``on_insufficient="rollback"``, for
+  both), ``rolled_back`` with reason ``insufficient ...`` / ``inconclusive ...`` (the
+  record's ``cause`` ``inconclusive``): a canary that cannot be verified does not keep its
+  traffic indefinitely, the baseline is the version known to be good, and the reason says
+  that no regression was proven. ``"hold"`` keeps the step (and its growing window) until
+  the comparison decides, for models whose traffic is too thin for any bound on time.
 
 **A step is decided once.** Its comparison counts at the first look, once the step is due,
 in which every metric has its sample (none ``insufficient``): pass or fail, and that is the
-step's verdict. A metric that fails while another still waits for samples (ITL, which only
-streams give, or a load stratum not yet matched) is shown in ``/admin/rollouts`` but not
-acted on: re-testing a growing sample every ``recheck_s`` and acting on the first
-significant look is optional stopping ("peeking"), whose false-positive rate exceeds the
-nominal alpha with every look (Armitage, McPherson & Rowe 1969; Johari et al. 2017,
-"Peeking at A/B tests"). Deciding at one fixed point keeps a good canary's chance of failing
-a step at ``thresholds.alpha`` at most. Past ``max_step_s`` a failing metric is acted on
-whatever the others lack (the step is over). With ``on_insufficient="hold"`` the looks go
-on past ``max_step_s`` on a growing window: the price of a verdict at any time.
+step's verdict (an ``inconclusive`` look decides nothing: the step looks again, on more
+samples, only while an effect over a gate is unproven). A metric that fails while another
+still waits for samples (ITL, which only streams give, or a load stratum not yet matched)
+is shown in ``/admin/rollouts`` but not acted on: re-testing a growing sample every
+``recheck_s`` and acting on the first significant look is optional stopping ("peeking"),
+whose false-positive rate exceeds the nominal alpha with every look (Armitage, McPherson &
+Rowe 1969; Johari et al. 2017, "Peeking at A/B tests"). Past ``max_step_s`` a failing
+metric is acted on whatever the others lack (the step is over). With
+``on_insufficient="hold"`` the looks go on past ``max_step_s`` on a growing window.
 
 Calibration is also checked on its own at every :meth:`tick`, due or not: once the canary
 has answered the minimum of probes and more than 2 % of them failed, the rollout is rolled
@@ -66,6 +68,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.core.vocab import Prio
+from gateway.traffic import rollout_view
 from gateway.traffic.calibration_match import probe_matches
 from gateway.traffic.rollout_capacity import PoolCapacity, step_hold
 from gateway.traffic.rollout_plan import (
@@ -184,12 +187,10 @@ class Rollout:
         unknown) and requests before their first token that its own met (``prefill_load``,
         this one included; 0: unknown), whose stratum its TTFT is compared in
         (:func:`gateway.traffic.rollout_strata.ttft_stratum`); its ITL's stratum is
-        ``itl_load`` (the
-        load its decode met: the larger of ``load`` and the requests in flight when the
-        stream ended; None: ``load``), since a prefill admitted while it decoded stalls
-        every step of it (vLLM without chunked prefill; :mod:`gateway.sim.engine`), and a
-        one-server canary pool meets every one of its arrivals where a larger baseline pool
-        spreads them. Ignored once the rollout has ended."""
+        ``itl_load`` (the load its decode met: the larger of ``load`` and the requests in
+        flight when the stream ended; None: ``load``), since a prefill admitted while it
+        decoded stalls every step of it (vLLM without chunked prefill), and a one-server
+        canary pool meets all its arrivals. Ignored once the rollout has ended."""
         if self.status != "running":
             return
         side = self._window[version]
@@ -222,16 +223,34 @@ class Rollout:
         baseline served fewer than ``min_requests``: the last step), each test at
         ``alpha / steps`` of the plan's thresholds (:meth:`Thresholds.per_step`)."""
         th = self.plan.thresholds.per_step(len(self.plan.steps))
-        base = self._window["baseline"]
-        if base.requests < th.min_requests and self._reference is not None:
-            base = self._reference
-        can = self._window["canary"]
+        base, can = self._baseline(), self._window["canary"]
         return combine([
             compare_calibration(self.probes, self.probe_failures, th),
             compare_latency_matched("ttft", base.ttft.pairs, can.ttft.pairs, th),
             compare_latency_matched("itl", base.itl.pairs, can.itl.pairs, th, base.requests),
             compare_errors(base.errors, base.requests, can.errors, can.requests, th),
         ])
+
+    def _baseline(self) -> Side:
+        """The baseline side of the comparison: the window's, or the reference (the last
+        passed step's) while the window's served fewer than ``min_requests``."""
+        base = self._window["baseline"]
+        if base.requests < self.plan.thresholds.min_requests and self._reference is not None:
+            return self._reference
+        return base
+
+    def _settled(self, cmp: Comparison) -> Comparison | None:
+        """``cmp`` as a pass (None: it is not one). At the last step against the fixed
+        reference baseline (which serves nothing, so cannot grow) ``inconclusive`` passes:
+        waiting cannot resolve a gate read off a fixed sample (a P99 low by chance stays
+        low), and the canary passed the step before against a live baseline."""
+        if cmp.decision == "pass":
+            return cmp
+        if (cmp.decision == "inconclusive" and self.step == len(self.plan.steps) - 1
+                and self._baseline() is self._reference):
+            return Comparison("pass", "inconclusive against the previous step's fixed "
+                              f"baseline, passed (it cannot grow): {cmp.reason}", cmp.metrics)
+        return None
 
     def tick(self, now: float) -> StepRecord | None:
         """Decide the current step if it is due (module docstring); returns the record of
@@ -263,24 +282,28 @@ class Rollout:
         complete = all(m.decision != "insufficient" for m in cmp.metrics)
         if cmp.decision == "fail" and (complete or timed_out):  # decided once (docstring)
             return self._roll_back(now, cmp.reason, cmp)
-        if cmp.decision == "pass" and due:
+        passed = self._settled(cmp)
+        if passed is not None and due:
             held = self._next_hold()
             if held is None:
-                return self._advance(now, cmp)
-            self.held, self._held_cmp = held, cmp
-            return self._record(now, "hold", held, cmp, cause="capacity")
+                return self._advance(now, passed)
+            self.held, self._held_cmp = held, passed
+            return self._record(now, "hold", held, passed, cause="capacity")
         if not timed_out:
             return None
-        short = cmp.reason if cmp.decision == "insufficient" else (
+        why = "inconclusive" if cmp.decision == "inconclusive" else "insufficient"
+        short = cmp.reason if cmp.decision in ("insufficient", "inconclusive") else (
             f"{self._window['canary'].requests} canary requests, "
             f"{p.min_step_requests} needed")
+        cause = "inconclusive" if why == "inconclusive" else ""  # the metric's reason label
         if p.on_insufficient == "rollback":
-            return self._roll_back(now, f"insufficient after {p.max_step_s:g} s: {short}",
-                                   cmp)
+            return self._roll_back(now, f"{why} after {p.max_step_s:g} s: {short}", cmp,
+                                   cause)
         if self._holding:
             return None
         self._holding = True
-        return self._record(now, "hold", f"holding past {p.max_step_s:g} s: {short}", cmp)
+        return self._record(now, "hold", f"holding past {p.max_step_s:g} s: {short}", cmp,
+                            cause)
 
     def rollback(self, now: float, reason: str, metric: str | None = None
                  ) -> StepRecord | None:
@@ -307,8 +330,9 @@ class Rollout:
         self.history.append(rec)
         return rec
 
-    def _roll_back(self, now: float, reason: str, cmp: Comparison | None) -> StepRecord:
-        rec = self._record(now, "rolled_back", reason, cmp)
+    def _roll_back(self, now: float, reason: str, cmp: Comparison | None,
+                   cause: str = "") -> StepRecord:
+        rec = self._record(now, "rolled_back", reason, cmp, cause)
         self.share_before_rollback = self.canary_share_served
         self.status = "rolled_back"
         return rec
@@ -341,47 +365,13 @@ class Rollout:
         return self.served["canary"] / total if total else 0.0
 
     def snapshot(self, now: float) -> dict[str, object]:
-        """``/admin/rollouts``' view of this rollout (JSON-ready): model, versions, status,
-        step and share, the step's age (seconds), requests served per version, the canary's
-        share served (and before a rollback), calibration probes, the last comparison with
-        its numbers, the comparisons made so far (``looks``: a step acts on one), ``held``
-        (why a passed step waits for the next one's capacity, else None), ``capacity``
-        (:meth:`gateway.traffic.rollout_capacity.PoolCapacity.to_json`, None: unknown) and
-        the decision history with times."""
-        p = self.plan
-        return {
-            "model": p.model, "baseline": p.baseline, "canary": p.canary,
-            "status": self.status, "step": self.step, "steps": list(p.steps),
-            "share": self.share, "started_at": self.started_at,
-            "step_age_s": now - self.step_started_at if self.status == "running" else None,
-            "targeted": self.step < p.targeted_steps and self.status == "running",
-            "served": dict(self.served),
-            "step_served": dict(self._step_assigned),
-            "canary_share_served": self.canary_share_served,
-            "share_before_rollback": self.share_before_rollback,
-            "calibration": {"probes": self.probes, "failures": self.probe_failures,
-                            "measure": p.calibration},
-            "comparison": self.last_comparison.to_json() if self.last_comparison else None,
-            "looks": self.looks,
-            "held": self.held if self.status == "running" else None,
-            "capacity": self.capacity.to_json() if self.capacity else None,
-            "history": [*(dict(r) for r in self.prior),
-                        *(r.to_json() for r in self.history)],
-        }
+        """``/admin/rollouts``' view of this rollout (JSON-ready;
+        :func:`gateway.traffic.rollout_view.snapshot`)."""
+        return rollout_view.snapshot(self, now)
 
     def state(self, now: float) -> dict[str, Any]:
-        """What a resume needs (JSON-ready; kept with the config snapshots, issue 18): the
-        status, the step and its age (seconds), requests served per version, the share
-        before a rollback, the calibration probe counts and the decisions (their ``at``
-        made relative: seconds before ``now``, negative)."""
-        history: list[dict[str, Any]] = self.snapshot(now)["history"]  # type: ignore[assignment]
-        return {
-            "status": self.status, "step": self.step,
-            "step_age_s": now - self.step_started_at,
-            "served": dict(self.served), "share_before_rollback": self.share_before_rollback,
-            "probes": self.probes, "probe_failures": self.probe_failures,
-            "history": [{**r, "at": float(r["at"]) - now} for r in history],
-        }
+        """What a resume needs (JSON-ready; :func:`gateway.traffic.rollout_view.state`)."""
+        return rollout_view.state(self, now)
 
     def resume(self, state: Mapping[str, Any], now: float) -> None:
         """Take up a rollout from :meth:`state` (a restart, a config rollback): an ended one

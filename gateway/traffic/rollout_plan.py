@@ -106,7 +106,8 @@ class StepRecord:
     """One decision of the rollout: ``at`` (the injected clock, seconds), the step index and
     share, the ``outcome`` and its ``reason``, the comparison it rests on (None for an
     operator's rollback), and its ``cause`` (``capacity`` for a hold for want of the
-    next step's capacity, else empty)."""
+    next step's capacity, ``inconclusive`` for a rollback or hold at ``max_step_s`` on an
+    inconclusive comparison, else empty; ``gateway_rollout_decisions_total``'s reason)."""
 
     at: float
     step: int

@@ -25,22 +25,36 @@ baseline version on the same window, and a failure rolls the canary back. Four m
   ``calibration_max_failures`` (2 %) of the canary's probes failing fails the step whatever
   the latencies say (the issue's rule: a rule on counts, not a test).
 
+**Three verdicts, not two: a step passes only on evidence** (issue 18's trial: a TTFT x1.5
+canary passed its first step on P50 x1.25 at p = 0.056, 46 canary samples, because "not
+significant" counted as a pass). A release gate is a *non-inferiority* question, "is the
+canary no worse than the baseline by more than the tolerance?", and the burden of proof is
+on the new version: a test without the power to see a regression is no evidence that there
+is none (FDA, *Non-Inferiority Clinical Trials to Establish Effectiveness*, guidance for
+industry, 2016: the non-inferiority margin, and why failing to show a difference shows
+nothing; Kohavi, Tang & Xu, *Trustworthy Online Controlled Experiments*, 2020, on
+guardrail metrics and statistical power: an underpowered guardrail lets harm through). So
+each metric, once its sample is in:
+
+* ``fail``: the regression is significant **and** the observed effect reaches its gate
+  (a P50 / P99 ratio, the error rate's excess);
+* ``inconclusive``: the observed effect reaches the gate but is **not (yet)** significant:
+  the canary looks worse beyond the tolerance and the sample cannot tell; the step goes on
+  collecting samples (:class:`gateway.traffic.rollout.Rollout`: re-compared every
+  ``recheck_s``, like ``insufficient``) and, still inconclusive at ``max_step_s``, is rolled
+  back with reason ``inconclusive`` (the baseline is the version known to be good);
+* ``pass``: the observed effect is within the gate (significant or not: the test alone
+  would roll back a 1 % slowdown on a million requests).
+
 The per-test alpha is ``alpha / 3`` (Bonferroni over the three tests: TTFT, ITL, errors),
 so a good canary fails a comparison with probability at most ``alpha``; a rollout compares
 each of its steps once (:class:`gateway.traffic.rollout.Rollout`) at ``alpha / steps``
 (:meth:`Thresholds.per_step`), so a good canary is rolled back by the tests in at most
-``alpha`` (1 %) of its rollouts, whatever the number of steps and of looks at them.
+``alpha`` (1 %) of its rollouts, whatever the number of steps and of looks at them; an
+inconclusive step is looked at again, on a larger sample, only while its observed effect
+stays over the gate (the false-rollback figures this costs: ``benchmarks/rollout.py``).
 
-**Why no scipy.** ``scipy.stats.mannwhitneyu(x, y, alternative="greater",
-method="asymptotic")`` and ``scipy.stats.fisher_exact(..., alternative="greater")`` are the
-reference implementations, and the tests check :func:`mann_whitney_greater` and
-:func:`fisher_greater` against them to 1e-9 (scipy is a test-only dependency). The
-gateway only needs the large-sample normal approximation of U (both sides hold at least
-``min_samples`` >= 30 values, past the n > 20 that scipy's own documentation asks of it)
-and a hypergeometric tail, about 50 lines of ``math``; scipy 1.17 is a 35 MB wheel, 113 MB
-installed (numpy besides), and ``import scipy.stats`` took 0.7 s here: a cost to every
-gateway start and worker for those lines. :func:`percentile` is numpy's default
-(``linear``) interpolation, also checked against numpy in the tests.
+The p-values and percentiles are :mod:`gateway.traffic.rollout_pvalues`' (re-exported here).
 """
 
 from __future__ import annotations
@@ -50,8 +64,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-Decision = Literal["pass", "fail", "insufficient"]
-"""One metric's or one step's verdict: ``insufficient`` while either side lacks samples."""
+from gateway.traffic.rollout_pvalues import (
+    fisher_greater,
+    mann_whitney_greater,
+    normal_sf,
+    percentile,
+    two_proportion_greater,
+    u_statistic,
+)
+
+__all__ = ["TESTS_COMPARED", "Z_TEST_MIN_EXPECTED", "Comparison", "Decision", "MetricResult",
+           "Number", "Thresholds", "combine", "compare_calibration", "compare_errors",
+           "compare_latency", "effect_verdict", "fisher_greater", "latency_verdict",
+           "mann_whitney_greater", "normal_sf", "not_measured", "percentile",
+           "two_proportion_greater", "u_statistic"]
+
+Decision = Literal["pass", "fail", "inconclusive", "insufficient"]
+"""One metric's or one step's verdict: ``insufficient`` while either side lacks samples,
+``inconclusive`` while the observed effect is over its gate but not significant (module
+docstring)."""
 
 Number = float | int | None
 
@@ -174,7 +205,8 @@ class MetricResult:
 class Comparison:
     """A step's verdict over its metrics: ``fail`` when any metric fails (the first failing
     one, calibration first, gives the ``reason``), else ``insufficient`` when any lacks
-    samples, else ``pass``."""
+    samples, else ``inconclusive`` when any is over its gate without significance, else
+    ``pass``."""
 
     decision: Decision
     reason: str
@@ -197,80 +229,6 @@ def _round(v: Number) -> Number:
     if isinstance(v, float) and math.isfinite(v) and v != 0.0:
         return float(f"{v:.6g}")
     return v
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values`` with linear interpolation between
-    order statistics (numpy's default method, Hyndman & Fan's type 7). Empty: ValueError."""
-    if not values:
-        raise ValueError("percentile of no values")
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def normal_sf(z: float) -> float:
-    """P(Z > z) for a standard normal Z."""
-    return 0.5 * math.erfc(z / math.sqrt(2.0))
-
-
-def u_statistic(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """The Mann-Whitney U of ``x`` over ``y`` and its variance under the null hypothesis,
-    tie-corrected (Lehmann, *Nonparametrics*, 1975): ``(U, Var U)``; its mean is
-    ``len(x) len(y) / 2``. Needs both sides non-empty (``ValueError``)."""
-    n1, n2 = len(x), len(y)
-    if n1 == 0 or n2 == 0:
-        raise ValueError("Mann-Whitney U needs values on both sides")
-    pooled = sorted([(v, 0) for v in x] + [(v, 1) for v in y])
-    n = n1 + n2
-    rank_x = 0.0
-    tie_term = 0.0
-    i = 0
-    while i < n:
-        j = i
-        while j + 1 < n and pooled[j + 1][0] == pooled[i][0]:
-            j += 1
-        t = j - i + 1
-        mid = (i + j) / 2.0 + 1.0  # average rank of the tie group (ranks are 1-based)
-        rank_x += mid * sum(1 for k in range(i, j + 1) if pooled[k][1] == 0)
-        tie_term += t**3 - t
-        i = j + 1
-    u = rank_x - n1 * (n1 + 1) / 2.0
-    var = n1 * n2 / 12.0 * ((n + 1) - tie_term / (n * (n - 1)))
-    return u, var
-
-
-def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """One-sided Mann-Whitney U test that ``x`` is stochastically greater than ``y``:
-    ``(U of x, p-value)``. Normal approximation with the tie correction of the variance
-    and a 0.5 continuity correction, exactly ``scipy.stats.mannwhitneyu(x, y,
-    alternative="greater", method="asymptotic")`` (Mann & Whitney 1947; the tie term:
-    Lehmann, *Nonparametrics*, 1975). All values tied: p = 1. Needs both sides non-empty."""
-    u, var = u_statistic(x, y)
-    if var <= 0.0:
-        return u, 1.0
-    z = (u - len(x) * len(y) / 2.0 - 0.5) / math.sqrt(var)
-    return u, normal_sf(z)
-
-
-def two_proportion_greater(
-    errors_a: int, n_a: int, errors_b: int, n_b: int
-) -> tuple[float, float]:
-    """One-sided pooled two-proportion z-test that rate a (``errors_a / n_a``) exceeds rate
-    b: ``(z, p-value)`` with ``z = (p_a - p_b) / sqrt(p (1 - p) (1/n_a + 1/n_b))`` and ``p``
-    the pooled rate (Agresti, *Categorical Data Analysis*, the large-sample test). No
-    errors or all errors on both sides: ``(0, 1)``. Needs ``n_a, n_b > 0``."""
-    if n_a <= 0 or n_b <= 0:
-        raise ValueError("a two-proportion test needs requests on both sides")
-    pa, pb = errors_a / n_a, errors_b / n_b
-    pooled = (errors_a + errors_b) / (n_a + n_b)
-    se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
-    if se == 0.0:
-        return 0.0, 1.0
-    z = (pa - pb) / se
-    return z, normal_sf(z)
 
 
 def not_measured(baseline_requests: int | None, baseline_samples: int,
@@ -313,13 +271,25 @@ def compare_latency(
     return latency_verdict(metric, baseline, canary, p, th, numbers, "Mann-Whitney")
 
 
+def effect_verdict(significant: bool, over_gate: bool) -> Decision:
+    """The three-way rule of a metric whose sample is in (module docstring, "Three
+    verdicts"): ``fail`` when the test is significant and the observed effect reaches the
+    gate, ``inconclusive`` when the effect reaches the gate but the test is not (yet)
+    significant (a non-inferiority gate passes only on evidence: FDA 2016 non-inferiority
+    guidance; Kohavi et al. 2020 on guardrail metrics), else ``pass``."""
+    if not over_gate:
+        return "pass"
+    return "fail" if significant else "inconclusive"
+
+
 def latency_verdict(metric: str, baseline: Sequence[float], canary: Sequence[float],
                     p: float, th: Thresholds, numbers: dict[str, Number], test: str,
                     qualifier: str = "") -> MetricResult:
-    """The latency rule once the test's one-sided ``p`` is known: fail when significant at
-    ``th.alpha_each`` and the canary's P50 / P99 over the ``baseline`` sample's reach the
-    tolerances, else pass (``numbers`` gets the percentiles, ratios and p; ``test`` and
-    ``qualifier`` name them in the reason)."""
+    """The latency rule once the test's one-sided ``p`` is known (:func:`effect_verdict`):
+    the gate is the canary's P50 / P99 over the ``baseline`` sample's reaching ``1 +
+    p50_tolerance`` / ``1 + p99_tolerance``, the test significant at ``th.alpha_each``: fail
+    when both, inconclusive when over the gate alone, else pass (``numbers`` gets the
+    percentiles, ratios and p; ``test`` and ``qualifier`` name them in the reason)."""
     b50, b99 = percentile(baseline, 50), percentile(baseline, 99)
     c50, c99 = percentile(canary, 50), percentile(canary, 99)
     r50 = c50 / b50 if b50 > 0 else math.inf
@@ -329,45 +299,34 @@ def latency_verdict(metric: str, baseline: Sequence[float], canary: Sequence[flo
                     "p_value": p, "alpha": th.alpha_each})
     significant = p < th.alpha_each
     big = r50 >= 1.0 + th.p50_tolerance or r99 >= 1.0 + th.p99_tolerance
-    if significant and big:
+    verdict = effect_verdict(significant, big)
+    ratios = f"P50 x{r50:.3g}, P99 x{r99:.3g}"
+    if verdict == "fail":
         return MetricResult(metric, "fail",
-                            f"{metric} regression{qualifier}: P50 x{r50:.3g}, P99 "
-                            f"x{r99:.3g}, {test} p={p:.3g} < {th.alpha_each:.3g}", numbers)
+                            f"{metric} regression{qualifier}: {ratios}, "
+                            f"{test} p={p:.3g} < {th.alpha_each:.3g}", numbers)
+    if verdict == "inconclusive":
+        return MetricResult(metric, "inconclusive",
+                            f"{metric} inconclusive{qualifier}: {ratios} over the gates "
+                            f"(x{1 + th.p50_tolerance:.3g} / x{1 + th.p99_tolerance:.3g}), "
+                            f"{test} p={p:.3g} not below {th.alpha_each:.3g} yet: more "
+                            f"samples needed", numbers)
     why = "not significant" if not significant else "below the tolerances"
     return MetricResult(metric, "pass",
-                        f"{metric}{qualifier}: P50 x{r50:.3g}, P99 x{r99:.3g}, p={p:.3g} "
-                        f"({why})", numbers)
-
-
-def _log_comb(n: int, k: int) -> float:
-    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-
-
-def fisher_greater(errors_a: int, n_a: int, errors_b: int, n_b: int) -> float:
-    """One-sided Fisher exact test that rate a exceeds rate b: the p-value ``P(X >=
-    errors_a)`` for ``X`` hypergeometric (``n_a`` draws from ``n_a + n_b`` requests of which
-    ``errors_a + errors_b`` failed), i.e. ``scipy.stats.fisher_exact(table,
-    alternative="greater")`` (Fisher 1935; Agresti, *Categorical Data Analysis*)."""
-    total, bad = n_a + n_b, errors_a + errors_b
-    hi = min(bad, n_a)
-    if errors_a > hi:
-        return 0.0
-    base = _log_comb(total, n_a)
-    terms = [_log_comb(bad, x) + _log_comb(total - bad, n_a - x) - base
-             for x in range(errors_a, hi + 1) if n_a - x <= total - bad]
-    if not terms:
-        return 0.0
-    top = max(terms)
-    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
+                        f"{metric}{qualifier}: {ratios}, p={p:.3g} ({why})", numbers)
 
 
 def compare_errors(
     baseline_errors: int, baseline_n: int, canary_errors: int, canary_n: int,
     th: Thresholds,
 ) -> MetricResult:
-    """Canary vs baseline error rate (errors / requests): fail when the one-sided pooled
-    z-test is significant at ``th.alpha_each`` and the canary's rate exceeds the baseline's
-    by at least ``th.error_rate_gate``; insufficient below ``th.min_requests`` a side."""
+    """Canary vs baseline error rate (errors / requests), :func:`effect_verdict` with the
+    gate ``canary rate - baseline rate >= th.error_rate_gate`` and the one-sided test (the
+    pooled z-test, Fisher's exact test below :data:`Z_TEST_MIN_EXPECTED`) at
+    ``th.alpha_each``: fail when both, inconclusive when the excess is over the gate but not
+    significant (the small-sample case: 2 errors in the canary's first 40 requests, 5 %,
+    against 4 in 4000 has Fisher p = 0.0014: no proof at a five-step rollout's 0.00067, no
+    evidence of health either), else pass; insufficient below ``th.min_requests`` a side."""
     numbers: dict[str, Number] = {"baseline_n": baseline_n, "canary_n": canary_n,
                                   "baseline_errors": baseline_errors,
                                   "canary_errors": canary_errors}
@@ -387,12 +346,18 @@ def compare_errors(
         p = fisher_greater(canary_errors, canary_n, baseline_errors, baseline_n)
     numbers.update({"baseline_rate": rb, "canary_rate": rc, "difference": rc - rb,
                     "z": z, "p_value": p, "alpha": th.alpha_each})
-    if p < th.alpha_each and rc - rb >= th.error_rate_gate - 1e-12:
+    verdict = effect_verdict(p < th.alpha_each, rc - rb >= th.error_rate_gate - 1e-12)
+    rates = f"{rc:.2%} vs {rb:.2%}"
+    if verdict == "fail":
         return MetricResult("error_rate", "fail",
-                            f"error_rate regression: {rc:.2%} vs {rb:.2%}, "
+                            f"error_rate regression: {rates}, "
                             f"{test} test p={p:.3g} < {th.alpha_each:.3g}", numbers)
-    return MetricResult("error_rate", "pass",
-                        f"error_rate: {rc:.2%} vs {rb:.2%}, p={p:.3g}", numbers)
+    if verdict == "inconclusive":
+        return MetricResult("error_rate", "inconclusive",
+                            f"error_rate inconclusive: {rates}, over the "
+                            f"{th.error_rate_gate:.2%} gate, {test} test p={p:.3g} not below "
+                            f"{th.alpha_each:.3g} yet: more requests needed", numbers)
+    return MetricResult("error_rate", "pass", f"error_rate: {rates}, p={p:.3g}", numbers)
 
 
 def compare_calibration(probes: int, failures: int, th: Thresholds) -> MetricResult:
@@ -421,12 +386,15 @@ def compare_calibration(probes: int, failures: int, th: Thresholds) -> MetricRes
 
 def combine(results: Sequence[MetricResult]) -> Comparison:
     """A step's :class:`Comparison` from its metrics' results (calibration's failure, when
-    present, named first: it fails the step whatever the latencies say)."""
+    present, named first: it fails the step whatever the latencies say): ``fail`` when any
+    fails, else ``insufficient`` when any lacks samples, else ``inconclusive`` when any is
+    (module docstring), else ``pass``."""
     ordered = sorted(results, key=lambda r: r.metric != "calibration")
     for r in ordered:
         if r.decision == "fail":
             return Comparison("fail", r.reason, tuple(results))
-    short = [r for r in results if r.decision == "insufficient"]
-    if short:
-        return Comparison("insufficient", "; ".join(r.reason for r in short), tuple(results))
+    for waiting in ("insufficient", "inconclusive"):
+        short = [r for r in results if r.decision == waiting]
+        if short:
+            return Comparison(waiting, "; ".join(r.reason for r in short), tuple(results))
     return Comparison("pass", "every metric within its thresholds", tuple(results))

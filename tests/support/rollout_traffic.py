@@ -60,9 +60,13 @@ class Servers:
 class Traffic:
     """``clients`` threads sending short chat requests for ``model`` (every other one
     streamed) until :meth:`stop`; a request of client ``i`` carries session ``s<i>-<k>``
-    every third time. Keeps every failure and the version of every answer by session."""
+    every third time, each client pausing ``pause_s`` seconds after each answer (0: none;
+    to set a request rate). Keeps every failure and the version of every answer by
+    session."""
 
-    def __init__(self, url: str, clients: int = 6, model: str = MODEL) -> None:
+    def __init__(self, url: str, clients: int = 6, model: str = MODEL,
+                 pause_s: float = 0.0) -> None:
+        self.pause_s = pause_s
         self.failures: list[str] = []
         self.versions: list[str] = []  # fingerprints, in order
         self.sessions: dict[str, list[str]] = {}  # fingerprints in order
@@ -101,6 +105,8 @@ class Traffic:
                 self.versions.append(fp)
                 if session:
                     self.sessions.setdefault(session, []).append(fp)
+            if self.pause_s:
+                self._stop.wait(self.pause_s)
         client.close()
 
     def stop(self) -> None:

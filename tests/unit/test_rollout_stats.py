@@ -87,8 +87,13 @@ def test_slower_canary_fails_on_ttft_and_the_reason_names_it() -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_same_build_passes(seed: int) -> None:
+    """1000 canary values: on 100 a same build's P99 can read x1.39 (seed 3), over the 20 %
+    gate and not significant: inconclusive, the step waits for more (not a failure)."""
     rng = random.Random(seed)
-    r = compare_latency("ttft", lognormal(rng, 5000), lognormal(rng, 100), TH)
+    base = lognormal(rng, 5000)
+    small = compare_latency("ttft", base, lognormal(rng, 100), TH)
+    assert small.decision in ("pass", "inconclusive"), small.reason
+    r = compare_latency("ttft", base, lognormal(rng, 1000), TH)
     assert r.decision == "pass", r.reason
 
 
@@ -123,10 +128,13 @@ def test_error_rate_equal_or_below_the_gate_passes() -> None:
 
 
 def test_one_early_error_against_a_clean_baseline_is_no_regression() -> None:
-    # the z-test alone says p ~ 3e-4 here; the exact chance is ~10 %
+    """The z-test alone says p ~ 3e-4 here; the exact chance is ~10 %: not a failure, but
+    1 % against 0.06 % is over the 0.5-point gate, so inconclusive until more requests
+    show the rate (1 in 300: +0.27 points, a pass)."""
     r = compare_errors(6, 10_000, 1, 100, TH)
-    assert r.decision == "pass"
+    assert r.decision == "inconclusive" and r.reason.startswith("error_rate inconclusive")
     assert isinstance(r.numbers["p_value"], float) and r.numbers["p_value"] > 0.05
+    assert compare_errors(6, 10_000, 1, 300, TH).decision == "pass"
 
 
 @pytest.mark.parametrize(("failures", "probes", "decision"),

@@ -1,0 +1,54 @@
+"""A rollout's JSON views (issue 18): ``/admin/rollouts``' snapshot and the state a
+resume reads back (:class:`gateway.traffic.rollout.Rollout`'s ``snapshot`` / ``state``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.traffic.rollout import Rollout
+
+
+def snapshot(r: Rollout, now: float) -> dict[str, object]:
+    """``/admin/rollouts``' view of rollout ``r`` (JSON-ready): model, versions, status,
+    step and share, the step's age (seconds), requests served per version, the canary's
+    share served (and before a rollback), calibration probes, the last comparison with
+    its numbers, the comparisons made so far (``looks``: a step acts on one), ``held``
+    (why a passed step waits for the next one's capacity, else None), ``capacity``
+    (:meth:`gateway.traffic.rollout_capacity.PoolCapacity.to_json`, None: unknown) and
+    the decision history with times."""
+    p = r.plan
+    return {
+        "model": p.model, "baseline": p.baseline, "canary": p.canary,
+        "status": r.status, "step": r.step, "steps": list(p.steps),
+        "share": r.share, "started_at": r.started_at,
+        "step_age_s": now - r.step_started_at if r.status == "running" else None,
+        "targeted": r.step < p.targeted_steps and r.status == "running",
+        "served": dict(r.served),
+        "step_served": dict(r._step_assigned),
+        "canary_share_served": r.canary_share_served,
+        "share_before_rollback": r.share_before_rollback,
+        "calibration": {"probes": r.probes, "failures": r.probe_failures,
+                        "measure": p.calibration},
+        "comparison": r.last_comparison.to_json() if r.last_comparison else None,
+        "looks": r.looks,
+        "held": r.held if r.status == "running" else None,
+        "capacity": r.capacity.to_json() if r.capacity else None,
+        "history": [*(dict(h) for h in r.prior),
+                    *(h.to_json() for h in r.history)],
+    }
+
+
+def state(r: Rollout, now: float) -> dict[str, Any]:
+    """What a resume needs (JSON-ready; kept with the config snapshots, issue 18): the
+    status, the step and its age (seconds), requests served per version, the share
+    before a rollback, the calibration probe counts and the decisions (their ``at``
+    made relative: seconds before ``now``, negative)."""
+    history: list[dict[str, Any]] = snapshot(r, now)["history"]  # type: ignore[assignment]
+    return {
+        "status": r.status, "step": r.step,
+        "step_age_s": now - r.step_started_at,
+        "served": dict(r.served), "share_before_rollback": r.share_before_rollback,
+        "probes": r.probes, "probe_failures": r.probe_failures,
+        "history": [{**h, "at": float(h["at"]) - now} for h in history],
+    }
