@@ -114,6 +114,16 @@ def peak_diagnosis(gw: PolicyResult, lr: PolicyResult) -> str:
     return f"{head}: not at the facility cap; the routing itself does not lower the peak"
 
 
+def _none_either_way(check: str, r: PolicyResult, base: PolicyResult) -> str:
+    """A note for an event-count check whose policy and baseline both counted none (held:
+    nothing to reduce), so "0 -> 0" never reads as a result of the policy."""
+    field = {"throttling": "throttle_events", "power-cap": "power_cap_events"}
+    for word, attr in field.items():
+        if f"fewer {word} events" in check and getattr(r, attr) == getattr(base, attr) == 0:
+            return " (no events either way)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hours", type=float, default=24.0, help="simulated hours (24)")
@@ -183,14 +193,24 @@ def main(argv: list[str] | None = None) -> int:
     gw, lr = by["load_thermal"], by["least_request"]
     rl = ratios(gw, lr)
     checks = {  # "lower" means by more than the measurement's resolution (0.1 °C, 1 W)
-        ">= 97% fewer throttling events": rl["throttle_events"] >= 0.97,
+        # as issue 21's bar: none left is held (0 vs 0 included: no events either way)
+        ">= 97% fewer throttling events": gw.throttle_events <= 0.03 * lr.throttle_events,
         "lower max temperature": gw.max_temp_c < lr.max_temp_c - 0.1,
         "lower peak domain power": gw.peak_domain_power_w < lr.peak_domain_power_w - 1.0,
         "goodput within 2%": abs(1.0 - rl["goodput_ratio"]) <= 0.02 or rl["goodput_ratio"] > 1.0,
     }
+    defaults = {"hours": 24.0, "seed": 1, "load": 0.7, "bursts_per_hour": 1.0}
+    changed = [f"--{k.replace('_', '-')} {getattr(args, k):g}" for k, v in defaults.items()
+               if getattr(args, k) != v]  # fmt: skip
+    if changed:
+        console.print(
+            f"[yellow]note: the bars below are judged on the default 24-h trace (seed 1, "
+            f"load 0.7, 1 burst/h); this run ({', '.join(changed)}) only shows the direction, "
+            "a FAILED here is not the benchmark's verdict[/yellow]"
+        )
     console.print("[bold]issue 5, must hold (load_thermal vs least_request):[/bold]")
     for name, ok in checks.items():
-        console.print(f"  {'held  ' if ok else 'FAILED'}  {name}")
+        console.print(f"  {'held  ' if ok else 'FAILED'}  {name}{_none_either_way(name, gw, lr)}")
     if not checks["lower peak domain power"]:
         console.print(f"    why: {peak_diagnosis(gw, lr)}")
     ck = by[CLOCKS]
@@ -207,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         f"clock caps set {ck.clock_caps_set}, released {ck.clock_caps_released}"
     )
     for name, ok in bars.items():
-        console.print(f"  {'held  ' if ok else 'FAILED'}  {name}")
+        console.print(f"  {'held  ' if ok else 'FAILED'}  {name}{_none_either_way(name, ck, lr)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     body = json.loads(

@@ -193,6 +193,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for b in cfg.backends:
         models = ", ".join(b.models) if b.models else "(discovered from /v1/models)"
         print(f"  {b.id:<16} {redacted_url(b.base_url):<32} {b.role.value:<8} {models}")
+    clocks = cfg.thermal.clocks  # the gateway would start, but cap no clocks: say so
+    if cfg.thermal.enabled and clocks.enabled and not os.environ.get(clocks.agent_token_env):
+        print(f"warning: thermal.clocks is enabled but {clocks.agent_token_env} "
+              "(thermal.clocks.agent_token_env) is not set: no GPU clock caps or power limits "
+              "(set it to the agents' control token)", file=sys.stderr)
     return 0
 
 

@@ -16,12 +16,15 @@ Both are one script (:data:`SYNC`): renew or take the lease and publish, or read
 holder's state. The holder drives only while its lease was confirmed within the TTL
 (counted from before the call that confirmed it, so it stops before the store lets anyone
 else take it). The others touch no agent: the holder's rounds are the agents' only contact,
-so when the holder dies another replica takes over within the TTL (well inside the agents'
-60-s revert), adopts the caps the agents report and moves on from them; and when the store
-fails, no replica drives after the TTL, no agent is contacted, and every agent reverts its
-GPUs 60 s after the last contact: no GPU stays capped by accident. Meanwhile the replicas
-shed as without clocks (no fresh state: nothing more can be lowered), and no request fails
-for the store. A replica that stops gives the lease back (another takes over at once).
+so when the holder dies the lease lapses within the TTL, another replica takes it at its next
+sync round and calls the agents at its next GPU round (``thermal.scrape_interval_s``): at
+most TTL + one sync round + one GPU round after the death, about 12 s with the defaults
+(10 + 0.25 + 2; well inside the agents' 60-s revert), adopts the caps the agents report
+and moves on from them; and when the store fails, no replica drives after the TTL, no
+agent is contacted, and every agent reverts its GPUs 60 s after the last contact: no GPU
+stays capped by accident. Meanwhile the replicas shed as without clocks (no fresh state:
+nothing more can be lowered), and no request fails for the store. A replica that stops gives
+the lease back (another takes over at once).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ method      path                                   body / effect
 GET         ``/control``                           every GPU's state (below); counts as contact
 POST        ``/control/gpus/{i}/clocks``           ``{"max_mhz": 1500, "min_mhz": 210}`` (MHz;
                                                    ``min_mhz`` optional: the lowest supported);
-                                                   clamped to the supported range
+                                                   within the supported range
 DELETE      ``/control/gpus/{i}/clocks``           reset the lock
-POST        ``/control/gpus/{i}/power-limit``      ``{"watts": 450}``, clamped to the GPU's
+POST        ``/control/gpus/{i}/power-limit``      ``{"watts": 450}``, within the GPU's
                                                    constraints
 DELETE      ``/control/gpus/{i}/power-limit``      back to the default limit
 ==========  =====================================  ===============================================
@@ -29,8 +29,10 @@ A GPU's state: ``{"index", "locked_clocks_mhz": [min, max] | null, "power_limit_
 "default_power_limit_w"}`` (``locked_clocks_mhz`` and ``power_limit_set``: what this service
 set, so a gateway replica taking over the control finds the caps another one left);
 the answer to every route is ``{"gpus": [...], "revert_after_s": s}``. Errors are the
-OpenAI error shape (400 bad body, 401 no or wrong token, 404 no such GPU or route, 503 the
-driver refused).
+OpenAI error shape (400 bad body: a value missing, not a finite number or outside the GPU's
+``supported_clocks_mhz`` / ``power_limit_range_w``, with ``param`` the field and ``code``
+``invalid_value``; nothing is clamped or changed; 401 no or wrong token, 404 no such GPU or
+route, 405 another method, 503 the driver refused).
 
 Never capped by accident: every authenticated request is contact; with no contact for
 ``revert_after_s`` (default 60 s: thirty of the gateway's 2-s GPU rounds)
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -79,12 +82,39 @@ class GpuActuator(Protocol):
     def power_limit_w(self, index: int) -> float: ...
 
 
-def error(status: int, message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
+def error(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> tuple[int, dict[str, Any]]:
     """An OpenAI-shaped error answer."""
     kind = {401: "authentication_error", 404: "not_found_error", 503: "server_error"}.get(
         status, "invalid_request_error"
     )
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def number(
+    data: dict[str, Any], name: str, default: float | None, lo: float, hi: float, unit: str
+) -> float | tuple[int, dict[str, Any]]:
+    """``data[name]`` as a float within the GPU's supported ``[lo, hi]`` (``unit``), or the
+    400 answer that says why not (``param``: ``name``): missing (when ``default`` is None),
+    not a number, not finite (NaN, Infinity, an overflowing ``1e999``: Python's JSON reader
+    accepts them) or out of range (``code`` ``invalid_value``, the range named; never
+    clamped, so a caller learns its value was not applied)."""
+    v = data.get(name, default)
+    if v is None:
+        return error(400, f"{name} is required ({unit})", name, "missing_required_parameter")
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return error(400, f"{name} must be a number of {unit}", name, "invalid_type")
+    if not math.isfinite(v):
+        return error(400, f"{name} must be a finite number of {unit}", name, "invalid_value")
+    if not lo <= v <= hi:
+        return error(
+            400,
+            f"{name} {v:g} {unit} is outside this GPU's supported range {lo:g}-{hi:g} {unit}",
+            name,
+            "invalid_value",
+        )
+    return float(v)
 
 
 class ControlService:
@@ -165,20 +195,26 @@ class ControlService:
             return error(400, "the body must be a JSON object")
         lim = self.actuator.limits(index)
         if what == "clocks":
-            hi, lo = data.get("max_mhz"), data.get("min_mhz", lim.min_mhz)
-            for name, v in (("max_mhz", hi), ("min_mhz", lo)):
-                if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-                    return error(400, f"{name} must be a positive number of MHz", name)
-            assert isinstance(hi, int | float) and isinstance(lo, int | float)
-            hi = min(lim.max_mhz, max(lim.min_mhz, float(hi)))
-            lo = min(hi, max(lim.min_mhz, float(lo)))
+            hi = number(data, "max_mhz", None, lim.min_mhz, lim.max_mhz, "MHz")
+            if not isinstance(hi, float):
+                return hi
+            lo = number(data, "min_mhz", lim.min_mhz, lim.min_mhz, lim.max_mhz, "MHz")
+            if not isinstance(lo, float):
+                return lo
+            if lo > hi:
+                return error(
+                    400,
+                    f"min_mhz ({lo:g}) must not be above max_mhz ({hi:g})",
+                    "min_mhz",
+                    "invalid_value",
+                )
             self.actuator.lock_clocks(index, lo, hi)
             self.locked[index] = (lo, hi)
             return None
-        w = data.get("watts")
-        if isinstance(w, bool) or not isinstance(w, int | float) or w <= 0:
-            return error(400, "watts must be a positive number", "watts")
-        self.actuator.set_power_limit(index, min(lim.max_power_w, max(lim.min_power_w, float(w))))
+        w = number(data, "watts", None, lim.min_power_w, lim.max_power_w, "W")
+        if not isinstance(w, float):
+            return w
+        self.actuator.set_power_limit(index, w)
         self.limited.add(index)
         return None
 

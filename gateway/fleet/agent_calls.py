@@ -14,11 +14,12 @@ import httpx
 @dataclass(frozen=True, slots=True)
 class AgentGpus:
     """What ``GET /control`` says of a backend's GPUs (those of ``gpu_indices``): their
-    indices, the lowest top SM clock (MHz), the power-limit range all accept (W), and the
+    indices, the SM clock range all accept (MHz), the power-limit range all accept (W), and the
     caps the endpoint reports as set (the lowest locked top clock, MHz; the lowest power
     limit it set, W; None: none)."""
 
     indices: tuple[int, ...]
+    min_mhz: float
     max_mhz: float
     min_w: float
     max_w: float
@@ -46,9 +47,11 @@ async def read_gpus(
         hi_w = min(float(g["power_limit_range_w"][1]) for g in mine)
         locks = [float(g["locked_clocks_mhz"][1]) for g in mine if g.get("locked_clocks_mhz")]
         limits = [float(g["power_limit_w"]) for g in mine if g.get("power_limit_set")]
+        hi_mhz = min(float(g["supported_clocks_mhz"][1]) for g in mine)
         return AgentGpus(
             tuple(int(g["index"]) for g in mine),
-            min(float(g["supported_clocks_mhz"][1]) for g in mine),
+            min(hi_mhz, max(float(g["supported_clocks_mhz"][0]) for g in mine)),
+            hi_mhz,
             lo_w,
             max(lo_w, hi_w),
             min(locks) if locks else None,

@@ -18,9 +18,11 @@ Every change is logged, counted (``gateway_clock_caps_total{backend, reason}``,
 ``gateway_power_limits_total{backend, reason}``), kept in ``gateway_clock_cap_mhz{backend}``
 / ``gateway_power_limit_w{backend}`` (0: none) and shown in ``/admin/backends``
 (``gpu.clock_cap``, ``gpu.power_cap``). A failed call is counted
-(``gateway_clock_control_errors_total``) and the backend is forgotten, so the next round
-reads it again; a GPU whose driver refuses a power limit (the agent's 503) is left without
-one and counts as limited (nothing more to do there: shedding may start).
+(``gateway_clock_control_errors_total``), logged once per change of state with a hint for a
+refused token (:mod:`gateway.fleet.control_failures`), and the backend is forgotten, so the
+next round reads it again; values sent are within the GPU's reported range; a GPU whose
+driver refuses a power limit (the agent's 503) is left without one and counts as limited
+(nothing more to do there: shedding may start).
 
 Fleet mode (:mod:`gateway.coord.clock_lease`): only the replica holding the clock lease
 drives (:meth:`ClockDriver.share`); the others touch no agent (so a lost lease or a dead
@@ -42,6 +44,7 @@ import httpx
 from gateway.config import ThermalConfig
 from gateway.fleet.agent_calls import read_gpus, set_each
 from gateway.fleet.backend import Backend
+from gateway.fleet.control_failures import ControlFailures, in_range
 from gateway.metrics import GatewayMetrics
 from gateway.routing.clocks import CapChange, ClockController, GpuView, PowerShedGate
 from gateway.routing.power_limits import LimitChange, LimitView, PowerLimitController
@@ -57,6 +60,7 @@ class _Agent:
     """What the gateway knows of one backend's control endpoint (MHz, W)."""
 
     gpus: tuple[int, ...] = ()
+    min_mhz: float = 0.0
     max_mhz: float = 0.0
     min_w: float = 0.0
     max_w: float = 0.0
@@ -88,6 +92,7 @@ class ClockDriver:
         self.limits = PowerLimitController(cfg.clocks)
         self.gate = PowerShedGate(cfg.power_shed_levels, cfg.clocks.power_shed_release)
         self._agents: dict[str, _Agent] = {}
+        self.failures = ControlFailures(cfg.clocks.agent_token_env)  # logged once per state
         self._answered: dict[str, float] = {}  # backend -> its agent's last answer (s)
         self._holds: Callable[[], bool] | None = None
         self._peer: Callable[[], PeerState | None] = lambda: None
@@ -282,6 +287,7 @@ class ClockDriver:
             self._failed(b, "read", e)
             return
         self._answered[b.id] = self.clock()
+        self.failures.answered(b.id, "read")
         a = self._agents.get(b.id)
         if a is None:  # first contact since this replica drives: adopt what is set
             a = self._agents[b.id] = _Agent()
@@ -298,17 +304,20 @@ class ClockDriver:
                     "none" if g.locked_mhz is None else f"{g.locked_mhz:.0f} MHz",
                     "default" if g.limit_w is None else f"{g.limit_w:.0f} W",
                 )
-        a.gpus, a.max_mhz, a.min_w, a.max_w = g.indices, g.max_mhz, g.min_w, g.max_w
+        a.gpus, a.min_mhz, a.max_mhz = g.indices, g.min_mhz, g.max_mhz
+        a.min_w, a.max_w = g.min_w, g.max_w
         a.tracker = b.thermal
 
     async def _send(self, b: Backend, change: CapChange) -> None:
         a = self._agents[b.id]
-        body = None if change.max_mhz is None else {"max_mhz": round(change.max_mhz)}
+        mhz = change.max_mhz
+        body = None if mhz is None else {"max_mhz": in_range(mhz, a.min_mhz, a.max_mhz)}
         try:
             await set_each(self.client(), self._url(b), self._headers, a.gpus, "clocks", body)
         except httpx.HTTPError as e:
             self._failed(b, "set", e)
             return
+        self.failures.answered(b.id, "set")
         a.reason = None if change.max_mhz is None else change.reason
         self.metrics.clock_caps.labels(b.id, change.reason).inc()
         self.metrics.clock_cap_mhz.labels(b.id).set(change.max_mhz or 0.0)
@@ -327,26 +336,22 @@ class ClockDriver:
         a = self._agents.get(b.id)
         if a is None:  # its clock call failed this round: read again next round
             return
-        body = None if change.watts is None else {"watts": round(change.watts)}
+        w = change.watts
+        body = None if w is None else {"watts": in_range(w, a.min_w, a.max_w)}
         try:
             await set_each(self.client(), self._url(b), self._headers, a.gpus, "power-limit", body)
-        except httpx.HTTPStatusError as e:
-            if e.response.status_code == 503 and change.watts is not None:
+        except httpx.HTTPError as e:
+            if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 503 and w:
                 # the GPU's driver refuses power limits (no permission): no lever here
                 self.metrics.clock_control_errors.labels(b.id).inc()
-                log.warning(
-                    "backend %s: power limit refused by the GPU's driver: %s",
-                    b.id,
-                    e.response.text[:200],
-                )
+                why = e.response.text[:200]
+                log.warning("backend %s: power limit refused by the GPU's driver: %s", b.id, why)
                 a.limits_refused = True
                 self.limits.forget(b.id)
                 return
             self._failed(b, "power limit", e)
             return
-        except httpx.HTTPError as e:
-            self._failed(b, "power limit", e)
-            return
+        self.failures.answered(b.id, "power limit")
         a.limit_reason = None if change.watts is None else change.reason
         self.metrics.power_limits.labels(b.id, change.reason).inc()
         self.metrics.power_limit_w.labels(b.id).set(change.watts or 0.0)
@@ -364,7 +369,7 @@ class ClockDriver:
 
     def _failed(self, b: Backend, what: str, e: Exception) -> None:
         self.metrics.clock_control_errors.labels(b.id).inc()
-        log.warning("backend %s: GPU control %s failed: %s: %s", b.id, what, type(e).__name__, e)
+        self.failures.failed(b.id, what, e)
         self._drop(b.id)
 
     def _drop(self, backend_id: str) -> None:

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -78,6 +79,21 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cooling-failure", action="store_true", help="start with failed cooling (R_th x2.5)"
+    )
+    g.add_argument(
+        "--control-token-env",
+        default=None,
+        metavar="NAME",
+        help="serve the agent's GPU control endpoint (/control) to the bearer token in "
+        "environment variable NAME, e.g. LLM_GATEWAY_AGENT_TOKEN (default: no endpoint)",
+    )
+    g.add_argument(
+        "--revert-after",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="the control endpoint reverts every GPU cap after S seconds without contact "
+        "(default 60)",
     )
     r = parser.add_argument_group(
         "the build played (a bad release for canary drills; default: the good one)"
@@ -190,9 +206,23 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
                 "count": args.gpus,
                 "ambient_c": args.ambient,
                 "r_th_k_per_w": args.r_th,
+                "control_token": control_token(args.control_token_env),
+                "revert_after_s": args.revert_after,
             },
         }
     )
+
+
+def control_token(env: str | None) -> str | None:
+    """The control endpoint's token, read from environment variable ``env`` (never from the
+    command line, where other users of the host could read it); None without ``env``. Raises
+    :class:`gateway.config.ConfigError` when ``env`` is named but unset or empty."""
+    if env is None:
+        return None
+    token = os.environ.get(env, "")
+    if not token:
+        raise ConfigError(f"--control-token-env {env}: environment variable {env} is not set")
+    return token
 
 
 async def _serve(config: SimConfig, host: str, port: int, log_level: str) -> None:
@@ -204,7 +234,14 @@ async def _serve(config: SimConfig, host: str, port: int, log_level: str) -> Non
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     async with run_sim_server(config, host=host, port=port, log_level=log_level) as url:
-        print(f"vLLM simulator serving {config.served_ids} at {url}", flush=True)
+        gpu = config.gpu
+        control = (
+            f"; GPU control at {url}/control (reverted {gpu.revert_after_s:g} s after the "
+            "last contact)"
+            if gpu.control_token
+            else ""
+        )
+        print(f"vLLM simulator serving {config.served_ids} at {url}{control}", flush=True)
         await stop.wait()
     print("vLLM simulator stopped", flush=True)
 

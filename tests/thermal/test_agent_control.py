@@ -85,8 +85,8 @@ def test_sets_and_clears_clocks_and_power_limit_within_the_gpus_range(
     assert gpu1["locked_clocks_mhz"] == [210.0, 1500.0]
     assert gpu1["supported_clocks_mhz"] == [210.0, 1980.0]
     r = httpx.post(f"{agent}/control/gpus/0/clocks", json={"max_mhz": 9000}, headers=AUTH)
-    assert driver.locked[0] == (210, 1980)  # clamped to what the GPU supports
-    r = httpx.post(f"{agent}/control/gpus/0/power-limit", json={"watts": 50}, headers=AUTH)
+    assert r.status_code == 400 and 0 not in driver.locked  # out of range: refused, not clamped
+    r = httpx.post(f"{agent}/control/gpus/0/power-limit", json={"watts": 200}, headers=AUTH)
     assert r.status_code == 200 and driver.fake.gpus[0].limit_mw == 200_000  # its minimum
     assert r.json()["gpus"][0]["power_limit_w"] == 200.0
     # what the service set is said, so a gateway replica taking over adopts it

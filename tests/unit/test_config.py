@@ -131,3 +131,22 @@ def test_one_field_of_a_cycle_can_be_set_alone(tmp_path, monkeypatch):
     f.write_text("{}\n")
     cfg = load_config(f)
     assert cfg.lifecycle.short.every_s == 30 and cfg.lifecycle.medium.every_s == 1800
+
+
+def test_check_config_warns_when_clocks_are_on_without_the_agent_token(
+    tmp_path, capsys, monkeypatch
+):
+    from gateway.cli import main
+
+    f = tmp_path / "clocks.yaml"
+    f.write_text(
+        "backends: [{id: a, url: 'http://127.0.0.1:9', gpu_control_url: 'http://127.0.0.1:9'}]\n"
+        "thermal: {enabled: true, clocks: {enabled: true, agent_token_env: MY_AGENT_TOKEN}}\n"
+    )
+    monkeypatch.delenv("MY_AGENT_TOKEN", raising=False)
+    assert main(["check-config", "-c", str(f)]) == 0
+    out = capsys.readouterr()
+    assert "warning" in out.err and "MY_AGENT_TOKEN" in out.err and "not set" in out.err
+    monkeypatch.setenv("MY_AGENT_TOKEN", "t")
+    assert main(["check-config", "-c", str(f)]) == 0
+    assert "warning" not in capsys.readouterr().err

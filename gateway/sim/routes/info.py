@@ -15,6 +15,9 @@ from gateway.sim.asgi import error_response, json_response
 from gateway.sim.gpu import render_dcgm
 from gateway.sim.state import SimState
 
+_METHODS = ("GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS")
+"""Every method the control route takes (the service answers 405 to those it does not serve)."""
+
 
 def add_info_routes(app: FastAPI, state: SimState) -> None:
     """Mount the model, health, metrics and tokenizer routes on ``app``, serving from
@@ -69,10 +72,11 @@ def add_info_routes(app: FastAPI, state: SimState) -> None:
         state.gpus.tick()
         return Response(render_dcgm(state.gpus.gpus), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/control{rest:path}", methods=["GET", "POST", "DELETE"])
+    @app.api_route("/control{rest:path}", methods=list(_METHODS))
     async def gpu_control(request: Request, rest: str) -> Response:
         """The agent's GPU control endpoint over the simulated GPUs (issue 21,
-        :mod:`gateway.core.gpu_control`); 404 without ``gpu.control_token``."""
+        :mod:`gateway.core.gpu_control`); 404 without ``gpu.control_token``. Every method
+        reaches the service, so a wrong one gets its OpenAI-shaped 405, not FastAPI's."""
         service = state.gpus.control
         if service is None:
             return error_response(P.error(404, "Not Found", "NotFoundError"))
