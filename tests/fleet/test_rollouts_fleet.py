@@ -24,6 +24,28 @@ from tests.support.servers import GatewayThread
 def _rollouts(gw: GatewayThread) -> list[dict[str, Any]]:
     return httpx.get(gw.url + "/admin/rollouts", timeout=10).json()["data"]  # type: ignore[no-any-return]
 
+def _replicas(servers: Servers, redis_url: str, made: list[GatewayThread]) -> None:
+    """Start replicas ``r1`` and ``r2`` over ``servers`` on one Redis (appended to ``made``
+    as they start, so the caller stops every one that started)."""
+    for rid in ("r1", "r2"):
+        coord = {"redis_url": redis_url, "replica_id": rid, "sync_interval_s": 0.1}
+        gw = GatewayThread(config(servers.backends, coordination=coord))
+        made.append(gw)
+        gw.start(wait_ready=False)
+        gw.wait_ready(timeout=30)
+
+
+def _post_with_rollout(gw: GatewayThread, plan: dict[str, Any]) -> httpx.Response:
+    """``POST /admin/config`` to ``gw``: its own running config with ``rollouts: [plan]``
+    (YAML); asserts a 200."""
+    data = gw.gateway.cfg.model_dump(mode="json")
+    data["rollouts"] = [plan]
+    r = httpx.post(gw.url + "/admin/config", content=yaml.safe_dump(data).encode(),
+                   headers={"content-type": "application/yaml"}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r
+
+
 
 def test_a_config_rollout_reaches_every_replica_and_its_rollback_returns_the_fleet(
     servers: Servers, redis_server: Any,
@@ -33,20 +55,11 @@ def test_a_config_rollout_reaches_every_replica_and_its_rollback_returns_the_fle
     servers.add("b", "v2", ttft_factor=1.5)
     made: list[GatewayThread] = []
     try:
-        for rid in ("r1", "r2"):
-            coord = {"redis_url": redis_server.url, "replica_id": rid, "sync_interval_s": 0.1}
-            gw = GatewayThread(config(servers.backends, coordination=coord))
-            made.append(gw)
-            gw.start(wait_ready=False)
-            gw.wait_ready(timeout=30)
+        _replicas(servers, redis_server.url, made)
         r1, r2 = made
         plan = {"model": "m1", "baseline": "v1", "canary": "v2", "steps": [0.25, 1.0],
                 **FAST_STEPS, "calibration": {"measure": "off"}}
-        data = r1.gateway.cfg.model_dump(mode="json")
-        data["rollouts"] = [plan]
-        r = httpx.post(r1.url + "/admin/config", content=yaml.safe_dump(data).encode(),
-                       headers={"content-type": "application/yaml"}, timeout=10)
-        assert r.status_code == 200, r.text
+        _post_with_rollout(r1, plan)
         assert wait_for(lambda: all(_rollouts(gw) for gw in made), 10)  # both run it
         traffic = [Traffic(gw.url, clients=3) for gw in made]
         try:
@@ -81,20 +94,11 @@ def test_a_canary_that_failed_on_one_replica_is_started_again_on_none(
     servers.add("b", "v2", drift=0.5)
     made: list[GatewayThread] = []
     try:
-        for rid in ("r1", "r2"):
-            coord = {"redis_url": redis_server.url, "replica_id": rid, "sync_interval_s": 0.1}
-            gw = GatewayThread(config(servers.backends, coordination=coord))
-            made.append(gw)
-            gw.start(wait_ready=False)
-            gw.wait_ready(timeout=30)
+        _replicas(servers, redis_server.url, made)
         r1, r2 = made
         plan = {"model": "m1", "baseline": "v1", "canary": "v2", "steps": [0.5, 1.0],
                 **FAST_STEPS, "calibration": {"interval_s": 0.1, "min_probes": 3}}
-        data = r1.gateway.cfg.model_dump(mode="json")
-        data["rollouts"] = [plan]
-        r = httpx.post(r1.url + "/admin/config", content=yaml.safe_dump(data).encode(),
-                       headers={"content-type": "application/yaml"}, timeout=10)
-        assert r.status_code == 200, r.text
+        _post_with_rollout(r1, plan)
         assert wait_for(lambda: all(_rollouts(gw) for gw in made), 10)  # both run it
         traffic = Traffic(r1.url, clients=4)
         try:
@@ -102,11 +106,7 @@ def test_a_canary_that_failed_on_one_replica_is_started_again_on_none(
         finally:
             traffic.stop()
         assert traffic.failures == []
-        again = r2.gateway.cfg.model_dump(mode="json")  # r2's own coordination section
-        again["rollouts"] = [plan]
-        r = httpx.post(r2.url + "/admin/config", content=yaml.safe_dump(again).encode(),
-                       headers={"content-type": "application/yaml"}, timeout=10)
-        assert r.status_code == 200, r.text
+        r = _post_with_rollout(r2, plan)  # r2's own coordination section
         (item,) = r.json()["rollouts"]
         assert not item["started"] and item["code"] == "rolled_back", item
         assert wait_for(lambda: all(gw.gateway.cfg.rollouts for gw in made), 10)
