@@ -33,3 +33,22 @@ def redacted_url(url: str) -> str:
     if port is not None:
         netloc += f":{port}"
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def failure_detail(what: str, e: BaseException) -> str:
+    """An operator's one-line account of a failed control-plane call: ``"{what}:
+    {ExceptionType}: {message} ({METHOD} {redacted url})"``. httpx's transport errors name
+    no address (``ConnectError: All connection attempts failed``), so the request's URL,
+    passwords hidden (:func:`redacted_url`), is added when the exception carries one (an
+    ``httpx.RequestError`` or ``HTTPStatusError``); an empty message is left out. For logs
+    and ``/admin/backends``' ``last_error``, never for clients (issue 20)."""
+    text = f"{what}: {type(e).__name__}: {e}".rstrip(": ")
+    try:
+        request = getattr(e, "request", None)  # httpx raises RuntimeError when unset
+    except RuntimeError:
+        request = None
+    url = getattr(request, "url", None)
+    method = getattr(request, "method", None)
+    if url is not None and method is not None:
+        text += f" ({method} {redacted_url(str(url))})"
+    return text

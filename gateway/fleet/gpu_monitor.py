@@ -45,6 +45,7 @@ from typing import Protocol
 import httpx
 
 from gateway.config import PowerDomainConfig, ThermalConfig
+from gateway.core.urls import failure_detail
 from gateway.core.vocab import BackendState
 from gateway.fleet.backend import Backend
 from gateway.fleet.clock_driver import ClockDriver
@@ -194,7 +195,7 @@ class GpuMonitor:
                 timeout_s=self.cfg.scrape_timeout_s,
             )
         except (httpx.HTTPError, ValueError) as e:
-            backend.gpu_scrape_result(f"{type(e).__name__}: {e}".rstrip(": "))
+            backend.gpu_scrape_result(failure_detail("GPU metrics", e))
             self.metrics.gpu_scrape_errors.labels(backend.id).inc()
             self.metrics.forget_gpus(backend.id)
             return

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import httpx
 
+from gateway.core.urls import failure_detail
 from gateway.fleet.backend import Backend
 from gateway.fleet.records import ModelCard
 
@@ -48,7 +49,7 @@ async def probe_health(
     try:
         r = await client.get(f"{backend.base_url}/health", headers=_auth(api_key))
     except httpx.HTTPError as e:
-        return ProbeResult("fail", f"/health: {type(e).__name__}: {e}".rstrip(": "))
+        return ProbeResult("fail", failure_detail("/health", e))
     if r.status_code == 200:
         return ProbeResult("ok", http_status=200)
     if r.status_code in (401, 403):
@@ -75,7 +76,7 @@ async def fetch_models(
     try:
         r = await client.get(f"{backend.base_url}/v1/models", headers=_auth(api_key))
     except httpx.HTTPError as e:
-        return ModelsResult(None, "fail", f"/v1/models: {type(e).__name__}: {e}".rstrip(": "))
+        return ModelsResult(None, "fail", failure_detail("/v1/models", e))
     if r.status_code in (401, 403):
         return ModelsResult(
             None,
@@ -336,7 +337,7 @@ async def app_probe(
             client, backend, model, api_key, "ping", max_tokens, endpoints, timeout_s=timeout_s
         )
     except httpx.HTTPError as e:
-        return AppProbeResult(False, detail=f"app probe: {type(e).__name__}: {e}".rstrip(": "))
+        return AppProbeResult(False, detail=failure_detail("app probe", e))
     if reply.unserved:
         return AppProbeResult(
             True,

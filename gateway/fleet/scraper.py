@@ -16,6 +16,7 @@ from collections.abc import Callable
 import httpx
 
 from gateway.config import TelemetryConfig
+from gateway.core.urls import failure_detail
 from gateway.core.vocab import BackendState
 from gateway.fleet.backend import Backend
 from gateway.fleet.clients import ControlClients
@@ -70,7 +71,7 @@ class LoadScraper:
             )
         except (httpx.HTTPError, ValueError) as e:
             self.metrics.scrape_errors.labels(backend.id).inc()
-            backend.note_error(f"scrape: {type(e).__name__}: {e}".rstrip(": "))
+            backend.note_error(failure_detail("scrape", e))
             return
         backend.scraped(load, self.clock())
         started = load.process_start_s
