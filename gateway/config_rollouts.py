@@ -104,6 +104,33 @@ class RolloutCalibration(BaseModel):
                             "compared (Thresholds.min_calibration_probes)")
 
 
+class RolloutGates(BaseModel):
+    """What a step's comparison calls a regression (the defaults, and why each:
+    :class:`gateway.traffic.rollout_stats.Thresholds`): the canary's TTFT / ITL P50 over
+    the baseline's by more than ``p50_tolerance`` (ratio - 1) or its P99 by more than
+    ``p99_tolerance``, or its error rate over the baseline's by ``error_rate_gate``
+    (fraction of requests), each with a significant one-sided test at ``alpha`` (the
+    chance of rolling a good canary back over the whole rollout: Bonferroni over the steps
+    and the three tests). Wider tolerances for a release that is allowed to be slower
+    (a larger model behind the same name); a smaller ``alpha`` for fewer false rollbacks at
+    the cost of later detection (``benchmarks/rollout.py`` prints both)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    p50_tolerance: float = Field(
+        0.10, ge=0, allow_inf_nan=False,
+        description="allowed P50 slowdown of TTFT and ITL (0.10: x1.1)")
+    p99_tolerance: float = Field(
+        0.20, ge=0, allow_inf_nan=False,
+        description="allowed P99 slowdown of TTFT and ITL (0.20: x1.2)")
+    error_rate_gate: float = Field(
+        0.005, ge=0, le=1, allow_inf_nan=False,
+        description="allowed error-rate excess (fraction of requests: 0.005 = 0.5 points)")
+    alpha: float = Field(
+        0.01, gt=0, le=1, allow_inf_nan=False,
+        description="false-rollback level of the whole rollout (split over steps and tests)")
+
+
 class RolloutConfig(BaseModel):
     """One canary rollout: the traffic of ``model`` (the name clients ask for) moves from
     the backends whose ``model_version`` is ``baseline`` to those whose ``model_version`` is
@@ -123,7 +150,8 @@ class RolloutConfig(BaseModel):
     :class:`gateway.traffic.rollout_stats.Thresholds`). A step that passed moves on only
     when the next step fits the versions' routable capacity within ``capacity_slack``
     (1.25), else it holds until a reload adds canary capacity
-    (:mod:`gateway.traffic.rollout_capacity`)."""
+    (:mod:`gateway.traffic.rollout_capacity`). ``gates``: the regression thresholds
+    (:class:`RolloutGates`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -157,6 +185,7 @@ class RolloutConfig(BaseModel):
         "baseline's), else it holds (gateway.traffic.rollout_capacity)")
     targeting: RolloutTargeting = Field(default_factory=RolloutTargeting)
     calibration: RolloutCalibration = Field(default_factory=RolloutCalibration)
+    gates: RolloutGates = Field(default_factory=RolloutGates)
 
     @field_validator("steps")
     @classmethod

@@ -96,6 +96,7 @@ class RedisLink:
         self.offset_s = 0.0  # store clock - local wall clock (seconds)
         self._next_try = 0.0
         self._resync: list[Resync] = []
+        self._refused = ""  # the last refusal logged (refuse() logs each reason once)
         metrics.coord_up.set(0)
         metrics.coord_fallback.set(1)
 
@@ -145,8 +146,9 @@ class RedisLink:
         (local share, admin writes refused with ``reason``), probed again every
         ``retry_interval_s``. Raises :class:`CoordinationUnavailable`."""
         self.metrics.coord_errors.labels(op).inc()
-        if reason != self.reason:  # once, not at every retry
+        if reason != self._refused:  # once, not at every retry
             log.error("shared store %s: %s", redacted_url(self.cfg.redis_url or ""), reason)
+            self._refused = reason
         self._go_down(reason)
         raise CoordinationUnavailable(reason)
 
@@ -191,7 +193,10 @@ class RedisLink:
         if self.up:
             return True
         was_down = self.down_since is not None and self.reason != "not connected yet"
+        # up and its reason change together: no reader sees the link up with a down reason
+        # (a failing resync below takes it down again with its own reason)
         self.up = True
+        self.reason = ""
         down_s = self.down_for_s()
         self.metrics.coord_up.set(1)
         self.metrics.coord_fallback.set(0)
@@ -203,6 +208,7 @@ class RedisLink:
             except Exception:  # a part's bug must not keep the others from resyncing
                 log.exception("resync callback failed")
         self.down_since = None
+        self._refused = ""
         if was_down:
             self.metrics.coord_resyncs.inc()
             log.warning(
@@ -214,7 +220,6 @@ class RedisLink:
                 "shared store %s connected (replica %s)",
                 redacted_url(self.cfg.redis_url or ""), self.replica_id,
             )
-        self.reason = ""
         return self.up
 
     async def close(self) -> None:

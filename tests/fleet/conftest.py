@@ -27,12 +27,22 @@ def sims() -> Iterator[Callable[..., Sim]]:
         s.stop()
 
 
+OP_TIMEOUT_S = 1.0
+"""The replicas' ``coordination.op_timeout_s`` unless a test sets its own (the default is
+0.25 s: a call is given 0.5 s). Every replica, simulator and client thread of a test shares
+one process and one GIL, and on CI's loaded 2-core machine a replica's loop was measured
+stalled past 0.5 s: one late answer takes a link down (by design: the request path never
+waits on the store), and an admin write then got a 503 in a test about something else.
+The tests of a slow or frozen store set their own ``op_timeout_s``."""
+
+
 @pytest.fixture
 def replicas(redis_server: Any) -> Iterator[Callable[..., list[GatewayThread]]]:
     """Factory ``replicas(n, {"a": url, ...}, wait_routable=None, backend=None, **sections)``
     -> ``n`` started gateway replicas (ids ``r1``..``rn``) sharing the test's Redis, each with
     every backend (or ``wait_routable`` of them) routable. ``coordination`` settings in
-    ``sections`` are merged over the fleet defaults (``redis_url``, fast sync)."""
+    ``sections`` are merged over the fleet defaults (``redis_url``, fast sync,
+    :data:`OP_TIMEOUT_S`)."""
     made: list[GatewayThread] = []
 
     def make(n: int, urls: dict[str, str], wait_routable: int | None = None,
@@ -41,7 +51,7 @@ def replicas(redis_server: Any) -> Iterator[Callable[..., list[GatewayThread]]]:
         coord = dict(sections.pop("coordination", {}))
         for i in range(1, n + 1):
             c = {"redis_url": redis_server.url, "replica_id": f"r{i}", "sync_interval_s": 0.1,
-                 **coord}
+                 "op_timeout_s": OP_TIMEOUT_S, **coord}
             cfg = gateway_config([{"id": k, "url": u, **(backend or {})} for k, u in urls.items()],
                                  coordination=c, **sections)
             gw = GatewayThread(cfg)

@@ -27,7 +27,14 @@ import yaml
 
 from gateway.reload_input import resume_config
 from tests.lifecycle.support import metric, metric_samples
-from tests.support.rollout_traffic import FAST_STEPS, MODEL, Servers, Traffic, config
+from tests.support.rollout_traffic import (
+    FAST_STEPS,
+    LOOSE_GATES,
+    MODEL,
+    Servers,
+    Traffic,
+    config,
+)
 from tests.support.scripted import wait_for
 from tests.support.servers import GatewayThread
 
@@ -169,7 +176,7 @@ def test_after_a_failed_config_rollout_the_model_goes_to_its_baseline_not_an_old
         servers.add(name, "v6")
     servers.add("b", "v5", drift=0.5)
     good = {"model": MODEL, "baseline": "v1", "canary": "v6", "steps": [0.5, 1.0],
-            **FAST_STEPS}
+            **FAST_STEPS, **LOOSE_GATES}  # its promotion is the set-up, not the subject
     with GatewayThread(config(servers.backends)) as gw:
         r = httpx.post(gw.url + "/admin/rollouts", json=good, timeout=10)
         assert r.status_code == 201, r.text

@@ -21,6 +21,14 @@ FAST_STEPS: dict[str, Any] = {"min_step_s": 0.3, "min_step_requests": 40, "reche
                               "max_step_s": 60, "min_requests": 40, "min_samples": 20,
                               "calibration": {"interval_s": 0.1, "min_probes": 10}}
 
+LOOSE_GATES: dict[str, Any] = {"gates": {"p50_tolerance": 1.0, "p99_tolerance": 2.0}}
+"""Gates for a rollout test whose subject is not latency (a capacity hold, what follows a
+rollback) but which needs its good canary to pass: these simulators, the gateway and the
+clients share one process and one GIL, and on a loaded 2-core machine a lone canary
+server's TTFT / ITL was measured up to x1.2-1.5 its pool's (ITL P50 x1.36, TTFT P99 x1.53)
+with no build difference, which the default gates call inconclusive until ``max_step_s``.
+The latency tests themselves keep the default gates."""
+
 
 def config(backends: list[dict[str, Any]], **sections: Any) -> Any:
     """The test config: short calibration answers (4 tokens: a probe round is 6 of them)."""

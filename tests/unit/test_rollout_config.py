@@ -54,6 +54,11 @@ def test_a_valid_rollout_with_its_defaults() -> None:
     ({"baseline": " v1"}, "rollouts.0.baseline: not a model version"),
     ({"calibration": {"measure": "bleu"}}, "rollouts.0.calibration.measure"),
     ({"stepz": [1.0]}, "rollouts.0.stepz: unknown field"),
+    ({"gates": {"p50_tolerance": -0.1}}, "rollouts.0.gates.p50_tolerance"),
+    ({"gates": {"p99_tolerance": "nan"}}, "rollouts.0.gates.p99_tolerance"),
+    ({"gates": {"error_rate_gate": 1.5}}, "rollouts.0.gates.error_rate_gate"),
+    ({"gates": {"alpha": 0}}, "rollouts.0.gates.alpha"),
+    ({"gates": {"p50": 0.2}}, "rollouts.0.gates.p50: unknown field"),
     ({"targeting": {"client_keys": ["nobody"], "steps": 1}},
      "rollouts.0.targeting.client_keys: ['nobody'] not in auth.client_keys"),
 ])
@@ -99,12 +104,18 @@ def test_the_plan_a_config_maps_to() -> None:
     on = plan_of(RolloutConfig(model="m", baseline="v1", canary="v2",
                                calibration={"measure": "token_overlap", "min_probes": 6}), "x")
     assert on.calibration == "token_overlap" and on.thresholds.min_calibration_probes == 6
+    assert (on.thresholds.p50_tolerance, on.thresholds.p99_tolerance,
+            on.thresholds.error_rate_gate, on.thresholds.alpha) == (0.10, 0.20, 0.005, 0.01)
+    gated = plan_of(RolloutConfig(model="m", baseline="v1", canary="v2", gates={
+        "p50_tolerance": 1.5, "p99_tolerance": 2, "error_rate_gate": 0.02, "alpha": 0.001}), "y")
+    assert (gated.thresholds.p50_tolerance, gated.thresholds.p99_tolerance,
+            gated.thresholds.error_rate_gate, gated.thresholds.alpha) == (1.5, 2.0, 0.02, 0.001)
 
 
-def _decided(canary_ttft: float, probes_failed: int = 0) -> Rollout:
+def _decided(canary_ttft: float, probes_failed: int = 0, **gates: float) -> Rollout:
     r = RolloutConfig(model="m", baseline="v1", canary="v2", steps=[0.5, 1.0], min_step_s=0,
                       min_step_requests=40, min_requests=40, min_samples=20, recheck_s=0.01,
-                      calibration={"min_probes": 10})
+                      calibration={"min_probes": 10}, gates=gates)
     rollout = Rollout(plan_of(r, "x"), 0.0, random.Random(1))
     rng = random.Random(2)
     for i in range(10):
@@ -127,6 +138,14 @@ def test_reason_labels_of_decisions() -> None:
     assert good.history[-1].outcome == "pass" and reason_label(good.history[-1]) == "ok"
     good.rollback(2.0, "operator: aborted")
     assert reason_label(good.history[-1]) == "operator"
+
+
+def test_a_rollouts_gates_decide_what_is_a_regression() -> None:
+    """The same x2 canary: rolled back under the default gates, passed under a release
+    allowed to be up to x3 slower (``gates.p50_tolerance`` 2, ``p99_tolerance`` 2.5)."""
+    assert _decided(2.0).status == "rolled_back"
+    allowed = _decided(2.0, p50_tolerance=2.0, p99_tolerance=2.5)
+    assert allowed.history[-1].outcome == "pass", allowed.history[-1]
 
 
 def _backend(i: str, version: str | None, state: BackendState = BackendState.WARM) -> Backend:
