@@ -25,7 +25,7 @@ from tests.support.servers import GatewayThread, gateway_config
 COOLDOWN_S = 3.0  # autoscale.scale_down_cooldown_s of the test
 INTERVAL_S = 0.2  # autoscale.interval_s
 STREAMS = 8  # concurrent streams of the burst, on a backend of 2 sequences
-TOKENS = 60  # per stream (ITL 0.03 s: ~2 s alone, the burst queues for longer)
+TOKENS = 30  # per stream (ITL 0.03 s: ~1 s alone, the burst queues ~4 s on 2 sequences)
 
 
 @pytest.fixture

@@ -19,7 +19,9 @@ def test_a_busy_fleet_defers_its_medium_cycles_then_runs_them_when_quiet(sims, l
     a, b = sims("a", itl_s=0.02, max_num_seqs=4), sims("b", itl_s=0.02, max_num_seqs=4)
     gw = lc_gateway(
         {"a": a.url, "b": b.url},
-        lifecycle={"medium": {"every_s": 8, "every_requests": 0, "cooldown_s": 0.5}},
+        # every 6 s (due 3 and 6 s after the start): a shorter loaded phase also lets the
+        # completion rate (a 15 s window) fall sooner once the load stops
+        lifecycle={"medium": {"every_s": 6, "every_requests": 0, "cooldown_s": 0.5}},
     )
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -47,7 +49,7 @@ def test_a_busy_fleet_defers_its_medium_cycles_then_runs_them_when_quiet(sims, l
                                        for x in admin(gw.url)), 15)
         assert learned, admin(gw.url)
         before = ran()
-        # medium cycles come due 4 and 8 s after the start; under this load none may run
+        # medium cycles come due 3 and 6 s after the start; under this load none may run
         deferred = wait_for(lambda: any(x["deferred"] for x in admin(gw.url)), 15)
         assert deferred, admin(gw.url)
         time.sleep(3)
