@@ -33,8 +33,8 @@ class Outcome:
 
 def test_kill_restart_drill_every_request_one_well_formed_answer(sims, lc_gateway):
     """Three simulated backends, warm-up and slow start on, cycles off; 4 client threads
-    alternate streaming and non-streaming requests for ~9 s. A is killed at 1.5 s and
-    restarted at 3.5 s; B is killed at 5 s and restarted at 7 s.
+    alternate streaming and non-streaming requests for ~7.5 s. A is killed at 1 s and
+    restarted at 3 s; B is killed at 4.5 s and restarted at 6.5 s.
 
     * Every request gets exactly one answer, and it is well-formed: a non-stream is a 200
       ``chat.completion`` with one choice (failover before any byte: never a 5xx while
@@ -100,17 +100,17 @@ def test_kill_restart_drill_every_request_one_well_formed_answer(sims, lc_gatewa
         sim[name].kill()
         kills.append((k, time.monotonic()))
 
-    at(1.5)
+    at(1.0)
     kill("A")
-    at(3.5)
+    at(3.0)
     sim["A"].restart()
     restarts.append(time.monotonic())
-    at(5.0)
+    at(4.5)
     kill("B")
-    at(7.0)
+    at(6.5)
     sim["B"].restart()
     restarts.append(time.monotonic())
-    at(9.0)
+    at(7.5)
     stop.set()
     for th in threads:
         th.join(30)
@@ -152,5 +152,5 @@ def test_kill_restart_drill_every_request_one_well_formed_answer(sims, lc_gatewa
     for name in ("a", "b"):
         wait_state(url, name, "warm", timeout=10)
         assert any(t["to"] == "unhealthy" for t in admin(url, name)["history"])
-    served_late = {o.served_by for o in outcomes if o.start > t0 + 5.0}
+    served_late = {o.served_by for o in outcomes if o.start > t0 + 4.5}
     assert "A" in served_late, served_late  # A is back in rotation after its restart
