@@ -85,10 +85,12 @@ def medium_cycles(gw: GatewayThread, backend: str) -> int:
     return int(c._value.get())
 
 
-# ---- 3 replicas, 3 backends, fast cycles, 2 minutes of load (12 s in the suite) -------------
+# ---- 3 replicas, 3 backends, fast cycles, 2 minutes of load (10 s in the suite) -------------
 
-LOAD_S = drill_s(120.0, 12.0)
-MEDIUM_EVERY_S = 15.0 if LOAD_S >= 60 else 6.0  # two cycles or more per backend in the load
+LOAD_S = drill_s(120.0, 10.0)
+# two cycles or more per backend in the load (in the suite's 10 s: cycles back to back, the
+# backends' second ones included, about 5 in all)
+MEDIUM_EVERY_S = 15.0 if LOAD_S >= 60 else 4.0
 
 def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_once_per_cycle(
         redis_server, sims, replicas):
@@ -99,7 +101,7 @@ def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_o
         "check_interval_s": 0.25,
         "drain_deadline_s": 5,
         "carry_utilization": 1.0,
-        "medium": {"every_s": MEDIUM_EVERY_S, "every_requests": 0, "cooldown_s": 2,
+        "medium": {"every_s": MEDIUM_EVERY_S, "every_requests": 0, "cooldown_s": 1.5,
                    "sleep": True},
     }
     # the default lease TTL (10 s): three gateways, three simulators and six clients share
@@ -201,7 +203,7 @@ def test_a_long_cycle_runs_its_restart_hook_once_for_the_fleet_and_every_replica
     a, b = sims("A"), sims("B")
     hook = tmp_path / "hook.txt"
     lifecycle = {
-        "max_unavailable": 1, "drain_deadline_s": 3, "restart_hold_s": 2,
+        "max_unavailable": 1, "drain_deadline_s": 3, "restart_hold_s": 1.5,
         "check_interval_s": 0.25, "long": {"every_s": LONG_EVERY_S},
         "medium": {"every_s": 0, "every_requests": 0},
         "restart_hook": {"command": ["sh", "-c", f"echo {{backend_id}} $(date +%s.%N) >> {hook}"]},
