@@ -100,7 +100,8 @@ def all_replicas(urls: list[str], pred: Callable[[str], bool], timeout: float) -
 
 def test_store_outage_and_freeze_under_load_fail_no_request(redis_server, sims, replicas):
     backends = [sims(n) for n in ("A", "B", "C")]
-    gws = replicas(3, {"a": backends[0].url, "b": backends[1].url, "c": backends[2].url})
+    gws = replicas(3, {"a": backends[0].url, "b": backends[1].url, "c": backends[2].url},
+                   coordination={"retry_interval_s": 0.3})  # a store back is tried soon
     urls = [g.url for g in gws]
     assert all_replicas(urls, lambda u: len(fleet_view(u)["replicas"]) == 3, 15)
     load = Load(urls)
@@ -128,7 +129,7 @@ def test_store_outage_and_freeze_under_load_fail_no_request(redis_server, sims, 
 
         assert all_replicas(urls, resumed, 20), [fleet_view(u) for u in urls]
         assert all(metric(u, "gateway_coordination_resyncs_total") >= 1 for u in urls)
-        time.sleep(1.5)
+        time.sleep(1.0)  # load through the resync
         # ---- frozen store (SIGSTOP) for a few seconds --------------------------------
         load.phase = "frozen"
         redis_server.pause()
