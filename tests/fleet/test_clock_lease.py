@@ -28,8 +28,9 @@ from tests.support.servers import GatewayThread, gateway_config
 from tests.thermal.conftest import THERMAL
 
 TOKEN = "agent-token"
-TTL_S = 3.0
-REVERT_S = 5.0  # the simulated agent's revert after no contact (60 s by default)
+TTL_S = 2.0
+REVERT_S = 4.0  # the simulated agent's revert after no contact (60 s by default): past the
+# hand-over's gap in contact (the lease TTL, then a sync round)
 CAP_MHZ = 0.7 * 1980  # the efficiency cap of an idle H100
 
 

@@ -85,10 +85,12 @@ def medium_cycles(gw: GatewayThread, backend: str) -> int:
     return int(c._value.get())
 
 
-# ---- 3 replicas, 3 backends, fast cycles, 2 minutes of load (30 s in the suite) -------------
+# ---- 3 replicas, 3 backends, fast cycles, 2 minutes of load (10 s in the suite) -------------
 
-LOAD_S = drill_s(120.0, 20.0)
-MEDIUM_EVERY_S = 15.0 if LOAD_S >= 60 else 10.0  # two cycles or more per backend in the load
+LOAD_S = drill_s(120.0, 10.0)
+# two cycles or more per backend in the load (in the suite's 10 s: cycles back to back, the
+# backends' second ones included, about 5 in all)
+MEDIUM_EVERY_S = 15.0 if LOAD_S >= 60 else 4.0
 
 def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_once_per_cycle(
         redis_server, sims, replicas):
@@ -99,7 +101,7 @@ def test_three_replicas_under_load_take_one_backend_out_at_a_time_and_reset_it_o
         "check_interval_s": 0.25,
         "drain_deadline_s": 5,
         "carry_utilization": 1.0,
-        "medium": {"every_s": MEDIUM_EVERY_S, "every_requests": 0, "cooldown_s": 2,
+        "medium": {"every_s": MEDIUM_EVERY_S, "every_requests": 0, "cooldown_s": 1.5,
                    "sleep": True},
     }
     # the default lease TTL (10 s): three gateways, three simulators and six clients share
@@ -194,13 +196,15 @@ async def _no_more_cycles(gw: GatewayThread) -> None:
 
 # ---- the long cycle: the restart hook once for the fleet ---------------------------------------
 
+LONG_EVERY_S = 4.0  # backend a's first cycle due after 2 s, b's after 4 s (spread over it)
+
 def test_a_long_cycle_runs_its_restart_hook_once_for_the_fleet_and_every_replica_follows(
         redis_server, sims, replicas, tmp_path):
     a, b = sims("A"), sims("B")
     hook = tmp_path / "hook.txt"
     lifecycle = {
-        "max_unavailable": 1, "drain_deadline_s": 3, "restart_hold_s": 2,
-        "check_interval_s": 0.25, "long": {"every_s": 8},
+        "max_unavailable": 1, "drain_deadline_s": 3, "restart_hold_s": 1.5,
+        "check_interval_s": 0.25, "long": {"every_s": LONG_EVERY_S},
         "medium": {"every_s": 0, "every_requests": 0},
         "restart_hook": {"command": ["sh", "-c", f"echo {{backend_id}} $(date +%s.%N) >> {hook}"]},
     }
@@ -221,7 +225,7 @@ def test_a_long_cycle_runs_its_restart_hook_once_for_the_fleet_and_every_replica
         started = sum(gw.gateway.metrics.cycles.labels(n, "long")._value.get() for gw in reps)
         assert lines().count(n) == started, (n, lines(), started)  # once per cycle, not per replica
         times = [t for m, t in runs() if m == n]
-        assert all(t2 - t1 >= 0.9 * 8 for t1, t2 in itertools.pairwise(times)), times
+        assert all(t2 - t1 >= 0.9 * LONG_EVERY_S for t1, t2 in itertools.pairwise(times)), times
         followed = sum(
             gw.gateway.metrics.transitions.labels(n, frm, "cold", "fleet_restarted")._value.get()
             for gw in reps for frm in ("draining", "cooldown"))
@@ -260,7 +264,7 @@ def test_a_holder_killed_mid_cycle_leaves_the_backend_back_in_rotation_within_tt
         redis_server, sims, replicas, tmp_path):
     a, b, c = sims("A"), sims("B"), sims("C")
     urls = {"a": a.url, "b": b.url, "c": c.url}
-    ttl, rest = 3.0, 5.0
+    ttl, rest = 3.0, 3.0
     lifecycle = {"max_unavailable": 1, "drain_deadline_s": 5,
                  "medium": {"every_s": 0, "every_requests": 0, "cooldown_s": rest, "sleep": True}}
     r1, r2 = replicas(2, urls, lifecycle=lifecycle, coordination=FAST_SYNC)
@@ -301,11 +305,13 @@ def test_a_holder_killed_mid_cycle_leaves_the_backend_back_in_rotation_within_tt
 
 # ---- the store restarted mid-cycle, then down --------------------------------------------------
 
+REST_S = 4.0  # the cooldown's rest: long enough to restart the store within it
+
 def test_store_restarted_mid_cycle_gets_the_lease_back_and_a_stopped_store_leaves_nothing_out(
         redis_server, sims, replicas):
     a, b = sims("A"), sims("B")
     lifecycle = {"max_unavailable": 1, "drain_deadline_s": 5,
-                 "medium": {"every_s": 0, "every_requests": 0, "cooldown_s": 6}}
+                 "medium": {"every_s": 0, "every_requests": 0, "cooldown_s": REST_S}}
     r1, r2 = replicas(2, {"a": a.url, "b": b.url}, lifecycle=lifecycle, coordination=FAST_SYNC)
     store = redis.Redis.from_url(redis_server.url, decode_responses=True)
     cycle_key = "llm-gateway:maint:cycle:a"
@@ -337,7 +343,7 @@ def test_store_restarted_mid_cycle_gets_the_lease_back_and_a_stopped_store_leave
     for gw in (r1, r2):
         assert chat(gw)  # requests keep flowing
     assert wait_for(lambda: state_of(r1, "b") == "warm" and state_of(r2, "b") == "warm", 12)
-    assert time.monotonic() - stopped <= 6 + 3 + 2
+    assert time.monotonic() - stopped <= REST_S + 3 + 2
     assert r1.gateway.coord.leases.held == {}
     # the store back: coordination resumes by itself (a new lease is taken and followed)
     redis_server.start()
