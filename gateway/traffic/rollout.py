@@ -23,13 +23,14 @@ the canary's answers to fixed prompts do not depend on its share):
 **A step is decided once.** Its comparison counts at the first look, once the step is due,
 in which every metric has its sample (none ``insufficient``): pass or fail, and that is the
 step's verdict (an ``inconclusive`` look decides nothing: the step looks again, on more
-samples, only while an effect over a gate is unproven). A metric that fails while another
-still waits for samples (ITL, which only streams give, or a load stratum not yet matched)
-is shown in ``/admin/rollouts`` but not acted on: re-testing a growing sample every
-``recheck_s`` and acting on the first significant look is optional stopping ("peeking"),
-whose false-positive rate exceeds the nominal alpha with every look (Armitage, McPherson &
-Rowe 1969; Johari et al. 2017, "Peeking at A/B tests"). Past ``max_step_s`` a failing
-metric is acted on whatever the others lack (the step is over). With
+samples, while an effect over a gate is unproven: each time on twice the canary's sample, at
+a share of the step's alpha that halves, :meth:`Thresholds.at_look`). A metric that fails
+while another still waits for samples (ITL, which only streams give, or a load stratum not
+yet matched) is shown in ``/admin/rollouts`` but not acted on: re-testing a growing sample
+every ``recheck_s`` and acting on the first significant look is optional stopping
+("peeking"), whose false-positive rate exceeds the nominal alpha with every look (Armitage,
+McPherson & Rowe 1969; Johari et al. 2017, "Peeking at A/B tests"). Past ``max_step_s`` a
+failing metric is acted on whatever the others lack (the step is over). With
 ``on_insufficient="hold"`` the looks go on past ``max_step_s`` on a growing window.
 
 Calibration is also checked on its own at every :meth:`tick`, due or not: once the canary
@@ -121,6 +122,8 @@ class Rollout:
         self._salt = f"{plan.model}\x00{plan.rollout_id}"
         self._holding = False
         self._last_check: float | None = None
+        self._decisive = 0  # the step's looks whose verdict counted (alpha spent)
+        self._decisive_n = 0  # canary requests at the last of them
         self._reference: Side | None = None
         self.prior: list[dict[str, object]] = []  # decisions before a resume (JSON)
         # the versions' routable capacity, set by the caller (None: unknown, never held)
@@ -221,8 +224,9 @@ class Rollout:
     def compare(self) -> Comparison:
         """The current window's comparison (the reference baseline window when this one's
         baseline served fewer than ``min_requests``: the last step), each test at
-        ``alpha / steps`` of the plan's thresholds (:meth:`Thresholds.per_step`)."""
-        th = self.plan.thresholds.per_step(len(self.plan.steps))
+        ``alpha / steps`` of the plan's thresholds (:meth:`Thresholds.per_step`), spent
+        over the step's decisive looks (:meth:`Thresholds.at_look`)."""
+        th = self.plan.thresholds.per_step(len(self.plan.steps)).at_look(self._decisive)
         base, can = self._baseline(), self._window["canary"]
         return combine([
             compare_calibration(self.probes, self.probe_failures, th),
@@ -275,11 +279,17 @@ class Rollout:
             return None
         if self._last_check is not None and now - self._last_check < p.recheck_s:
             return None
+        canary_n = self._window["canary"].requests
+        final = timed_out and not self._holding  # the first look past max_step_s
+        if self._decisive and canary_n < 2 * self._decisive_n and not final:
+            return None  # a later decisive look waits for twice the sample (at_look)
         self._last_check = now
         self.looks += 1
         cmp = self.compare()
         self.last_comparison = cmp
         complete = all(m.decision != "insufficient" for m in cmp.metrics)
+        if complete or timed_out:  # this look's verdict counts: its share of alpha is spent
+            self._decisive, self._decisive_n = self._decisive + 1, canary_n
         if cmp.decision == "fail" and (complete or timed_out):  # decided once (docstring)
             return self._roll_back(now, cmp.reason, cmp)
         passed = self._settled(cmp)
@@ -355,6 +365,7 @@ class Rollout:
         self.step_started_at = started_at
         self._holding = False
         self._last_check = None
+        self._decisive = self._decisive_n = 0
         self.held = self._held_cmp = None
         self._new_window()
 

@@ -177,6 +177,21 @@ class Thresholds:
         chance that the tests roll a good canary back at any step of its rollout."""
         return replace(self, alpha=self.alpha / steps)
 
+    def at_look(self, k: int) -> Thresholds:
+        """These (one step's) thresholds for the step's ``k``-th decisive look (0-based; a
+        look whose verdict is acted on): alpha spent over the looks so that their sum stays
+        within the step's alpha however many there are: 3/4 of it at the first look, then
+        ``1/4 x 2**-k`` at the ``k``-th later one (1/8, 1/16, ...: a convergent series, the
+        idea of alpha spending, Lan & DeMets 1983). A later look is taken only once the
+        canary's sample has doubled (:class:`gateway.traffic.rollout.Rollout`), so its
+        test has the power its smaller alpha asks for (z grows by about sqrt 2 a
+        doubling). Measured: re-testing an inconclusive step every ``recheck_s`` at the
+        full alpha rolled back 12 of 400 good canaries (``benchmarks/rollout.py --profile
+        e2e --runs 400``)."""
+        if k < 0:
+            raise ValueError(f"look index must be >= 0, got {k}")
+        return replace(self, alpha=self.alpha * (0.75 if k == 0 else 0.25 * 0.5**k))
+
     @property
     def alpha_each(self) -> float:
         """The per-test significance level: ``alpha / TESTS_COMPARED`` (Bonferroni)."""

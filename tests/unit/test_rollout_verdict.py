@@ -139,3 +139,34 @@ def test_a_good_canary_is_not_held_by_the_new_rule() -> None:
     feed(r, "canary", quantiles(24))
     rec = r.tick(10.0)
     assert rec is not None and rec.outcome == "pass", r.last_comparison
+
+
+def test_alpha_is_spent_over_a_steps_looks_within_the_steps_alpha() -> None:
+    """3/4 of a step's alpha at its first decisive look, then 1/8, 1/16, ...: however many
+    looks an inconclusive step takes, their levels sum to at most the step's alpha."""
+    th = TRIAL_TH.per_step(3)
+    levels = [th.at_look(k).alpha for k in range(60)]
+    assert levels[0] == pytest.approx(0.75 * th.alpha)
+    assert levels[1:4] == pytest.approx([th.alpha / 8, th.alpha / 16, th.alpha / 32])
+    assert sum(levels) <= th.alpha
+    with pytest.raises(ValueError, match="look index"):
+        th.at_look(-1)
+
+
+def test_an_inconclusive_step_looks_again_only_on_twice_the_sample() -> None:
+    r = Rollout(PLAN, 0.0, random.Random(1))
+    feed(r, "baseline", quantiles(400))
+    feed(r, "canary", quantiles(24, 1.25))
+    assert r.tick(10.0) is None and r.looks == 1  # inconclusive at 24 canary requests
+    first = r.last_comparison
+    assert first is not None and first.decision == "inconclusive"
+    ttft = next(m for m in first.metrics if m.metric == "ttft")
+    assert ttft.numbers["alpha"] == pytest.approx(0.75 * 0.01 / 9)
+    feed(r, "canary", quantiles(20, 1.25))  # 44 < 2 x 24: no look, no alpha spent
+    assert r.tick(20.0) is None and r.looks == 1
+    feed(r, "canary", quantiles(8, 1.25))  # 52: the second decisive look, at 1/8
+    r.tick(30.0)
+    assert r.looks == 2
+    assert r.last_comparison is not None
+    ttft = next(m for m in r.last_comparison.metrics if m.metric == "ttft")
+    assert ttft.numbers["alpha"] == pytest.approx(0.01 / 9 / 8)
