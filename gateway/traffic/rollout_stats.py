@@ -183,15 +183,19 @@ def compare_latency(
     return latency_verdict(metric, baseline, canary, p, th, numbers, "Mann-Whitney")
 
 
-def effect_verdict(significant: bool, over_gate: bool) -> Decision:
+def effect_verdict(significant: bool, over_gate: bool, leaning: bool = True) -> Decision:
     """The three-way rule of a metric whose sample is in (module docstring, "Three
     verdicts"): ``fail`` when the test is significant and the observed effect reaches the
-    gate, ``inconclusive`` when the effect reaches the gate but the test is not (yet)
-    significant (a non-inferiority gate passes only on evidence: FDA 2016 non-inferiority
-    guidance; Kohavi et al. 2020 on guardrail metrics), else ``pass``."""
+    gate, ``inconclusive`` when the effect reaches the gate and the test leans toward a
+    regression (``leaning``: p below ``Thresholds.lean_p``) but is not (yet) significant
+    (a non-inferiority gate passes only on evidence: FDA 2016 non-inferiority guidance;
+    Kohavi et al. 2020 on guardrail metrics), else ``pass`` (within the gate, or over it
+    with a test that does not lean: a percentile's noise)."""
     if not over_gate:
         return "pass"
-    return "fail" if significant else "inconclusive"
+    if significant:
+        return "fail"
+    return "inconclusive" if leaning else "pass"
 
 
 def latency_verdict(metric: str, baseline: Sequence[float], canary: Sequence[float],
@@ -211,7 +215,7 @@ def latency_verdict(metric: str, baseline: Sequence[float], canary: Sequence[flo
                     "p_value": p, "alpha": th.alpha_each})
     significant = p < th.alpha_each
     big = r50 >= 1.0 + th.p50_tolerance or r99 >= 1.0 + th.p99_tolerance
-    verdict = effect_verdict(significant, big)
+    verdict = effect_verdict(significant, big, p < th.lean_p)
     ratios = f"P50 x{r50:.3g}, P99 x{r99:.3g}"
     if verdict == "fail":
         return MetricResult(metric, "fail",
@@ -223,7 +227,8 @@ def latency_verdict(metric: str, baseline: Sequence[float], canary: Sequence[flo
                             f"(x{1 + th.p50_tolerance:.3g} / x{1 + th.p99_tolerance:.3g}), "
                             f"{test} p={p:.3g} not below {th.alpha_each:.3g} yet: more "
                             f"samples needed", numbers)
-    why = "not significant" if not significant else "below the tolerances"
+    why = ("below the tolerances" if significant else
+           f"over the gates by noise: p not below {th.lean_p:g}" if big else "not significant")
     return MetricResult(metric, "pass",
                         f"{metric}{qualifier}: {ratios}, p={p:.3g} ({why})", numbers)
 
@@ -258,7 +263,8 @@ def compare_errors(
         p = fisher_greater(canary_errors, canary_n, baseline_errors, baseline_n)
     numbers.update({"baseline_rate": rb, "canary_rate": rc, "difference": rc - rb,
                     "z": z, "p_value": p, "alpha": th.alpha_each})
-    verdict = effect_verdict(p < th.alpha_each, rc - rb >= th.error_rate_gate - 1e-12)
+    verdict = effect_verdict(p < th.alpha_each, rc - rb >= th.error_rate_gate - 1e-12,
+                             p < th.lean_p)
     rates = f"{rc:.2%} vs {rb:.2%}"
     if verdict == "fail":
         return MetricResult("error_rate", "fail",

@@ -44,6 +44,13 @@ class Thresholds:
     * ``error_rate_gate`` 0.005 (fraction of requests, 0.5 percentage points): a smaller
       excess is within the retries' and clients' normal error budget; with a significant
       test, +0.5 points on top of a 0.1 % baseline is already 6x the errors.
+    * ``lean_p`` 0.10 (one-sided p-value): an effect over its gate is ``inconclusive``
+      (the step waits for samples) only while its test leans toward a regression, p below
+      this; at p >= 0.10 the data are well within what no difference gives, and the
+      effect over the gate is the noise of a percentile (a P99 read off a few hundred
+      values moves by 20-30 %): it passes. Measured end to end: a good canary (ITL P50
+      x0.88, P99 x1.28, p = 0.32) was rolled back as inconclusive at ``max_step_s``; the
+      trial's slow canary (P50 x1.25, p = 0.056) still waits.
     * ``min_samples`` 30 (samples per side, each latency metric): the normal approximation
       of U is good past 20 per side (scipy's ``mannwhitneyu`` documentation); 30 for margin.
     * ``min_requests`` 100 (requests per side, error rate): the z-test's normal
@@ -63,6 +70,7 @@ class Thresholds:
     p50_tolerance: float = 0.10
     p99_tolerance: float = 0.20
     error_rate_gate: float = 0.005
+    lean_p: float = 0.10
     min_samples: int = 30
     min_requests: int = 100
     calibration_max_failures: float = 0.02
@@ -71,7 +79,7 @@ class Thresholds:
     cosine_threshold: float = 0.99
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "calibration_max_failures", "error_rate_gate",
+        for name in ("alpha", "calibration_max_failures", "error_rate_gate", "lean_p",
                      "overlap_threshold", "cosine_threshold"):
             v = getattr(self, name)
             if not (math.isfinite(v) and 0.0 <= v <= 1.0) or (name == "alpha" and v == 0):
