@@ -321,6 +321,8 @@ def test_every_admin_refusal_names_its_field_and_rollout_times_are_wall_clock(
             ({**base, "targeting": {"steps": 1}}, "targeting.steps"),
             ({**base, "targeting": {"steps": 9, "low_priority": True}}, "targeting.steps"),
             ({**base, "model": "nope"}, "model"),
+            ({**base, "gates": {"p99_tolerance": -1}}, "gates.p99_tolerance"),
+            ({**base, "gates": {"alpha": 2}}, "gates.alpha"),
         ):
             assert refused("/admin/rollouts", body)[0] == param, body
         assert "not a model version" in refused("/admin/rollouts", {**base, "canary": "***"})[1]
