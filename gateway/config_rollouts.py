@@ -118,17 +118,18 @@ class RolloutGates(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     p50_tolerance: float = Field(
-        0.10, ge=0, allow_inf_nan=False,
+        0.10, ge=0, allow_inf_nan=False, strict=True,
         description="allowed P50 slowdown of TTFT and ITL (0.10: x1.1)")
     p99_tolerance: float = Field(
-        0.20, ge=0, allow_inf_nan=False,
+        0.20, ge=0, allow_inf_nan=False, strict=True,
         description="allowed P99 slowdown of TTFT and ITL (0.20: x1.2)")
     error_rate_gate: float = Field(
-        0.005, ge=0, le=1, allow_inf_nan=False,
+        0.005, ge=0, le=1, allow_inf_nan=False, strict=True,
         description="allowed error-rate excess (fraction of requests: 0.005 = 0.5 points)")
     alpha: float = Field(
-        0.01, gt=0, le=1, allow_inf_nan=False,
-        description="false-rollback level of the whole rollout (split over steps and tests)")
+        0.01, gt=0, le=0.5, allow_inf_nan=False, strict=True,
+        description="false-rollback level of the whole rollout (split over steps and tests; "
+        "at most 0.5)")
 
 
 class RolloutConfig(BaseModel):

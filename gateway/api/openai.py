@@ -361,7 +361,7 @@ async def model_response(
     if rollouts is not None and ctx.version is not None:  # TTFT: the whole answer's time
         ttft = time.perf_counter() - opened.sent_at if answer.status < 400 else None
         rollouts.observe(ctx, opened.backend, answer.status >= 500, ttft, load=opened.load,
-                         prefill_load=opened.prefill_load)
+                         prefill_load=opened.prefill_load, streamed=False)
     return _render_answer(answer, idh, rid, ctx.ratelimit)
 
 

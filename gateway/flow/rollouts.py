@@ -205,14 +205,16 @@ class Rollouts:
 
     def observe(self, ctx: RequestContext, backend: Backend | None, error: bool,
                 ttft_s: float | None = None, itl_s: float | None = None,
-                load: int = 0, itl_load: int | None = None, prefill_load: int = 0) -> None:
+                load: int = 0, itl_load: int | None = None, prefill_load: int = 0,
+                streamed: bool = True) -> None:
         """A finished request that was assigned a version (``ctx.version``): observed on
         the version of ``backend``, the one that served it (None: none did, the assigned
         one), and counted as a fallback when that is not the assigned one (the share per
         version is ``gateway_requests_total``'s ``version`` label, counted at the edge).
         ``load`` / ``itl_load``: the backend's requests in flight the TTFT / the ITL met,
         ``prefill_load``: its requests before their first token at the send, this one
-        included (:meth:`gateway.traffic.rollout.Rollout.observe`)."""
+        included; ``streamed`` False: ``ttft_s`` is the whole answer's time
+        (:meth:`gateway.traffic.rollout.Rollout.observe`)."""
         run = self.runs.get(ctx.model)
         if run is None or ctx.version is None:
             return
@@ -229,7 +231,7 @@ class Rollouts:
             self.metrics.rollout_fallbacks.labels(ctx.model, ctx.version).inc()
             run.fallbacks[ctx.version] = run.fallbacks.get(ctx.version, 0) + 1
         run.rollout.observe(side, None if error else ttft_s, None if error else itl_s, error,
-                            load, itl_load, prefill_load)
+                            load, itl_load, prefill_load, streamed)
 
     def observe_failure(self, ctx: RequestContext, status: int) -> None:
         """A request with a version that ended without a backend's answer to relay as
@@ -281,8 +283,8 @@ class Rollouts:
             m.rollout_decisions.labels(model, rec.outcome, label).inc()
             level = logging.WARNING if rec.outcome in ("rolled_back", "hold") else logging.INFO
             log.log(level, "rollout %s of %s: step %d (canary %.0f%%) %s [%s]: %s; canary "
-                    "served %.2f%% of requests", r.plan.rollout_id, model, rec.step,
-                    rec.share * 100, rec.outcome, label, rec.reason,
+                    "served %.2f%% of the rollout's requests so far", r.plan.rollout_id,
+                    model, rec.step, rec.share * 100, rec.outcome, label, rec.reason,
                     r.canary_share_served * 100)
             if rec.outcome not in ("rolled_back", "promoted"):
                 continue

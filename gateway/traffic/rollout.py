@@ -122,8 +122,8 @@ class Rollout:
         self._salt = f"{plan.model}\x00{plan.rollout_id}"
         self._holding = False
         self._last_check: float | None = None
-        self._decisive = 0  # the step's looks whose verdict counted (alpha spent)
-        self._decisive_n = 0  # canary requests at the last of them
+        self.decisive_looks = 0  # this step's looks whose verdict counted (alpha spent)
+        self._decisive_at_n = 0  # canary requests at the last of them
         self._reference: Side | None = None
         self.prior: list[dict[str, object]] = []  # decisions before a resume (JSON)
         # the versions' routable capacity, set by the caller (None: unknown, never held)
@@ -183,12 +183,12 @@ class Rollout:
 
     def observe(self, version: Version, ttft_s: float | None, itl_s: float | None,
                 error: bool, load: int = 0, itl_load: int | None = None,
-                prefill_load: int = 0) -> None:
-        """One finished request of ``version``: its TTFT and mean ITL in seconds (None when
-        it has none: an error before the first token, a one-token answer), whether it
-        failed, and its backend's requests in flight when it was sent (``load``; 0:
-        unknown) and requests before their first token that its own met (``prefill_load``,
-        this one included; 0: unknown), whose stratum its TTFT is compared in
+                prefill_load: int = 0, streamed: bool = True) -> None:
+        """One finished request of ``version``: its TTFT (``streamed`` False: the whole
+        answer's time) and mean ITL in seconds (None when it has none), whether it failed,
+        and its backend's requests in flight when it was sent (``load``; 0: unknown) and
+        requests before their first token that its own met (``prefill_load``, this one
+        included; 0: unknown), whose stratum its TTFT is compared in
         (:func:`gateway.traffic.rollout_strata.ttft_stratum`); its ITL's stratum is
         ``itl_load`` (the load its decode met: the larger of ``load`` and the requests in
         flight when the stream ended; None: ``load``), since a prefill admitted while it
@@ -200,7 +200,7 @@ class Rollout:
         side.requests += 1
         side.errors += int(error)
         if ttft_s is not None and math.isfinite(ttft_s):
-            side.ttft.add(ttft_s, ttft_stratum(load, prefill_load))
+            side.ttft.add(ttft_s, ttft_stratum(load, prefill_load, streamed))
         if itl_s is not None and math.isfinite(itl_s):
             side.itl.add(itl_s, load_stratum(load if itl_load is None else itl_load))
 
@@ -226,7 +226,7 @@ class Rollout:
         baseline served fewer than ``min_requests``: the last step), each test at
         ``alpha / steps`` of the plan's thresholds (:meth:`Thresholds.per_step`), spent
         over the step's decisive looks (:meth:`Thresholds.at_look`)."""
-        th = self.plan.thresholds.per_step(len(self.plan.steps)).at_look(self._decisive)
+        th = self.plan.thresholds.per_step(len(self.plan.steps)).at_look(self.decisive_looks)
         base, can = self._baseline(), self._window["canary"]
         return combine([
             compare_calibration(self.probes, self.probe_failures, th),
@@ -281,7 +281,7 @@ class Rollout:
             return None
         canary_n = self._window["canary"].requests
         final = timed_out and not self._holding  # the first look past max_step_s
-        if self._decisive and canary_n < 2 * self._decisive_n and not final:
+        if self.decisive_looks and canary_n < 2 * self._decisive_at_n and not final:
             return None  # a later decisive look waits for twice the sample (at_look)
         self._last_check = now
         self.looks += 1
@@ -289,7 +289,7 @@ class Rollout:
         self.last_comparison = cmp
         complete = all(m.decision != "insufficient" for m in cmp.metrics)
         if complete or timed_out:  # this look's verdict counts: its share of alpha is spent
-            self._decisive, self._decisive_n = self._decisive + 1, canary_n
+            self.decisive_looks, self._decisive_at_n = self.decisive_looks + 1, canary_n
         if cmp.decision == "fail" and (complete or timed_out):  # decided once (docstring)
             return self._roll_back(now, cmp.reason, cmp)
         passed = self._settled(cmp)
@@ -365,7 +365,7 @@ class Rollout:
         self.step_started_at = started_at
         self._holding = False
         self._last_check = None
-        self._decisive = self._decisive_n = 0
+        self.decisive_looks = self._decisive_at_n = 0
         self.held = self._held_cmp = None
         self._new_window()
 

@@ -44,6 +44,8 @@ class Rollout(Protocol):
     @property
     def looks(self) -> int: ...
     @property
+    def decisive_looks(self) -> int: ...
+    @property
     def held(self) -> str | None: ...
     @property
     def capacity(self) -> PoolCapacity | None: ...
@@ -57,7 +59,8 @@ def snapshot(r: Rollout, now: float) -> dict[str, object]:
     """``/admin/rollouts``' view of rollout ``r`` (JSON-ready): model, versions, status,
     step and share, the step's age (seconds), requests served per version, the canary's
     share served (and before a rollback), calibration probes, the last comparison with
-    its numbers, the comparisons made so far (``looks``: a step acts on one), ``held``
+    its numbers, the comparisons made so far (``looks``; ``decisive_looks``: the current
+    step's looks whose verdict counted, each spending its share of alpha), ``held``
     (why a passed step waits for the next one's capacity, else None), ``capacity``
     (:meth:`gateway.traffic.rollout_capacity.PoolCapacity.to_json`, None: unknown) and
     the decision history with times."""
@@ -76,6 +79,7 @@ def snapshot(r: Rollout, now: float) -> dict[str, object]:
                         "measure": p.calibration},
         "comparison": r.last_comparison.to_json() if r.last_comparison else None,
         "looks": r.looks,
+        "decisive_looks": r.decisive_looks,
         "held": r.held if r.status == "running" else None,
         "capacity": r.capacity.to_json() if r.capacity else None,
         "history": [*(dict(h) for h in r.prior),
