@@ -36,10 +36,7 @@ def plan_of(cfg: RolloutConfig, rollout_id: str) -> RolloutPlan:
         thresholds=Thresholds(min_samples=cfg.min_samples, min_requests=cfg.min_requests,
                               min_calibration_probes=0 if cal.measure == "off"
                               else cal.min_probes,
-                              p50_tolerance=cfg.gates.p50_tolerance,
-                              p99_tolerance=cfg.gates.p99_tolerance,
-                              error_rate_gate=cfg.gates.error_rate_gate,
-                              alpha=cfg.gates.alpha),
+                              **cfg.gates.model_dump()),  # the gates' names are Thresholds'
         rollout_id=rollout_id, capacity_slack=cfg.capacity_slack,
     )
 
