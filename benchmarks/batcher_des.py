@@ -282,7 +282,8 @@ def simulate(
                                 tracker.release(now)
                         if sched is not None:
                             first = units_first.pop(uid)
-                            waiter = sched.release(now, now - granted.pop(first.rid, now))
+                            waiter = sched.release(now, now - granted.pop(first.rid, now),
+                                                   prio=Prio(first.prio))
                             if waiter is not None:
                                 granted[waiter.rid] = now  # type: ignore[attr-defined]
                                 b = fleet.least_loaded(list(range(backends)))

@@ -954,6 +954,14 @@ class ClockControlConfig(_Strict):
         description="a power limit, once set, stays set at least min_hold_intervals x "
         "interval_s before it may be released (no set/release flapping)",
     )
+    release_stable_intervals: int = Field(
+        5,
+        ge=0,
+        description="a power limit is released only once the domain's draw has read under "
+        "domain_low_ratio for release_stable_intervals x interval_s without a break (a "
+        "stabilization window on the way down: short dips of the load release nothing; 0: "
+        "at the first reading under it)",
+    )
     power_limit_ratio: float = Field(
         0.78,
         gt=0,

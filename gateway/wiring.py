@@ -345,12 +345,14 @@ def _share_capacity(
     batcher, to its places per backend."""
 
     def demand() -> tuple[int, int, int]:
-        """(queued high, in flight + queued normal, queued low): requests."""
+        """Requests held here by class, (high, normal, low): each class's requests in
+        flight plus those queued (the batcher's: all as normal)."""
         if batching is not None:
             return 0, sum(b.in_flight for b in fleet.backends) + batching.core.queued, 0
         sched = gate.scheduler
-        high, normal, low = (len(q) for q in sched.queues)
-        return high, sched.in_flight + normal, low
+        run_high, run_normal, run_low = sched.running
+        queued_high, queued_normal, queued_low = (len(q) for q in sched.queues)
+        return run_high + queued_high, run_normal + run_low + queued_normal, queued_low
 
     def per_backend(shares: dict[str, int]) -> None:
         assert batching is not None

@@ -13,7 +13,8 @@ request path.
 
 
 Key (prefix ``cap``): ``cap:demand``, a hash: replica id -> its report (JSON: ``d`` demand
-by class, smoothed: queued high, in flight plus queued normal, queued low; ``h`` requests
+by class, smoothed (high at once when it rises): each class's requests in flight plus
+queued, high, normal, low; ``h`` requests
 holding a scheduler slot; ``s`` the share it applied), as of its last round. Only the
 replicas the heartbeat lists as alive are counted (a dead replica's entry is ignored and
 dropped), so a replica that leaves gives its share back within
@@ -48,6 +49,40 @@ log = logging.getLogger("gateway.coord")
 # Writes its demand, drops entries of replicas not alive, returns the rest flat.
 DEMAND = LIVE_ENTRIES + "return out\n"
 
+# KEYS[1]: the demand hash. ARGV: this replica's id, its target share (slots), the capacity,
+# then the live replica ids. Grants min(target, capacity - what the other live replicas hold
+# or were granted: max(share, held) of each report), records it as this replica's share and
+# returns it. Redis runs one script at a time, so two replicas growing in the same round
+# cannot both take the same freed slots (they did when each clamped against the reports it
+# had read before the other's claim: the fleet's total then stayed over the capacity for as
+# long as the requests so admitted ran).
+CLAIM = """
+local me = ARGV[1]
+local target = tonumber(ARGV[2])
+local total = tonumber(ARGV[3])
+local live = {}
+for i = 4, #ARGV do live[ARGV[i]] = true end
+local others = 0
+local mine = nil
+local all = redis.call('HGETALL', KEYS[1])
+for j = 1, #all, 2 do
+  local ok, r = pcall(cjson.decode, all[j + 1])
+  if ok and type(r) == 'table' then
+    if all[j] == me then
+      mine = r
+    elseif live[all[j]] then
+      others = others + math.max(tonumber(r.s) or 0, tonumber(r.h) or 0)
+    end
+  end
+end
+local granted = math.max(0, math.min(target, total - others))
+if mine ~= nil then
+  mine.s = granted
+  redis.call('HSET', KEYS[1], me, cjson.encode(mine))
+end
+return granted
+"""
+
 
 # Weight of the newest demand reading in the smoothed demand (per sync round): about a
 # second of memory at the default 0.25 s round.
@@ -57,9 +92,9 @@ DEMAND_ALPHA = 0.3
 class CapacityShares:
     """This replica's share of the fleet's capacity, refreshed every sync round.
 
-    ``demand``: requests held here now by class, most urgent first (queued high; in flight
-    plus queued normal; queued low: :func:`gateway.traffic.shares.split_classes` meets a
-    class across the replicas before the next); ``held``: those holding a scheduler slot.
+    ``demand``: requests held here now by class, most urgent first (each class's requests
+    in flight plus queued, high, normal, low: :func:`gateway.traffic.shares.split_classes`
+    meets a class across the replicas before the next); ``held``: those holding a scheduler slot.
     ``total``: the slots one gateway allows in all (``AdmissionGate.fleet_capacity``; None:
     unbounded, nothing to split). ``backend_limit``: the places one gateway allows per
     backend. The flow's setters: ``set_total(share, smoothed target)`` and
@@ -94,6 +129,7 @@ class CapacityShares:
         self._demand: list[float] | None = None  # smoothed demand per class (requests)
         self._rate_slots: float | None = None  # smoothed target share (slots)
         self._script = link.client.register_script(DEMAND)
+        self._claim = link.client.register_script(CLAIM)
         if total is not None:
             metrics.capacity_share.set(total)
 
@@ -104,9 +140,13 @@ class CapacityShares:
         now = [float(x) for x in self.demand()]
         # smoothed over rounds (EWMA, DEMAND_ALPHA): a queue's round-to-round jitter would
         # otherwise move slots back and forth, and every move is a transient over the bound
+        # (the high class is taken as it is: its running requests make it a steady count,
+        # and slots it no longer uses go back to the other classes in the next round)
         old = self._demand
-        d = now if old is None else [o + DEMAND_ALPHA * (x - o) for o, x in zip(old, now,
-                                                                             strict=True)]
+        d = now if old is None else [
+            x if k == 0 else o + DEMAND_ALPHA * (x - o)
+            for k, (o, x) in enumerate(zip(old, now, strict=True))
+        ]
         self._demand = d
         mine = Report(tuple(round(x, 2) for x in d), self.held(), self.share)
         args: list[str | int] = [me, mine.dumps(), *self.replicas.ids()]
@@ -116,21 +156,36 @@ class CapacityShares:
         reports = {str(flat[i]): Report.loads(str(flat[i + 1])) for i in range(0, len(flat), 2)}
         reports[me] = mine
         self.reports = reports
-        self.apply()
+        target = None
+        granted = None
+        if self.total is not None:
+            target = split_classes(self.total, {r: rep.demand for r, rep in reports.items()})[me]
+            # grow only into slots the others do not hold: their share, or what they still
+            # run above a share that shrank, as the store has them now (one atomic claim)
+            total = self.total
+            claim_args: list[str | int] = [me, target, total, *reports]
+            raw = await self.link.call(
+                "capacity",
+                lambda c: self._claim([self.link.key("cap", "demand")], claim_args, client=c),
+            )
+            granted = int(raw)
+        self.apply(target, granted)
 
-    def apply(self) -> None:
-        """Compute and set the shares from :attr:`reports` (this replica's part of them)."""
+    def apply(self, target: int | None = None, granted: int | None = None) -> None:
+        """Set this replica's share: ``target``, its part of the split of :attr:`reports`
+        (computed here when None), as far as ``granted`` (slots the store's claim left it;
+        None: clamped here against the reports as read)."""
         me = self.link.replica_id
         demands = {r: rep.demand for r, rep in self.reports.items()}
         if self.total is not None:
-            target = split_classes(self.total, demands)[me]
-            # grow only into slots the others do not hold: their share, or what they still
-            # run above a share that shrank (as of their last round)
-            held = sum(
-                max(rep.share if rep.share is not None else 0, rep.held)
-                for r, rep in self.reports.items() if r != me
-            )
-            share = max(0, min(target, self.total - held))
+            if target is None:
+                target = split_classes(self.total, demands)[me]
+            if granted is None:
+                granted = self.total - sum(
+                    max(rep.share if rep.share is not None else 0, rep.held)
+                    for r, rep in self.reports.items() if r != me
+                )
+            share = max(0, min(target, granted))
             if share != self.share:
                 log.debug("capacity share %d of %d (target %d, %d replicas)", share,
                           self.total, target, len(demands))
@@ -153,8 +208,8 @@ class CapacityShares:
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """What one replica said in its last round: ``demand`` per class (requests: queued
-    high; in flight plus queued normal; queued low), ``held`` (requests holding one of the
+    """What one replica said in its last round: ``demand`` per class (requests in flight
+    plus queued: high, normal, low), ``held`` (requests holding one of the
     scheduler's slots) and ``share`` (the bound it applied; None before its first share)."""
 
     demand: tuple[float, ...]

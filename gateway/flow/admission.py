@@ -72,6 +72,16 @@ class Ticket:
     released: bool = False
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Waiter:
+    """A request queued for a slot: its class and the future its slot is handed through
+    (the scheduler keeps waiters opaque; a woken one that gave up meanwhile gives its slot
+    back in its own class)."""
+
+    prio: Prio
+    fut: asyncio.Future[None]
+
+
 class AdmissionGate:
     """One per app. ``clock``: monotonic seconds."""
 
@@ -169,12 +179,7 @@ class AdmissionGate:
             return
         now = self.clock()
         woken = sched.resize(capacity, now) if capacity is not None else sched.unbound(now)
-        for w in woken:
-            assert isinstance(w, asyncio.Future)
-            if w.done():  # gave up meanwhile: its slot goes back
-                self.release(Ticket(Prio.LOW))
-            else:
-                w.set_result(None)
+        self._wake(woken)
 
     # ---- helpers -------------------------------------------------------------------------
     def priority(self, header: bytes | None, key: ClientKey | None,
@@ -426,17 +431,18 @@ class AdmissionGate:
                     verdict,
                     request_id,
                 )
-            assert isinstance(evicted, asyncio.Future)
-            if not evicted.done():  # (one whose request just left has its place freed anyway)
-                evicted.set_exception(Evicted())
+            assert isinstance(evicted, Waiter)
+            if not evicted.fut.done():  # (one whose request just left has its place freed anyway)
+                evicted.fut.set_exception(Evicted())
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        sched.enqueue(prio, fut)
+        waiter = Waiter(prio, fut)
+        sched.enqueue(prio, waiter)
         started = now
         try:
             async with asyncio.timeout(self.cfg.admission.max_queue_wait_s):
                 await fut
         except TimeoutError:
-            sched.cancel(prio, fut)
+            sched.cancel(prio, waiter)
             raise self.refusal(
                 "scheduler",
                 prio,
@@ -462,7 +468,7 @@ class AdmissionGate:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release(Ticket(prio))  # the slot reached us as we were cancelled
             else:
-                sched.cancel(prio, fut)
+                sched.cancel(prio, waiter)
             raise
         granted = self.clock()
         self.metrics.queue_wait.labels(_PRIO_NAMES[prio]).observe(granted - started)
@@ -473,9 +479,9 @@ class AdmissionGate:
         now (it was never sent, so another instance can take it). Returns how many."""
         waiters = self.scheduler.take_all()
         for w in waiters:
-            assert isinstance(w, asyncio.Future)
-            if not w.done():
-                w.set_exception(ShuttingDown())
+            assert isinstance(w, Waiter)
+            if not w.fut.done():
+                w.fut.set_exception(ShuttingDown())
         return len(waiters)
 
     def release(self, ticket: Ticket | None) -> None:
@@ -485,13 +491,13 @@ class AdmissionGate:
         ticket.released = True
         now = self.clock()
         held = None if ticket.started is None else now - ticket.started
-        waiter = self.scheduler.release(now, held)
+        waiter = self.scheduler.release(now, held, prio=ticket.prio)
         if waiter is not None:
-            assert isinstance(waiter, asyncio.Future)
-            if waiter.done():  # gave up meanwhile: pass the slot on
-                self.release(Ticket(ticket.prio))
+            assert isinstance(waiter, Waiter)
+            if waiter.fut.done():  # gave up meanwhile: pass the slot on
+                self.release(Ticket(waiter.prio))
             else:
-                waiter.set_result(None)
+                waiter.fut.set_result(None)
 
     def set_capacity_share(self, slots: int, rate_slots: float | None = None) -> None:
         """Fleet mode: this replica may hold ``slots`` requests in flight (its share of the
@@ -511,12 +517,16 @@ class AdmissionGate:
         queue = self.cfg.admission.max_queued
         if self.fleet_capacity:  # the queue's share follows the capacity's
             queue = max(1, math.ceil(queue * min(1.0, steady / self.fleet_capacity)))
-        for w in sched.resize(slots, self.clock(), rate_slots, queue):
-            assert isinstance(w, asyncio.Future)
-            if w.done():  # gave up meanwhile: its slot goes back
-                self.release(Ticket(Prio.LOW))
+        self._wake(sched.resize(slots, self.clock(), rate_slots, queue))
+
+    def _wake(self, woken: list[object]) -> None:
+        """Waiters the scheduler gave a slot (counted as running in their class)."""
+        for w in woken:
+            assert isinstance(w, Waiter)
+            if w.fut.done():  # gave up meanwhile: its slot goes back
+                self.release(Ticket(w.prio))
             else:
-                w.set_result(None)
+                w.fut.set_result(None)
 
     # ---- degraded mode ----------------------------------------------------------------------
     def tick(self, p99_ttft_s: float | None) -> None:

@@ -56,7 +56,13 @@ highest reading reaches :data:`BINDING_SHARE` of its limits is still held by the
 demand, the limit hides, may have grown as load moved between backends) and is not
 released. A limit, once
 set, is held at least ``min_hold_intervals x interval_s`` (5 rounds) before it may be
-released.
+released, and the domain's draw must have read under ``domain_low_ratio`` (as above, with
+each controlled backend at its window's highest reading) for ``release_stable_intervals x
+interval_s`` (5 rounds) without a break: a stabilization window on the way down only, as the
+Kubernetes HorizontalPodAutoscaler's scale-down ``stabilizationWindowSeconds`` (setting
+acts within a window, releasing waits out a load's short dips; the CI drill of
+``tests/thermal/test_power_limits.py`` saw a limit released in a dip shorter than a second
+under a steady load).
 
 Everything takes time and readings as arguments (seconds, W); no I/O.
 """
@@ -117,6 +123,7 @@ class PowerLimitController:
         self._before_w: dict[str, float | None] = {}  # backend -> its draw then (W)
         self._domain_at: dict[str, float] = {}
         self._floor_since: dict[str, float] = {}
+        self._low_since: dict[str, float] = {}  # domain -> since when it reads under low
         # draws of the domains and backends over smooth_intervals x interval_s (W)
         self._draw = DrawWindow(cfg.smooth_intervals * cfg.interval_s)
 
@@ -199,6 +206,13 @@ class PowerLimitController:
             self._floor_since.pop(name, None)
         elif name not in self._floor_since:
             self._floor_since[name] = now
+        # under the low mark with every backend at its window's highest reading: a dip
+        # of one reading (a GPU read between two engine steps) releases nothing
+        settled_w = self._settled_w(members, draw_w)
+        if settled_w >= cfg.domain_low_ratio * dom.budget_w:
+            self._low_since.pop(name, None)
+        elif name not in self._low_since:
+            self._low_since[name] = now
         if now - self._domain_at.get(name, -1e18) < cfg.interval_s - _EPS:
             return []
         if over and floor and now - self._floor_since[name] >= cfg.interval_s - _EPS:
@@ -218,10 +232,10 @@ class PowerLimitController:
             if out:
                 self._domain_at[name] = now
             return out
-        settled_w = self._settled_w(members, draw_w)
-        if settled_w < cfg.domain_low_ratio * dom.budget_w:
-            # under the low mark with every backend at its window's highest reading: a dip
-            # of one reading (a GPU read between two engine steps) releases nothing
+        stable_s = cfg.release_stable_intervals * cfg.interval_s
+        if now - self._low_since.get(name, math.inf) >= stable_s - _EPS:
+            # ... and it has stayed there release_stable_intervals rounds: a dip of the load
+            # shorter than that (clients between two requests) releases nothing either
             high_w = cfg.domain_high_ratio * dom.budget_w
             held_since = now - cfg.min_hold_intervals * cfg.interval_s + _EPS
             limited = [

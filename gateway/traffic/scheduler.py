@@ -58,6 +58,9 @@ class Scheduler:
         self.max_queued = max_queued
         self.max_wait_s = max_wait_s
         self.in_flight = 0
+        # requests holding a slot, by class (high, normal, low): fleet mode reports them as
+        # each class's demand (gateway.coord.capacity)
+        self.running: list[int] = [0, 0, 0]
         self.queues: tuple[deque[object], ...] = (deque(), deque(), deque())
         self._rate_window_s = rate_window_s
         self._done: deque[float] = deque()  # finish times within the window
@@ -84,6 +87,7 @@ class Scheduler:
         over the bound, or the time for the queue to drain below this class's share."""
         if self.max_in_flight is None or (self.in_flight < self.max_in_flight and self.queued == 0):
             self.in_flight += 1
+            self.running[prio] += 1
             self._granted(prio, now)
             return SchedulerVerdict("run")
         if self.max_wait_s is not None and self.service_rate(now) > 0:
@@ -190,10 +194,10 @@ class Scheduler:
             done.popleft()
         return len(done) / self._rate_window_s
 
-    def release(self, now: float, held_s: float | None = None) -> object | None:
-        """One request finished after holding its slot ``held_s`` seconds: count it for the
-        service rate and hand its slot to the next waiter (returned, already counted as
-        running), if any."""
+    def release(self, now: float, held_s: float | None = None, *, prio: Prio) -> object | None:
+        """One request of class ``prio`` finished after holding its slot ``held_s`` seconds:
+        count it for the service rate and hand its slot to the next waiter (returned,
+        already counted as running in its own class), if any."""
         if held_s is not None and held_s >= 0:
             a = self._alpha
             self.service_s = held_s if self.service_s is None else (
@@ -202,11 +206,13 @@ class Scheduler:
         self._done.append(now)
         if len(self._done) > 4096:
             self.service_rate(now)
+        self.running[prio] = max(0, self.running[prio] - 1)
         # (a bound lowered by resize below the requests running: the slot is not passed on)
         if self.max_in_flight is None or self.in_flight <= self.max_in_flight:
             for p, q in enumerate(self.queues):
                 if q:
                     self._granted(Prio(p), now)
+                    self.running[p] += 1
                     return q.popleft()  # the slot passes on: in_flight unchanged
         self.in_flight -= 1
         return None
@@ -238,6 +244,7 @@ class Scheduler:
         for p, q in enumerate(self.queues):
             while q and self.in_flight < max_in_flight:
                 self.in_flight += 1
+                self.running[p] += 1
                 self._granted(Prio(p), now)
                 woken.append(q.popleft())
         return woken
@@ -252,6 +259,7 @@ class Scheduler:
         for p, q in enumerate(self.queues):
             while q:
                 self.in_flight += 1
+                self.running[p] += 1
                 self._granted(Prio(p), now)
                 woken.append(q.popleft())
         return woken

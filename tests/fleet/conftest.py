@@ -4,12 +4,18 @@ replicas (each the real app under uvicorn, in its own thread and loop) sharing t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import yaml
 
 from tests.lifecycle.support import Sim
+from tests.support.gateway_process import ServeProcess
 from tests.support.servers import GatewayThread, gateway_config
+from tests.support.sim_process import SimProcess
+from tests.support.vllm import free_port
 
 
 @pytest.fixture
@@ -19,6 +25,23 @@ def sims() -> Iterator[Callable[..., Sim]]:
 
     def make(name: str, itl_s: float = 0.01, **config: Any) -> Sim:
         s = Sim(name, itl_s, **config)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+@pytest.fixture
+def sim_processes() -> Iterator[Callable[..., SimProcess]]:
+    """Factory ``sim_processes(name, itl_s=0.01, **SimConfig fields)`` of simulators each in
+    a process of its own (:mod:`tests.support.sim_process`: the drills that would saturate
+    one interpreter)."""
+    made: list[SimProcess] = []
+
+    def make(name: str, itl_s: float = 0.01, **config: Any) -> SimProcess:
+        s = SimProcess(name, itl_s, **config)
         made.append(s)
         return s
 
@@ -66,3 +89,49 @@ def replicas(redis_server: Any) -> Iterator[Callable[..., list[GatewayThread]]]:
     yield make
     for gw in made:
         gw.stop()
+
+
+@pytest.fixture
+def replica_processes(redis_server: Any, tmp_path: Path
+                      ) -> Iterator[Callable[..., list[ServeProcess]]]:
+    """Factory ``replica_processes(n, {"a": url, ...}, backend=None, **sections)`` -> ``n``
+    gateway replicas, each ``llm-gateway serve`` in a process of its own (ids ``r1``..``rn``,
+    the config :func:`replicas` would give them, written to ``tmp_path``), started together
+    and each with every backend routable: the drills whose replicas, simulators and clients
+    would otherwise share one interpreter (:mod:`tests.support.sim_process`)."""
+    made: list[ServeProcess] = []
+
+    def make(n: int, urls: dict[str, str], backend: dict[str, Any] | None = None,
+             **sections: Any) -> list[ServeProcess]:
+        coord = dict(sections.pop("coordination", {}))
+        out = []
+        for i in range(1, n + 1):
+            c = {"redis_url": redis_server.url, "replica_id": f"r{i}", "sync_interval_s": 0.1,
+                 "op_timeout_s": OP_TIMEOUT_S, **coord}
+            port = free_port()
+            server = {**sections.get("server", {}), "port": port}
+            cfg = gateway_config([{"id": k, "url": u, **(backend or {})} for k, u in urls.items()],
+                                 coordination=c, **{**sections, "server": server})
+            path = tmp_path / f"r{i}.yaml"
+            path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+            gw = ServeProcess(path, port, tmp_path / f"r{i}.log", tmp_path)
+            made.append(gw)
+            out.append(gw)
+        for gw in out:
+            gw.wait_ready(timeout=60)
+            wait_routable(gw.url, len(urls))
+        return out
+
+    yield make
+    for gw in made:
+        gw.stop()
+
+
+def wait_routable(url: str, want: int, timeout: float = 30.0) -> None:
+    """Until the gateway at ``url`` routes to ``want`` backends (``/ready/fleet``)."""
+    from tests.support.scripted import wait_for
+
+    def routable() -> bool:
+        return len(httpx.get(url + "/ready/fleet", timeout=5).json()["routable"]) >= want
+
+    assert wait_for(routable, timeout), httpx.get(url + "/ready/fleet", timeout=5).text

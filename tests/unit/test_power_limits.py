@@ -14,11 +14,12 @@ from gateway.routing.clocks import ClockController, GpuView
 from gateway.routing.power_limits import LimitView, PowerLimitController
 from gateway.routing.thermal import DomainStatus
 
-# One sample per decision, no minimum hold: the tests of the split, the order and the
-# marks; the window and the hold (the defaults) have their own tests below.
+# One sample per decision, no minimum hold, no stabilization window: the tests of the split,
+# the order and the marks; the window, the hold and the stabilization window (the defaults)
+# have their own tests below.
 CFG = ClockControlConfig(
     enabled=True, interval_s=2.0, step_ratio=0.25, floor_ratio=0.5, efficient_after_s=0.0,
-    smooth_intervals=1, min_hold_intervals=1,
+    smooth_intervals=1, min_hold_intervals=1, release_stable_intervals=0,
 )
 
 
@@ -196,8 +197,8 @@ def test_a_noisy_draw_around_the_release_mark_does_not_flap(seed: int) -> None:
 def test_a_limit_is_held_its_minimum_time_even_when_the_load_vanishes() -> None:
     """Limits set at t=1 (the floor held an interval); the load gone at once (100 W):
     nothing is released before min_hold_intervals x interval_s (5 s), then one backend per
-    interval."""
-    p = PowerLimitController(SMOOTH)
+    interval (no stabilization window here: its own test follows)."""
+    p = PowerLimitController(SMOOTH.model_copy(update={"release_stable_intervals": 0}))
     hot = [view("a", 400.0), view("b", 400.0)]
     for t in (0.0, 1.0):
         ch = p.decide(t, hot, rack(800.0, budget=700.0), {"rack": True})
@@ -208,6 +209,28 @@ def test_a_limit_is_held_its_minimum_time_even_when_the_load_vanishes() -> None:
         ch = p.decide(float(t), cold, rack(100.0, budget=700.0), {"rack": True})
         released += [(t, c.backend_id) for c in ch if c.reason == "release"]
     assert released == [(6, "a"), (7, "b")]
+
+
+def test_a_dip_shorter_than_the_stabilization_window_releases_nothing() -> None:
+    """Limits set at t=1 and held their minimum time; the load then dips for 4 s (every
+    reading at 100 W: under the low mark with room for either backend's old draw), comes
+    back, and only a fall that lasts release_stable_intervals x interval_s (5 s) releases a
+    limit: at the fifth second of it, then one backend per interval."""
+    p = PowerLimitController(SMOOTH)
+    hot = [view("a", 400.0), view("b", 400.0)]
+    for t in (0.0, 1.0):
+        ch = p.decide(t, hot, rack(800.0, budget=700.0), {"rack": True})
+    assert [c.reason for c in ch] == ["power", "power"]
+    bound = [view("a", 273.0), view("b", 273.0)]  # at its limits (78% of 700 W: 273 W)
+    cold = [view("a", 50.0), view("b", 50.0)]
+    released = []
+    for t in range(2, 40):
+        dip = 10 <= t < 14 or t >= 20
+        views, draw = (cold, 100.0) if dip else (bound, 546.0)
+        ch = p.decide(float(t), views, rack(draw, budget=700.0), {"rack": True})
+        released += [(t, c.backend_id) for c in ch if c.reason == "release"]
+    # the window (3 s) keeps the peak of the load for 2 more rounds: it reads low from t=22
+    assert released == [(27, "a"), (28, "b")]
 
 
 def test_the_draw_before_a_limit_is_the_windows_highest() -> None:

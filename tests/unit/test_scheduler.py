@@ -19,11 +19,15 @@ def test_scheduler_runs_until_full_then_queues_in_priority_order():
                        ("low2", Prio.LOW)]:
         assert s.offer(prio, 0).action == "queue"
         s.enqueue(prio, name)
-    order = [s.release(1.0) for _ in range(4)]
+    assert s.running == [0, 0, 2]
+    order = [s.release(1.0, prio=Prio.LOW) for _ in range(2)]
+    assert s.running == [1, 1, 0], "each slot handed on is counted in its new class"
+    order += [s.release(1.0, prio=Prio.HIGH), s.release(1.0, prio=Prio.NORMAL)]
     assert order == ["high", "norm", "low1", "low2"]
     assert s.in_flight == 2, "each release handed its slot on"
-    assert s.release(2.0) is None and s.release(2.0) is None
-    assert s.in_flight == 0
+    assert s.running == [0, 0, 2]
+    assert s.release(2.0, prio=Prio.LOW) is None and s.release(2.0, prio=Prio.LOW) is None
+    assert s.in_flight == 0 and s.running == [0, 0, 0]
 
 
 def test_scheduler_sheds_low_first_when_queue_fills():
@@ -47,7 +51,7 @@ def test_scheduler_retry_after_from_queue_over_service_rate():
     s.offer(Prio.NORMAL, 0)
     for _ in range(20):  # 2 requests/s finished over the window
         s.enqueue(Prio.NORMAL, object())
-        s.release(5.0)
+        s.release(5.0, prio=Prio.NORMAL)
     for i in range(9):
         s.enqueue(Prio.NORMAL, i)
     # 9 ahead + itself = 10 requests at 2/s -> 5 s
@@ -64,10 +68,10 @@ def test_service_rate_from_slot_hold_time_ignores_idle_periods():
     s = Scheduler(max_in_flight=4, max_queued=10, service_alpha=0.5)
     for _ in range(4):
         s.offer(Prio.NORMAL, 0.0)
-    s.release(1.0, held_s=2.0)
+    s.release(1.0, held_s=2.0, prio=Prio.NORMAL)
     assert s.service_rate(1.0) == pytest.approx(2.0)  # 4 slots / 2 s
     assert s.service_rate(500.0) == pytest.approx(2.0), "an idle hour does not slow it"
-    s.release(501.0, held_s=1.0)
+    s.release(501.0, held_s=1.0, prio=Prio.NORMAL)
     assert s.service_s == pytest.approx(1.5)
 
 
@@ -79,7 +83,7 @@ def test_predicted_wait_over_bound_is_refused_at_once_with_that_wait():
     s = Scheduler(max_in_flight=2, max_queued=100, max_wait_s=3.0)
     s.offer(Prio.NORMAL, 0.0)
     s.offer(Prio.NORMAL, 0.0)
-    s.release(0.0, held_s=1.0)  # 2 slots / 1 s = 2 requests/s
+    s.release(0.0, held_s=1.0, prio=Prio.NORMAL)  # 2 slots / 1 s = 2 requests/s
     s.offer(Prio.NORMAL, 0.0)
     for i in range(6):
         s.enqueue(Prio.NORMAL, i)
@@ -98,10 +102,10 @@ def test_higher_class_traffic_lengthens_a_lower_class_wait():
     they leave: (ahead + 1) / (mu - lambda_high); none left -> the 60 s cap."""
     s = Scheduler(max_in_flight=1, max_queued=100, rate_window_s=10.0)
     s.offer(Prio.HIGH, 0.0)
-    s.release(0.0, held_s=0.5)  # mu = 2/s
+    s.release(0.0, held_s=0.5, prio=Prio.HIGH)  # mu = 2/s
     for i in range(1, 10):  # one high request per second takes the slot
         assert s.offer(Prio.HIGH, float(i)).action == "run"
-        s.release(i + 0.5, held_s=0.5)
+        s.release(i + 0.5, held_s=0.5, prio=Prio.HIGH)
     assert s.rate_above(Prio.LOW, 9.5) == pytest.approx(1.0)  # 10 grants in the window
     assert s.rate_above(Prio.HIGH, 9.5) == 0.0
     s.offer(Prio.NORMAL, 9.6)  # holds the slot
@@ -112,6 +116,6 @@ def test_higher_class_traffic_lengthens_a_lower_class_wait():
     for i in range(20):  # high traffic now takes every slot the fleet has
         s.offer(Prio.HIGH, 9.7)
         s.enqueue(Prio.HIGH, i)
-        s.release(9.7, held_s=0.5)
+        s.release(9.7, held_s=0.5, prio=Prio.HIGH)
     assert s.predicted_wait(Prio.LOW, 9.8) == math.inf
     assert s.retry_after(Prio.LOW, 9.8) == 60.0

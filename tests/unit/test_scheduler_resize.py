@@ -14,9 +14,10 @@ def test_a_lower_bound_cuts_nothing_and_passes_no_slot_on_until_below_it():
     s.enqueue(Prio.HIGH, "w-high")
     assert s.resize(2, 0.0) == []
     assert s.in_flight == 4  # running requests keep their slots
-    assert s.release(1.0, 1.0) is None and s.in_flight == 3
-    assert s.release(1.0, 1.0) is None and s.in_flight == 2
-    assert s.release(1.0, 1.0) == "w-high" and s.in_flight == 2  # now below: passed on
+    assert s.release(1.0, 1.0, prio=Prio.NORMAL) is None and s.in_flight == 3
+    assert s.release(1.0, 1.0, prio=Prio.NORMAL) is None and s.in_flight == 2
+    assert s.release(1.0, 1.0, prio=Prio.NORMAL) == "w-high" and s.in_flight == 2  # passed on
+    assert s.running == [1, 1, 0]
 
 
 def test_a_higher_bound_wakes_waiters_most_urgent_first():
@@ -27,6 +28,7 @@ def test_a_higher_bound_wakes_waiters_most_urgent_first():
         s.enqueue(prio, w)
     assert s.resize(3, 0.0) == ["high", "normal"]
     assert s.in_flight == 3 and s.queued == 1
+    assert s.running == [1, 1, 1]  # the low one that ran, then the two woken
     assert s.capacity == 3
 
 
@@ -77,5 +79,5 @@ def test_unbound_wakes_every_waiter_and_then_runs_everything():
         assert s.offer(prio, 0.0).action == "queue"
         s.enqueue(prio, w)
     assert s.unbound(0.0) == ["high", "low"]
-    assert s.in_flight == 3 and s.queued == 0
+    assert s.in_flight == 3 and s.queued == 0 and s.running == [1, 1, 1]
     assert s.offer(Prio.LOW, 0.0).action == "run"
