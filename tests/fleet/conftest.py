@@ -1,5 +1,7 @@
 """Fixtures of the fleet-mode tests: a real Redis, simulated backends, and several gateway
-replicas (each the real app under uvicorn, in its own thread and loop) sharing that Redis."""
+replicas (each the real app under uvicorn, in its own thread and loop, or for the drills
+that would saturate one interpreter, `llm-gateway serve` in a process of its own) sharing
+that Redis."""
 
 from __future__ import annotations
 
@@ -18,19 +20,25 @@ from tests.support.sim_process import SimProcess
 from tests.support.vllm import free_port
 
 
-@pytest.fixture
-def sims() -> Iterator[Callable[..., Sim]]:
-    """Factory ``sims(name, itl_s=0.01, **SimConfig fields)`` of started simulators."""
-    made: list[Sim] = []
+def _started(kind: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """A factory ``make(name, itl_s=0.01, **SimConfig fields)`` of ``kind`` (a simulator
+    class), each stopped when the test ends."""
+    made: list[Any] = []
 
-    def make(name: str, itl_s: float = 0.01, **config: Any) -> Sim:
-        s = Sim(name, itl_s, **config)
+    def make(name: str, itl_s: float = 0.01, **config: Any) -> Any:
+        s = kind(name, itl_s, **config)
         made.append(s)
         return s
 
     yield make
     for s in made:
         s.stop()
+
+
+@pytest.fixture
+def sims() -> Iterator[Callable[..., Sim]]:
+    """Factory ``sims(name, itl_s=0.01, **SimConfig fields)`` of started simulators."""
+    yield from _started(Sim)
 
 
 @pytest.fixture
@@ -38,16 +46,7 @@ def sim_processes() -> Iterator[Callable[..., SimProcess]]:
     """Factory ``sim_processes(name, itl_s=0.01, **SimConfig fields)`` of simulators each in
     a process of its own (:mod:`tests.support.sim_process`: the drills that would saturate
     one interpreter)."""
-    made: list[SimProcess] = []
-
-    def make(name: str, itl_s: float = 0.01, **config: Any) -> SimProcess:
-        s = SimProcess(name, itl_s, **config)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.stop()
+    yield from _started(SimProcess)
 
 
 OP_TIMEOUT_S = 1.0
