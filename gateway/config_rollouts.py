@@ -66,6 +66,11 @@ def field_error(loc: tuple[str | int, ...], message: str, value: Any) -> Validat
         type=PydanticCustomError("value_error", message), loc=loc, input=value)])
 
 
+StrictShare = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+"""A step's canary share as given: a JSON or YAML number (``true`` or ``"0.5"`` is refused,
+not converted: a user's trial saw ``"min_step_requests": true`` start a rollout with 1)."""
+
+
 class RolloutTargeting(BaseModel):
     """Who may meet the canary during the first ``steps`` steps (0: everyone from the start):
     requests of the client keys named in ``client_keys`` (``auth.client_keys[].name``) and,
@@ -76,10 +81,10 @@ class RolloutTargeting(BaseModel):
 
     client_keys: list[str] = Field(
         default_factory=list, description="client key names (auth.client_keys[].name)")
-    low_priority: bool = Field(False, description="the low priority class")
+    low_priority: bool = Field(False, strict=True, description="the low priority class")
     steps: int = Field(
-        0, ge=0, description="how many of the first steps are targeted (0: none); the last "
-        "step is always for everyone")
+        0, ge=0, strict=True, description="how many of the first steps are targeted (0: "
+        "none); the last step is always for everyone")
 
 
 class RolloutCalibration(BaseModel):
@@ -98,10 +103,10 @@ class RolloutCalibration(BaseModel):
     measure: Literal["exact", "token_overlap", "cosine", "off"] = Field(
         "exact", description="how a canary answer is matched against the baseline's")
     interval_s: float = Field(
-        30.0, gt=0, description="seconds between probe rounds (each round: every prompt "
-        "once on one backend of each version)")
-    min_probes: int = Field(10, ge=1, description="canary probes needed before a step is "
-                            "compared (Thresholds.min_calibration_probes)")
+        30.0, gt=0, strict=True, allow_inf_nan=False, description="seconds between probe "
+        "rounds (each round: every prompt once on one backend of each version)")
+    min_probes: int = Field(10, ge=1, strict=True, description="canary probes needed before "
+                            "a step is compared (Thresholds.min_calibration_probes)")
 
 
 class RolloutGates(BaseModel):
@@ -159,31 +164,34 @@ class RolloutConfig(BaseModel):
     model: str = Field(min_length=1, description="the model name clients ask for")
     baseline: ModelVersion = Field(description="the model_version known to be good")
     canary: ModelVersion = Field(description="the model_version being rolled out")
-    steps: list[float] = Field(default_factory=lambda: list(DEFAULT_STEPS),
+    steps: list[StrictShare] = Field(default_factory=lambda: list(DEFAULT_STEPS),
                                description="canary shares per step, ending at 1.0")
-    min_step_s: float = Field(300.0, ge=0, description="seconds a step lasts at least")
-    min_step_requests: int = Field(100, ge=1,
+    min_step_s: float = Field(300.0, ge=0, strict=True, allow_inf_nan=False,
+                              description="seconds a step lasts at least")
+    min_step_requests: int = Field(100, ge=1, strict=True,
                                    description="canary requests a step needs at least")
-    max_step_s: float = Field(3600.0, gt=0, description="seconds after which a step still "
-                              "insufficient is decided by on_insufficient")
+    max_step_s: float = Field(3600.0, gt=0, strict=True, allow_inf_nan=False,
+                              description="seconds after which a step still insufficient "
+                              "is decided by on_insufficient")
     on_insufficient: Literal["rollback", "hold"] = Field(
         "rollback", description="what a step still insufficient at max_step_s does")
-    recheck_s: float = Field(10.0, gt=0, description="seconds between comparisons of a "
-                             "step that is due but still insufficient")
+    recheck_s: float = Field(10.0, gt=0, strict=True, allow_inf_nan=False,
+                             description="seconds between comparisons of a step that is due "
+                             "but still insufficient")
     min_samples: int = Field(
-        30, ge=20, description="TTFT / ITL samples each version needs in a step's window "
-        "before they are compared (Thresholds.min_samples; at least 20, where the normal "
-        "approximation of the Mann-Whitney U statistic that the test uses holds: scipy's "
-        "mannwhitneyu documentation)")
+        30, ge=20, strict=True, description="TTFT / ITL samples each version needs in a "
+        "step's window before they are compared (Thresholds.min_samples; at least 20, "
+        "where the normal approximation of the Mann-Whitney U statistic that the test "
+        "uses holds: scipy's mannwhitneyu documentation)")
     min_requests: int = Field(
-        100, ge=20, description="requests each version needs in a step's window before the "
-        "error rates are compared (Thresholds.min_requests)")
+        100, ge=20, strict=True, description="requests each version needs in a step's "
+        "window before the error rates are compared (Thresholds.min_requests)")
     capacity_slack: float = Field(
-        1.25, ge=1, allow_inf_nan=False, description="how far above the model's mean load "
-        "per unit of capacity a step may run the canary's servers: a step of share s moves "
-        "on only when s <= capacity_slack x the canary's share of the two versions' "
-        "routable capacity (the last step: capacity_slack x the canary's capacity >= the "
-        "baseline's), else it holds (gateway.traffic.rollout_capacity)")
+        1.25, ge=1, allow_inf_nan=False, strict=True, description="how far above the "
+        "model's mean load per unit of capacity a step may run the canary's servers: a "
+        "step of share s moves on only when s <= capacity_slack x the canary's share of "
+        "the two versions' routable capacity (the last step: capacity_slack x the canary's "
+        "capacity >= the baseline's), else it holds (gateway.traffic.rollout_capacity)")
     targeting: RolloutTargeting = Field(default_factory=RolloutTargeting)
     calibration: RolloutCalibration = Field(default_factory=RolloutCalibration)
     gates: RolloutGates = Field(default_factory=RolloutGates)

@@ -130,8 +130,14 @@ async def abort_rollout(model: str, request: Request) -> JSONResponse:
     gw = _gateway(request)
     rollouts = _rollouts(gw)
     data = await _json(request)
-    reason = data.get("reason") if isinstance(data, dict) else None
-    text = "operator: aborted" + (f": {reason}" if isinstance(reason, str) and reason else "")
+    if data is not None and not isinstance(data, dict):
+        raise Refusal(400, 'The body must be a JSON object ({"reason": "..."}) or empty.',
+                      code="invalid_rollout")
+    reason = (data or {}).get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise Refusal(400, f"reason must be a string, not {type(reason).__name__}.",
+                      param="reason", code="invalid_rollout")
+    text = "operator: aborted" + (f": {reason}" if reason else "")
     if rollouts.abort(model, text) is None:
         _not_running(rollouts, model)
     view = next(v for v in _views(rollouts) if v["model"] == model)

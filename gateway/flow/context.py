@@ -65,6 +65,9 @@ class RequestContext:
     charge: Charge | None = None
     # ids of the backends this request's attempts went to (a continuation never goes back)
     tried: list[str] = field(default_factory=list)
+    # of those, the attempts that never reached their backend (no connection: nothing was
+    # sent), which proxy.max_attempts does not count (gateway.flow.pipeline)
+    unreached: int = 0
     # the model_version a canary rollout assigned it (gateway.flow.rollouts): only backends
     # of that version are its candidates, its retries' and continuations' too; None: any
     version: str | None = None

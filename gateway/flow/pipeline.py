@@ -124,7 +124,7 @@ class Pipeline:
             last = f
         except NoCandidate:
             raise self._give_up(ctx, None) from None
-        if not self._may_retry(last, len(tried), max_attempts):
+        if not self._may_retry(last, self._attempts(ctx), max_attempts):
             raise self._give_up(ctx, last)
         self.retrying += 1  # between attempts: a shutdown's grace period waits for it
         try:
@@ -141,10 +141,14 @@ class Pipeline:
             raise self._give_up(ctx, last)
 
         def may_retry(e: BaseException) -> bool:
-            return isinstance(e, UpstreamFailure) and self._may_retry(e, len(tried), max_attempts)
+            return isinstance(e, UpstreamFailure) and self._may_retry(
+                e, self._attempts(ctx), max_attempts)
 
+        # (an upper bound: may_retry and the candidates left end it, each retry within the
+        # retry budget; connect failures do not count toward max_attempts)
+        more = max_attempts - self._attempts(ctx) + len(self.fleet.backends)
         try:
-            async for attempt in self.retry.retrying(max_attempts - len(tried), may_retry):
+            async for attempt in self.retry.retrying(more, may_retry):
                 with attempt:
                     self.accounting.metrics.retries.labels(last.kind).inc()
                     try:
@@ -170,6 +174,17 @@ class Pipeline:
             return True
         self.accounting.metrics.retry_budget_exhausted.inc()
         return False
+
+    @staticmethod
+    def _attempts(ctx: RequestContext) -> int:
+        """The attempts of ``ctx`` that count toward ``proxy.max_attempts``: those that
+        reached a backend. One that found no connection sent nothing (a dead or restarting
+        server: connection refused, or no connection within ``proxy.connect_timeout_s``), so
+        trying another backend is always safe, as nginx's ``proxy_next_upstream error``
+        does: with 2 of 4 servers just killed and ``max_attempts`` 2, a new user's trial saw
+        requests whose two attempts both met a dead server answered 502 while 2 served.
+        Each retry still spends the retry budget, and a request tries each backend once."""
+        return len(ctx.tried) - ctx.unreached
 
     def _max_attempts(self, ctx: RequestContext) -> int:
         """Attempts ``ctx`` may take: one for a request pinned to its backend."""
@@ -205,7 +220,7 @@ class Pipeline:
         lease = ctx.lease
         # an attempt left: a hung backend's watchdog may cut this one to re-send it (one
         # without would only turn a wait into a 503)
-        resendable = ctx.model if len(tried) < self._max_attempts(ctx) else None
+        resendable = ctx.model if self._attempts(ctx) < self._max_attempts(ctx) else None
         lease.start_attempt(backend, ctx.cut, ctx.places, ctx.pooled_extra, now, resendable)
         try:
             opened = await send_attempt(
@@ -216,6 +231,8 @@ class Pipeline:
                 end_attempt(span, f.kind, f.status)
             if f.status is not None:  # it answered, with an error: alive
                 backend.heard(self.clock())
+            if f.kind == FailureKind.CONNECT:
+                ctx.unreached += 1
             self._failed(backend, f, ctx)
             raise
         except asyncio.CancelledError:

@@ -254,6 +254,10 @@ def test_admin_api_errors_and_abort(servers: Servers) -> None:
         assert httpx.post(url + "/m1/abort").status_code == 404
         r = httpx.post(url, json={"model": MODEL, "baseline": "v1", "canary": "v2"})
         assert r.status_code == 201 and r.json()["status"] == "running"
+        r = httpx.post(url + "/m1/abort", json={"reason": 5})  # a reason is text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reason", r.text
+        assert httpx.post(url + "/m1/abort", json=["pager"]).status_code == 400
+        assert rollouts(gw.url)[0]["status"] == "running"  # nothing changed
         r = httpx.post(url + "/m1/abort", json={"reason": "pager"})
         assert r.status_code == 200 and r.json()["status"] == "rolled_back"
         assert r.json()["history"][-1]["reason"] == "operator: aborted: pager"

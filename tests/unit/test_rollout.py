@@ -352,4 +352,4 @@ def test_itl_is_compared_at_the_load_its_decode_met() -> None:
     r.observe("canary", 0.2, 0.01, False, load=1, itl_load=4)  # arrivals stalled its decode
     r.observe("canary", 0.2, 0.01, False, load=2)
     side = r._window["canary"]
-    assert side.ttft.strata == [1, 2] and side.itl.strata == [3, 2]
+    assert side.ttft.strata == [1, 2] and side.itl.strata == [4, 2]

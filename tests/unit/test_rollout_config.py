@@ -62,6 +62,20 @@ def test_a_valid_rollout_with_its_defaults() -> None:
     ({"gates": {"p50_tolerance": True}}, "rollouts.0.gates.p50_tolerance"),
     ({"gates": {"p99_tolerance": "0.5"}}, "rollouts.0.gates.p99_tolerance"),
     ({"gates": {"p50": 0.2}}, "rollouts.0.gates.p50: unknown field"),
+    # numbers and flags as given, never converted (a trial's "min_step_requests": true
+    # started a rollout with 1), and finite (1e400 parses as inf: its own field named)
+    ({"min_step_requests": True}, "rollouts.0.min_step_requests"),
+    ({"min_step_requests": "30"}, "rollouts.0.min_step_requests"),
+    ({"steps": ["0.5", "1.0"]}, "rollouts.0.steps.0"),
+    ({"steps": [0.5, True]}, "rollouts.0.steps.1"),
+    ({"min_step_s": float("inf")}, "rollouts.0.min_step_s"),
+    ({"min_samples": 30.5}, "rollouts.0.min_samples"),
+    ({"min_requests": "100"}, "rollouts.0.min_requests"),
+    ({"recheck_s": "10"}, "rollouts.0.recheck_s"),
+    ({"capacity_slack": "2"}, "rollouts.0.capacity_slack"),
+    ({"calibration": {"min_probes": "5"}}, "rollouts.0.calibration.min_probes"),
+    ({"calibration": {"interval_s": float("nan")}}, "rollouts.0.calibration.interval_s"),
+    ({"targeting": {"low_priority": "yes", "steps": 1}}, "rollouts.0.targeting.low_priority"),
     ({"targeting": {"client_keys": ["nobody"], "steps": 1}},
      "rollouts.0.targeting.client_keys: ['nobody'] not in auth.client_keys"),
 ])
