@@ -33,10 +33,9 @@ McPherson & Rowe 1969; Johari et al. 2017, "Peeking at A/B tests"). Past ``max_s
 failing metric is acted on whatever the others lack (the step is over). With
 ``on_insufficient="hold"`` the looks go on past ``max_step_s`` on a growing window.
 
-Calibration is also checked on its own at every :meth:`tick`, due or not: once the canary
-has answered the minimum of probes and more than 2 % of them failed, the rollout is rolled
-back at once (wrong answers are not a regression to weigh against a sample size: a
-drifted canary would otherwise keep its share until ``min_step_requests``).
+Calibration is also checked on its own at every :meth:`tick`, due or not: past the minimum
+of probes, more than 2 % failing rolls back at once (wrong answers are not a regression to
+weigh against a sample size; a drifted canary would keep its share to ``min_step_requests``).
 
 **Capacity** (:mod:`gateway.traffic.rollout_capacity`): a step that passed moves on only
 when the next step fits the versions' capacity (``capacity``, set by the caller from the
@@ -45,8 +44,8 @@ passed (``held``: the reason; one ``hold`` record with ``cause="capacity"``), ke
 share, its calibration check and nothing else (the step was decided), and moves on at the
 first :meth:`Rollout.tick` at which the next step fits.
 
-At the last step (share 1.0) the baseline serves nothing; its side of the comparison is
-the previous step's baseline window (kept as the reference when a step passes).
+At the last step (share 1.0) the baseline serves nothing: its side is the previous step's
+window, latencies shown, not gated (:func:`gateway.traffic.rollout_stats.shown_not_gated`).
 
 **Assignment** (:meth:`Rollout.assign`): a request with a session key is hashed (BLAKE2b,
 salted with the model and the rollout id) to a point in [0, 1) and goes to the canary when
@@ -88,6 +87,7 @@ from gateway.traffic.rollout_stats import (
     combine,
     compare_calibration,
     compare_errors,
+    shown_not_gated,
 )
 from gateway.traffic.rollout_strata import (
     compare_latency_matched,
@@ -228,12 +228,12 @@ class Rollout:
         over the step's decisive looks (:meth:`Thresholds.at_look`)."""
         th = self.plan.thresholds.per_step(len(self.plan.steps)).at_look(self.decisive_looks)
         base, can = self._baseline(), self._window["canary"]
-        return combine([
-            compare_calibration(self.probes, self.probe_failures, th),
-            compare_latency_matched("ttft", base.ttft.pairs, can.ttft.pairs, th),
-            compare_latency_matched("itl", base.itl.pairs, can.itl.pairs, th, base.requests),
-            compare_errors(base.errors, base.requests, can.errors, can.requests, th),
-        ])
+        ttft = compare_latency_matched("ttft", base.ttft.pairs, can.ttft.pairs, th)
+        itl = compare_latency_matched("itl", base.itl.pairs, can.itl.pairs, th, base.requests)
+        if base is self._reference:  # the last step: shown, not gated (module docstring)
+            ttft, itl = shown_not_gated(ttft), shown_not_gated(itl)
+        return combine([compare_calibration(self.probes, self.probe_failures, th), ttft, itl,
+                        compare_errors(base.errors, base.requests, can.errors, can.requests, th)])
 
     def _baseline(self) -> Side:
         """The baseline side of the comparison: the window's, or the reference (the last

@@ -10,10 +10,9 @@ and rolled back a good one carrying twice the baseline's per-server load
 (``benchmarks/rollout_e2e.py``, a new user's trial).
 
 So each latency sample carries its **stratum**: the serving backend's requests in flight
-when the attempt was sent (this one included), exact up to 8, then in powers of two
-(:func:`load_stratum`: 1, 2, ..., 8, 9-16, ...; 0 when unknown); a TTFT's stratum also has
-its **prefill load** (:func:`ttft_stratum`, :func:`prefill_class`: exact to 4, then powers
-of two).
+when the attempt was sent (this one included), in powers of two (:func:`load_stratum`: 1,
+2, 3-4, 5-8, ...; 0 when unknown); a TTFT's stratum also has its **prefill load**
+(:func:`ttft_stratum`, :func:`prefill_class`: exact to 4, then powers of two).
 
 *Why a TTFT needs the prefill load.* In vLLM without chunked prefill a step runs every
 request's next token plus the whole prefill of every request it admits (the cost model of
@@ -81,24 +80,13 @@ from gateway.traffic.rollout_stats import (
 Pairs = tuple[Sequence[float], Sequence[int]]
 
 
-LOAD_EXACT = 8
-"""Requests in flight up to this are strata of their own (1, 2, ..., 8); above it, powers of
-two (9-16, 17-32, ...). A new user's trial (2 + 2 servers, 6 clients) saw a good canary
-rolled back at its 100 % step on TTFT P50 x1.15 (p = 2.4e-4) against the 50 % step's fixed
-baseline sample: at 100 % each canary server carried twice the requests the baseline's had,
-and within the shared stratum 3-4 the canary's samples sat at 4 where the baseline's sat at
-3, each of them one more request batched with it."""
-
-
 def load_stratum(in_flight: int) -> int:
     """The stratum of a sample taken at ``in_flight`` requests on its backend (this one
-    included): 0 when unknown (<= 0), the count itself up to :data:`LOAD_EXACT`, then
-    ``LOAD_EXACT + ceil(log2(in_flight)) - 3`` (9-16 -> 9, 17-32 -> 10, ...)."""
+    included): 0 when unknown (<= 0), else ``ceil(log2(in_flight)) + 1`` (1 -> 1, 2 -> 2,
+    3-4 -> 3, 5-8 -> 4, ...)."""
     if in_flight <= 0:
         return 0
-    if in_flight <= LOAD_EXACT:
-        return in_flight
-    return LOAD_EXACT + math.ceil(math.log2(in_flight)) - 3
+    return math.ceil(math.log2(in_flight)) + 1
 
 
 PREFILL_EXACT = 4
@@ -108,7 +96,7 @@ prefill to its TTFT, so at small counts one more is a large step (module docstri
 
 STRATA_BASE = 100
 """A combined stratum is ``prefill class x STRATA_BASE + load class`` (both classes are far
-below it: a load class is at most 37, for four billion requests)."""
+below it: a load class is ``ceil(log2(n)) + 1``, 33 for four billion requests)."""
 
 
 def prefill_class(prefill_load: int) -> int:

@@ -352,4 +352,34 @@ def test_itl_is_compared_at_the_load_its_decode_met() -> None:
     r.observe("canary", 0.2, 0.01, False, load=1, itl_load=4)  # arrivals stalled its decode
     r.observe("canary", 0.2, 0.01, False, load=2)
     side = r._window["canary"]
-    assert side.ttft.strata == [1, 2] and side.itl.strata == [4, 2]
+    assert side.ttft.strata == [1, 2] and side.itl.strata == [3, 2]
+
+
+def _through_first_step(plan: RolloutPlan, rng: random.Random) -> tuple[Rollout, float]:
+    r = Rollout(plan, 0.0, random.Random(3))
+    now = 0.0
+    while r.step == 0 and r.status == "running" and now < 600:
+        now = feed(r, rng, now, 1)
+    assert r.status == "running" and r.step == 1, r.history
+    return r, now
+
+
+def test_at_the_last_step_latencies_are_shown_not_gated_and_errors_still_are() -> None:
+    """At 100 % the baseline's side is the previous step's sample, taken at another load per
+    server: the canary, slower there (x1.5, its servers now carry everything), is promoted
+    with the comparison shown; a canary that errs there is still rolled back."""
+    plan = RolloutPlan("m", "v1", "v2", min_step_s=30.0, min_step_requests=100,
+                       steps=(0.5, 1.0))
+    r, now = _through_first_step(plan, random.Random(5))
+    rng = random.Random(6)
+    while r.status == "running" and now < 900:
+        now = feed(r, rng, now, 1, canary_factor=1.5)
+    assert r.status == "promoted", r.history
+    ttft = r.history[-1].comparison.metric("ttft")  # type: ignore[union-attr]
+    assert ttft.numbers["p50_ratio"] > 1.3 and "not gated" in ttft.reason
+
+    r, now = _through_first_step(plan, random.Random(5))
+    while r.status == "running" and now < 900:
+        now = feed(r, rng, now, 1, canary_errors=0.1)
+    assert r.status == "rolled_back" and r.step == 1
+    assert r.history[-1].reason.startswith("error"), r.history[-1].reason

@@ -30,8 +30,7 @@ def test_prefill_classes_are_exact_to_four_then_powers_of_two() -> None:
 def test_a_ttft_stratum_combines_prefill_and_in_flight_classes() -> None:
     assert ttft_stratum(6, 2) == 2 * STRATA_BASE + load_stratum(6)
     assert ttft_stratum(6, 3) != ttft_stratum(6, 2)  # same in-flight class, more prefills
-    assert ttft_stratum(9, 2) == ttft_stratum(16, 2)  # in flight 9-16: one class
-    assert ttft_stratum(3, 2) != ttft_stratum(4, 2)  # exact up to 8
+    assert ttft_stratum(5, 2) == ttft_stratum(8, 2)  # in flight 5-8: one class
     assert ttft_stratum(6) == load_stratum(6)  # prefill load unknown: the load's class
 
 
