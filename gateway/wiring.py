@@ -345,8 +345,10 @@ def _share_capacity(
     batcher, to its places per backend."""
 
     def demand() -> tuple[int, int, int]:
-        """Requests held here by class, (high, normal, low): each class's requests in
-        flight plus those queued (the batcher's: all as normal)."""
+        """Requests held here by class, (high, normal, low): high running and queued;
+        normal and low running plus normal queued; low queued (the batcher's: all as
+        normal). Running low requests count with normal: counted apart they moved slots
+        between replicas at every completion (measured: coord/capacity.py)."""
         if batching is not None:
             return 0, sum(b.in_flight for b in fleet.backends) + batching.core.queued, 0
         sched = gate.scheduler

@@ -13,8 +13,8 @@ request path.
 
 
 Key (prefix ``cap``): ``cap:demand``, a hash: replica id -> its report (JSON: ``d`` demand
-by class, smoothed (high at once when it rises): each class's requests in flight plus
-queued, high, normal, low; ``h`` requests
+by class: high running and queued, unsmoothed; normal and low running plus normal queued,
+and low queued, both smoothed; ``h`` requests
 holding a scheduler slot; ``s`` the share it applied), as of its last round. Only the
 replicas the heartbeat lists as alive are counted (a dead replica's entry is ignored and
 dropped), so a replica that leaves gives its share back within
@@ -92,9 +92,10 @@ DEMAND_ALPHA = 0.3
 class CapacityShares:
     """This replica's share of the fleet's capacity, refreshed every sync round.
 
-    ``demand``: requests held here now by class, most urgent first (each class's requests
-    in flight plus queued, high, normal, low: :func:`gateway.traffic.shares.split_classes`
-    meets a class across the replicas before the next); ``held``: those holding a scheduler slot.
+    ``demand``: requests held here now by class, most urgent first (high running and
+    queued; normal and low running plus normal queued; low queued:
+    :func:`gateway.traffic.shares.split_classes` meets a class across the replicas before
+    the next); ``held``: those holding a scheduler slot.
     ``total``: the slots one gateway allows in all (``AdmissionGate.fleet_capacity``; None:
     unbounded, nothing to split). ``backend_limit``: the places one gateway allows per
     backend. The flow's setters: ``set_total(share, smoothed target)`` and
@@ -208,9 +209,10 @@ class CapacityShares:
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """What one replica said in its last round: ``demand`` per class (requests in flight
-    plus queued: high, normal, low), ``held`` (requests holding one of the
-    scheduler's slots) and ``share`` (the bound it applied; None before its first share)."""
+    """What one replica said in its last round: ``demand`` per class (requests: high
+    running and queued; normal and low running plus normal queued; low queued), ``held``
+    (requests holding one of the scheduler's slots) and ``share`` (the bound it applied;
+    None before its first share)."""
 
     demand: tuple[float, ...]
     held: int

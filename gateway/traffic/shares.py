@@ -49,7 +49,8 @@ def split_classes(
     """Replica id -> its share of ``capacity`` (slots), priorities first.
 
     ``demands``: replica id -> its demand per class, most urgent first (requests; negative
-    counts as 0; e.g. each class's requests in flight plus queued, ``(high, normal, low)``). Every
+    counts as 0; e.g. ``(high running and queued, normal and low running plus normal queued,
+    low queued)``). Every
     replica gets at least ``floor``; the rest, ``capacity - n x floor``, goes to the
     classes in order: a class whose total demand fits gets it all, the first that does not
     fit gets what is left in proportion to its demands, and the classes after it nothing;
