@@ -192,7 +192,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
               f"{k.namespace or 'its own namespace'}")
     for b in cfg.backends:
         models = ", ".join(b.models) if b.models else "(discovered from /v1/models)"
-        print(f"  {b.id:<16} {redacted_url(b.base_url):<32} {b.role.value:<8} {models}")
+        version = f"  model_version {b.model_version}" if b.model_version else ""
+        print(f"  {b.id:<16} {redacted_url(b.base_url):<32} {b.role.value:<8} {models}{version}")
+    for r in cfg.rollouts:
+        print(f"  rollout of {r.model}: {r.baseline} -> {r.canary}, steps "
+              f"{', '.join(f'{x:g}' for x in r.steps)}")
     clocks = cfg.thermal.clocks  # the gateway would start, but cap no clocks: say so
     if cfg.thermal.enabled and clocks.enabled and not os.environ.get(clocks.agent_token_env):
         print(f"warning: thermal.clocks is enabled but {clocks.agent_token_env} "

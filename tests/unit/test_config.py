@@ -150,3 +150,23 @@ def test_check_config_warns_when_clocks_are_on_without_the_agent_token(
     monkeypatch.setenv("MY_AGENT_TOKEN", "t")
     assert main(["check-config", "-c", str(f)]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_check_config_prints_each_backends_model_version_and_the_rollouts(tmp_path, capsys):
+    """A new user's trial: ``check-config`` did not say which version each backend carries."""
+    from gateway.cli import main
+
+    f = tmp_path / "versions.yaml"
+    f.write_text(
+        "backends:\n"
+        "  - {id: a, url: 'http://127.0.0.1:9', models: [m1], model_version: v1}\n"
+        "  - {id: b, url: 'http://127.0.0.1:8', models: [m1], model_version: v2}\n"
+        "  - {id: c, url: 'http://127.0.0.1:7', models: [m2]}\n"
+        "rollouts: [{model: m1, baseline: v1, canary: v2, steps: [0.1, 0.5, 1.0]}]\n"
+    )
+    assert main(["check-config", "-c", str(f)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    by_id = {ln.split()[0]: ln for ln in lines[1:] if ln.startswith("  ") and "rollout" not in ln}
+    assert by_id["a"].endswith("model_version v1") and by_id["b"].endswith("model_version v2")
+    assert "model_version" not in by_id["c"]
+    assert "  rollout of m1: v1 -> v2, steps 0.1, 0.5, 1" in lines
