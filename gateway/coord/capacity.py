@@ -172,20 +172,13 @@ class CapacityShares:
             granted = int(raw)
         self.apply(target, granted)
 
-    def apply(self, target: int | None = None, granted: int | None = None) -> None:
-        """Set this replica's share: ``target``, its part of the split of :attr:`reports`
-        (computed here when None), as far as ``granted`` (slots the store's claim left it;
-        None: clamped here against the reports as read)."""
+    def apply(self, target: int | None, granted: int | None) -> None:
+        """Set this replica's share: ``target``, its part of the split of :attr:`reports`,
+        as far as ``granted`` (slots the store's claim left it); both None without a
+        capacity to split (:attr:`total` None): only the per-backend places are set."""
         me = self.link.replica_id
         demands = {r: rep.demand for r, rep in self.reports.items()}
-        if self.total is not None:
-            if target is None:
-                target = split_classes(self.total, demands)[me]
-            if granted is None:
-                granted = self.total - sum(
-                    max(rep.share if rep.share is not None else 0, rep.held)
-                    for r, rep in self.reports.items() if r != me
-                )
+        if self.total is not None and target is not None and granted is not None:
             share = max(0, min(target, granted))
             if share != self.share:
                 log.debug("capacity share %d of %d (target %d, %d replicas)", share,

@@ -57,9 +57,8 @@ class Scheduler:
         self.capacity = capacity if capacity is not None else max_in_flight
         self.max_queued = max_queued
         self.max_wait_s = max_wait_s
-        self.in_flight = 0
         # requests holding a slot, by class (high, normal, low): fleet mode reports them as
-        # each class's demand (gateway.coord.capacity)
+        # each class's demand (gateway.coord.capacity); in_flight is their sum
         self.running: list[int] = [0, 0, 0]
         self.queues: tuple[deque[object], ...] = (deque(), deque(), deque())
         self._rate_window_s = rate_window_s
@@ -69,6 +68,11 @@ class Scheduler:
         # times high and normal requests got a slot within the window: the capacity they
         # take before a lower class is served
         self._grants: tuple[deque[float], deque[float]] = (deque(), deque())
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding a slot (all classes)."""
+        return sum(self.running)
 
     @property
     def queued(self) -> int:
@@ -86,7 +90,6 @@ class Scheduler:
         same priority would be let in (not until it would be served): the predicted wait
         over the bound, or the time for the queue to drain below this class's share."""
         if self.max_in_flight is None or (self.in_flight < self.max_in_flight and self.queued == 0):
-            self.in_flight += 1
             self.running[prio] += 1
             self._granted(prio, now)
             return SchedulerVerdict("run")
@@ -208,13 +211,12 @@ class Scheduler:
             self.service_rate(now)
         self.running[prio] = max(0, self.running[prio] - 1)
         # (a bound lowered by resize below the requests running: the slot is not passed on)
-        if self.max_in_flight is None or self.in_flight <= self.max_in_flight:
+        if self.max_in_flight is None or self.in_flight < self.max_in_flight:
             for p, q in enumerate(self.queues):
                 if q:
                     self._granted(Prio(p), now)
                     self.running[p] += 1
                     return q.popleft()  # the slot passes on: in_flight unchanged
-        self.in_flight -= 1
         return None
 
     def resize(
@@ -243,7 +245,6 @@ class Scheduler:
         woken: list[object] = []
         for p, q in enumerate(self.queues):
             while q and self.in_flight < max_in_flight:
-                self.in_flight += 1
                 self.running[p] += 1
                 self._granted(Prio(p), now)
                 woken.append(q.popleft())
@@ -258,7 +259,6 @@ class Scheduler:
         woken: list[object] = []
         for p, q in enumerate(self.queues):
             while q:
-                self.in_flight += 1
                 self.running[p] += 1
                 self._granted(Prio(p), now)
                 woken.append(q.popleft())

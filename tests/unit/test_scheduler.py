@@ -116,6 +116,7 @@ def test_higher_class_traffic_lengthens_a_lower_class_wait():
     for i in range(20):  # high traffic now takes every slot the fleet has
         s.offer(Prio.HIGH, 9.7)
         s.enqueue(Prio.HIGH, i)
-        s.release(9.7, held_s=0.5, prio=Prio.HIGH)
+        # the slot's holder ends: the normal request first, then each high one woken
+        s.release(9.7, held_s=0.5, prio=Prio.NORMAL if i == 0 else Prio.HIGH)
     assert s.predicted_wait(Prio.LOW, 9.8) == math.inf
     assert s.retry_after(Prio.LOW, 9.8) == 60.0
